@@ -1,0 +1,116 @@
+"""Engine configuration: frozen, validated at construction, sent to every process.
+
+A config is never mutated after it is built. What the engine learns at run
+time (the number of KV blocks, the EOS ids, the context length) travels in
+``EngineInfo`` (see ``messages.py``), returned when the engine is ready.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Literal
+
+
+def _check(condition: bool, name: str, message: str) -> None:
+    if not condition:
+        raise ValueError(f"{name}: {message}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class FakeRunnerConfig:
+    """Behaviour of the torch-free fake runner (``EngineConfig.runner == "fake"``).
+
+    Tokens are deterministic: the token after ``t`` is ``(t * 31 + 7) % vocab_size``
+    (skipping the EOS id unless ``eos_every`` says otherwise). Faults are counted in
+    model steps executed by the worker since it started (the first step is 1).
+    """
+
+    vocab_size: int = 512
+    max_model_len: int = 2048
+    num_kv_blocks: int = 1024
+    eos_token_id: int = 2
+    eos_every: int = 0  # emit EOS as the n-th output token of every request (0: never)
+    step_delay_s: float = 0.0
+    load_delay_s: float = 0.0
+    hang_at_load: bool = False
+    die_at_step: int = 0  # os._exit(3) at that step (0: never)
+    raise_at_step: int = 0  # raise RuntimeError at that step
+    hang_at_step: int = 0  # block forever at that step
+    fault_rank: int = 0  # which worker rank the faults apply to
+
+    def __post_init__(self) -> None:
+        _check(self.vocab_size >= 4, "fake.vocab_size", "must be at least 4")
+        _check(self.max_model_len >= 2, "fake.max_model_len", "must be at least 2")
+        _check(self.num_kv_blocks >= 1, "fake.num_kv_blocks", "must be at least 1")
+        _check(0 <= self.eos_token_id < self.vocab_size, "fake.eos_token_id", "must be a token id")
+        for name in ("eos_every", "die_at_step", "raise_at_step", "hang_at_step", "fault_rank"):
+            _check(getattr(self, name) >= 0, f"fake.{name}", "must be >= 0")
+        _check(self.step_delay_s >= 0, "fake.step_delay_s", "must be >= 0")
+        _check(self.load_delay_s >= 0, "fake.load_delay_s", "must be >= 0")
+
+
+@dataclass(frozen=True, kw_only=True)
+class EngineConfig:
+    """Everything that shapes an engine, checked when it is built.
+
+    ``model`` is a local directory in Hugging Face layout (``config.json``,
+    weights, ``tokenizer.json``). With ``runner="fake"`` only the tokenizer and
+    ``config.json`` are read, and no torch is imported anywhere.
+    """
+
+    model: str
+    runner: Literal["hf", "fake"] = "hf"
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    seed: int = 0
+
+    # Paged KV cache.
+    block_size: int = 16
+    kv_cache_memory_bytes: int = 512 * 1024 * 1024
+    num_kv_blocks: int | None = None  # overrides the memory budget when set
+
+    # Continuous batching.
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    max_model_len: int | None = None  # default: the model's own context length
+
+    # Processes.
+    tensor_parallel_size: int = 1
+    torch_threads: int | None = None  # torch intra-op threads in each worker
+
+    # Deadlines and grace periods, in seconds.
+    startup_timeout_s: float = 30.0  # process spawn and handshake
+    model_load_timeout_s: float = 300.0  # worker ready, model loaded
+    shutdown_grace_s: float = 5.0  # asked to stop -> SIGTERM -> SIGKILL
+
+    fake: FakeRunnerConfig = field(default_factory=FakeRunnerConfig)
+
+    def __post_init__(self) -> None:
+        _check(isinstance(self.model, str) and self.model != "", "model", "must be a directory path")
+        _check(self.runner in ("hf", "fake"), "runner", "must be 'hf' or 'fake'")
+        _check(self.device in ("auto", "cpu", "cuda"), "device", "must be 'auto', 'cpu' or 'cuda'")
+        _check(
+            self.dtype in ("auto", "float32", "bfloat16", "float16"),
+            "dtype",
+            "must be 'auto', 'float32', 'bfloat16' or 'float16'",
+        )
+        _check(self.block_size in (1, 2, 4, 8, 16, 32, 64, 128), "block_size", "must be a power of two <= 128")
+        _check(self.kv_cache_memory_bytes > 0, "kv_cache_memory_bytes", "must be > 0")
+        _check(self.num_kv_blocks is None or self.num_kv_blocks >= 1, "num_kv_blocks", "must be >= 1")
+        _check(self.max_num_seqs >= 1, "max_num_seqs", "must be >= 1")
+        _check(self.max_num_batched_tokens >= 1, "max_num_batched_tokens", "must be >= 1")
+        _check(self.max_model_len is None or self.max_model_len >= 2, "max_model_len", "must be >= 2")
+        _check(self.tensor_parallel_size >= 1, "tensor_parallel_size", "must be >= 1")
+        _check(
+            self.runner == "fake" or self.tensor_parallel_size == 1,
+            "tensor_parallel_size",
+            "the transformers runner does not shard models yet; use 1",
+        )
+        _check(self.torch_threads is None or self.torch_threads >= 1, "torch_threads", "must be >= 1")
+        for name in ("startup_timeout_s", "model_load_timeout_s", "shutdown_grace_s"):
+            _check(getattr(self, name) > 0, name, "must be > 0")
+
+    def replace(self, **changes: object) -> EngineConfig:
+        """A copy with some fields changed (validated again)."""
+        return dataclasses.replace(self, **changes)

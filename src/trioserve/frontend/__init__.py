@@ -1,0 +1,1 @@
+"""The front-end: tokenization, routing to engine cores, detokenization."""

@@ -1,0 +1,1 @@
+"""Actors and process supervision: trio, no torch."""
