@@ -21,16 +21,18 @@ def _check(condition: bool, name: str, message: str) -> None:
 class FakeRunnerConfig:
     """Behaviour of the torch-free fake runner (``EngineConfig.runner == "fake"``).
 
-    Tokens are deterministic: the token after ``t`` is ``(t * 31 + 7) % vocab_size``
-    (skipping the EOS id unless ``eos_every`` says otherwise). Faults are counted in
-    model steps executed by the worker since it started (the first step is 1).
+    Tokens are deterministic: the token sampled after a sequence ending in ``t``
+    is ``(t * 31 + 7) % vocab_size``, moved past the EOS id, except that EOS is
+    sampled whenever the sequence length is a multiple of ``eos_every`` (when set).
+    Faults are counted in model steps executed by a worker since it started (the
+    first step is 1) and apply to worker ``fault_rank`` only.
     """
 
-    vocab_size: int = 512
+    vocab_size: int | None = None  # default: the model directory's config.json, else 512
     max_model_len: int = 2048
     num_kv_blocks: int = 1024
     eos_token_id: int = 2
-    eos_every: int = 0  # emit EOS as the n-th output token of every request (0: never)
+    eos_every: int = 0  # sample EOS when the sequence length is a multiple of this (0: never)
     step_delay_s: float = 0.0
     load_delay_s: float = 0.0
     hang_at_load: bool = False
@@ -40,10 +42,10 @@ class FakeRunnerConfig:
     fault_rank: int = 0  # which worker rank the faults apply to
 
     def __post_init__(self) -> None:
-        _check(self.vocab_size >= 4, "fake.vocab_size", "must be at least 4")
+        _check(self.vocab_size is None or self.vocab_size >= 4, "fake.vocab_size", "must be at least 4")
         _check(self.max_model_len >= 2, "fake.max_model_len", "must be at least 2")
         _check(self.num_kv_blocks >= 1, "fake.num_kv_blocks", "must be at least 1")
-        _check(0 <= self.eos_token_id < self.vocab_size, "fake.eos_token_id", "must be a token id")
+        _check(self.eos_token_id >= 0, "fake.eos_token_id", "must be a token id")
         for name in ("eos_every", "die_at_step", "raise_at_step", "hang_at_step", "fault_rank"):
             _check(getattr(self, name) >= 0, f"fake.{name}", "must be >= 0")
         _check(self.step_delay_s >= 0, "fake.step_delay_s", "must be >= 0")

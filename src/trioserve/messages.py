@@ -153,11 +153,7 @@ class GetStats(msgspec.Struct, tag=True):
     call_id: int
 
 
-class Shutdown(msgspec.Struct, tag=True):
-    pass
-
-
-EngineRequest = Union[AddRequest, AbortRequests, GetStats, Shutdown]
+EngineRequest = Union[AddRequest, AbortRequests, GetStats]
 
 
 # --- engine core -> front-end ----------------------------------------------
@@ -168,6 +164,7 @@ class TokenOutput(msgspec.Struct, array_like=True):
     new_token_ids: list[int]
     finish_reason: FinishReason | None = None
     new_logprobs: list[SampleLogprobs] | None = None
+    error: str | None = None  # with finish_reason "error": what went wrong
 
 
 class EngineOutputs(msgspec.Struct, tag=True):
@@ -256,10 +253,6 @@ class RunnerOutput(msgspec.Struct, tag=True):
     logprobs: list[SampleLogprobs | None] | None = None
 
 
-class WorkerShutdown(msgspec.Struct, tag=True):
-    pass
-
-
 class WorkerFailed(msgspec.Struct, tag=True):
     """A worker's last word: what went wrong, before it exits non-zero."""
 
@@ -267,5 +260,5 @@ class WorkerFailed(msgspec.Struct, tag=True):
     message: str
 
 
-ToWorker = Union[WorkerInit, InitKVCache, SchedulerOutput, WorkerShutdown]
+ToWorker = Union[WorkerInit, InitKVCache, SchedulerOutput]
 FromWorker = Union[WorkerLoaded, KVCacheReady, RunnerOutput, WorkerFailed]

@@ -1,0 +1,15 @@
+#!/usr/bin/env bash
+# Creates .venv and installs trioserve with its test dependencies.
+# torch goes in first, pinned to exactly 2.13.0 (any other version pulls
+# gigabytes of CUDA packages on a CPU machine); constraints.txt then holds it
+# and every other dependency at the tested versions. Safe to run again.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PYTHON="${PYTHON:-python3}"
+if [ ! -x .venv/bin/python ]; then
+    "$PYTHON" -m venv .venv
+fi
+.venv/bin/python -m pip install --quiet --disable-pip-version-check "torch==2.13.0"
+.venv/bin/python -m pip install --quiet --disable-pip-version-check -c constraints.txt -e ".[test]"
+.venv/bin/python -c "import torch, trioserve; assert torch.__version__.startswith('2.13.0'), torch.__version__"
+echo "trioserve is installed in .venv (torch $(.venv/bin/python -c 'import torch; print(torch.__version__)'))"

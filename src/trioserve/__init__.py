@@ -1,0 +1,32 @@
+"""trioserve: an LLM serving engine on Trio.
+
+Public names (the docs list the same; a test checks they agree)::
+
+    async with trioserve.open_engine(model="path/to/model") as engine:
+        async with engine.stream("Hello", SamplingParams(max_tokens=32)) as stream:
+            async for out in stream:
+                print(out.text, end="")
+"""
+
+from trioserve.api import Engine, RequestStream, open_engine
+from trioserve.config import EngineConfig, FakeRunnerConfig
+from trioserve.errors import EngineDeadError, EngineStartupError, RequestError, TrioserveError
+from trioserve.frontend.outputs import RequestOutput
+from trioserve.messages import EngineInfo, EngineStats, SamplingParams, SampleLogprobs
+
+__all__ = [
+    "Engine",
+    "EngineConfig",
+    "EngineDeadError",
+    "EngineInfo",
+    "EngineStartupError",
+    "EngineStats",
+    "FakeRunnerConfig",
+    "RequestError",
+    "RequestOutput",
+    "RequestStream",
+    "SampleLogprobs",
+    "SamplingParams",
+    "TrioserveError",
+    "open_engine",
+]

@@ -1,0 +1,107 @@
+"""One generation request as the engine core tracks it.
+
+Invariants:
+- ``all_token_ids == prompt_token_ids + output_token_ids``; the prompt never
+  changes, and output tokens are only ever appended.
+- ``0 <= num_computed_tokens <= num_tokens``: the first ``num_computed_tokens``
+  tokens have their keys and values in the KV cache (while RUNNING). After a
+  preemption it is 0 again: everything is recomputed.
+- ``finish_reason`` is set exactly when ``status`` is FINISHED, and a
+  finished request never changes again.
+
+Only the scheduler mutates a request; everyone else reads.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Sequence
+
+from trioserve.messages import FinishReason, SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = enum.auto()  # queued: new, or preempted and waiting to be recomputed
+    RUNNING = enum.auto()  # holds KV blocks; the workers hold its state
+    FINISHED = enum.auto()  # stopped, hit a length limit, or aborted
+
+
+class Request:
+    """A prompt, its sampling parameters, and what has been generated so far."""
+
+    def __init__(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        eos_token_ids: Sequence[int],
+    ) -> None:
+        self.request_id = request_id
+        self.prompt_token_ids = list(prompt_token_ids)
+        self.params = params
+        self.eos_token_ids = frozenset(eos_token_ids)
+        self.output_token_ids: list[int] = []
+        self.num_computed_tokens = 0
+        self.status = RequestStatus.WAITING
+        self.finish_reason: FinishReason | None = None
+        self._stop_token_ids = frozenset(params.stop_token_ids)
+
+    def __repr__(self) -> str:
+        return (
+            f"Request({self.request_id!r}, {self.status.name}, prompt={self.num_prompt_tokens}, "
+            f"output={self.num_output_tokens}, computed={self.num_computed_tokens})"
+        )
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        """Prompt then output tokens, as a new list."""
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is RequestStatus.FINISHED
+
+    def token_ids_from(self, start: int) -> list[int]:
+        """``all_token_ids[start:]``, without copying the whole sequence."""
+        prompt_len = len(self.prompt_token_ids)
+        if start >= prompt_len:
+            return self.output_token_ids[start - prompt_len :]
+        return self.prompt_token_ids[start:] + self.output_token_ids
+
+    def append_output_token(self, token_id: int) -> None:
+        self.output_token_ids.append(token_id)
+
+    def stop_reason(self, max_model_len: int) -> FinishReason | None:
+        """Why the request must stop after its last output token, or None.
+
+        Checked in order: EOS (unless ``ignore_eos``), a stop token id,
+        ``max_tokens`` output tokens, ``max_model_len`` tokens in all.
+        """
+        if not self.output_token_ids:
+            return None
+        last = self.output_token_ids[-1]
+        if last in self.eos_token_ids and not self.params.ignore_eos:
+            return "stop"
+        if last in self._stop_token_ids:
+            return "stop"
+        if self.num_output_tokens >= self.params.max_tokens:
+            return "length"
+        if self.num_tokens >= max_model_len:
+            return "length"
+        return None
+
+    def finish(self, reason: FinishReason) -> None:
+        self.status = RequestStatus.FINISHED
+        self.finish_reason = reason

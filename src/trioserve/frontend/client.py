@@ -1,0 +1,257 @@
+"""The front-end's side of one engine core: its process, sockets and requests.
+
+Task tree (inside the caller's ``trio.run``)::
+
+    EngineCoreClient.run
+    ├── engine-core process   supervised; its exit raises ProcessExited here
+    ├── input sender          bounded channel -> ZMQ PUSH (requests, aborts, stats calls)
+    └── output handler        ZMQ PULL -> detokenize -> each request's mailbox
+
+Every request has its own one-slot mailbox (``OutputCollector``), so a slow
+consumer never stalls the output handler. Submitting a request is atomic
+with respect to cancellation: it is registered and queued for the engine,
+or neither.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import os
+import sys
+from functools import partial
+from typing import Any
+
+import msgspec
+import trio
+import zmq
+
+from trioserve.config import EngineConfig
+from trioserve.errors import EngineDeadError, EngineStartupError, RequestError
+from trioserve.frontend.request_state import RequestState
+from trioserve.messages import (
+    AbortRequests,
+    EngineDead,
+    EngineInfo,
+    EngineOutputs,
+    EngineResponse,
+    EngineStats,
+    GetStats,
+    HandshakeInit,
+    HandshakeMessage,
+    Hello,
+    Ready,
+    StartupFailed,
+    StatsReply,
+)
+from trioserve.nurseries.engine_core import ENGINE_INDEX_ENV, HANDSHAKE_ADDRESS_ENV
+from trioserve.nurseries.process import ChildProcess, ProcessExited, supervise_process
+from trioserve.nurseries.zmq_trio import TrioZmqSocket, private_ipc_dir
+
+TO_ENGINE_SIZE = 1024  # messages queued for the input socket
+log = logging.getLogger("trioserve.client")
+_encode = msgspec.msgpack.Encoder().encode
+
+
+class EngineCoreClient:
+    def __init__(self, config: EngineConfig, engine_index: int = 0) -> None:
+        self.config = config
+        self.name = f"engine-core-{engine_index}"
+        self.engine_index = engine_index
+        self.info: EngineInfo | None = None
+        self.process: ChildProcess | None = None
+        self.requests: dict[str, RequestState] = {}
+        self._to_engine_send, self._to_engine_receive = trio.open_memory_channel[Any](TO_ENGINE_SIZE)
+        self._overflow_aborts: list[str] = []
+        self._stats_calls: dict[int, tuple[trio.Event, list[EngineStats]]] = {}
+        self._call_ids = itertools.count()
+        self._stage = "spawn"
+        self._startup_failed: StartupFailed | None = None
+        self._dead: EngineDeadError | None = None
+
+    # --- life cycle ---------------------------------------------------------
+
+    async def run(self, *, task_status: trio.TaskStatus[EngineInfo] = trio.TASK_STATUS_IGNORED) -> None:
+        """Start the engine core, hand back its ``EngineInfo``, then serve until
+        cancelled. Start-up failures raise ``EngineStartupError`` naming the
+        stage. If the engine core dies later, every request in flight (and every
+        later one) fails with ``EngineDeadError`` and this returns. If cancelled,
+        the engine core is asked to stop, then terminated, and always reaped.
+        """
+        try:
+            with private_ipc_dir() as ipc_dir:
+                async with trio.open_nursery() as nursery:
+                    self.info = await self._start(nursery, ipc_dir)
+                    task_status.started(self.info)
+        except* ProcessExited as group:
+            exited = group.exceptions[0]
+            assert isinstance(exited, ProcessExited)
+            if self.info is None:
+                raise self._startup_error(exited) from None
+            self._die(str(exited))
+
+    async def _start(self, nursery: trio.Nursery, ipc_dir: str) -> EngineInfo:
+        handshake = TrioZmqSocket.bind(zmq.ROUTER, f"ipc://{ipc_dir}/handshake", linger=0)
+        input_sock = TrioZmqSocket.bind(zmq.PUSH, f"ipc://{ipc_dir}/input-{self.engine_index}", linger=0)
+        output_sock = TrioZmqSocket.bind(zmq.PULL, f"ipc://{ipc_dir}/output", linger=0)
+        with handshake:
+            env = {
+                **os.environ,
+                HANDSHAKE_ADDRESS_ENV: f"ipc://{ipc_dir}/handshake",
+                ENGINE_INDEX_ENV: str(self.engine_index),
+            }
+            argv = [sys.executable, "-m", "trioserve.nurseries.entry", "engine-core"]
+            self.process = await nursery.start(
+                partial(supervise_process, argv, name=self.name, env=env, grace_s=self.config.shutdown_grace_s)
+            )
+            info = await self._handshake(handshake, ipc_dir)
+        nursery.start_soon(self._input_sender, input_sock)
+        nursery.start_soon(self._output_handler, output_sock)
+        return info
+
+    async def _handshake(self, sock: TrioZmqSocket, ipc_dir: str) -> EngineInfo:
+        self._stage = "handshake"
+        with trio.fail_after(self.config.startup_timeout_s):
+            identity, raw = await sock.recv_multipart()
+            hello = msgspec.msgpack.decode(raw, type=HandshakeMessage)
+            if not isinstance(hello, Hello) or hello.engine_index != self.engine_index:
+                raise EngineStartupError(f"unexpected handshake message {hello!r}", stage="handshake", process=self.name)
+            init = HandshakeInit(
+                config=self.config,
+                input_address=f"ipc://{ipc_dir}/input-{self.engine_index}",
+                output_address=f"ipc://{ipc_dir}/output",
+            )
+            await sock.send_multipart([identity, _encode(init)])
+        self._stage = "model-load"
+        # The engine core's own deadline for its workers comes first, with a
+        # more precise error; this one guards against an engine core that hangs.
+        with trio.fail_after(self.config.model_load_timeout_s + self.config.startup_timeout_s):
+            _, raw = await sock.recv_multipart()
+        reply = msgspec.msgpack.decode(raw, type=HandshakeMessage)
+        if isinstance(reply, StartupFailed):
+            self._startup_failed = reply
+            self._stage = reply.stage
+            with trio.move_on_after(self.config.shutdown_grace_s):
+                await trio.sleep_forever()  # its exit arrives as ProcessExited
+            raise EngineStartupError(self._startup_message(), stage=reply.stage, process=self.name)
+        if not isinstance(reply, Ready):
+            raise EngineStartupError(f"unexpected handshake message {reply!r}", stage="handshake", process=self.name)
+        return reply.info
+
+    def _startup_message(self, exited: ProcessExited | None = None) -> str:
+        parts = [f"{self.name} failed to start during {self._stage}"]
+        if self._startup_failed is not None:
+            parts.append(self._startup_failed.message)
+        if exited is not None:
+            parts.append(str(exited))
+        return ": ".join(parts)
+
+    def _startup_error(self, exited: ProcessExited) -> EngineStartupError:
+        return EngineStartupError(
+            self._startup_message(exited), stage=self._stage, process=exited.name, exit_code=exited.exit_code
+        )
+
+    def _die(self, reason: str) -> None:
+        if self._dead is None:
+            self._dead = EngineDeadError(f"{self.name} died: {reason}")
+            log.error("%s", self._dead)
+        for state in self.requests.values():
+            state.collector.fail(self._dead)
+        self.requests.clear()
+        for event, _ in self._stats_calls.values():
+            event.set()
+
+    @property
+    def dead(self) -> EngineDeadError | None:
+        return self._dead
+
+    def check_alive(self) -> None:
+        if self._dead is not None:
+            raise self._dead
+        if self.info is None:
+            raise EngineDeadError(f"{self.name} is not running")
+
+    # --- requests -----------------------------------------------------------
+
+    async def submit(self, state: RequestState) -> None:
+        """Register the request and queue it for the engine core.
+
+        Atomic with respect to cancellation: if cancelled, the request was
+        neither registered nor sent.
+        """
+        self.check_alive()
+        self.requests[state.request_id] = state
+        try:
+            await self._to_engine_send.send(state.add_request())
+        except BaseException:
+            del self.requests[state.request_id]
+            raise
+
+    def abort(self, request_id: str) -> None:
+        """Forget the request here and abort it in the engine core. Never blocks."""
+        if self.requests.pop(request_id, None) is None or self._dead is not None:
+            return
+        self._send_abort(request_id)
+
+    def _send_abort(self, request_id: str) -> None:
+        try:
+            self._to_engine_send.send_nowait(AbortRequests(request_ids=[request_id]))
+        except trio.WouldBlock:
+            # The channel is full, so the sender will wake for at least one
+            # more message, and it flushes these after every message.
+            self._overflow_aborts.append(request_id)
+
+    async def stats(self) -> EngineStats:
+        """Ask the engine core for its statistics. If cancelled, the reply is dropped."""
+        self.check_alive()
+        call_id = next(self._call_ids)
+        event, result = trio.Event(), []
+        self._stats_calls[call_id] = (event, result)
+        try:
+            await self._to_engine_send.send(GetStats(call_id=call_id))
+            await event.wait()
+        finally:
+            del self._stats_calls[call_id]
+        self.check_alive()
+        return result[0]
+
+    # --- socket actors ------------------------------------------------------
+
+    async def _input_sender(self, sock: TrioZmqSocket) -> None:
+        with sock:
+            async for msg in self._to_engine_receive:
+                await sock.send(_encode(msg))
+                if self._overflow_aborts:
+                    aborts, self._overflow_aborts = self._overflow_aborts, []
+                    await sock.send(_encode(AbortRequests(request_ids=aborts)))
+
+    async def _output_handler(self, sock: TrioZmqSocket) -> None:
+        decoder = msgspec.msgpack.Decoder(EngineResponse)
+        with sock:
+            while True:
+                msg = decoder.decode(await sock.recv())
+                if isinstance(msg, EngineOutputs):
+                    self._dispatch(msg)
+                elif isinstance(msg, StatsReply):
+                    call = self._stats_calls.get(msg.call_id)
+                    if call is not None:
+                        call[1].append(msg.stats)
+                        call[0].set()
+                elif isinstance(msg, EngineDead):
+                    self._die(msg.reason)
+
+    def _dispatch(self, msg: EngineOutputs) -> None:
+        for output in msg.outputs:
+            state = self.requests.get(output.request_id)
+            if state is None:
+                continue  # aborted here; the engine's abort is on its way
+            if output.finish_reason == "error":
+                del self.requests[output.request_id]
+                state.collector.fail(RequestError(output.error or "the engine rejected the request"))
+                continue
+            finished_by_stop_string = state.process(output)
+            if state.finished:
+                del self.requests[output.request_id]
+                if finished_by_stop_string:
+                    self._send_abort(output.request_id)
+

@@ -1,0 +1,87 @@
+"""What a request's consumer receives, and the one-slot mailbox that holds it.
+
+A ``RequestOutput`` is a delta: the text and token ids produced since the
+consumer last took one. The mailbox (``OutputCollector``) holds at most one
+pending output: when the consumer lags, new deltas are merged into it, so a
+slow consumer costs a little memory per request and never stalls the output
+handler.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import trio
+
+from trioserve.messages import SampleLogprobs
+
+
+@dataclass
+class RequestOutput:
+    """One step of a request's life, as its consumer sees it.
+
+    ``text`` and ``token_ids`` are what is new since the previous output;
+    ``cumulative_text`` is all the text so far. ``finish_reason`` is set on the
+    last output: ``"stop"`` (EOS, a stop token or a stop string; ``stop_reason``
+    says which), ``"length"`` (``max_tokens`` or the context), or ``"abort"``.
+    """
+
+    request_id: str
+    text: str
+    token_ids: list[int]
+    cumulative_text: str
+    num_prompt_tokens: int
+    num_output_tokens: int
+    finish_reason: str | None = None
+    stop_reason: str | int | None = None
+    logprobs: list[SampleLogprobs] | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    def merge(self, newer: RequestOutput) -> None:
+        """Fold a later delta into this one."""
+        self.text += newer.text
+        self.token_ids.extend(newer.token_ids)
+        self.cumulative_text = newer.cumulative_text
+        self.num_output_tokens = newer.num_output_tokens
+        self.finish_reason = newer.finish_reason
+        self.stop_reason = newer.stop_reason
+        if newer.logprobs is not None:
+            self.logprobs = (self.logprobs or []) + newer.logprobs
+
+
+@dataclass
+class OutputCollector:
+    """A request's mailbox: at most one pending (merged) output, or an error."""
+
+    _pending: RequestOutput | None = None
+    _error: BaseException | None = None
+    _ready: trio.Event = field(default_factory=trio.Event)
+
+    def put(self, output: RequestOutput) -> None:
+        """Deliver an output; merges into the pending one if it was not taken."""
+        if self._pending is None:
+            self._pending = output
+        else:
+            self._pending.merge(output)
+        self._ready.set()
+
+    def fail(self, error: BaseException) -> None:
+        """End the request with ``error``: the consumer's next ``get`` raises it
+        (after taking any output still pending)."""
+        if self._error is None:
+            self._error = error
+        self._ready.set()
+
+    async def get(self) -> RequestOutput:
+        """The next (merged) output. If cancelled, nothing is lost: the output
+        stays pending for the next call."""
+        while self._pending is None:
+            if self._error is not None:
+                raise self._error
+            await self._ready.wait()
+            self._ready = trio.Event()
+        output, self._pending = self._pending, None
+        return output

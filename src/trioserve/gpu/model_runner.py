@@ -1,0 +1,235 @@
+"""The model runner: one transformers model, a paged KV cache, one packed
+model call per scheduler step.
+
+The runner keeps, per request, only what the scheduler has told it: the
+token list (prompt, then every output token the scheduler has sent back),
+the block table, and how many tokens are in the cache. It never appends its
+own sampled tokens: they come back in the next step's ``CachedRequestData``.
+
+Invariants: a request is in ``requests`` from its ``NewRequestData`` until its
+id appears in ``finished_req_ids``; every scheduled range lies inside the
+request's token list and its block table.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from trioserve.config import EngineConfig
+from trioserve.gpu.attention import ATTENTION_NAME, METADATA_KWARG, KVCache, build_metadata
+from trioserve.gpu.sampler import SamplingBatch, sample
+from trioserve.messages import (
+    CachedRequestData,
+    NewRequestData,
+    RunnerOutput,
+    SamplingParams,
+    SchedulerOutput,
+    WorkerLoaded,
+)
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def resolve_device(name: str) -> torch.device:
+    """``"auto"`` is CUDA when there is one, else the CPU."""
+    if name == "auto":
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    if name == "cuda" and not torch.cuda.is_available():
+        raise ValueError("device: 'cuda' was asked for but torch sees no CUDA device")
+    return torch.device(name)
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    """``"auto"`` is bfloat16 on CUDA and float32 on the CPU."""
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return _DTYPES[name]
+
+
+@dataclass
+class _Request:
+    params: SamplingParams
+    token_ids: list[int]  # prompt + outputs, as far as the scheduler has sent them
+    block_ids: list[int]
+    num_prompt_tokens: int
+    num_computed_tokens: int
+
+
+@dataclass
+class _Step:
+    """The packed batch of one step, as plain Python, before it meets the device."""
+
+    input_ids: list[int]
+    query_lens: list[int]
+    context_lens: list[int]
+    block_tables: list[list[int]]
+    sample_rows: list[int]  # packed index of the last token of each sampling request
+    sample_req_ids: list[str]
+
+
+class ModelRunner:
+    """Runs a transformers causal LM over a paged KV cache.
+
+    Call ``load()``, then ``init_kv_cache(n)``, then ``execute(step)`` once
+    per scheduler step. Not thread-safe; one runner per worker process.
+    """
+
+    def __init__(self, config: EngineConfig, rank: int = 0, world_size: int = 1) -> None:
+        self.config = config
+        self.rank = rank
+        self.world_size = world_size
+        self.device = resolve_device(config.device)
+        self.dtype = resolve_dtype(config.dtype, self.device)
+        self.block_size = config.block_size
+        self.model: torch.nn.Module | None = None
+        self.kv_caches: KVCache = []
+        self.num_blocks = 0
+        self.requests: dict[str, _Request] = {}
+        if config.torch_threads is not None:
+            torch.set_num_threads(config.torch_threads)
+        # Every rank draws the same unseeded noise, so tensor-parallel ranks agree.
+        self.generator = torch.Generator(device=self.device).manual_seed(config.seed)
+
+    # --- start-up -----------------------------------------------------------
+
+    def load(self) -> WorkerLoaded:
+        """Load the model; say how many KV blocks the memory budget allows."""
+        from transformers import AutoModelForCausalLM
+
+        torch.manual_seed(self.config.seed)
+        model = AutoModelForCausalLM.from_pretrained(
+            self.config.model, attn_implementation=ATTENTION_NAME, dtype=self.dtype
+        )
+        self.model = model.to(self.device).eval().requires_grad_(False)
+        text = model.config.get_text_config()
+        self.vocab_size = text.vocab_size
+        self.num_layers = text.num_hidden_layers
+        self.num_kv_heads = getattr(text, "num_key_value_heads", None) or text.num_attention_heads
+        self.head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+        return WorkerLoaded(
+            max_num_kv_blocks=self.config.num_kv_blocks or self.config.kv_cache_memory_bytes // self.bytes_per_block,
+            max_model_len=self.config.max_model_len or text.max_position_embeddings,
+            vocab_size=self.vocab_size,
+            eos_token_ids=_eos_token_ids(model),
+        )
+
+    @property
+    def bytes_per_block(self) -> int:
+        """K and V of one block, over all layers."""
+        elem = torch.empty((), dtype=self.dtype).element_size()
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * self.block_size * elem
+
+    def init_kv_cache(self, num_blocks: int) -> None:
+        """Allocate ``num_blocks`` blocks per layer, zeroed (padding reads must be finite)."""
+        if num_blocks < 1:
+            raise ValueError(f"num_blocks: must be >= 1 (got {num_blocks})")
+        shape = (self.num_layers, 2, num_blocks, self.block_size, self.num_kv_heads, self.head_dim)
+        pool = torch.zeros(shape, dtype=self.dtype, device=self.device)  # one allocation
+        self.kv_caches = [(pool[layer, 0], pool[layer, 1]) for layer in range(self.num_layers)]  # [N, bs, KVH, D]
+        self.num_blocks = num_blocks
+
+    # --- one step -----------------------------------------------------------
+
+    @torch.inference_mode()
+    def execute(self, sched: SchedulerOutput) -> RunnerOutput:
+        """Run one step: update request state, one packed model call, sample."""
+        if self.model is None or not self.kv_caches:
+            raise RuntimeError("execute() before load() and init_kv_cache()")
+        self._update_requests(sched)
+        if not sched.num_scheduled_tokens:
+            return RunnerOutput(req_ids=[], sampled_token_ids=[])
+        step = self._plan(sched)
+        meta = build_metadata(
+            step.query_lens, step.context_lens, step.block_tables, self.block_size, self.kv_caches, self.device
+        )
+        input_ids = torch.tensor(step.input_ids, dtype=torch.long, device=self.device)  # [T]
+        keep = torch.tensor(step.sample_rows, dtype=torch.long, device=self.device)  # [S]
+        logits = self.model(
+            input_ids=input_ids[None],  # [1, T]
+            position_ids=meta.positions[None],  # [1, T]
+            use_cache=False,
+            logits_to_keep=keep,
+            **{METADATA_KWARG: meta},
+        ).logits[0]  # [S, V]
+        for req_id, n in sched.num_scheduled_tokens.items():
+            self.requests[req_id].num_computed_tokens += n
+        if not step.sample_req_ids:
+            return RunnerOutput(req_ids=[], sampled_token_ids=[])
+        reqs = [self.requests[r] for r in step.sample_req_ids]
+        batch = SamplingBatch(
+            [r.params for r in reqs], [r.token_ids for r in reqs], [r.num_prompt_tokens for r in reqs]
+        )
+        out = sample(logits, batch, self.generator)
+        return RunnerOutput(req_ids=step.sample_req_ids, sampled_token_ids=out.token_ids, logprobs=out.logprobs)
+
+    def _update_requests(self, sched: SchedulerOutput) -> None:
+        for req_id in sched.finished_req_ids:
+            self.requests.pop(req_id, None)
+        for new in sched.new_requests:
+            self._add_request(new)
+        for cached in sched.cached_requests:
+            self._update_request(cached)
+
+    def _add_request(self, new: NewRequestData) -> None:
+        _check_range(f"token_ids of {new.req_id!r}", new.token_ids, self.vocab_size)
+        _check_range(f"block_ids of {new.req_id!r}", new.block_ids, self.num_blocks)
+        self.requests[new.req_id] = _Request(
+            params=new.params,
+            token_ids=list(new.token_ids),
+            block_ids=list(new.block_ids),
+            # Until NewRequestData says how long the prompt was, a resumed
+            # request counts its earlier outputs as prompt (for penalties only).
+            num_prompt_tokens=getattr(new, "num_prompt_tokens", len(new.token_ids)),
+            num_computed_tokens=new.num_computed_tokens,
+        )
+
+    def _update_request(self, cached: CachedRequestData) -> None:
+        req = self.requests.get(cached.req_id)
+        if req is None:
+            raise ValueError(f"cached_requests: unknown request {cached.req_id!r}")
+        _check_range(f"new_token_ids of {cached.req_id!r}", cached.new_token_ids, self.vocab_size)
+        _check_range(f"new_block_ids of {cached.req_id!r}", cached.new_block_ids, self.num_blocks)
+        req.token_ids.extend(cached.new_token_ids)
+        req.block_ids.extend(cached.new_block_ids)
+        req.num_computed_tokens = cached.num_computed_tokens
+
+    def _plan(self, sched: SchedulerOutput) -> _Step:
+        step = _Step([], [], [], [], [], [])
+        for req_id, n in sched.num_scheduled_tokens.items():
+            req = self.requests.get(req_id)
+            if req is None:
+                raise ValueError(f"num_scheduled_tokens: unknown request {req_id!r}")
+            start, end = req.num_computed_tokens, req.num_computed_tokens + n
+            if n < 1 or end > len(req.token_ids):
+                raise ValueError(
+                    f"num_scheduled_tokens[{req_id!r}]: {n} tokens from {start} overrun {len(req.token_ids)}"
+                )
+            if end > len(req.block_ids) * self.block_size:
+                raise ValueError(f"block_ids of {req_id!r}: {len(req.block_ids)} blocks cannot hold {end} tokens")
+            step.input_ids.extend(req.token_ids[start:end])
+            step.query_lens.append(n)
+            step.context_lens.append(end)
+            step.block_tables.append(req.block_ids)
+            if end == len(req.token_ids):
+                step.sample_rows.append(len(step.input_ids) - 1)
+                step.sample_req_ids.append(req_id)
+        return step
+
+
+def _check_range(what: str, ids: list[int], upper: int) -> None:
+    """Out-of-range ids would crash the device (CUDA asserts): refuse them here."""
+    if ids and not 0 <= min(ids) <= max(ids) < upper:
+        raise ValueError(f"{what}: must be in [0, {upper})")
+
+
+def _eos_token_ids(model: torch.nn.Module) -> list[int]:
+    """EOS ids from the generation config, then the model config (int or list)."""
+    ids: list[int] = []
+    for source in (getattr(model, "generation_config", None), model.config.get_text_config()):
+        value = getattr(source, "eos_token_id", None)
+        for token in value if isinstance(value, (list, tuple)) else [value]:
+            if isinstance(token, int) and token not in ids:
+                ids.append(token)
+    return ids

@@ -1,0 +1,102 @@
+"""A model runner that imports no torch: deterministic tokens, delays, faults.
+
+It mirrors the workers' per-request state exactly as the real runner does
+(dropping finished requests, adding new ones, appending new tokens), so the
+lifecycle tests exercise the same messages as a real model, only faster.
+Faults are chosen by ``FakeRunnerConfig`` so tests drive real processes.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+
+from trioserve.config import EngineConfig
+from trioserve.messages import RunnerOutput, SchedulerOutput, WorkerLoaded
+
+
+class InjectedFault(RuntimeError):
+    """Raised by the fake runner when a test asked it to fail."""
+
+
+class FakeRunner:
+    def __init__(self, config: EngineConfig, rank: int = 0, world_size: int = 1) -> None:
+        self.config = config
+        self.fake = config.fake
+        self.rank = rank
+        self.world_size = world_size
+        self.num_steps = 0
+        self.vocab_size = self.fake.vocab_size or self._model_vocab_size()
+        self._tokens: dict[str, list[int]] = {}
+
+    def _model_vocab_size(self) -> int:
+        path = Path(self.config.model) / "config.json"
+        if path.exists():
+            return int(json.loads(path.read_text()).get("vocab_size", 512))
+        return 512
+
+    def _faults_apply(self) -> bool:
+        return self.rank == self.fake.fault_rank
+
+    def load(self) -> WorkerLoaded:
+        if self._faults_apply() and self.fake.hang_at_load:
+            while True:
+                time.sleep(3600)
+        time.sleep(self.fake.load_delay_s)
+        max_model_len = self.fake.max_model_len
+        if self.config.max_model_len is not None:
+            max_model_len = min(max_model_len, self.config.max_model_len)
+        return WorkerLoaded(
+            max_num_kv_blocks=self.config.num_kv_blocks or self.fake.num_kv_blocks,
+            max_model_len=max_model_len,
+            vocab_size=self.vocab_size,
+            eos_token_ids=[self.fake.eos_token_id],
+        )
+
+    def init_kv_cache(self, num_blocks: int) -> None:
+        self.num_blocks = num_blocks
+
+    def next_token(self, tokens: list[int]) -> int:
+        """The deterministic token that follows ``tokens``."""
+        fake = self.fake
+        if fake.eos_every and len(tokens) % fake.eos_every == 0:
+            return fake.eos_token_id
+        token = (tokens[-1] * 31 + 7) % self.vocab_size
+        if token == fake.eos_token_id:
+            token = (token + 1) % self.vocab_size
+        return token
+
+    def _inject_faults(self) -> None:
+        fake = self.fake
+        if not self._faults_apply():
+            return
+        if self.num_steps == fake.die_at_step:
+            os._exit(3)
+        if self.num_steps == fake.raise_at_step:
+            raise InjectedFault(f"fake runner: injected failure at step {self.num_steps}")
+        if self.num_steps == fake.hang_at_step:
+            while True:
+                time.sleep(3600)
+
+    def execute(self, sched: SchedulerOutput) -> RunnerOutput:
+        self.num_steps += 1
+        self._inject_faults()
+        for req_id in sched.finished_req_ids:
+            self._tokens.pop(req_id, None)
+        for new in sched.new_requests:
+            self._tokens[new.req_id] = list(new.token_ids)
+        for cached in sched.cached_requests:
+            self._tokens[cached.req_id].extend(cached.new_token_ids)
+        num_computed = {r.req_id: r.num_computed_tokens for r in sched.new_requests}
+        num_computed.update({r.req_id: r.num_computed_tokens for r in sched.cached_requests})
+        req_ids, sampled = [], []
+        for req_id, n in sched.num_scheduled_tokens.items():
+            tokens = self._tokens[req_id]
+            if num_computed[req_id] + n == len(tokens):
+                req_ids.append(req_id)
+                sampled.append(self.next_token(tokens))
+        if self.fake.step_delay_s:
+            time.sleep(self.fake.step_delay_s)
+        return RunnerOutput(req_ids=req_ids, sampled_token_ids=sampled)

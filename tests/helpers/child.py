@@ -1,0 +1,99 @@
+"""A child program for tests/test_process.py, run as ``python child.py MODE [ARGS]``.
+
+Each process writes ``"<role> <pid>\\n"`` to the fd in TRIOSERVE_TEST_REPORT_FD
+(inherited with pass_fds) once it is ready, so tests wait on events, not sleeps.
+
+Modes (all but ``plain-*`` run under ``run_child_main``):
+  sleep                 wait until stopped
+  stuck                 block in sync code (time.sleep), deaf to stop and SIGTERM
+  fail                  raise RuntimeError("boom")
+  return                return at once (exit 0)
+  chain N LEAF          supervise ``chain N-1 LEAF`` (``LEAF`` at N == 0), then wait
+  echo                  echo every message on the socket in TRIOSERVE_TEST_SOCKET_FD
+  plain-ignore-term     no parent watch; ignores SIGTERM; sleeps
+  plain-default-term    no parent watch; default SIGTERM; sleeps
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import time
+from typing import Any
+
+import trio
+
+from trioserve.nurseries.framing import MessageBridge, stream_from_fd
+from trioserve.nurseries.process import run_child_main, supervise_process
+
+REPORT_FD_ENV = "TRIOSERVE_TEST_REPORT_FD"
+SOCKET_FD_ENV = "TRIOSERVE_TEST_SOCKET_FD"
+
+
+def report(role: str) -> None:
+    os.write(int(os.environ[REPORT_FD_ENV]), f"{role} {os.getpid()}\n".encode())
+
+
+async def sleep_main() -> None:
+    report("sleep")
+    await trio.sleep_forever()
+
+
+async def stuck_main() -> None:
+    report("stuck")
+    time.sleep(60)
+
+
+async def fail_main() -> None:
+    raise RuntimeError("boom")
+
+
+async def return_main() -> None:
+    report("return")
+
+
+async def chain_main(depth: int, leaf: str) -> None:
+    argv = [sys.executable, __file__] + ([leaf] if depth == 0 else ["chain", str(depth - 1), leaf])
+    report_fd = int(os.environ[REPORT_FD_ENV])
+    async with trio.open_nursery() as nursery:
+        await nursery.start(
+            lambda task_status: supervise_process(
+                argv, name=leaf if depth == 0 else f"chain-{depth - 1}", pass_fds=[report_fd], grace_s=0.3, task_status=task_status
+            )
+        )
+        report(f"chain{depth}")
+
+
+async def echo_main() -> None:
+    stream = stream_from_fd(int(os.environ[SOCKET_FD_ENV]))
+    bridge = MessageBridge(stream, receive_type=Any, name="echo")
+    async with trio.open_nursery() as nursery:
+        outbox, inbox = await nursery.start(bridge.run)
+        report("echo")
+        async with outbox:
+            async for message in inbox:
+                await outbox.send(message)
+        await trio.sleep_forever()  # until stopped
+
+
+def plain(ignore_term: bool) -> None:
+    if ignore_term:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    report("plain")
+    time.sleep(60)
+
+
+def main(mode: str, *args: str) -> None:
+    mains = {"sleep": sleep_main, "stuck": stuck_main, "fail": fail_main, "return": return_main, "echo": echo_main}
+    if mode == "chain":
+        depth, leaf = int(args[0]), args[1]
+        run_child_main(lambda: chain_main(depth, leaf), name=f"test-chain-{depth}")
+    elif mode.startswith("plain-"):
+        plain(ignore_term=mode == "plain-ignore-term")
+    else:
+        run_child_main(mains[mode], name=f"test-{mode}")
+
+
+if __name__ == "__main__":
+    main(*sys.argv[1:])

@@ -1,0 +1,269 @@
+"""The scheduler under random workloads, against a simulated runner.
+
+The runner plays the workers: it keeps only what the ``SchedulerOutput``s tell
+it (token lists, block tables, computed counts), writes each computed token
+into a simulated paged KV cache, and samples by reading the whole context
+back through the block table. Its next token is a fixed function of the
+token prefix, so every request's output must equal what it would produce
+alone, however often it was chunked, preempted or batched with others.
+"""
+
+from __future__ import annotations
+
+import random
+import zlib
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import pytest
+from hypothesis import event, settings, target
+from hypothesis import strategies as st
+from hypothesis.stateful import (
+    RuleBasedStateMachine,
+    initialize,
+    invariant,
+    rule,
+)
+
+from trioserve.core.request import Request
+from trioserve.core.scheduler import Scheduler
+from trioserve.messages import FinishReason, RunnerOutput, SamplingParams, SchedulerOutput
+
+VOCAB = 16
+EOS = 0
+MAX_DRAIN_STEPS = 5_000
+
+
+def next_token(prefix: Sequence[int]) -> int:
+    """The model: a deterministic function of the whole prefix."""
+    return zlib.crc32(bytes(prefix)) % VOCAB
+
+
+def solo_output(
+    prompt: list[int], params: SamplingParams, eos_ids: Sequence[int], max_len: int
+) -> tuple[list[int], FinishReason]:
+    """What a request generates when it runs alone, start to end."""
+    tokens, output = list(prompt), []
+    while True:
+        token = next_token(tokens)
+        tokens.append(token)
+        output.append(token)
+        if token in eos_ids and not params.ignore_eos:
+            return output, "stop"
+        if token in params.stop_token_ids:
+            return output, "stop"
+        if len(output) >= params.max_tokens or len(tokens) >= max_len:
+            return output, "length"
+
+
+@dataclass
+class _WorkerRequest:
+    token_ids: list[int]
+    block_ids: list[int]
+    num_computed_tokens: int
+
+
+class MirrorRunner:
+    """The workers, simulated: state only from what the scheduler sends."""
+
+    def __init__(self, num_blocks: int, block_size: int) -> None:
+        self.block_size = block_size
+        self.kv: list[tuple[str, int, int] | None] = [None] * (num_blocks * block_size)
+        self.requests: dict[str, _WorkerRequest] = {}
+
+    def execute(self, out: SchedulerOutput) -> RunnerOutput:
+        self._apply(out)
+        for req_id, num_tokens in out.num_scheduled_tokens.items():
+            self._compute(req_id, num_tokens)
+        req_ids, token_ids = [], []
+        for req_id in out.num_scheduled_tokens:
+            req = self.requests[req_id]
+            if req.num_computed_tokens == len(req.token_ids):
+                context = [self._read(req_id, req, pos) for pos in range(len(req.token_ids))]
+                req_ids.append(req_id)
+                token_ids.append(next_token(context))
+        return RunnerOutput(req_ids, token_ids)
+
+    def _apply(self, out: SchedulerOutput) -> None:
+        for req_id in out.finished_req_ids:
+            assert req_id in self.requests, f"told to drop {req_id!r}, never held"
+            del self.requests[req_id]
+        for new in out.new_requests:
+            assert new.req_id not in self.requests, f"{new.req_id!r} sent as new twice"
+            assert new.num_computed_tokens == 0, "no prefix caching: new requests start at 0"
+            self.requests[new.req_id] = _WorkerRequest(
+                list(new.token_ids), list(new.block_ids), new.num_computed_tokens
+            )
+        for cached in out.cached_requests:
+            req = self.requests[cached.req_id]
+            assert cached.num_computed_tokens == req.num_computed_tokens, "computed count drifted"
+            req.token_ids += cached.new_token_ids
+            req.block_ids += cached.new_block_ids
+        sent = [r.req_id for r in out.new_requests] + [r.req_id for r in out.cached_requests]
+        assert len(sent) == len(set(sent)) and set(sent) == set(out.num_scheduled_tokens)
+        assert out.total_num_scheduled_tokens == sum(out.num_scheduled_tokens.values())
+
+    def _compute(self, req_id: str, num_tokens: int) -> None:
+        req = self.requests[req_id]
+        start, end = req.num_computed_tokens, req.num_computed_tokens + num_tokens
+        assert 0 < num_tokens and end <= len(req.token_ids), "scheduled past the known tokens"
+        assert len(req.block_ids) * self.block_size >= end, "block table too short"
+        for pos in range(start, end):
+            self.kv[self._slot(req, pos)] = (req_id, pos, req.token_ids[pos])
+        req.num_computed_tokens = end
+
+    def _read(self, req_id: str, req: _WorkerRequest, pos: int) -> int:
+        entry = self.kv[self._slot(req, pos)]
+        assert entry == (req_id, pos, req.token_ids[pos]), f"KV of {req_id!r}@{pos} is {entry}"
+        return entry[2]
+
+    def _slot(self, req: _WorkerRequest, pos: int) -> int:
+        return req.block_ids[pos // self.block_size] * self.block_size + pos % self.block_size
+
+
+class Harness:
+    """A scheduler, its mirror runner, and everything the clients received."""
+
+    def __init__(self, **sizes: int) -> None:
+        self.sched = Scheduler(**sizes)
+        self.sizes = sizes
+        self.runner = MirrorRunner(sizes["num_blocks"], sizes["block_size"])
+        self.capacity = sizes["num_blocks"] * sizes["block_size"]
+        self.max_len = min(sizes["max_model_len"], self.capacity + 1)
+        self.expected: dict[str, tuple[list[int], FinishReason]] = {}
+        self.received: dict[str, list[int]] = {}
+        self.finish_reasons: dict[str, FinishReason] = {}
+
+    def live(self) -> list[str]:
+        return sorted(r for r in self.received if r not in self.finish_reasons)
+
+    def add(self, req_id: str, prompt: list[int], params: SamplingParams, eos: list[int]) -> bool:
+        request = Request(req_id, prompt, params, eos)
+        if len(prompt) >= self.sizes["max_model_len"] or len(prompt) > self.capacity:
+            with pytest.raises(ValueError, match="prompt"):
+                self.sched.add(request)
+            return False
+        self.sched.add(request)
+        self.expected[req_id] = solo_output(prompt, params, eos, self.max_len)
+        self.received[req_id] = []
+        return True
+
+    def abort(self, req_id: str) -> None:
+        assert self.sched.abort([req_id]) == [req_id]
+        self.finish_reasons[req_id] = "abort"
+
+    def step(self) -> None:
+        out = self.sched.schedule()
+        assert out.total_num_scheduled_tokens <= self.sizes["max_num_batched_tokens"]
+        assert self.sched.num_running <= self.sizes["max_num_seqs"]
+        runner_output = self.runner.execute(out)
+        self._check_mirror(out)
+        for output in self.sched.postprocess(out, runner_output):
+            req_id = output.request_id
+            assert req_id not in self.finish_reasons, f"{req_id!r} got a token after finishing"
+            self.received[req_id] += output.new_token_ids
+            assert self.received[req_id] == self.expected[req_id][0][: len(self.received[req_id])]
+            if output.finish_reason is not None:
+                self.finish_reasons[req_id] = output.finish_reason
+
+    def _check_mirror(self, out: SchedulerOutput) -> None:
+        bm = self.sched.block_manager
+        for req_id in out.num_scheduled_tokens:
+            req, mirror = self.sched.get_request(req_id), self.runner.requests[req_id]
+            assert mirror.token_ids == req.all_token_ids, f"{req_id!r}: workers lost tokens"
+            assert mirror.block_ids == bm.block_table(req_id), f"{req_id!r}: block tables differ"
+            assert mirror.num_computed_tokens == req.num_computed_tokens
+
+    def drain_and_check(self) -> None:
+        for _ in range(MAX_DRAIN_STEPS):
+            if not self.sched.has_unfinished():
+                break
+            self.step()
+        else:
+            raise AssertionError("the scheduler did not drain: livelock")
+        self.runner.execute(self.sched.schedule())  # deliver the last finished ids
+        assert self.runner.requests == {}, "workers still hold requests"
+        assert self.sched.block_manager.num_free_blocks == self.sched.block_manager.num_blocks
+        for req_id, (tokens, reason) in self.expected.items():
+            got = self.received[req_id]
+            if self.finish_reasons[req_id] == "abort":
+                assert got == tokens[: len(got)]
+            else:
+                assert (got, self.finish_reasons[req_id]) == (tokens, reason), req_id
+
+
+requests = st.tuples(
+    st.lists(st.integers(0, VOCAB - 1), min_size=1, max_size=10),  # prompt
+    st.integers(1, 16),  # max_tokens
+    st.booleans(),  # ignore_eos
+    st.lists(st.integers(1, VOCAB - 1), max_size=1),  # stop_token_ids
+)
+
+
+class SchedulerMachine(RuleBasedStateMachine):
+    """Random adds, aborts and steps; every request's tokens checked at the end."""
+
+    harness: Harness
+
+    @initialize(
+        num_blocks=st.integers(2, 10),
+        block_size=st.sampled_from([1, 2, 4]),
+        max_num_seqs=st.integers(1, 4),
+        max_num_batched_tokens=st.integers(1, 12),
+        max_model_len=st.integers(8, 40),
+    )
+    def setup(self, **sizes: int) -> None:
+        self.harness = Harness(**sizes)
+        self.next_id = 0
+
+    @rule(batch=st.lists(requests, min_size=1, max_size=3))
+    def add(self, batch) -> None:
+        for prompt, max_tokens, ignore_eos, stop_token_ids in batch:
+            params = SamplingParams(
+                max_tokens=max_tokens, ignore_eos=ignore_eos, stop_token_ids=stop_token_ids
+            )
+            added = self.harness.add(f"r{self.next_id}", prompt, params, [EOS])
+            event("add: accepted" if added else "add: rejected (prompt)")
+            self.next_id += 1
+
+    @rule(pick=st.integers(0, 1_000))
+    def abort(self, pick: int) -> None:
+        live = self.harness.live()
+        if live:
+            self.harness.abort(live[pick % len(live)])
+
+    @rule(num_steps=st.integers(1, 6))
+    def step(self, num_steps: int) -> None:
+        for _ in range(num_steps):
+            self.harness.step()
+
+    @invariant()
+    def scheduler_invariants_hold(self) -> None:
+        self.harness.sched.check_invariants()
+
+    def teardown(self) -> None:
+        self.harness.drain_and_check()
+        preemptions = self.harness.sched.stats().num_preemptions
+        target(float(preemptions), label="preemptions")
+        event("preempted" if preemptions else "no preemption")
+
+
+TestSchedulerMachine = SchedulerMachine.TestCase
+TestSchedulerMachine.settings = settings(max_examples=200, stateful_step_count=30, deadline=None)
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_heavy_workload_preempts_and_still_matches_solo_outputs(seed: int) -> None:
+    rng = random.Random(seed)
+    harness = Harness(
+        num_blocks=6, block_size=2, max_num_seqs=4, max_num_batched_tokens=8, max_model_len=32
+    )
+    for i in range(12):
+        prompt = [rng.randrange(VOCAB) for _ in range(rng.randint(1, 8))]
+        params = SamplingParams(max_tokens=rng.randint(4, 10), ignore_eos=True)
+        assert harness.add(f"r{i}", prompt, params, [EOS])
+        if i % 3 == 2:
+            harness.step()
+            harness.sched.check_invariants()
+    harness.drain_and_check()
+    assert harness.sched.stats().num_preemptions > 0

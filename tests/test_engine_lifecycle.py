@@ -1,0 +1,287 @@
+"""The whole engine with real processes and the torch-free fake runner."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+import trio
+
+import trioserve
+from trioserve import EngineConfig, FakeRunnerConfig, SamplingParams
+
+VOCAB = 259  # the tiny test tokenizer's vocabulary: 256 bytes + 3 specials
+EOS = 2
+
+
+def fake_tokens(prompt: list[int], n: int) -> list[int]:
+    """What the fake runner produces, computed independently of it."""
+    tokens = list(prompt)
+    for _ in range(n):
+        t = (tokens[-1] * 31 + 7) % VOCAB
+        tokens.append(t + 1 if t == EOS else t)
+    return tokens[len(prompt):]
+
+
+def children() -> list[psutil.Process]:
+    return psutil.Process().children(recursive=True)
+
+
+async def wait_no_children(timeout: float = 2.0) -> list[psutil.Process]:
+    with trio.move_on_after(timeout):
+        while children():
+            await trio.sleep(0.05)
+    return children()
+
+
+@pytest.fixture
+def fake_config(tiny_model_dir):
+    def make(**fake_options) -> EngineConfig:
+        engine_options = {k: fake_options.pop(k) for k in list(fake_options) if k in EngineConfig.__dataclass_fields__}
+        return EngineConfig(
+            model=str(tiny_model_dir("llama")),
+            runner="fake",
+            block_size=4,
+            shutdown_grace_s=2.0,
+            fake=FakeRunnerConfig(eos_token_id=EOS, **fake_options),
+            **engine_options,
+        )
+
+    return make
+
+
+async def test_generate_returns_the_runner_tokens_in_order(fake_config):
+    with trio.fail_after(30):
+        async with trioserve.open_engine(config=fake_config()) as engine:
+            assert engine.info.vocab_size == VOCAB
+            prompt = [5, 6, 7]
+            out = await engine.generate(prompt, SamplingParams(max_tokens=10))
+            assert out.token_ids == fake_tokens(prompt, 10)
+            assert out.finish_reason == "length"
+            assert out.num_output_tokens == 10
+            # Random bytes: an unfinished UTF-8 character at the very end is dropped.
+            assert out.text == out.cumulative_text == engine.tokenizer.decode(out.token_ids).rstrip("\ufffd")
+
+
+async def test_concurrent_streams_finish_correctly_through_preemption(fake_config):
+    config = fake_config(num_kv_blocks=12, max_num_batched_tokens=32)  # 48 token slots
+    prompts = [[(7 * i + j) % 250 + 3 for j in range(3 + 2 * i)] for i in range(10)]
+    results = {}
+    with trio.fail_after(60):
+        async with trioserve.open_engine(config=config) as engine:
+
+            async def one(i: int) -> None:
+                results[i] = await engine.generate(prompts[i], SamplingParams(max_tokens=12))
+
+            async with trio.open_nursery() as nursery:
+                for i in range(len(prompts)):
+                    nursery.start_soon(one, i)
+            stats = await engine.stats()
+    for i, prompt in enumerate(prompts):
+        assert results[i].token_ids == fake_tokens(prompt, 12), f"request {i}"
+    assert stats.num_preemptions > 0
+    assert stats.num_free_blocks == stats.num_total_blocks == 12
+    assert stats.num_running == stats.num_waiting == 0
+
+
+async def test_leaving_a_stream_early_frees_its_blocks_while_others_finish(fake_config):
+    with trio.fail_after(30):
+        async with trioserve.open_engine(config=fake_config(step_delay_s=0.005)) as engine:
+            others = {}
+
+            async def other(i: int) -> None:
+                others[i] = await engine.generate([10 + i] * 5, SamplingParams(max_tokens=40))
+
+            async with trio.open_nursery() as nursery:
+                for i in range(3):
+                    nursery.start_soon(other, i)
+                async with engine.stream([1, 2, 3], SamplingParams(max_tokens=1000, ignore_eos=True)) as stream:
+                    seen = 0
+                    async for out in stream:
+                        seen += len(out.token_ids)
+                        if seen >= 5:
+                            break
+            assert [others[i].finish_reason for i in range(3)] == ["length"] * 3
+            assert [others[i].token_ids for i in range(3)] == [fake_tokens([10 + i] * 5, 40) for i in range(3)]
+            stats = await engine.stats()
+            assert stats.num_free_blocks == stats.num_total_blocks
+            assert stats.num_running == stats.num_waiting == 0
+
+
+async def test_cancelled_consumer_aborts_its_request(fake_config):
+    with trio.fail_after(30):
+        async with trioserve.open_engine(config=fake_config(step_delay_s=0.005)) as engine:
+            with trio.move_on_after(0.2):
+                await engine.generate([4, 4, 4], SamplingParams(max_tokens=100_000))
+            stats = await engine.stats()
+            assert stats.num_running == 0
+            assert stats.num_free_blocks == stats.num_total_blocks
+
+
+@pytest.mark.parametrize(
+    ("params", "field"),
+    [
+        (lambda: SamplingParams(max_tokens=0), "max_tokens"),
+        (lambda: SamplingParams(max_tokens=-3), "max_tokens"),
+        (lambda: SamplingParams(temperature=-0.5), "temperature"),
+        (lambda: SamplingParams(top_p=0.0), "top_p"),
+        (lambda: SamplingParams(top_p=1.5), "top_p"),
+    ],
+)
+def test_invalid_sampling_params_raise_value_error_naming_the_field(params, field):
+    with pytest.raises(ValueError, match=f"^{field}:"):
+        params()
+
+
+async def test_bad_prompts_raise_value_error_and_the_engine_keeps_serving(fake_config):
+    with trio.fail_after(30):
+        async with trioserve.open_engine(config=fake_config(max_model_len=64)) as engine:
+            running = engine.stream([9, 9], SamplingParams(max_tokens=20))
+            async with running:
+                for bad in ("", [], "x" * 100, [1] * 64, [VOCAB + 5], [-1]):
+                    with pytest.raises(ValueError, match="^prompt:"):
+                        engine.stream(bad)
+                outputs = [out async for out in running]
+            assert sum(len(o.token_ids) for o in outputs) == 20
+            assert (await engine.generate("ok", SamplingParams(max_tokens=3))).num_output_tokens == 3
+
+
+async def test_stop_string_ends_the_request_and_is_not_in_the_text(fake_config):
+    with trio.fail_after(30):
+        async with trioserve.open_engine(config=fake_config()) as engine:
+            full = await engine.generate([65, 66], SamplingParams(max_tokens=40))
+            text = full.text
+            stop = text[len(text) // 2 : len(text) // 2 + 2]
+            assert stop and text.count(stop) >= 1
+            out = await engine.generate([65, 66], SamplingParams(max_tokens=40, stop=[stop]))
+            assert out.finish_reason == "stop"
+            assert out.stop_reason == stop
+            assert out.text == text[: text.index(stop)]
+            stats = await engine.stats()
+            assert stats.num_running == 0 and stats.num_free_blocks == stats.num_total_blocks
+
+
+async def test_eos_finishes_with_stop_unless_ignored(fake_config):
+    with trio.fail_after(30):
+        async with trioserve.open_engine(config=fake_config(eos_every=6)) as engine:
+            out = await engine.generate([3, 4], SamplingParams(max_tokens=50))
+            assert out.finish_reason == "stop" and out.token_ids[-1] == EOS and len(out.token_ids) == 5
+            out = await engine.generate([3, 4], SamplingParams(max_tokens=8, ignore_eos=True))
+            assert out.finish_reason == "length" and len(out.token_ids) == 8
+            out = await engine.generate([3, 4], SamplingParams(max_tokens=50, stop_token_ids=[out.token_ids[1]]))
+            assert out.finish_reason == "stop" and out.stop_reason == out.token_ids[-1] and len(out.token_ids) == 2
+
+
+async def test_two_workers_each_get_every_step(fake_config):
+    with trio.fail_after(30):
+        async with trioserve.open_engine(config=fake_config(tensor_parallel_size=2)) as engine:
+            assert len(engine.info.worker_pids) == 2
+            assert {p.pid for p in children()} >= set(engine.info.worker_pids) | {engine.info.engine_pid}
+            out = await engine.generate([8, 9], SamplingParams(max_tokens=6))
+            assert out.token_ids == fake_tokens([8, 9], 6)
+    assert await wait_no_children() == []
+
+
+@pytest.mark.parametrize("how", ["normal", "exception", "cancelled"])
+async def test_no_child_process_remains_after_open_engine_exits(fake_config, how):
+    class Boom(Exception):
+        pass
+
+    pids = []
+    with trio.fail_after(30):
+        with trio.CancelScope() as scope:
+            try:
+                async with trioserve.open_engine(config=fake_config(step_delay_s=0.01)) as engine:
+                    pids = [engine.info.engine_pid, *engine.info.worker_pids]
+                    async with engine.stream([1, 2], SamplingParams(max_tokens=10_000)) as stream:
+                        async for _ in stream:
+                            if how == "exception":
+                                raise Boom()
+                            if how == "cancelled":
+                                scope.cancel()
+                            break
+            except Boom:
+                pass
+        assert scope.cancelled_caught == (how == "cancelled")
+        left = await wait_no_children()
+    assert left == []
+    assert not any(alive(p) for p in pids)
+
+
+async def test_worker_death_fails_requests_with_engine_dead_error(fake_config):
+    with trio.fail_after(30):
+        async with trioserve.open_engine(config=fake_config(die_at_step=5, step_delay_s=0.005)) as engine:
+            with pytest.raises(trioserve.EngineDeadError, match="worker-0"):
+                await engine.generate([1, 2, 3], SamplingParams(max_tokens=100))
+            with pytest.raises(trioserve.EngineDeadError):
+                engine_stream = engine.stream([1, 2, 3])
+                async with engine_stream:
+                    pass
+        assert await wait_no_children() == []
+
+
+async def test_model_load_that_hangs_fails_at_its_deadline_naming_the_stage(fake_config):
+    config = fake_config(hang_at_load=True, model_load_timeout_s=1.0)
+    with trio.fail_after(30):
+        with pytest.raises(trioserve.EngineStartupError) as info:
+            async with trioserve.open_engine(config=config):
+                pass
+        assert info.value.stage == "model-load"
+        assert "model-load" in str(info.value)
+        assert await wait_no_children() == []
+
+
+KILL_SCRIPT = textwrap.dedent(
+    """
+    import json, sys, trio, trioserve
+    from trioserve import EngineConfig, FakeRunnerConfig, SamplingParams
+
+    async def main():
+        config = EngineConfig(model=sys.argv[1], runner="fake", fake=FakeRunnerConfig(step_delay_s=0.01))
+        async with trioserve.open_engine(config=config) as engine:
+            async with engine.stream([1, 2, 3], SamplingParams(max_tokens=100_000)) as stream:
+                async for out in stream:
+                    print(json.dumps([engine.info.engine_pid, *engine.info.worker_pids]), flush=True)
+                    await trio.sleep_forever()
+
+    trio.run(main)
+    """
+)
+
+
+def alive(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+async def test_kill_9_of_the_front_end_leaves_no_engine_or_worker_process(tiny_model_dir, tmp_path: Path):
+    script = tmp_path / "front_end.py"
+    script.write_text(KILL_SCRIPT)
+    argv = [sys.executable, str(script), str(tiny_model_dir("llama"))]
+    with trio.fail_after(30):
+        proc = await trio.lowlevel.open_process(argv, stdout=subprocess.PIPE)
+        try:
+            line = b""
+            while not line.endswith(b"\n"):
+                line += await proc.stdout.receive_some(4096)
+            pids = json.loads(line)
+            assert len(pids) == 2 and all(alive(p) for p in pids)
+            proc.send_signal(signal.SIGKILL)
+            await proc.wait()
+            killed_at = time.monotonic()
+            while time.monotonic() - killed_at < 2.0 and any(alive(p) for p in pids):
+                await trio.sleep(0.05)
+            assert [p for p in pids if alive(p)] == []
+        finally:
+            proc.kill()
+            await proc.wait()

@@ -1,0 +1,100 @@
+"""The paged attention function alone, against plain per-sequence attention."""
+
+from __future__ import annotations
+
+import math
+import random
+from types import SimpleNamespace
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from trioserve.gpu.attention import METADATA_KWARG, build_metadata, paged_attention_forward  # noqa: E402
+
+H, KVH, D, BLOCK = 4, 2, 8, 4
+
+
+def reference(q, k, v, scale, window=None, softcap=None):
+    """Causal attention of one whole sequence: q [H, L, D], k/v [KVH, L, D] -> [L, H, D]."""
+    k = k.repeat_interleave(H // KVH, dim=0)
+    v = v.repeat_interleave(H // KVH, dim=0)
+    scores = q @ k.transpose(1, 2) * scale  # [H, L, L]
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
+    pos = torch.arange(q.shape[1])
+    allowed = pos[None, :] <= pos[:, None]
+    if window is not None:
+        allowed &= pos[None, :] > pos[:, None] - window
+    scores = scores.masked_fill(~allowed, float("-inf"))
+    return (scores.softmax(-1) @ v).transpose(0, 1)
+
+
+def run_steps(seqs, steps, scale, window, softcap, scale_from_module, num_blocks=64):
+    """Feed each sequence's q/k/v through the paged function, ``steps`` giving
+    per step the number of new tokens of each sequence (0: not scheduled)."""
+    caches = [(torch.zeros(num_blocks, BLOCK, KVH, D), torch.zeros(num_blocks, BLOCK, KVH, D))]
+    free = list(range(num_blocks))
+    random.Random(0).shuffle(free)
+    tables = [[free.pop() for _ in range(math.ceil(s["q"].shape[1] / BLOCK))] for s in seqs]
+    done = [0] * len(seqs)
+    outs = [[] for _ in seqs]
+    module = SimpleNamespace(layer_idx=0, scaling=scale)
+    for counts in steps:
+        active = [i for i, n in enumerate(counts) if n]
+        rows = [slice(done[i], done[i] + counts[i]) for i in active]
+        q = torch.cat([seqs[i]["q"][:, r] for i, r in zip(active, rows)], dim=1)[None]  # [1, H, T, D]
+        k = torch.cat([seqs[i]["k"][:, r] for i, r in zip(active, rows)], dim=1)[None]  # [1, KVH, T, D]
+        v = torch.cat([seqs[i]["v"][:, r] for i, r in zip(active, rows)], dim=1)[None]
+        meta = build_metadata(
+            [counts[i] for i in active], [done[i] + counts[i] for i in active], [tables[i] for i in active],
+            BLOCK, caches, torch.device("cpu"),
+        )  # fmt: skip
+        out, _ = paged_attention_forward(
+            module,
+            q,
+            k,
+            v,
+            None,
+            scaling=None if scale_from_module else scale,
+            sliding_window=window,
+            softcap=softcap,
+            **{METADATA_KWARG: meta},
+        )
+        start = 0
+        for i in active:
+            outs[i].append(out[0, start : start + counts[i]])
+            start += counts[i]
+            done[i] += counts[i]
+    return [torch.cat(o) for o in outs]
+
+
+@pytest.mark.parametrize(
+    ("window", "softcap", "scale_from_module"),
+    [(None, None, False), (5, None, False), (None, 2.0, False), (3, 1.5, False), (None, None, True)],
+)
+def test_prefill_chunks_and_decodes_match_per_sequence_attention(window, softcap, scale_from_module):
+    gen = torch.Generator().manual_seed(0)
+    decodes = 4
+    lengths = [9 + decodes, 14 + decodes, 3 + decodes]
+    seqs = [
+        {name: torch.randn(heads, n, D, generator=gen) for name, heads in (("q", H), ("k", KVH), ("v", KVH))}
+        for n in lengths
+    ]
+    steps = [
+        [6, 10, 3],  # prefills; seqs 0 and 1 are chunked
+        [3, 0, 0],  # the rest of seq 0: a chunk with earlier context
+        [0, 1, 0],  # a one-token chunk of seq 1
+        [0, 3, 0],
+    ] + [[1, 1, 1]] * decodes  # decodes at three different context lengths
+    scale = 0.3
+    got = run_steps(seqs, steps, scale, window, softcap, scale_from_module)
+    for seq, out in zip(seqs, got):
+        torch.testing.assert_close(out, reference(seq["q"], seq["k"], seq["v"], scale, window, softcap))
+
+
+def test_missing_metadata_is_a_clear_error():
+    module = SimpleNamespace(layer_idx=0, scaling=1.0)
+    q = torch.zeros(1, H, 2, D)
+    with pytest.raises(RuntimeError, match=METADATA_KWARG):
+        paged_attention_forward(module, q, q[:, :KVH], q[:, :KVH], None)

@@ -1,0 +1,275 @@
+"""A child process is a task: supervise_process and run_child_main, with real processes.
+
+The child programs are in helpers/child.py; each reports "<role> <pid>" on an
+inherited pipe when it is ready, so the tests wait on that, not on sleeps.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+from collections.abc import AsyncIterator
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import psutil
+import pytest
+import trio
+
+from trioserve.nurseries.framing import MessageBridge, socketpair_for_child
+from trioserve.nurseries.process import ChildProcess, ProcessExited, supervise_process
+
+HELPER = Path(__file__).parent / "helpers" / "child.py"
+REPORT_FD_ENV = "TRIOSERVE_TEST_REPORT_FD"
+SOCKET_FD_ENV = "TRIOSERVE_TEST_SOCKET_FD"
+GRACE = 0.3
+
+
+class Reports:
+    """The read end of the pipe the helper children report on."""
+
+    def __init__(self) -> None:
+        self.read_fd, self.write_fd = os.pipe()
+        self._stream = trio.lowlevel.FdStream(self.read_fd)
+        self._buffer = b""
+        self.pids: list[int] = []
+
+    async def next(self) -> tuple[str, int]:
+        while b"\n" not in self._buffer:
+            chunk = await self._stream.receive_some()
+            assert chunk, "every child closed the report pipe"
+            self._buffer += chunk
+        line, _, self._buffer = self._buffer.partition(b"\n")
+        role, pid = line.decode().split()
+        self.pids.append(int(pid))
+        return role, int(pid)
+
+    def env(self, **extra: str) -> dict[str, str]:
+        return {**os.environ, REPORT_FD_ENV: str(self.write_fd), **extra}
+
+    def close(self) -> None:
+        self._stream.close()
+        os.close(self.write_fd)
+
+
+def running(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+@pytest.fixture
+async def reports() -> AsyncIterator[Reports]:
+    reports = Reports()
+    yield reports
+    reports.close()
+
+
+@pytest.fixture(autouse=True)
+async def no_process_left_behind(reports: Reports) -> AsyncIterator[None]:
+    before = {p.pid for p in psutil.Process().children(recursive=True)}
+    yield
+    after = {p.pid for p in psutil.Process().children(recursive=True)}
+    leftovers = sorted(pid for pid in (after - before) | set(reports.pids) if running(pid))
+    for pid in leftovers:
+        os.kill(pid, signal.SIGKILL)
+    assert not leftovers, f"processes left behind: {leftovers}"
+
+
+def helper(*args: str) -> list[str]:
+    return [sys.executable, str(HELPER), *args]
+
+
+async def start_helper(
+    nursery: trio.Nursery, reports: Reports, *args: str, grace_s: float = GRACE, **env: str
+) -> ChildProcess:
+    child: ChildProcess = await nursery.start(
+        partial(
+            supervise_process,
+            helper(*args),
+            name="test-child",
+            pass_fds=[reports.write_fd],
+            env=reports.env(**env),
+            grace_s=grace_s,
+        )
+    )
+    return child
+
+
+async def wait_until_gone(pids: list[int], timeout: float) -> None:
+    with trio.fail_after(timeout):
+        while any(running(pid) for pid in pids):
+            await trio.sleep(0.02)
+
+
+def exited(exit_code: int) -> pytest.RaisesGroup[ProcessExited]:
+    return pytest.RaisesGroup(pytest.RaisesExc(ProcessExited, check=lambda e: e.exit_code == exit_code))
+
+
+async def test_stopped_child_exits_0_and_is_reaped(reports: Reports) -> None:
+    with trio.fail_after(10):
+        async with trio.open_nursery() as nursery:
+            child = await start_helper(nursery, reports, "sleep", grace_s=5)
+            assert await reports.next() == ("sleep", child.pid)
+            started = trio.current_time()
+            child.stop()
+        assert trio.current_time() - started < 2
+    assert child.returncode == 0
+    assert not psutil.pid_exists(child.pid)
+
+
+@pytest.mark.parametrize("mode", ["stuck", "plain-ignore-term"])
+async def test_child_ignoring_stop_and_sigterm_is_killed_after_two_graces(reports: Reports, mode: str) -> None:
+    with trio.fail_after(10):
+        async with trio.open_nursery() as nursery:
+            child = await start_helper(nursery, reports, mode, TRIOSERVE_HARD_EXIT_S="30")
+            await reports.next()
+            started = trio.current_time()
+            child.stop()
+        elapsed = trio.current_time() - started
+    assert child.returncode == -signal.SIGKILL
+    assert 2 * GRACE - 0.05 < elapsed < 2 * GRACE + 1
+
+
+async def test_child_deaf_to_the_pipe_gets_sigterm_after_one_grace(reports: Reports) -> None:
+    with trio.fail_after(10):
+        async with trio.open_nursery() as nursery:
+            child = await start_helper(nursery, reports, "plain-default-term")
+            await reports.next()
+            started = trio.current_time()
+            child.stop()
+        elapsed = trio.current_time() - started
+    assert child.returncode == -signal.SIGTERM
+    assert GRACE - 0.05 < elapsed < GRACE + 1
+
+
+@pytest.mark.parametrize("code", [3, 0])
+async def test_unexpected_exit_raises_process_exited_with_its_code(code: int) -> None:
+    argv = [sys.executable, "-c", f"import sys; sys.exit({code})"]
+    with trio.fail_after(10), exited(code) as caught:
+        async with trio.open_nursery() as nursery:
+            child = await nursery.start(partial(supervise_process, argv, name="engine-core-0"))
+    assert str(caught.value.exceptions[0]) == f"engine-core-0 (pid {child.pid}) exited with code {code}"
+    assert child.returncode == code
+
+
+async def test_killed_child_raises_process_exited_naming_the_signal(reports: Reports) -> None:
+    with trio.fail_after(10), exited(-9) as caught:
+        async with trio.open_nursery() as nursery:
+            child = await start_helper(nursery, reports, "sleep")
+            await reports.next()
+            child.kill()
+    assert str(caught.value.exceptions[0]) == f"test-child (pid {child.pid}) was killed by SIGKILL"
+    assert not psutil.pid_exists(child.pid)
+
+
+async def test_child_failing_with_an_exception_exits_1(reports: Reports) -> None:
+    with trio.fail_after(10), exited(1):
+        async with trio.open_nursery() as nursery:
+            await start_helper(nursery, reports, "fail")
+
+
+@pytest.mark.parametrize(("mode", "returncode"), [("sleep", 0), ("stuck", -signal.SIGKILL)])
+async def test_cancelling_the_supervising_nursery_stops_and_reaps_the_child(
+    reports: Reports, mode: str, returncode: int
+) -> None:
+    with trio.fail_after(10):
+        async with trio.open_nursery() as nursery:
+            child = await start_helper(nursery, reports, mode, TRIOSERVE_HARD_EXIT_S="30")
+            await reports.next()
+            started = trio.current_time()
+            nursery.cancel_scope.cancel()
+        elapsed = trio.current_time() - started
+    assert nursery.cancel_scope.cancelled_caught
+    assert child.returncode == returncode
+    assert elapsed < 2 * GRACE + 1
+    assert not psutil.pid_exists(child.pid)
+
+
+async def test_descendants_exit_when_their_parent_is_killed(reports: Reports) -> None:
+    # test -> intermediate (chain1) -> child (chain0) -> grandchild (sleep)
+    with trio.fail_after(10):
+        with exited(-9):
+            async with trio.open_nursery() as nursery:
+                intermediate = await start_helper(nursery, reports, "chain", "1", "sleep")
+                roles = dict([await reports.next() for _ in range(3)])
+                assert roles["chain1"] == intermediate.pid
+                intermediate.kill()
+        started = trio.current_time()
+        await wait_until_gone([roles["chain0"], roles["sleep"]], timeout=2)
+        assert trio.current_time() - started < 2
+
+
+async def test_child_stuck_in_sync_code_exits_by_the_fallback_after_its_parent_dies(reports: Reports) -> None:
+    # test -> intermediate (chain0) -> stuck leaf, whose trio loop never runs again.
+    with trio.fail_after(10):
+        with exited(-9):
+            async with trio.open_nursery() as nursery:
+                intermediate = await start_helper(nursery, reports, "chain", "0", "stuck", TRIOSERVE_HARD_EXIT_S="0.5")
+                roles = dict([await reports.next() for _ in range(2)])
+                intermediate.kill()
+        started = trio.current_time()
+        await wait_until_gone([roles["stuck"]], timeout=2)
+        assert trio.current_time() - started > 0.4  # it was the fallback, not the trio watcher
+
+
+class Ping(msgspec.Struct, tag=True):
+    n: int
+
+
+async def test_pass_fds_hands_a_socket_to_the_child(reports: Reports) -> None:
+    parent_end, child_end = socketpair_for_child()
+    with trio.fail_after(10):
+        async with trio.open_nursery() as nursery:
+            try:
+                child = await nursery.start(
+                    partial(
+                        supervise_process,
+                        helper("echo"),
+                        name="echo",
+                        pass_fds=[reports.write_fd, child_end.fileno()],
+                        env=reports.env(**{SOCKET_FD_ENV: str(child_end.fileno())}),
+                        grace_s=GRACE,
+                    )
+                )
+            finally:
+                child_end.close()
+            outbox, inbox = await nursery.start(MessageBridge(parent_end, receive_type=Ping, name="to-echo").run)
+            await reports.next()
+            for n in range(3):
+                await outbox.send(Ping(n))
+            assert [await inbox.receive() for _ in range(3)] == [Ping(0), Ping(1), Ping(2)]
+            await outbox.aclose()  # the child's inbox ends, it closes its outbox: our bridge sees EOF
+            with pytest.raises(trio.EndOfChannel):
+                await inbox.receive()
+            child.stop()
+    assert child.returncode == 0
+
+
+async def test_run_child_main_exit_codes_without_a_supervisor(reports: Reports) -> None:
+    run = partial(trio.run_process, check=False, capture_stderr=True, pass_fds=[reports.write_fd], env=reports.env())
+    with trio.fail_after(10):
+        done = await run(helper("return"))
+        failed = await run(helper("fail"))
+    assert done.returncode == 0
+    assert failed.returncode == 1
+    assert b"RuntimeError: boom" in failed.stderr
+
+
+async def test_sigterm_makes_a_child_exit_0(reports: Reports) -> None:
+    process: Any = None
+    try:
+        with trio.fail_after(10):
+            process = await trio.lowlevel.open_process(helper("sleep"), pass_fds=[reports.write_fd], env=reports.env())
+            await reports.next()
+            process.send_signal(signal.SIGTERM)
+            assert await process.wait() == 0
+    finally:
+        if process is not None and process.returncode is None:
+            process.kill()
+            with trio.CancelScope(shield=True):
+                await process.wait()

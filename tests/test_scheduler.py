@@ -1,0 +1,478 @@
+"""The scheduler: admission, chunked prefill, preemption, stops, aborts, outputs."""
+
+from __future__ import annotations
+
+import pytest
+
+from trioserve.core.request import Request, RequestStatus
+from trioserve.core.scheduler import Scheduler
+from trioserve.messages import (
+    RunnerOutput,
+    SampleLogprobs,
+    SamplingParams,
+    SchedulerOutput,
+    TokenOutput,
+)
+
+EOS = 2
+
+
+def make_scheduler(**overrides: int) -> Scheduler:
+    kwargs = dict(
+        num_blocks=16, block_size=4, max_num_seqs=4, max_num_batched_tokens=64, max_model_len=64
+    )
+    kwargs.update(overrides)
+    return Scheduler(**kwargs)
+
+
+def make_request(req_id: str, prompt_len: int = 4, **params: object) -> Request:
+    prompt = [10 + i for i in range(prompt_len)]
+    return Request(req_id, prompt, SamplingParams(**params), eos_token_ids=[EOS])
+
+
+def samplers(sched: Scheduler, out: SchedulerOutput) -> list[str]:
+    """The scheduled requests whose slice reached the end of their tokens."""
+    result = []
+    for req_id in out.num_scheduled_tokens:
+        req = sched.get_request(req_id)
+        if req is not None and req.num_computed_tokens == req.num_tokens:
+            result.append(req_id)
+    return result
+
+
+def step(
+    sched: Scheduler, token: int | dict[str, int] = 7
+) -> tuple[SchedulerOutput, list[TokenOutput]]:
+    """One schedule -> run -> postprocess round; every sampler gets ``token``."""
+    out = sched.schedule()
+    req_ids = samplers(sched, out)
+    tokens = [token if isinstance(token, int) else token[r] for r in req_ids]
+    return out, sched.postprocess(out, RunnerOutput(req_ids, tokens))
+
+
+def new_ids(out: SchedulerOutput) -> list[str]:
+    return [r.req_id for r in out.new_requests]
+
+
+def cached_ids(out: SchedulerOutput) -> list[str]:
+    return [r.req_id for r in out.cached_requests]
+
+
+# --- add -----------------------------------------------------------------------
+
+
+def test_add_rejects_empty_prompt() -> None:
+    with pytest.raises(ValueError, match="prompt"):
+        make_scheduler().add(make_request("a", prompt_len=0))
+
+
+def test_add_rejects_prompt_longer_than_context() -> None:
+    sched = make_scheduler(max_model_len=8)
+    with pytest.raises(ValueError, match="prompt"):
+        sched.add(make_request("a", prompt_len=8))
+    sched.add(make_request("b", prompt_len=7, max_tokens=1))
+
+
+def test_add_rejects_prompt_larger_than_the_whole_kv_cache() -> None:
+    sched = make_scheduler(num_blocks=2, block_size=4)
+    with pytest.raises(ValueError, match="prompt"):
+        sched.add(make_request("a", prompt_len=9))
+
+
+def test_add_accepts_a_prompt_that_fills_the_whole_kv_cache() -> None:
+    sched = make_scheduler(num_blocks=2, block_size=4)
+    sched.add(make_request("a", prompt_len=8))
+    _, outputs = step(sched)
+    assert outputs[0].finish_reason == "length"  # a 9th token could never be computed
+
+
+def test_add_rejects_negative_token_ids() -> None:
+    sched = make_scheduler()
+    with pytest.raises(ValueError, match="prompt"):
+        sched.add(Request("a", [1, -1], SamplingParams(), eos_token_ids=[EOS]))
+
+
+def test_add_rejects_duplicate_request_id() -> None:
+    sched = make_scheduler()
+    sched.add(make_request("a"))
+    with pytest.raises(ValueError, match="request_id"):
+        sched.add(make_request("a"))
+
+
+def test_request_id_can_be_reused_after_it_finishes() -> None:
+    sched = make_scheduler()
+    sched.add(make_request("a", max_tokens=1))
+    step(sched)
+    assert not sched.has_unfinished()
+    sched.add(make_request("a", max_tokens=1))
+    out, _ = step(sched)
+    assert out.finished_req_ids == ["a"] and new_ids(out) == ["a"]
+
+
+def test_get_request_and_has_unfinished_see_only_unfinished_requests() -> None:
+    sched = make_scheduler()
+    assert not sched.has_unfinished()
+    req = make_request("a", max_tokens=1)
+    sched.add(req)
+    assert sched.get_request("a") is req and sched.has_unfinished()
+    step(sched)
+    assert sched.get_request("a") is None and not sched.has_unfinished()
+    assert req.status is RequestStatus.FINISHED
+
+
+# --- prefill and decode ----------------------------------------------------------
+
+
+def test_short_prompt_is_prefilled_in_one_step_and_samples() -> None:
+    sched = make_scheduler()
+    sched.add(make_request("a", prompt_len=5))
+    out, outputs = step(sched, token=42)
+    (new,) = out.new_requests
+    assert new.token_ids == [10, 11, 12, 13, 14]
+    assert new.num_computed_tokens == 0
+    assert len(new.block_ids) == 2
+    assert out.num_scheduled_tokens == {"a": 5} and out.total_num_scheduled_tokens == 5
+    assert outputs == [TokenOutput("a", [42])]
+    assert sched.get_request("a").num_computed_tokens == 5
+
+
+def test_decode_sends_only_the_new_token() -> None:
+    sched = make_scheduler(block_size=4)
+    sched.add(make_request("a", prompt_len=3))
+    step(sched, token=42)
+    out, _ = step(sched, token=43)
+    assert out.new_requests == []
+    (cached,) = out.cached_requests
+    assert cached.new_token_ids == [42]
+    assert cached.new_block_ids == []  # 4 tokens still fit in the first block
+    assert cached.num_computed_tokens == 3
+    assert out.num_scheduled_tokens == {"a": 1}
+    out, _ = step(sched)
+    assert out.cached_requests[0].new_token_ids == [43]
+    assert len(out.cached_requests[0].new_block_ids) == 1  # the 5th token opens a block
+
+
+def test_long_prompt_is_prefilled_in_chunks() -> None:
+    sched = make_scheduler(max_num_batched_tokens=4)
+    sched.add(make_request("a", prompt_len=10))
+    out1, outputs1 = step(sched)
+    out2, outputs2 = step(sched)
+    out3, outputs3 = step(sched, token=42)
+    assert [o.num_scheduled_tokens["a"] for o in (out1, out2, out3)] == [4, 4, 2]
+    assert new_ids(out1) == ["a"] and out1.new_requests[0].token_ids == list(range(10, 20))
+    assert [c.num_computed_tokens for c in out2.cached_requests + out3.cached_requests] == [4, 8]
+    assert out2.cached_requests[0].new_token_ids == []
+    assert outputs1 == outputs2 == []  # mid-prefill chunks sample nothing
+    assert outputs3 == [TokenOutput("a", [42])]
+
+
+def test_token_budget_goes_to_running_requests_before_new_ones() -> None:
+    sched = make_scheduler(max_num_batched_tokens=6)
+    sched.add(make_request("a", prompt_len=5))
+    step(sched)
+    sched.add(make_request("b", prompt_len=8))
+    out, _ = step(sched)
+    assert out.num_scheduled_tokens == {"a": 1, "b": 5}
+    assert out.total_num_scheduled_tokens == 6
+
+
+def test_max_num_seqs_caps_running_requests() -> None:
+    sched = make_scheduler(max_num_seqs=2)
+    for req_id in "abc":
+        sched.add(make_request(req_id))
+    out, _ = step(sched)
+    assert new_ids(out) == ["a", "b"]
+    assert (sched.num_running, sched.num_waiting) == (2, 1)
+
+
+def test_waiting_queue_is_fifo_without_skipping_ahead() -> None:
+    sched = make_scheduler(num_blocks=4, block_size=4)
+    sched.add(make_request("a", prompt_len=8))
+    sched.add(make_request("big", prompt_len=12, max_tokens=1))
+    sched.add(make_request("small", prompt_len=2))
+    out, _ = step(sched)
+    # "big" needs 3 blocks and only 2 are free; "small" would fit but must wait its turn.
+    assert new_ids(out) == ["a"]
+    assert [r.request_id for r in sched.waiting] == ["big", "small"]
+
+
+# --- preemption --------------------------------------------------------------------
+
+
+def test_newest_request_is_preempted_when_blocks_run_out() -> None:
+    sched = make_scheduler(num_blocks=4, block_size=2)
+    sched.add(make_request("old", prompt_len=4, max_tokens=4))
+    sched.add(make_request("new", prompt_len=4, max_tokens=4))
+    step(sched)  # 4 blocks in use, each request has 5 tokens: both need a 3rd block
+    out, _ = step(sched)
+    assert out.num_scheduled_tokens == {"old": 1}
+    assert out.finished_req_ids == ["new"]
+    preempted = sched.get_request("new")
+    assert preempted.status is RequestStatus.WAITING
+    assert preempted.num_computed_tokens == 0
+    assert sched.block_manager.block_table("new") == []
+    assert list(sched.waiting) == [preempted]
+    assert sched.stats().num_preemptions == 1
+
+
+def test_request_preempts_itself_when_it_is_the_newest() -> None:
+    sched = make_scheduler(num_blocks=3, block_size=2, max_num_batched_tokens=4)
+    sched.add(make_request("old", prompt_len=2, max_tokens=3))
+    sched.add(make_request("new", prompt_len=4, max_tokens=1))
+    out, _ = step(sched)  # old: 2 tokens (1 block); new: 2 of its 4 tokens (1 block)
+    assert out.num_scheduled_tokens == {"old": 2, "new": 2}
+    # old takes the last free block; new's next chunk needs one more, and new
+    # is the newest running request: it preempts itself.
+    out, _ = step(sched)
+    assert out.num_scheduled_tokens == {"old": 1}
+    assert out.finished_req_ids == ["new"]
+    new = sched.get_request("new")
+    assert new.status is RequestStatus.WAITING and new.num_computed_tokens == 0
+
+
+def test_preemption_takes_the_newest_first_and_keeps_their_order() -> None:
+    sched = make_scheduler(num_blocks=3, block_size=1)
+    for req_id in "abc":
+        sched.add(make_request(req_id, prompt_len=1, max_tokens=2))
+    step(sched)  # each holds 1 block and now has 2 tokens
+    out, _ = step(sched)  # a preempts c; then b finds no block and is the newest
+    assert out.num_scheduled_tokens == {"a": 1}
+    assert out.finished_req_ids == ["c", "b"]
+    assert [r.request_id for r in sched.waiting] == ["b", "c"]
+    assert sched.stats().num_preemptions == 2
+
+
+def test_no_request_is_admitted_in_a_step_that_preempted() -> None:
+    sched = make_scheduler(num_blocks=4, block_size=2, max_num_seqs=3)
+    sched.add(make_request("old", prompt_len=4, max_tokens=2))
+    sched.add(make_request("new", prompt_len=3, max_tokens=4))
+    step(sched)
+    sched.add(make_request("tiny", prompt_len=1))
+    out, _ = step(sched)  # "old" preempts "new" and finishes: blocks are free, yet no admission
+    assert out.finished_req_ids == ["new"]
+    assert out.new_requests == []
+    assert [r.request_id for r in sched.waiting] == ["new", "tiny"]
+    out, _ = step(sched)
+    assert new_ids(out) == ["new", "tiny"]  # the preempted request goes first
+
+
+def test_preempted_request_is_resent_with_all_tokens() -> None:
+    sched = make_scheduler(num_blocks=4, block_size=2)
+    sched.add(make_request("old", prompt_len=4, max_tokens=2))
+    sched.add(make_request("new", prompt_len=4, max_tokens=4))
+    step(sched, token=50)
+    out, outputs = step(sched, token=51)  # "new" is preempted; "old" finishes (max_tokens=2)
+    assert out.finished_req_ids == ["new"]
+    assert outputs == [TokenOutput("old", [51], "length")]
+    out, _ = step(sched)
+    (resent,) = out.new_requests
+    assert resent.req_id == "new"
+    assert resent.token_ids == [10, 11, 12, 13, 50]
+    assert resent.num_computed_tokens == 0
+    assert resent.block_ids == sched.block_manager.block_table("new")
+    assert len(resent.block_ids) == 3
+    assert out.num_scheduled_tokens == {"new": 5}
+
+
+def test_preempted_request_output_continues_where_it_stopped() -> None:
+    sched = make_scheduler(num_blocks=4, block_size=2)
+    sched.add(make_request("old", prompt_len=4, max_tokens=2))
+    sched.add(make_request("new", prompt_len=4, max_tokens=2))
+    step(sched, token=50)
+    step(sched, token=51)  # "new" preempted, "old" finished
+    _, outputs = step(sched, token=52)
+    assert outputs == [TokenOutput("new", [52], "length")]
+    assert sched.block_manager.num_free_blocks == 4
+
+
+# --- stops ---------------------------------------------------------------------------
+
+
+def test_eos_stops_the_request() -> None:
+    sched = make_scheduler()
+    sched.add(make_request("a"))
+    _, outputs = step(sched, token=EOS)
+    assert outputs == [TokenOutput("a", [EOS], "stop")]
+
+
+def test_ignore_eos_keeps_generating() -> None:
+    sched = make_scheduler()
+    sched.add(make_request("a", ignore_eos=True, max_tokens=2))
+    _, first = step(sched, token=EOS)
+    _, second = step(sched, token=EOS)
+    assert first == [TokenOutput("a", [EOS])]
+    assert second == [TokenOutput("a", [EOS], "length")]
+
+
+def test_stop_token_id_stops_the_request() -> None:
+    sched = make_scheduler()
+    sched.add(make_request("a", stop_token_ids=[9]))
+    _, outputs = step(sched, token=9)
+    assert outputs[0].finish_reason == "stop"
+
+
+def test_eos_wins_over_max_tokens_on_the_last_token() -> None:
+    sched = make_scheduler()
+    sched.add(make_request("a", max_tokens=1))
+    _, outputs = step(sched, token=EOS)
+    assert outputs[0].finish_reason == "stop"
+
+
+def test_max_tokens_stops_with_length() -> None:
+    sched = make_scheduler()
+    sched.add(make_request("a", max_tokens=3))
+    reasons = [step(sched)[1][0].finish_reason for _ in range(3)]
+    assert reasons == [None, None, "length"]
+
+
+def test_context_length_stops_with_length() -> None:
+    sched = make_scheduler(max_model_len=6)
+    sched.add(make_request("a", prompt_len=4, max_tokens=100))
+    reasons = [step(sched)[1][0].finish_reason for _ in range(2)]
+    assert reasons == [None, "length"]
+
+
+def test_request_stops_with_length_when_it_would_outgrow_the_whole_kv_cache() -> None:
+    sched = make_scheduler(num_blocks=2, block_size=4, max_model_len=64)
+    sched.add(make_request("a", prompt_len=4, max_tokens=100))
+    reasons = [step(sched)[1][0].finish_reason for _ in range(5)]
+    # 4 + 5 tokens: the first 8 fill the cache, the 9th is sampled but never computed.
+    assert reasons == [None, None, None, None, "length"]
+    assert not sched.has_unfinished()
+
+
+def test_finished_request_frees_its_blocks_at_once() -> None:
+    sched = make_scheduler()
+    sched.add(make_request("a", prompt_len=9, max_tokens=1))
+    step(sched)
+    assert sched.block_manager.num_free_blocks == 16
+    assert sched.num_running == 0
+
+
+def test_finished_request_is_named_once_in_the_next_output() -> None:
+    sched = make_scheduler()
+    sched.add(make_request("a", max_tokens=1))
+    sched.add(make_request("b", max_tokens=3))
+    step(sched)
+    out, _ = step(sched)
+    assert out.finished_req_ids == ["a"]
+    out, _ = step(sched)
+    assert out.finished_req_ids == []
+
+
+def test_logprobs_are_passed_through() -> None:
+    sched = make_scheduler()
+    sched.add(make_request("a"))
+    sched.add(make_request("b"))
+    out = sched.schedule()
+    lp = SampleLogprobs(-0.5, [7, 8], [-0.5, -1.5])
+    outputs = sched.postprocess(out, RunnerOutput(["a", "b"], [7, 8], [lp, None]))
+    assert outputs == [TokenOutput("a", [7], None, [lp]), TokenOutput("b", [8])]
+
+
+def test_postprocess_raises_if_the_runner_skips_a_sampling_request() -> None:
+    sched = make_scheduler()
+    sched.add(make_request("a"))
+    out = sched.schedule()
+    with pytest.raises(RuntimeError, match="'a'"):
+        sched.postprocess(out, RunnerOutput([], []))
+
+
+# --- abort ---------------------------------------------------------------------------
+
+
+def test_abort_frees_blocks_of_running_request() -> None:
+    sched = make_scheduler()
+    req = make_request("a", prompt_len=9)
+    sched.add(req)
+    step(sched)
+    assert sched.block_manager.num_free_blocks < 16
+    assert sched.abort(["a"]) == ["a"]
+    assert sched.block_manager.num_free_blocks == 16
+    assert req.status is RequestStatus.FINISHED and req.finish_reason == "abort"
+    assert sched.num_running == 0 and not sched.has_unfinished()
+    out, _ = step(sched)
+    assert out.finished_req_ids == ["a"]
+
+
+def test_abort_removes_a_waiting_request_the_workers_never_saw() -> None:
+    sched = make_scheduler()
+    sched.add(make_request("a"))
+    assert sched.abort(["a"]) == ["a"]
+    out, _ = step(sched)
+    assert sched.num_waiting == 0
+    assert out.finished_req_ids == [] and out.total_num_scheduled_tokens == 0
+
+
+def test_abort_of_a_preempted_request_names_it_only_once() -> None:
+    sched = make_scheduler(num_blocks=4, block_size=2)
+    sched.add(make_request("old", prompt_len=4, max_tokens=4))
+    sched.add(make_request("new", prompt_len=4, max_tokens=4))
+    step(sched)
+    out, _ = step(sched)
+    assert out.finished_req_ids == ["new"]
+    assert sched.abort(["new"]) == ["new"]
+    out, _ = step(sched)
+    assert out.finished_req_ids == []
+
+
+def test_abort_ignores_unknown_finished_and_repeated_ids() -> None:
+    sched = make_scheduler()
+    sched.add(make_request("done", max_tokens=1))
+    sched.add(make_request("live"))
+    step(sched)
+    assert sched.abort(["nope", "done", "live", "live"]) == ["live"]
+
+
+def test_abort_rejects_a_bare_string() -> None:
+    with pytest.raises(TypeError):
+        make_scheduler().abort("abc")
+
+
+def test_token_of_a_request_aborted_mid_step_is_dropped() -> None:
+    sched = make_scheduler()
+    sched.add(make_request("a"))
+    sched.add(make_request("b"))
+    out = sched.schedule()
+    sched.abort(["a"])
+    outputs = sched.postprocess(out, RunnerOutput(["a", "b"], [7, 8]))
+    assert outputs == [TokenOutput("b", [8])]
+
+
+# --- empty steps and stats -------------------------------------------------------------
+
+
+def test_empty_schedule_still_carries_finished_ids() -> None:
+    sched = make_scheduler()
+    sched.add(make_request("a", max_tokens=1))
+    step(sched)
+    out = sched.schedule()
+    assert out == SchedulerOutput([], [], {}, 0, ["a"])
+    assert sched.schedule() == SchedulerOutput([], [], {}, 0, [])
+
+
+def test_stats_count_steps_with_work_and_preemptions() -> None:
+    sched = make_scheduler(num_blocks=4, block_size=2)
+    sched.add(make_request("old", prompt_len=4, max_tokens=2))
+    sched.add(make_request("new", prompt_len=4, max_tokens=2))
+    sched.add(make_request("queued", prompt_len=4, max_tokens=1))
+    step(sched)
+    stats = sched.stats()
+    assert (stats.num_running, stats.num_waiting, stats.num_free_blocks) == (2, 1, 0)
+    while sched.has_unfinished():
+        step(sched)
+    sched.schedule()  # nothing to do: not a step
+    stats = sched.stats()
+    assert stats.num_preemptions == 1
+    assert stats.num_total_blocks == stats.num_free_blocks == 4
+    assert stats.num_steps == 4
+    sched.check_invariants()
+
+
+@pytest.mark.parametrize(
+    ("name", "value"),
+    [("max_num_seqs", 0), ("max_num_batched_tokens", 0), ("max_model_len", 1), ("num_blocks", 0)],
+)
+def test_constructor_rejects_bad_sizes(name: str, value: int) -> None:
+    with pytest.raises(ValueError, match=name):
+        make_scheduler(**{name: value})

@@ -1,0 +1,331 @@
+"""Tests for trioserve.frontend.tokenizer, on tokenizer.json files built here.
+
+Two styles of tokenizer are built (and reused by test_detokenizer.py):
+- a GPT-2-style byte-level BPE: the 256 byte tokens (token id == byte value),
+  a few merges, some of which cut a UTF-8 character in two, and a
+  post-processor that prepends ``<s>``;
+- a Llama-style SentencePiece BPE: merges trained on a small text, ``▁`` for
+  spaces, ``<0xNN>`` byte-fallback tokens, and a decoder that strips the
+  leading space.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import tokenizers
+from tokenizers import decoders, models, pre_tokenizers, processors, trainers
+
+from trioserve.frontend.tokenizer import Tokenizer
+
+SPECIALS = ["<pad>", "<s>", "</s>"]
+# Merges of the byte-level tokenizer, as byte strings. " \xc3" is a space and
+# the first byte of "é"; "\xa9l" the second byte of "é" and an "l"; "\xf0\x9f"
+# and "\xe6\x9d" the first bytes of an emoji and of "東".
+BYTE_MERGES = [
+    (b"h", b"e"),
+    (b"he", b"l"),
+    (b" ", b"t"),
+    (b" ", b"\xc3"),
+    (b"\xa9", b"l"),
+    (b"\xf0", b"\x9f"),
+    (b"\xe6", b"\x9d"),
+]
+PAD, BOS, EOS = (256 + len(BYTE_MERGES) + i for i in range(len(SPECIALS)))
+LLAMA_CORPUS = [
+    "the quick brown fox jumps over the lazy dog",
+    "hello world, hello there. do not panic; it is only a test!",
+    "a cafe on the corner sells tea and cake",
+]
+
+
+def byte_to_char() -> dict[int, str]:
+    """GPT-2's map from bytes to the printable characters that stand for them."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(0xA1, 0xAD), *range(0xAE, 0x100)]
+    chars = {b: chr(b) for b in printable}
+    others = [b for b in range(256) if b not in chars]
+    chars.update({b: chr(256 + n) for n, b in enumerate(others)})
+    return chars
+
+
+def build_byte_level() -> tokenizers.Tokenizer:
+    to_char = byte_to_char()
+
+    def token(data: bytes) -> str:
+        return "".join(to_char[b] for b in data)
+
+    vocab = {to_char[b]: b for b in range(256)}
+    merges = [(token(a), token(b)) for a, b in BYTE_MERGES]
+    for a, b in merges:
+        vocab[a + b] = len(vocab)
+    tok = tokenizers.Tokenizer(models.BPE(vocab=vocab, merges=merges))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens(SPECIALS)
+    bos = tok.token_to_id("<s>")
+    tok.post_processor = processors.TemplateProcessing(
+        single="<s> $A", pair="<s> $A <s> $B", special_tokens=[("<s>", bos)]
+    )
+    return tok
+
+
+def build_llama_style() -> tokenizers.Tokenizer:
+    tok = tokenizers.Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="always")
+    trainer = trainers.BpeTrainer(vocab_size=200, special_tokens=["<unk>", "<s>", "</s>"])
+    tok.train_from_iterator(LLAMA_CORPUS * 10, trainer)
+    spec = json.loads(tok.to_str())
+    vocab = spec["model"]["vocab"]
+    for b in range(256):  # byte fallback for every character not in the vocab
+        vocab[f"<0x{b:02X}>"] = len(vocab)
+    spec["model"].update(byte_fallback=True, unk_token="<unk>", fuse_unk=True)
+    spec["pre_tokenizer"] = None
+    spec["normalizer"] = {
+        "type": "Sequence",
+        "normalizers": [
+            {"type": "Prepend", "prepend": "▁"},
+            {"type": "Replace", "pattern": {"String": " "}, "content": "▁"},
+        ],
+    }
+    tok = tokenizers.Tokenizer.from_str(json.dumps(spec))
+    tok.decoder = decoders.Sequence(
+        [
+            decoders.Replace("▁", " "),
+            decoders.ByteFallback(),
+            decoders.Fuse(),
+            decoders.Strip(" ", 1, 0),
+        ]
+    )
+    tok.post_processor = processors.TemplateProcessing(
+        single="<s> $A", special_tokens=[("<s>", tok.token_to_id("<s>"))]
+    )
+    return tok
+
+
+def write_model_dir(
+    directory: Path,
+    backend: tokenizers.Tokenizer,
+    *,
+    tokenizer_config: dict | None = None,
+    generation_config: dict | None = None,
+    config: dict | None = None,
+) -> Path:
+    directory.mkdir(parents=True, exist_ok=True)
+    backend.save(str(directory / "tokenizer.json"))
+    for name, value in [
+        ("tokenizer_config.json", tokenizer_config),
+        ("generation_config.json", generation_config),
+        ("config.json", config),
+    ]:
+        if value is not None:
+            (directory / name).write_text(json.dumps(value))
+    return directory
+
+
+def write_byte_level_model(directory: Path) -> Path:
+    backend = build_byte_level()
+    return write_model_dir(
+        directory,
+        backend,
+        tokenizer_config={"bos_token": "<s>", "eos_token": "</s>", "pad_token": "<pad>"},
+        generation_config={"eos_token_id": backend.token_to_id("</s>")},
+    )
+
+
+def write_llama_style_model(directory: Path) -> Path:
+    backend = build_llama_style()
+    return write_model_dir(
+        directory,
+        backend,
+        tokenizer_config={
+            "bos_token": {"__type": "AddedToken", "content": "<s>", "special": True},
+            "eos_token": {"__type": "AddedToken", "content": "</s>", "special": True},
+            "unk_token": "<unk>",
+        },
+        config={"eos_token_id": backend.token_to_id("</s>"), "bos_token_id": 1},
+    )
+
+
+@pytest.fixture(scope="module")
+def byte_tok(tmp_path_factory: pytest.TempPathFactory) -> Tokenizer:
+    return Tokenizer.from_dir(write_byte_level_model(tmp_path_factory.mktemp("byte")))
+
+
+@pytest.fixture(scope="module")
+def llama_tok(tmp_path_factory: pytest.TempPathFactory) -> Tokenizer:
+    return Tokenizer.from_dir(write_llama_style_model(tmp_path_factory.mktemp("llama")))
+
+
+# --- loading ---------------------------------------------------------------
+
+
+def test_from_dir_reads_special_token_ids(byte_tok: Tokenizer) -> None:
+    assert byte_tok.vocab_size == 256 + len(BYTE_MERGES) + len(SPECIALS)
+    assert byte_tok.bos_token_id == BOS
+    assert byte_tok.eos_token_ids == [EOS]
+    assert byte_tok.all_special_ids == {PAD, BOS, EOS}
+
+
+def test_eos_ids_merge_generation_config_then_config_then_tokenizer_config(
+    tmp_path: Path,
+) -> None:
+    backend = build_byte_level()
+    eos = backend.token_to_id("</s>")
+    write_model_dir(
+        tmp_path,
+        backend,
+        tokenizer_config={"eos_token": "</s>"},
+        generation_config={"eos_token_id": [7, eos]},
+        config={"eos_token_id": 9},
+    )
+    tok = Tokenizer.from_dir(tmp_path)
+    assert tok.eos_token_ids == [7, eos, 9]
+    assert {7, 9, eos} <= tok.all_special_ids
+
+
+def test_bos_comes_from_config_files_unless_tokenizer_config_names_it(
+    tmp_path: Path,
+) -> None:
+    backend = build_byte_level()
+    bos = backend.token_to_id("<s>")
+    write_model_dir(tmp_path, backend, tokenizer_config={}, config={"bos_token_id": bos})
+    assert Tokenizer.from_dir(tmp_path).bos_token_id == bos
+    (tmp_path / "tokenizer_config.json").write_text('{"bos_token": null}')
+    assert Tokenizer.from_dir(tmp_path).bos_token_id is None
+
+
+def test_without_config_files_only_tokenizer_json_is_needed(tmp_path: Path) -> None:
+    tok = Tokenizer.from_dir(write_model_dir(tmp_path, build_byte_level()))
+    assert tok.eos_token_ids == []
+    assert tok.bos_token_id is None
+    assert tok.decode(tok.encode("hello")) == "hello"
+
+
+def test_special_tokens_saved_as_added_token_dicts(llama_tok: Tokenizer) -> None:
+    assert llama_tok.bos_token_id == 1
+    assert llama_tok.eos_token_ids == [2]
+    assert {0, 1, 2} <= llama_tok.all_special_ids
+
+
+def test_missing_model_dir_names_it(tmp_path: Path) -> None:
+    with pytest.raises(FileNotFoundError, match="model directory not found"):
+        Tokenizer.from_dir(tmp_path / "nope")
+
+
+def test_missing_tokenizer_json_names_the_file(tmp_path: Path) -> None:
+    (tmp_path / "config.json").write_text("{}")
+    with pytest.raises(FileNotFoundError, match="tokenizer.json not found"):
+        Tokenizer.from_dir(tmp_path)
+
+
+def test_corrupt_tokenizer_json_is_a_value_error(tmp_path: Path) -> None:
+    (tmp_path / "tokenizer.json").write_text('{"model": 3}')
+    with pytest.raises(ValueError, match="tokenizer.json: not a valid tokenizer file"):
+        Tokenizer.from_dir(tmp_path)
+
+
+@pytest.mark.parametrize(
+    ("name", "content", "message"),
+    [
+        ("generation_config.json", "{not json", r"generation_config.json: not valid JSON"),
+        ("config.json", "[1, 2]", r"config.json: expected a JSON object"),
+        ("config.json", '{"eos_token_id": "2"}', r"config.json: eos_token_id must be"),
+        ("generation_config.json", '{"eos_token_id": [1, -2]}', r"eos_token_id must be"),
+        ("tokenizer_config.json", '{"eos_token": 5}', r"tokenizer_config.json: eos_token"),
+    ],
+)
+def test_bad_config_file_names_file_and_field(
+    tmp_path: Path, name: str, content: str, message: str
+) -> None:
+    write_model_dir(tmp_path, build_byte_level())
+    (tmp_path / name).write_text(content)
+    with pytest.raises(ValueError, match=message):
+        Tokenizer.from_dir(tmp_path)
+
+
+# --- encode and decode -----------------------------------------------------
+
+
+def test_encode_prepends_bos_from_post_processor(byte_tok: Tokenizer) -> None:
+    ids = byte_tok.encode("hello")
+    assert ids[0] == byte_tok.bos_token_id
+    assert ids[1:] == [256 + 1, ord("l"), ord("o")]  # "hel" is a merge
+
+
+@pytest.mark.parametrize("text", ["hello world", "naïve café", "🙂 東京", ""])
+def test_decode_of_encode_round_trips(
+    byte_tok: Tokenizer, llama_tok: Tokenizer, text: str
+) -> None:
+    for tok in (byte_tok, llama_tok):
+        assert tok.decode(tok.encode(text)) == text
+
+
+def test_decode_skips_special_tokens_unless_asked(byte_tok: Tokenizer) -> None:
+    ids = byte_tok.encode("hi") + byte_tok.eos_token_ids
+    assert byte_tok.decode(ids) == "hi"
+    assert byte_tok.decode(ids, skip_special_tokens=False) == "<s>hi</s>"
+
+
+def test_decode_of_half_a_character_is_replacement_char(byte_tok: Tokenizer) -> None:
+    assert byte_tok.decode([0xC3]) == "\ufffd"
+    assert byte_tok.decode([0xC3, 0xA9]) == "é"
+
+
+def test_llama_style_falls_back_to_bytes_for_unknown_characters(llama_tok: Tokenizer) -> None:
+    ids = llama_tok.encode("🙂")
+    tokens = [llama_tok.id_to_token(i) for i in ids]
+    assert tokens[0] == "<s>"
+    assert tokens[-4:] == ["<0xF0>", "<0x9F>", "<0x99>", "<0x82>"]
+
+
+@pytest.mark.parametrize("add_bos_token", [True, False])
+@pytest.mark.parametrize("post_processor", [True, False])
+def test_post_processor_alone_decides_bos_as_in_transformers_5(
+    tmp_path: Path, add_bos_token: bool, post_processor: bool
+) -> None:
+    backend = build_byte_level()
+    if not post_processor:
+        backend.post_processor = None
+    config = {"bos_token": "<s>", "add_bos_token": add_bos_token}
+    tok = Tokenizer.from_dir(write_model_dir(tmp_path, backend, tokenizer_config=config))
+    assert tok.encode("hi") == [BOS] * post_processor + [ord("h"), ord("i")]
+
+
+def test_truncation_and_padding_saved_in_the_file_are_ignored(tmp_path: Path) -> None:
+    backend = build_byte_level()
+    backend.enable_truncation(max_length=3)
+    backend.enable_padding(length=32, pad_id=backend.token_to_id("<pad>"))
+    tok = Tokenizer.from_dir(write_model_dir(tmp_path, backend))
+    assert tok.decode(tok.encode("a longer prompt")) == "a longer prompt"
+
+
+@pytest.mark.parametrize("write", [write_byte_level_model, write_llama_style_model])
+def test_same_ids_and_text_as_transformers_auto_tokenizer(tmp_path: Path, write) -> None:
+    transformers = pytest.importorskip("transformers")
+    model_dir = write(tmp_path)
+    reference = transformers.AutoTokenizer.from_pretrained(str(model_dir))
+    tok = Tokenizer.from_dir(model_dir)
+    assert tok.vocab_size == len(reference)
+    assert tok.bos_token_id == reference.bos_token_id
+    assert reference.eos_token_id in tok.eos_token_ids
+    assert tok.all_special_ids == set(reference.all_special_ids)
+    for text in ["hello world", "", "naïve café 🙂 東京", " two  spaces\n", "<s>x</s>"]:
+        ids = tok.encode(text)
+        assert ids == reference.encode(text)
+        for skip in (True, False):
+            assert tok.decode(ids, skip_special_tokens=skip) == reference.decode(
+                ids, skip_special_tokens=skip
+            )
+
+
+def test_importing_tokenizer_does_not_import_torch_or_transformers() -> None:
+    code = (
+        "import sys, trioserve.frontend.tokenizer, trioserve.frontend.detokenizer; "
+        "bad = {'torch', 'transformers'} & set(sys.modules); "
+        "assert not bad, bad"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
