@@ -22,14 +22,27 @@ from trioserve.frontend.detokenizer import (
 from trioserve.frontend.tokenizer import Tokenizer
 
 try:  # tests/ as a package, or as rootdir-relative modules
-    from .test_tokenizer import BYTE_MERGES, write_byte_level_model, write_llama_style_model
+    from .test_tokenizer import (
+        BOS,
+        BYTE_MERGES,
+        EOS,
+        PAD,
+        write_byte_level_model,
+        write_llama_style_model,
+    )
 except ImportError:
-    from test_tokenizer import BYTE_MERGES, write_byte_level_model, write_llama_style_model
+    from test_tokenizer import (
+        BOS,
+        BYTE_MERGES,
+        EOS,
+        PAD,
+        write_byte_level_model,
+        write_llama_style_model,
+    )
 
 R = "\ufffd"
 HEL = 257  # the byte-level merge "hel"
 MERGE_IDS = list(range(256, 256 + len(BYTE_MERGES)))
-PAD, BOS, EOS = (256 + len(BYTE_MERGES) + i for i in range(3))
 SETTINGS = settings(
     max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow]
 )
@@ -198,15 +211,20 @@ def test_llama_style_first_delta_keeps_its_leading_space(llama_tok: Tokenizer) -
     assert "".join(deltas(stream(no_prompt, one_by_one(ids)))) == "world"
 
 
+class CountingTokenizer:
+    """Passes ``decode`` on, noting the longest list of ids it was given."""
+
+    def __init__(self, tokenizer: Tokenizer) -> None:
+        self.tokenizer = tokenizer
+        self.longest = 0
+
+    def decode(self, ids: Sequence[int], *, skip_special_tokens: bool = True) -> str:
+        self.longest = max(self.longest, len(ids))
+        return self.tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
+
+
 def test_each_update_decodes_a_bounded_window(byte_tok: Tokenizer) -> None:
-    class CountingTokenizer:
-        longest = 0
-
-        def decode(self, ids: Sequence[int], *, skip_special_tokens: bool = True) -> str:
-            self.longest = max(self.longest, len(ids))
-            return byte_tok.decode(ids, skip_special_tokens=skip_special_tokens)
-
-    spy = CountingTokenizer()
+    spy = CountingTokenizer(byte_tok)
     ids = utf8_ids("héllo wörld 🙂 東京 " * 200)
     detok = IncrementalDetokenizer(spy, byte_tok.encode("prompt " * 100))  # type: ignore[arg-type]
     stream(detok, one_by_one(ids))
@@ -215,11 +233,14 @@ def test_each_update_decodes_a_bounded_window(byte_tok: Tokenizer) -> None:
 
 
 def test_a_long_run_of_invalid_utf8_is_released(byte_tok: Tokenizer) -> None:
+    spy = CountingTokenizer(byte_tok)
     ids = [0x80] * 100 + [0xE2, 0x82, 0xAC] + [0xF0] * 50 + [ord("a")]
-    detok = IncrementalDetokenizer(byte_tok, [])
+    detok = IncrementalDetokenizer(spy, [])  # type: ignore[arg-type]
     out = deltas(stream(detok, one_by_one(ids)))
-    assert "".join(out[:100]).startswith(R * 80)  # not held until the end
+    released = "".join(out[:100])  # not held back until the end
+    assert set(released) == {R} and len(released) >= 100 - MAX_PENDING_TOKENS - 1
     assert "".join(out) + detok.flush() == byte_tok.decode(ids)
+    assert spy.longest <= 2 * MAX_PENDING_TOKENS + 2
 
 
 # --- stop strings ------------------------------------------------------------

@@ -9,7 +9,7 @@ from __future__ import annotations
 import os
 import signal
 import sys
-from collections.abc import AsyncIterator
+from collections.abc import Iterator
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -33,13 +33,14 @@ class Reports:
 
     def __init__(self) -> None:
         self.read_fd, self.write_fd = os.pipe()
-        self._stream = trio.lowlevel.FdStream(self.read_fd)
+        os.set_blocking(self.read_fd, False)
         self._buffer = b""
         self.pids: list[int] = []
 
     async def next(self) -> tuple[str, int]:
         while b"\n" not in self._buffer:
-            chunk = await self._stream.receive_some()
+            await trio.lowlevel.wait_readable(self.read_fd)
+            chunk = os.read(self.read_fd, 4096)
             assert chunk, "every child closed the report pipe"
             self._buffer += chunk
         line, _, self._buffer = self._buffer.partition(b"\n")
@@ -50,8 +51,8 @@ class Reports:
     def env(self, **extra: str) -> dict[str, str]:
         return {**os.environ, REPORT_FD_ENV: str(self.write_fd), **extra}
 
-    def close(self) -> None:
-        self._stream.close()
+    def close(self) -> None:  # after the test's trio.run: nothing waits on read_fd
+        os.close(self.read_fd)
         os.close(self.write_fd)
 
 
@@ -62,22 +63,26 @@ def running(pid: int) -> bool:
         return False
 
 
+# Sync fixtures on purpose: pytest-trio runs an async fixture only when the
+# test names it, so an async autouse fixture would silently never run.
 @pytest.fixture
-async def reports() -> AsyncIterator[Reports]:
+def reports() -> Iterator[Reports]:
     reports = Reports()
     yield reports
     reports.close()
 
 
 @pytest.fixture(autouse=True)
-async def no_process_left_behind(reports: Reports) -> AsyncIterator[None]:
-    before = {p.pid for p in psutil.Process().children(recursive=True)}
+def no_process_left_behind(reports: Reports) -> Iterator[None]:
+    me = psutil.Process()
+    before, fds_before = {p.pid for p in me.children(recursive=True)}, me.num_fds()
     yield
-    after = {p.pid for p in psutil.Process().children(recursive=True)}
+    after = {p.pid for p in me.children(recursive=True)}
     leftovers = sorted(pid for pid in (after - before) | set(reports.pids) if running(pid))
     for pid in leftovers:
         os.kill(pid, signal.SIGKILL)
     assert not leftovers, f"processes left behind: {leftovers}"
+    assert me.num_fds() == fds_before, "file descriptors leaked"
 
 
 def helper(*args: str) -> list[str]:
@@ -155,6 +160,12 @@ async def test_unexpected_exit_raises_process_exited_with_its_code(code: int) ->
             child = await nursery.start(partial(supervise_process, argv, name="engine-core-0"))
     assert str(caught.value.exceptions[0]) == f"engine-core-0 (pid {child.pid}) exited with code {code}"
     assert child.returncode == code
+
+
+async def test_a_program_that_cannot_start_raises_from_start() -> None:
+    with trio.fail_after(5), pytest.RaisesGroup(FileNotFoundError):
+        async with trio.open_nursery() as nursery:
+            await nursery.start(partial(supervise_process, ["/nonexistent/program"], name="missing"))
 
 
 async def test_killed_child_raises_process_exited_naming_the_signal(reports: Reports) -> None:

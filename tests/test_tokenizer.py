@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -304,7 +305,9 @@ def test_truncation_and_padding_saved_in_the_file_are_ignored(tmp_path: Path) ->
 
 
 @pytest.mark.parametrize("write", [write_byte_level_model, write_llama_style_model])
-def test_same_ids_and_text_as_transformers_auto_tokenizer(tmp_path: Path, write) -> None:
+def test_same_ids_and_text_as_transformers_auto_tokenizer(
+    tmp_path: Path, write: Callable[[Path], Path]
+) -> None:
     transformers = pytest.importorskip("transformers")
     model_dir = write(tmp_path)
     reference = transformers.AutoTokenizer.from_pretrained(str(model_dir))

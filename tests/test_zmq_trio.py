@@ -181,9 +181,7 @@ async def test_cancelled_multipart_send_queues_nothing() -> None:
                     scope.cancel()
             received = [await pull.recv_multipart() for _ in range(sent)]
             assert received == [[b"head-%d" % i, b"tail-%d" % i] for i in range(sent)]
-            with trio.move_on_after(0.05):
-                extra = await pull.recv_multipart()
-                pytest.fail(f"a cancelled send was queued: {extra}")
+            assert not pull.socket.getsockopt(zmq.EVENTS) & zmq.POLLIN  # (inproc: nothing in flight)
 
 
 def test_options_are_set_by_name_and_linger_defaults_to_0(ipc_dir: Path) -> None:

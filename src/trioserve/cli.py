@@ -15,6 +15,7 @@ from trioserve.api import open_engine
 from trioserve.config import EngineConfig
 from trioserve.errors import TrioserveError
 from trioserve.messages import SamplingParams
+from trioserve.server import Server, ServerConfig
 
 
 def _add_engine_options(parser: argparse.ArgumentParser) -> None:
@@ -111,8 +112,6 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 def _add_server_options(parser: argparse.ArgumentParser) -> None:
-    from trioserve.server.config import ServerConfig
-
     defaults = ServerConfig()
     group = parser.add_argument_group("server")
     group.add_argument(
@@ -144,8 +143,6 @@ def _add_server_options(parser: argparse.ArgumentParser) -> None:
 
 
 def _server_config(args: argparse.Namespace) -> ServerConfig:
-    from trioserve.server.config import ServerConfig
-
     return ServerConfig(
         host=args.host,
         port=args.port,
@@ -159,7 +156,8 @@ def _server_config(args: argparse.Namespace) -> ServerConfig:
 
 async def _serve(server: Server) -> None:
     """Run ``server`` until SIGINT or SIGTERM has shut it down gracefully (a
-    second signal ends the grace at once)."""
+    second signal ends the grace at once). Raises what ``Server.run`` raises."""
+    failure: list[Exception] = []
     with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
         async with trio.open_nursery() as nursery:
 
@@ -169,23 +167,31 @@ async def _serve(server: Server) -> None:
                     server.shutdown()
 
             async def announce() -> None:
-                print(f"trioserve: starting on {server.url} (loading the model)", file=sys.stderr, flush=True)
                 if await server.wait_ready():
                     print(f"trioserve: serving on {server.url} (health: {server.health_url})", flush=True)
 
+            async def run_server() -> None:
+                try:
+                    await server.run()
+                except (TrioserveError, OSError) as exc:  # OSError: cannot listen
+                    failure.append(exc)
+                finally:
+                    nursery.cancel_scope.cancel()
+
             nursery.start_soon(stop_on_signals)
-            await nursery.start(server.run)
             nursery.start_soon(announce)
-            await server.state.stopping.wait()
-            await server.finished.wait()
-            nursery.cancel_scope.cancel()
+            nursery.start_soon(run_server)
+    if failure:
+        raise failure[0]
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    from trioserve.server import Server
-
     server = Server(_engine_config(args), _server_config(args))
-    trio.run(_serve, server)
+    try:
+        trio.run(_serve, server)
+    except OSError as exc:  # the address is taken, or not ours
+        print(f"trioserve: cannot listen on {args.host}:{args.port}: {exc.strerror or exc}", file=sys.stderr)
+        return 1
     print("trioserve: stopped", file=sys.stderr)
     return 0
 
@@ -205,6 +211,16 @@ def build_parser() -> argparse.ArgumentParser:
     _add_engine_options(generate)
     _add_sampling_options(generate)
     generate.set_defaults(func=cmd_generate)
+    serve = commands.add_parser(
+        "serve",
+        help="serve a model to WebSocket clients that stream tokens",
+        description="Start an engine and stream tokens to WebSocket clients (protocol: docs/websocket-protocol.md). "
+        "Prints the URL once the model is loaded; GET /health on the same port answers 200 when ready. "
+        "SIGINT (Ctrl-C) or SIGTERM shuts down gracefully.",
+    )
+    _add_server_options(serve)
+    _add_engine_options(serve)
+    serve.set_defaults(func=cmd_serve)
     return parser
 
 

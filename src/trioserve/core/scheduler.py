@@ -19,7 +19,7 @@ Invariants (``check_invariants`` raises ``RuntimeError`` naming the one broken):
 - every unfinished request is either running (RUNNING) or waiting (WAITING);
 - a waiting request holds no blocks and has ``num_computed_tokens == 0``;
 - a running request's table holds exactly ``ceil(num_computed_tokens / block_size)``
-  blocks (after ``schedule()``), and the workers hold its state;
+  blocks, and the workers hold its state (it has been scheduled at least once);
 - ``len(running) <= max_num_seqs``; a step schedules at most
   ``max_num_batched_tokens`` tokens;
 - a request the workers have seen and that stops running (finished, aborted,
@@ -306,7 +306,7 @@ class Scheduler:
         req.status = RequestStatus.WAITING
         req.num_computed_tokens = 0
         self.waiting.appendleft(req)
-        self._num_tokens_sent.pop(req.request_id, None)
+        self._forget_on_workers(req.request_id)
         self.num_preemptions += 1
 
     def _finish(self, req: Request, reason: FinishReason) -> None:
@@ -353,10 +353,10 @@ def _sampled_tokens(
 ) -> dict[str, tuple[int, SampleLogprobs | None]]:
     req_ids, token_ids = runner_output.req_ids, runner_output.sampled_token_ids
     logprobs = runner_output.logprobs
-    if len(req_ids) != len(token_ids) or (logprobs is not None and len(logprobs) != len(req_ids)):
-        raise RuntimeError("runner output: req_ids, sampled_token_ids and logprobs differ in length")
     if logprobs is None:
-        return {req_id: (tok, None) for req_id, tok in zip(req_ids, token_ids)}
+        logprobs = [None] * len(req_ids)
+    if not len(req_ids) == len(token_ids) == len(logprobs):
+        raise RuntimeError("runner output: req_ids, sampled_token_ids and logprobs differ in length")
     return {req_id: (tok, lp) for req_id, tok, lp in zip(req_ids, token_ids, logprobs)}
 
 

@@ -19,7 +19,8 @@ and drives the ``tokenizers`` library directly:
 
 Invariants: ``eos_token_ids`` has no duplicates and keeps that order of
 preference (generation_config.json, config.json, tokenizer_config.json);
-``all_special_ids`` holds BOS, every EOS, and each token the decoder skips.
+``all_special_ids`` holds BOS, every EOS, PAD, UNK and each token that
+``decode(..., skip_special_tokens=True)`` skips.
 """
 
 from __future__ import annotations

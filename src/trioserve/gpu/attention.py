@@ -182,9 +182,11 @@ def _attend(
 
 def _gather(cache: torch.Tensor, tables: torch.Tensor) -> torch.Tensor:
     """Cache ``[N, bs, KVH, D]`` read through tables ``[B, nb]`` -> ``[B, KVH, nb * bs, D]``."""
-    blocks = cache[tables]  # [B, nb, bs, KVH, D]
-    b, nb, bs, kvh, d = blocks.shape
-    return blocks.reshape(b, nb * bs, kvh, d).transpose(1, 2)
+    b, nb = tables.shape
+    _, bs, kvh, d = cache.shape
+    # index_select copies whole blocks; advanced indexing (cache[tables]) is several times slower on the CPU.
+    blocks = cache.index_select(0, tables.reshape(-1))  # [B * nb, bs, KVH, D]
+    return blocks.view(b, nb * bs, kvh, d).transpose(1, 2)
 
 
 def paged_attention_forward(

@@ -13,6 +13,7 @@ request's token list and its block table.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
@@ -46,6 +47,17 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     if name == "auto":
         return torch.bfloat16 if device.type == "cuda" else torch.float32
     return _DTYPES[name]
+
+
+def default_torch_threads(device: torch.device) -> int | None:
+    """Intra-op threads for a worker when the config does not say: on the CPU,
+    one fewer than the cores this process may use, so that the engine core
+    and the front-end keep a core (OpenMP threads that lose their core to
+    them spin and stall every kernel); elsewhere, torch's own default (None)."""
+    if device.type != "cpu":
+        return None
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return max(1, cores - 1)
 
 
 @dataclass
@@ -87,8 +99,9 @@ class ModelRunner:
         self.kv_caches: KVCache = []
         self.num_blocks = 0
         self.requests: dict[str, _Request] = {}
-        if config.torch_threads is not None:
-            torch.set_num_threads(config.torch_threads)
+        threads = config.torch_threads or default_torch_threads(self.device)
+        if threads is not None:
+            torch.set_num_threads(threads)
         # Every rank draws the same unseeded noise, so tensor-parallel ranks agree.
         self.generator = torch.Generator(device=self.device).manual_seed(config.seed)
 
@@ -97,7 +110,9 @@ class ModelRunner:
     def load(self) -> WorkerLoaded:
         """Load the model; say how many KV blocks the memory budget allows."""
         from transformers import AutoModelForCausalLM
+        from transformers.utils import logging as hf_logging
 
+        hf_logging.disable_progress_bar()  # a worker's stderr is the operator's log
         torch.manual_seed(self.config.seed)
         model = AutoModelForCausalLM.from_pretrained(
             self.config.model, attn_implementation=ATTENTION_NAME, dtype=self.dtype
@@ -108,12 +123,20 @@ class ModelRunner:
         self.num_layers = text.num_hidden_layers
         self.num_kv_heads = getattr(text, "num_key_value_heads", None) or text.num_attention_heads
         self.head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+        max_model_len = self.config.max_model_len or text.max_position_embeddings
         return WorkerLoaded(
-            max_num_kv_blocks=self.config.num_kv_blocks or self.config.kv_cache_memory_bytes // self.bytes_per_block,
-            max_model_len=self.config.max_model_len or text.max_position_embeddings,
+            max_num_kv_blocks=self.config.num_kv_blocks or self._blocks_for_budget(max_model_len),
+            max_model_len=max_model_len,
             vocab_size=self.vocab_size,
             eos_token_ids=_eos_token_ids(model),
         )
+
+    def _blocks_for_budget(self, max_model_len: int) -> int:
+        """As many blocks as the memory budget holds, but no more than every
+        sequence of a full batch at full context length could use."""
+        by_memory = self.config.kv_cache_memory_bytes // self.bytes_per_block
+        per_sequence = -(-max_model_len // self.block_size)
+        return max(1, min(by_memory, per_sequence * self.config.max_num_seqs))
 
     @property
     def bytes_per_block(self) -> int:

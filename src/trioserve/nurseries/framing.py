@@ -182,6 +182,8 @@ class MessageBridge:
             raise self._failure
 
     async def _read_loop(self, inbox: trio.MemorySendChannel[Any]) -> None:
+        """Frames -> messages -> inbox, until EOF or a bad frame (kept in
+        ``_failure``). Closes the inbox however it ends."""
         async with inbox:
             while True:
                 try:
@@ -202,6 +204,9 @@ class MessageBridge:
                 await inbox.send(message)
 
     async def _write_loop(self, outbox: trio.MemoryReceiveChannel[Any], scope: trio.CancelScope) -> None:
+        """Outbox -> frames, until the outbox closes (then half-close the
+        stream) or the peer stops reading. Closes the outbox however it ends;
+        if cancelled mid-frame, that frame is still written whole."""
         async with outbox:
             try:
                 async for message in outbox:

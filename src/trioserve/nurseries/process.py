@@ -205,8 +205,9 @@ def run_child_main(async_main: Callable[[], Awaitable[None]], *, name: str) -> N
     parent-watch pipe ends (stop, or parent gone) and one that does the same
     on SIGTERM. A daemon thread ends the process with ``os._exit(1)`` if it
     is still alive ``TRIOSERVE_HARD_EXIT_S`` seconds after the pipe ended.
-    Exits the process: 0 after ``async_main`` returns or a stop, 1 (with the
-    traceback on stderr) after an exception.
+    Exits the process with ``os._exit`` (no interpreter teardown): 0 after
+    ``async_main`` returns or a stop, 1 (with the traceback on stderr) after
+    an exception.
     """
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     _set_process_title(name)
@@ -218,14 +219,19 @@ def run_child_main(async_main: Callable[[], Awaitable[None]], *, name: str) -> N
         threading.Thread(
             target=_exit_soon_after_parent, args=(parent_fd, hard_exit_s), name="parent-watch-fallback", daemon=True
         ).start()
+    code = 0
     try:
         trio.run(_child_root, async_main, parent_fd)
     except BaseException:
         sys.stderr.write(f"{name} (pid {os.getpid()}) failed:\n")
         traceback.print_exc()
-        sys.stderr.flush()
-        sys.exit(1)
-    sys.exit(0)
+        code = 1
+    # Skip the interpreter's teardown: with torch loaded it can take seconds,
+    # and a child holds nothing that the kernel does not release.
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def _take_parent_fd() -> int | None:
@@ -238,6 +244,8 @@ def _take_parent_fd() -> int | None:
 
 
 async def _child_root(async_main: Callable[[], Awaitable[None]], parent_fd: int | None) -> None:
+    """``async_main`` beside the stop watchers; returns when it returns or a
+    stop cancels it."""
     async with trio.open_nursery() as nursery:
         await nursery.start(_cancel_on_sigterm, nursery.cancel_scope)
         if parent_fd is not None:

@@ -171,7 +171,7 @@ class TrioZmqSocket:
         """Return once ``zmq.EVENTS`` has ``flag``; wait on the FD until then.
 
         Reading ``zmq.EVENTS`` is what re-arms the edge-triggered FD, so it
-        is read before every wait, never after.
+        is read before every wait, never after. If cancelled, nothing changed.
         """
         while True:
             if self._closed:

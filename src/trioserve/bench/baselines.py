@@ -1,0 +1,241 @@
+"""Baselines, run in their own process (they import torch)::
+
+    python -m trioserve.bench.baselines KIND --model DIR --spec JSON
+
+prints one JSON object on stdout. ``KIND``:
+
+- ``model-only``: our ``ModelRunner`` stepping the batch shapes our own
+  scheduler makes for the same workload (a closed loop holding
+  ``concurrency`` requests), in this one process: no IPC, no asyncio/trio,
+  no detokenization. Only ``execute()`` is timed: the fastest this model
+  goes on this machine through our runner.
+- ``generate-batch``: ``transformers``' continuous batching
+  (``model.generate_batch``) over all the requests at once.
+- ``generate``: ``transformers`` ``model.generate()`` in static batches of
+  ``concurrency`` requests, left-padded, each batch generating its longest
+  asked output.
+
+Every kind decodes greedily and ignores EOS, and warms up on two short
+requests first. Output tokens counted are the ones the workload asked for.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import resource
+import sys
+import time
+from collections import deque
+from typing import Any
+
+import msgspec
+import torch
+
+from trioserve.bench.workload import BenchRequest, WorkloadSpec, build_requests, warmup_spec
+from trioserve.config import EngineConfig
+from trioserve.core.request import Request
+from trioserve.core.scheduler import Scheduler
+from trioserve.messages import SamplingParams
+
+
+def _params(max_tokens: int) -> SamplingParams:
+    return SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+
+
+def _weighted_median(values: list[tuple[float, int]]) -> float:
+    """The median of ``value`` counted ``weight`` times each."""
+    ordered = sorted(values)
+    half, seen = sum(w for _, w in ordered) / 2, 0
+    for value, weight in ordered:
+        seen += weight
+        if seen >= half:
+            return value
+    return float("nan")
+
+
+class _ModelOnly:
+    """A closed loop of ``concurrency`` requests through scheduler and runner."""
+
+    def __init__(self, config: EngineConfig) -> None:
+        from trioserve.gpu.model_runner import ModelRunner
+
+        self.runner = ModelRunner(config)
+        loaded = self.runner.load()
+        self.runner.init_kv_cache(loaded.max_num_kv_blocks)
+        self.config = config
+        self.loaded = loaded
+
+    def run(self, requests: list[BenchRequest], concurrency: int | None) -> list[tuple[int, int, float]]:
+        """``(num_seqs, num_sampled, seconds)`` per step."""
+        c = self.config
+        sched = Scheduler(
+            num_blocks=self.loaded.max_num_kv_blocks,
+            block_size=c.block_size,
+            max_num_seqs=c.max_num_seqs,
+            max_num_batched_tokens=c.max_num_batched_tokens,
+            max_model_len=min(self.loaded.max_model_len, self.loaded.max_num_kv_blocks * c.block_size),
+        )
+        queue = deque(requests)
+        limit = concurrency or len(requests)
+        in_flight, steps = 0, []
+        while queue or sched.has_unfinished():
+            while queue and in_flight < limit:
+                r = queue.popleft()
+                sched.add(Request(f"r{r.index}", r.prompt_token_ids, _params(r.max_tokens), []))
+                in_flight += 1
+            out = sched.schedule()
+            started = time.perf_counter()
+            result = self.runner.execute(out)
+            steps.append((len(out.num_scheduled_tokens), len(result.req_ids), time.perf_counter() - started))
+            in_flight -= sum(o.finish_reason is not None for o in sched.postprocess(out, result))
+        return steps
+
+
+def run_model_only(config: EngineConfig, spec: WorkloadSpec) -> dict[str, Any]:
+    bench = _ModelOnly(config)
+    bench.run(_warmup_requests(spec), None)
+    steps = bench.run(build_requests(spec), spec.concurrency)
+    total = sum(s for _, _, s in steps)
+    full = [s for n, k, s in steps if n == k == (spec.concurrency or config.max_num_seqs)]
+    tokens = sum(r.max_tokens for r in build_requests(spec))
+    return {
+        "kind": "model-only",
+        "seconds": total,
+        "output_tokens": tokens,
+        "output_tokens_per_s": tokens / total,
+        "requests_per_s": spec.num_requests / total,
+        "num_steps": len(steps),
+        # Each step's time, counted once per token it sampled: compare with ITL p50.
+        "step_p50_s": _weighted_median([(s, k) for _, k, s in steps if k]),
+        "decode_step_p50_s": sorted(full)[len(full) // 2] if full else None,
+        "decode_batch_size": spec.concurrency or config.max_num_seqs,
+        "torch_threads": torch.get_num_threads(),
+    }
+
+
+def _warmup_requests(spec: WorkloadSpec) -> list[BenchRequest]:
+    return build_requests(warmup_spec(spec.vocab_size))
+
+
+def _load_hf(model_dir: str, attn: str | None = None) -> Any:
+    from transformers import AutoModelForCausalLM
+    from transformers.utils import logging
+
+    logging.disable_progress_bar()
+    logging.set_verbosity_error()
+    kwargs = {"attn_implementation": attn} if attn else {}
+    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, **kwargs).eval()
+
+
+def _greedy_config(max_new_tokens: int) -> Any:
+    from transformers import GenerationConfig
+
+    return GenerationConfig(
+        max_new_tokens=max_new_tokens, min_new_tokens=max_new_tokens, do_sample=False, eos_token_id=None, pad_token_id=0
+    )
+
+
+def run_generate_batch(config: EngineConfig, spec: WorkloadSpec) -> dict[str, Any]:
+    model = _load_hf(config.model)
+    requests = build_requests(spec)
+    longest = max(r.max_tokens for r in requests)
+    # generate_batch manages its own inference mode (wrapping it in one breaks it).
+    cb_config = _cb_config(model, config, spec)
+    model.generate_batch(
+        inputs=[r.prompt_token_ids for r in _warmup_requests(spec)],
+        generation_config=_greedy_config(4),
+        continuous_batching_config=cb_config,
+    )
+    started = time.perf_counter()
+    outputs = model.generate_batch(
+        inputs=[r.prompt_token_ids for r in requests],
+        generation_config=_greedy_config(longest),
+        continuous_batching_config=cb_config,
+    )
+    seconds = time.perf_counter() - started
+    generated = sum(len(o.generated_tokens) for o in outputs.values())
+    return _throughput("generate-batch", requests, seconds, generated_tokens=generated)
+
+
+def _cb_config(model: Any, config: EngineConfig, spec: WorkloadSpec) -> Any:
+    """The same limits as our engine: the step's token budget, at most
+    ``concurrency`` sequences in a batch, and about the same KV memory (its
+    default sizes the cache from free memory: gigabytes on a CPU)."""
+    from transformers import ContinuousBatchingConfig
+
+    text = model.config.get_text_config()
+    head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+    kv_heads = getattr(text, "num_key_value_heads", None) or text.num_attention_heads
+    page_size = 256
+    block_bytes = 2 * text.num_hidden_layers * page_size * kv_heads * head_dim * 4  # K and V, all layers, float32
+    in_flight = spec.concurrency or config.max_num_seqs
+    needed = in_flight * -(-(spec.prompt_len[1] + spec.output_len[1]) // page_size)
+    return ContinuousBatchingConfig(
+        page_size=page_size,
+        num_blocks=max(8, min(needed, config.kv_cache_memory_bytes // block_bytes)),
+        max_batch_tokens=config.max_num_batched_tokens,
+        max_requests_per_batch=spec.concurrency or config.max_num_seqs,
+    )
+
+
+def run_generate(config: EngineConfig, spec: WorkloadSpec) -> dict[str, Any]:
+    model = _load_hf(config.model, attn="sdpa")
+    requests = build_requests(spec)
+    size = spec.concurrency or config.max_num_seqs
+    with torch.inference_mode():
+        _static_batch(model, _warmup_requests(spec))
+        started = time.perf_counter()
+        generated = sum(_static_batch(model, requests[i : i + size]) for i in range(0, len(requests), size))
+        seconds = time.perf_counter() - started
+    return _throughput("generate", requests, seconds, generated_tokens=generated, batch_size=size)
+
+
+def _static_batch(model: Any, batch: list[BenchRequest]) -> int:
+    """One left-padded ``generate()`` call; returns the tokens it generated."""
+    width = max(len(r.prompt_token_ids) for r in batch)
+    ids = torch.zeros(len(batch), width, dtype=torch.long)
+    mask = torch.zeros(len(batch), width, dtype=torch.long)
+    for row, r in enumerate(batch):
+        ids[row, width - len(r.prompt_token_ids) :] = torch.tensor(r.prompt_token_ids)
+        mask[row, width - len(r.prompt_token_ids) :] = 1
+    longest = max(r.max_tokens for r in batch)
+    out = model.generate(input_ids=ids, attention_mask=mask, generation_config=_greedy_config(longest))
+    return (out.shape[1] - width) * len(batch)
+
+
+def _throughput(kind: str, requests: list[BenchRequest], seconds: float, **extra: Any) -> dict[str, Any]:
+    tokens = sum(r.max_tokens for r in requests)
+    return {
+        "kind": kind,
+        "seconds": seconds,
+        "output_tokens": tokens,
+        "output_tokens_per_s": tokens / seconds,
+        "requests_per_s": len(requests) / seconds,
+        "torch_threads": torch.get_num_threads(),
+        **extra,
+    }
+
+
+KINDS = {"model-only": run_model_only, "generate-batch": run_generate_batch, "generate": run_generate}
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m trioserve.bench.baselines", description=__doc__.splitlines()[0])
+    parser.add_argument("kind", choices=sorted(KINDS))
+    parser.add_argument("--config", required=True, help="the engine's EngineConfig, as JSON")
+    parser.add_argument("--spec", required=True, help="the WorkloadSpec, as JSON")
+    args = parser.parse_args(argv)
+    config = msgspec.json.decode(args.config, type=EngineConfig)
+    spec = WorkloadSpec.from_dict(json.loads(args.spec))
+    from trioserve.gpu.model_runner import default_torch_threads
+
+    torch.set_num_threads(config.torch_threads or default_torch_threads(torch.device("cpu")) or torch.get_num_threads())
+    result = KINDS[args.kind](config, spec)
+    result["peak_rss_bytes"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux: KiB
+    json.dump(result, sys.stdout)
+    sys.stdout.write("\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,205 @@
+"""The ``trioserve bench`` subcommand: ``add_bench_parser(subparsers)``."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+import trio
+
+from trioserve.bench.drivers import Progress
+from trioserve.bench.models import BENCH_MODELS, resolve_model
+from trioserve.bench.report import build_result, format_table, plot_latencies, write_json
+from trioserve.bench.run import BASELINE_KINDS, run_against_server, run_baseline, run_in_process
+from trioserve.bench.stats import summarize
+from trioserve.bench.workload import WorkloadSpec, parse_range
+from trioserve.config import EngineConfig
+
+DEFAULT_MODEL = "bench-llama-40m"
+
+DESCRIPTION = """\
+Measure trioserve's throughput and latency, and the same workload's baselines
+in the same run. Sends NUM_REQUESTS requests of random token-id prompts
+(greedy, EOS ignored, so every request produces exactly its output length)
+to an in-process engine, or with --url to a running `trioserve serve`; then
+runs each baseline in its own process: the model-only bound (our model
+runner stepping the same batch shapes, no scheduling, IPC or
+detokenization), transformers' generate_batch (continuous batching) and
+transformers' generate() in static batches of --concurrency.
+
+Prints requests/s, output tokens/s, time to first token, inter-token and
+end-to-end latency (p50/p99), the peak memory of each process, and our
+throughput as a ratio of each baseline's. Example (the issue 5 run):
+
+  trioserve bench --num-requests 256 --concurrency 32 --prompt-len 32-256 --output-len 64
+"""
+
+
+def add_bench_parser(subparsers: Any) -> argparse.ArgumentParser:
+    """Add ``bench`` to an ``add_subparsers()`` object; returns its parser."""
+    parser = subparsers.add_parser(
+        "bench",
+        help="benchmark throughput and latency against baselines",
+        description=DESCRIPTION,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    _add_workload_options(parser)
+    _add_target_options(parser)
+    _add_output_options(parser)
+    parser.set_defaults(func=cmd_bench)
+    return parser
+
+
+def _add_workload_options(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("workload")
+    group.add_argument("--num-requests", type=int, default=256, metavar="N", help="default: %(default)s")
+    group.add_argument(
+        "--concurrency", type=int, default=32, metavar="C",
+        help="most requests in flight; 0 for no limit (default: %(default)s)",
+    )
+    group.add_argument(
+        "--request-rate", type=float, default=None, metavar="R",
+        help="send requests as a Poisson process of R per second (default: all at once, within --concurrency)",
+    )
+    group.add_argument("--prompt-len", default="32-256", metavar="N|LO-HI", help="prompt tokens (default: %(default)s)")
+    group.add_argument("--output-len", default="64", metavar="N|LO-HI", help="output tokens (default: %(default)s)")
+    group.add_argument("--seed", type=int, default=0, help="the workload depends only on this (default: %(default)s)")
+
+
+def _add_target_options(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("what to benchmark")
+    group.add_argument(
+        "--model", default=DEFAULT_MODEL, metavar="NAME|DIR",
+        help=f"a model directory, or a named benchmark model built on first use: {', '.join(BENCH_MODELS)} "
+        "(default: %(default)s). With --url, the model the server runs (for the prompts' vocabulary and the baselines)",
+    )
+    group.add_argument("--url", help="drive a running `trioserve serve` at this ws:// URL instead of an in-process engine")
+    group.add_argument("--api-key", default=None, help="the server's API key, if it wants one")
+    group.add_argument(
+        "--baselines", default=",".join(BASELINE_KINDS), metavar="LIST",
+        help="comma-separated, from %(default)s; 'none' for none (default: all)",
+    )
+    group.add_argument("--baseline-timeout", type=float, default=1800, metavar="SECONDS", help="per baseline (default: %(default)s)")
+    group.add_argument("--max-num-seqs", type=int, default=64, help="engine: most requests in a batch (default: %(default)s)")
+    group.add_argument(
+        "--max-num-batched-tokens", type=int, default=2048, help="engine: token budget of a step (default: %(default)s)"
+    )
+    group.add_argument("--kv-cache-mib", type=int, default=512, help="engine: KV cache memory (default: %(default)s)")
+    group.add_argument(
+        "--torch-threads", type=int, default=None,
+        help="torch threads of the engine's worker and of every baseline (default: CPU cores - 1 on the CPU)",
+    )
+    group.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto", help="default: %(default)s")
+    group.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"], default="auto")
+    group.add_argument("--runner", choices=["hf", "fake"], default="hf", help=argparse.SUPPRESS)
+
+
+def _add_output_options(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("output")
+    group.add_argument("--json", metavar="FILE", help="also write every figure to FILE as JSON")
+    group.add_argument("--plot", metavar="FILE.png", help="draw the latency distributions (needs matplotlib)")
+    group.add_argument("--no-progress", action="store_true", help="no progress line on stderr")
+    group.add_argument("--log-level", default="WARNING", help="logging level (default: %(default)s)")
+
+
+def _engine_config(args: argparse.Namespace, model_dir: Path) -> EngineConfig:
+    return EngineConfig(
+        model=str(model_dir),
+        runner=args.runner,
+        device=args.device,
+        dtype=args.dtype,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        kv_cache_memory_bytes=args.kv_cache_mib * 1024 * 1024,
+        torch_threads=args.torch_threads,
+    )
+
+
+def _vocab_size(model_dir: Path) -> int:
+    config = json.loads((model_dir / "config.json").read_text())
+    return int(config.get("text_config", config)["vocab_size"])
+
+
+def _workload(args: argparse.Namespace, model_dir: Path) -> WorkloadSpec:
+    return WorkloadSpec(
+        num_requests=args.num_requests,
+        prompt_len=parse_range(args.prompt_len),
+        output_len=parse_range(args.output_len),
+        vocab_size=_vocab_size(model_dir),
+        seed=args.seed,
+        concurrency=args.concurrency or None,
+        request_rate=args.request_rate,
+    )
+
+
+def _baseline_kinds(text: str) -> list[str]:
+    if text.strip() == "none":
+        return []
+    kinds = [k.strip() for k in text.split(",") if k.strip()]
+    unknown = [k for k in kinds if k not in BASELINE_KINDS]
+    if unknown:
+        raise ValueError(f"baselines: unknown {unknown[0]!r} (choose from {', '.join(BASELINE_KINDS)}, or none)")
+    return kinds
+
+
+def _describe(spec: WorkloadSpec) -> str:
+    def rng(lo_hi: tuple[int, int]) -> str:
+        return str(lo_hi[0]) if lo_hi[0] == lo_hi[1] else f"{lo_hi[0]}-{lo_hi[1]}"
+
+    pacing = f"concurrency {spec.concurrency or 'unlimited'}"
+    if spec.request_rate:
+        pacing += f", {spec.request_rate:g} req/s Poisson"
+    return (
+        f"{spec.num_requests} requests, {pacing}, prompts {rng(spec.prompt_len)} tokens, "
+        f"outputs {rng(spec.output_len)} tokens, seed {spec.seed}"
+    )
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    kinds = _baseline_kinds(args.baselines)
+    model_dir = resolve_model(args.model)
+    config = _engine_config(args, model_dir)
+    spec = _workload(args, model_dir)
+    progress = Progress(spec.num_requests, enabled=not args.no_progress)
+    print(f"trioserve bench: {_describe(spec)}", file=sys.stderr)
+    if args.url:
+        outcome = trio.run(run_against_server, args.url, args.api_key, spec, progress)
+    else:
+        outcome = trio.run(run_in_process, config, spec, progress)
+    baselines = {}
+    for kind in kinds if config.runner == "hf" else []:
+        print(f"trioserve bench: baseline {kind} ...", file=sys.stderr, flush=True)
+        baselines[kind] = run_baseline(kind, config, spec, args.baseline_timeout)
+    meta = {
+        "driver": f"WebSocket {args.url}" if args.url else "in-process engine",
+        "model": str(model_dir),
+        "workload": spec.to_dict(),
+        "workload_text": _describe(spec),
+        "engine_config": {k: v for k, v in vars(config).items() if k != "fake"},
+    }
+    result = build_result(summarize(outcome.records), outcome.peak_rss_bytes, baselines, meta)
+    print(format_table(result))
+    if args.json:
+        write_json(result, args.json)
+    if args.plot:
+        plot_latencies(outcome.records, args.plot, f"trioserve bench: {_describe(spec)}")
+    return 1 if result["results"]["num_errors"] else 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m trioserve.bench.cli ...``: the subcommand on its own."""
+    parser = argparse.ArgumentParser(prog="trioserve")
+    add_bench_parser(parser.add_subparsers(dest="command", required=True))
+    args = parser.parse_args(["bench", *(sys.argv[1:] if argv is None else argv)])
+    try:
+        return args.func(args)
+    except ValueError as exc:
+        print(f"trioserve: invalid input: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,93 @@
+"""Named benchmark models, built once into the trioserve cache directory.
+
+``bench-llama-40m`` is a Llama-shaped random model of about 42M parameters:
+hidden 512, 8 layers, 8 heads of 64, MLP 1376, vocabulary 32000, tied
+embeddings. It is written by a subprocess (``python -m
+trioserve.bench.models NAME OUT``) so that the front-end never imports torch.
+Its tokenizer is the tiny models' 259-token byte-level one: prompts are token
+ids, and ids >= 259 have no text.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from trioserve.default_model import cache_dir
+
+_COMPLETE_MARKER = ".trioserve-complete"
+
+# Name -> (arch, seed, config overrides of trioserve.gpu.tiny_models).
+BENCH_MODELS: dict[str, tuple[str, int, dict[str, Any]]] = {
+    "bench-llama-40m": (
+        "llama",
+        0,
+        {
+            "vocab_size": 32000,
+            "hidden_size": 512,
+            "intermediate_size": 1376,
+            "num_hidden_layers": 8,
+            "num_attention_heads": 8,
+            "num_key_value_heads": 8,
+            "head_dim": 64,
+            "max_position_embeddings": 2048,
+            "initializer_range": 0.02,
+            "tie_word_embeddings": True,
+        },
+    ),
+}
+
+
+def resolve_model(name_or_dir: str) -> Path:
+    """A model directory: ``name_or_dir`` itself, or the named benchmark model
+    (built on first use, a few seconds)."""
+    if name_or_dir in BENCH_MODELS:
+        return bench_model_dir(name_or_dir)
+    path = Path(name_or_dir)
+    if not path.is_dir():
+        raise ValueError(f"model: {name_or_dir!r} is neither a directory nor one of {sorted(BENCH_MODELS)}")
+    return path
+
+
+def bench_model_dir(name: str) -> Path:
+    """The directory of benchmark model ``name``, building it if needed."""
+    target = cache_dir() / name
+    if (target / _COMPLETE_MARKER).exists():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=target.parent, prefix=".building-") as tmp:
+        building = Path(tmp) / "model"
+        print(f"trioserve bench: building {name} in {target} (once)", file=sys.stderr)
+        subprocess.run([sys.executable, "-m", "trioserve.bench.models", name, str(building)], check=True)
+        (building / _COMPLETE_MARKER).write_text("built by trioserve bench\n")
+        shutil.rmtree(target, ignore_errors=True)
+        try:
+            os.rename(building, target)
+        except OSError:
+            if not (target / _COMPLETE_MARKER).exists():
+                raise
+    return target
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m trioserve.bench.models")
+    parser.add_argument("name", choices=sorted(BENCH_MODELS))
+    parser.add_argument("out_dir")
+    args = parser.parse_args(argv)
+    from transformers.utils import logging
+
+    from trioserve.gpu.tiny_models import write_tiny_model
+
+    logging.disable_progress_bar()
+    arch, seed, overrides = BENCH_MODELS[args.name]
+    write_tiny_model(args.out_dir, arch, seed=seed, **overrides)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,152 @@
+"""A benchmark's result as a table, a JSON file and a plot.
+
+The result is one plain dict (``build_result``): the run's figures, the
+peak memory of each process, each baseline's figures, our throughput as a
+ratio of each baseline's, and the issue's targets checked against them.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+from trioserve.bench.stats import RequestRecord
+
+MIB = 1024 * 1024
+BASELINE_NAMES = {
+    "model-only": "model-only bound (our runner, one process)",
+    "generate-batch": "transformers generate_batch (continuous)",
+    "generate": "transformers generate() (static batches)",
+}
+
+
+def build_result(
+    run: dict[str, Any], memory: dict[str, int], baselines: dict[str, dict[str, Any]], meta: dict[str, Any]
+) -> dict[str, Any]:
+    ours = run["output_tokens_per_s"]
+    ratios = {
+        kind: ours / b["output_tokens_per_s"] for kind, b in baselines.items() if b.get("output_tokens_per_s")
+    }
+    return {
+        **meta,
+        "results": run,
+        "peak_rss_bytes": memory,
+        "baselines": baselines,
+        "throughput_ratio": ratios,
+        "targets": check_targets(run, baselines, ratios),
+    }
+
+
+def check_targets(
+    run: dict[str, Any], baselines: dict[str, dict[str, Any]], ratios: dict[str, float]
+) -> dict[str, dict[str, Any]]:
+    """Issue 5's targets, each with the figure, the bar, and whether it is met."""
+    targets: dict[str, dict[str, Any]] = {}
+    if "generate-batch" in ratios:
+        targets["tokens/s >= 1.5x generate_batch"] = _target(ratios["generate-batch"], ">=", 1.5)
+    if "model-only" in ratios:
+        targets["tokens/s >= 0.7x model-only"] = _target(ratios["model-only"], ">=", 0.7)
+        step = baselines["model-only"].get("step_p50_s")
+        if step is not None:
+            over_ms = (run["itl_s"]["p50"] - step) * 1000
+            targets["ITL p50 <= model-only step p50 + 1 ms"] = _target(over_ms, "<=", 1.0, unit="ms over")
+    ttft = run["ttft_s"]
+    if ttft["p50"] > 0:
+        targets["TTFT p99 < 4x p50"] = _target(ttft["p99"] / ttft["p50"], "<", 4.0)
+    return targets
+
+
+def _target(value: float, op: str, bar: float, unit: str = "x") -> dict[str, Any]:
+    met = {">=": value >= bar, "<=": value <= bar, "<": value < bar}[op]
+    return {"value": value, "op": op, "bar": bar, "unit": unit, "met": bool(met)}
+
+
+def _ms(seconds: float) -> str:
+    return "n/a" if math.isnan(seconds) else f"{seconds * 1000:.1f} ms"
+
+
+def format_table(result: dict[str, Any]) -> str:
+    """The result as the text table ``trioserve bench`` prints."""
+    r = result["results"]
+    lines = [
+        f"trioserve bench ({result['driver']}): {result['workload_text']}",
+        f"  model {result['model']}",
+        "",
+        f"  {'requests':<32}{r['num_completed']}/{r['num_requests']} completed, {r['num_errors']} errors",
+        f"  {'duration':<32}{r['duration_s']:.2f} s",
+        f"  {'requests/s':<32}{r['requests_per_s']:.3f}",
+        f"  {'output tokens/s':<32}{r['output_tokens_per_s']:.1f}",
+    ]
+    for key, label in (("ttft_s", "time to first token"), ("itl_s", "inter-token latency"), ("e2e_s", "end-to-end latency")):
+        d = r[key]
+        lines.append(f"  {label + ' p50 / p99':<32}{_ms(d['p50'])} / {_ms(d['p99'])}")
+    for name, size in result["peak_rss_bytes"].items():
+        lines.append(f"  {'peak RSS ' + name:<32}{size / MIB:.0f} MiB")
+    lines += _baseline_lines(result)
+    if result["targets"]:
+        lines += ["", "  targets (issue 5):"]
+        for name, t in result["targets"].items():
+            verdict = "met" if t["met"] else "MISSED"
+            lines.append(f"    {name:<42}{t['value']:.2f} {t['unit']} ({t['op']} {t['bar']:g}): {verdict}")
+    return "\n".join(lines)
+
+
+def _baseline_lines(result: dict[str, Any]) -> list[str]:
+    baselines = result["baselines"]
+    if not baselines:
+        return []
+    lines = ["", f"  {'baseline (same model, same requests)':<46}{'tok/s':>9}{'ours/it':>9}{'peak RSS':>10}"]
+    for kind, b in baselines.items():
+        name = BASELINE_NAMES.get(kind, kind)
+        if "error" in b:
+            lines.append(f"  {name:<46}failed: {b['error']}")
+            continue
+        ratio = result["throughput_ratio"].get(kind, math.nan)
+        rss = b.get("peak_rss_bytes", 0) / MIB
+        lines.append(f"  {name:<46}{b['output_tokens_per_s']:>9.1f}{ratio:>8.2f}x{rss:>6.0f} MiB")
+        if kind == "model-only":
+            lines.append(f"  {'  step p50 (token-weighted)':<46}{_ms(b['step_p50_s']):>9}")
+    return lines
+
+
+def write_json(result: dict[str, Any], path: str | Path) -> None:
+    Path(path).write_text(json.dumps(result, indent=2, default=_nan_safe) + "\n")
+
+
+def _nan_safe(value: Any) -> Any:
+    return str(value)
+
+
+def plot_latencies(records: list[RequestRecord], path: str | Path, title: str) -> None:
+    """TTFT, ITL and E2E distributions (empirical CDFs) as a PNG. Needs
+    matplotlib (``pip install 'trioserve[bench]'``)."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise RuntimeError("--plot needs matplotlib: pip install 'trioserve[bench]' (or matplotlib)") from None
+    done = [r for r in records if r.ok]
+    series = {
+        "time to first token": [r.ttft for r in done],
+        "inter-token latency": [g for r in done for g in r.itls()],
+        "end-to-end latency": [r.e2e for r in done],
+    }
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
+    for ax, (name, values) in zip(axes, series.items()):
+        values = sorted(v * 1000 for v in values)
+        ys = [(i + 1) / len(values) for i in range(len(values))]
+        ax.plot(values, ys, drawstyle="steps-post")
+        for q in (0.5, 0.99):
+            ax.axhline(q, color="grey", linewidth=0.6, linestyle=":")
+        ax.set_title(name)
+        ax.set_xlabel("ms")
+        ax.set_ylabel("fraction of samples <= x")
+        ax.grid(alpha=0.3)
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)

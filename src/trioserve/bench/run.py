@@ -1,0 +1,92 @@
+"""One benchmark run, end to end: the workload through an in-process engine
+or a running server (inside ``trio.run``), then the baselines, each in its
+own process, one after the other (never two measurements at once)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from typing import Any
+from urllib.parse import urlparse
+
+import msgspec
+import trio
+
+from trioserve.api import open_engine
+from trioserve.bench.drivers import Progress, WebSocketPool, connections_for, drive, engine_sender
+from trioserve.bench.memory import PeakMemory, server_processes
+from trioserve.bench.stats import RequestRecord
+from trioserve.bench.workload import BenchRequest, WorkloadSpec, build_requests, warmup_spec
+from trioserve.config import EngineConfig
+
+BASELINE_KINDS = ("model-only", "generate-batch", "generate")
+
+
+@dataclass
+class RunOutcome:
+    records: list[RequestRecord]
+    peak_rss_bytes: dict[str, int]
+
+
+async def run_in_process(config: EngineConfig, spec: WorkloadSpec, progress: Progress) -> RunOutcome:
+    """Start an engine, warm it up (two short requests, not counted), run the
+    workload, read the processes' peak memory, stop the engine."""
+    requests = build_requests(spec)
+    async with open_engine(config=config) as engine:
+        pids = {"front-end + bench": os.getpid(), "engine-core": engine.info.engine_pid}
+        pids.update({f"worker-{i}": pid for i, pid in enumerate(engine.info.worker_pids)})
+        send = engine_sender(engine)
+        return await _measure(requests, spec, send, PeakMemory(pids), progress)
+
+
+async def run_against_server(
+    url: str, api_key: str | None, spec: WorkloadSpec, progress: Progress
+) -> RunOutcome:
+    """Run the workload against a running server over WebSocket. Peak memory
+    covers the server's processes when they run on this machine."""
+    requests = build_requests(spec)
+    port = urlparse(url).port or (443 if url.startswith("wss") else 80)
+    pids = {"bench client": os.getpid(), **server_processes(port)}
+    pool = WebSocketPool(url, connections_for(spec), api_key)
+    async with trio.open_nursery() as nursery:
+        await nursery.start(pool.run)
+        outcome = await _measure(requests, spec, pool.send, PeakMemory(pids), progress)
+        nursery.cancel_scope.cancel()
+    return outcome
+
+
+async def _measure(
+    requests: list[BenchRequest], spec: WorkloadSpec, send: Any, memory: PeakMemory, progress: Progress
+) -> RunOutcome:
+    warm_spec = warmup_spec(spec.vocab_size)
+    warm = await drive(build_requests(warm_spec), warm_spec, send)
+    if not all(r.ok for r in warm):
+        raise RuntimeError(f"warm-up request failed: {next(r.error for r in warm if not r.ok)}")
+    async with trio.open_nursery() as nursery:
+        await nursery.start(memory.run)
+        progress.started = time.perf_counter()
+        records = await drive(requests, spec, send, progress)
+        peaks = memory.peaks()
+        nursery.cancel_scope.cancel()
+    return RunOutcome(records, peaks)
+
+
+def run_baseline(kind: str, config: EngineConfig, spec: WorkloadSpec, timeout_s: float | None = None) -> dict[str, Any]:
+    """One baseline in a subprocess; its JSON, or ``{"error": ...}``."""
+    command = [
+        sys.executable, "-m", "trioserve.bench.baselines", kind,
+        "--config", msgspec.json.encode(config).decode(),
+        "--spec", json.dumps(spec.to_dict()),
+    ]
+    try:
+        done = subprocess.run(command, capture_output=True, text=True, timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        return {"kind": kind, "error": f"timed out after {timeout_s:.0f} s"}
+    if done.returncode != 0:
+        last = (done.stderr.strip().splitlines() or ["(no output)"])[-1]
+        return {"kind": kind, "error": f"exit {done.returncode}: {last}"}
+    return json.loads(done.stdout.strip().splitlines()[-1])

@@ -1,0 +1,90 @@
+"""What a benchmark sends: requests (prompt token ids, output length) and when.
+
+A workload is a pure function of its ``WorkloadSpec``: the same spec gives
+the same prompts, lengths and arrival times, in every process (the drivers
+and the baselines build it from the spec, not from each other).
+
+Prompts are random token ids in ``[FIRST_PROMPT_ID, vocab_size)``: below
+that are the tiny tokenizers' special tokens (pad, BOS, EOS). Every request
+asks for exactly its output length (``ignore_eos``), so that runs compare.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import asdict, dataclass
+
+FIRST_PROMPT_ID = 3
+
+
+def parse_range(text: str) -> tuple[int, int]:
+    """``"64"`` -> (64, 64); ``"32-256"`` -> (32, 256). Raises ``ValueError``."""
+    low, _, high = text.partition("-")
+    lo, hi = int(low), int(high or low)
+    if not 1 <= lo <= hi:
+        raise ValueError(f"length range {text!r}: want N or LO-HI with 1 <= LO <= HI")
+    return lo, hi
+
+
+@dataclass(frozen=True, kw_only=True)
+class WorkloadSpec:
+    """A benchmark's requests. Lengths are drawn uniformly in ``[lo, hi]``."""
+
+    num_requests: int
+    prompt_len: tuple[int, int]
+    output_len: tuple[int, int]
+    vocab_size: int
+    seed: int = 0
+    concurrency: int | None = None  # most requests in flight (None: no limit)
+    request_rate: float | None = None  # Poisson arrivals per second (None: all at once)
+
+    def __post_init__(self) -> None:
+        if self.num_requests < 1:
+            raise ValueError("num_requests: must be >= 1")
+        for name in ("prompt_len", "output_len"):
+            lo, hi = getattr(self, name)
+            if not 1 <= lo <= hi:
+                raise ValueError(f"{name}: want 1 <= lo <= hi (got {lo}-{hi})")
+        if self.vocab_size <= FIRST_PROMPT_ID:
+            raise ValueError(f"vocab_size: must be > {FIRST_PROMPT_ID}")
+        if self.concurrency is not None and self.concurrency < 1:
+            raise ValueError("concurrency: must be >= 1")
+        if self.request_rate is not None and not self.request_rate > 0:
+            raise ValueError("request_rate: must be > 0")
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict) -> WorkloadSpec:
+        data = dict(data)
+        data["prompt_len"] = tuple(data["prompt_len"])
+        data["output_len"] = tuple(data["output_len"])
+        return cls(**data)
+
+
+@dataclass(frozen=True)
+class BenchRequest:
+    index: int
+    prompt_token_ids: list[int]
+    max_tokens: int
+    arrival_s: float  # offset from the start of the run (0 without a request rate)
+
+
+def build_requests(spec: WorkloadSpec) -> list[BenchRequest]:
+    """The spec's requests, in arrival order."""
+    rng = random.Random(spec.seed)
+    requests, clock = [], 0.0
+    for i in range(spec.num_requests):
+        n_prompt = rng.randint(*spec.prompt_len)
+        prompt = [rng.randrange(FIRST_PROMPT_ID, spec.vocab_size) for _ in range(n_prompt)]
+        if spec.request_rate is not None and i > 0:
+            clock += rng.expovariate(spec.request_rate)
+        requests.append(BenchRequest(i, prompt, rng.randint(*spec.output_len), clock))
+    return requests
+
+
+def warmup_spec(vocab_size: int) -> WorkloadSpec:
+    """Two short requests run before every measurement, and not counted:
+    the first model calls pay one-off costs (allocation, kernel selection)."""
+    return WorkloadSpec(num_requests=2, prompt_len=(16, 16), output_len=(4, 4), vocab_size=vocab_size, seed=99)

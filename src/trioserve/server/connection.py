@@ -1,0 +1,271 @@
+"""One WebSocket connection: a task group of a reader, a sender, a shutdown
+watcher and one task per request.
+
+Invariants:
+- The sender is the only task that writes to the WebSocket. Everything else
+  queues text frames in the outbox, a memory channel of
+  ``ServerConfig.outbox_size`` frames.
+- A request holds one of the connection's ``max_requests_per_connection``
+  slots from the moment it is accepted until its terminal message (``done``
+  or ``error``) is queued, so at most ``outbox_size`` frames, plus one
+  blocked frame per request and one from the reader, wait for a client that
+  does not read.
+- Every accepted request queues exactly one terminal message, unless the
+  connection goes away first (then it is only aborted in the engine).
+- While a request waits for room in the outbox, its deltas merge in its
+  ``RequestStream``, so the engine never waits for a client. A request that
+  waits ``slow_consumer_timeout_s`` ends with ``slow_consumer`` and is aborted.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+
+import trio
+from trio_websocket import ConnectionClosed, WebSocketConnection
+
+from trioserve.api import Engine, RequestStream
+from trioserve.errors import EngineDeadError, RequestError
+from trioserve.server import protocol
+from trioserve.server.config import ServerConfig
+from trioserve.server.protocol import Cancel, Delta, Generate, ProtocolError, ServerMessage
+from trioserve.server.state import ServerState, wait_any
+
+log = logging.getLogger("trioserve.server")
+LONG_PROMPT_CHARS = 4096  # longer text prompts are tokenized in a thread
+
+
+@dataclass(frozen=True)
+class _Close:
+    """Queued after the last terminal message: the sender closes the WebSocket."""
+
+    code: int
+    reason: str
+
+
+@dataclass(eq=False)
+class _Flight:
+    """A request in flight on this connection."""
+
+    request: Generate
+    scope: trio.CancelScope = field(default_factory=trio.CancelScope)
+    end_code: str | None = None  # set when the server ends it early; None: the client cancelled
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+
+
+class Connection:
+    def __init__(self, ws: WebSocketConnection, engine: Engine, state: ServerState, config: ServerConfig) -> None:
+        self._ws = ws
+        self._engine = engine
+        self._state = state
+        self._config = config
+        self._flights: dict[str, _Flight] = {}
+        self._num_slots = 0
+        self._idle = trio.Event()
+        self._idle.set()
+        self._closing = False
+        self._sender_done = trio.Event()
+        self._outbox_send, self._outbox_receive = trio.open_memory_channel[str | _Close](config.outbox_size)
+
+    async def run(self) -> None:
+        """Serve the connection until the client leaves or the server stops.
+
+        When the client disconnects (or the connection is cancelled), every
+        request it had in flight is aborted in the engine and its KV blocks
+        are freed; nothing is left running.
+        """
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(self._send_loop, nursery)
+            nursery.start_soon(self._drain_on_stop, nursery)
+            await self._read_loop(nursery)
+            if not self._closing:  # the client left (or broke the protocol): abort everything
+                nursery.cancel_scope.cancel()
+
+    # --- the reader -----------------------------------------------------------
+
+    async def _read_loop(self, nursery: trio.Nursery) -> None:
+        """Read and act on client messages until the WebSocket closes. While
+        the outbox is full, a reply waits, and so does reading (backpressure).
+        If cancelled, no request is left half-registered."""
+        while True:
+            try:
+                frame = await self._ws.get_message()
+            except ConnectionClosed:
+                return
+            reply = self._handle(frame, nursery)
+            if reply is not None:
+                await self._outbox_send.send(protocol.encode(reply))
+
+    def _handle(self, frame: str | bytes, nursery: trio.Nursery) -> ServerMessage | None:
+        try:
+            message = protocol.parse_client_message(frame)
+        except ProtocolError as exc:
+            return exc.to_message()
+        if isinstance(message, Cancel):
+            flight = self._flights.get(message.id)
+            if flight is not None:  # else it already ended (or never was): nothing to do
+                flight.scope.cancel()
+            return None
+        return self._start(message, nursery)
+
+    def _start(self, request: Generate, nursery: trio.Nursery) -> ServerMessage | None:
+        if self._state.stopping.is_set():
+            why = "the engine died" if self._state.stop_code == protocol.ENGINE_DEAD else "the server is shutting down"
+            return protocol.error(request.id, self._state.stop_code, f"not started: {why}")
+        if request.id in self._flights:
+            return ProtocolError(
+                protocol.DUPLICATE_ID,
+                f"id: {request.id!r} is already in flight on this connection (that request carries on)",
+                id=request.id,
+                field="id",
+            ).to_message()
+        if self._num_slots >= self._config.max_requests_per_connection:
+            return protocol.error(
+                request.id,
+                protocol.TOO_MANY_REQUESTS,
+                f"this connection already has {self._num_slots} requests in flight "
+                f"(max_requests_per_connection is {self._config.max_requests_per_connection})",
+            )
+        flight = _Flight(request)
+        self._flights[request.id] = flight
+        if self._num_slots == 0:
+            self._idle = trio.Event()
+        self._num_slots += 1
+        nursery.start_soon(self._run_request, flight)
+        return None
+
+    # --- the sender and the shutdown watcher -------------------------------
+
+    async def _send_loop(self, nursery: trio.Nursery) -> None:
+        """Write queued frames to the WebSocket, in order; close it when told.
+        If the client is gone, cancel the whole connection. If cancelled, a
+        frame may be left half-written: that only happens when the connection
+        is being dropped anyway."""
+        try:
+            async for item in self._outbox_receive:
+                if isinstance(item, _Close):
+                    await self._ws.aclose(item.code, item.reason)
+                    return
+                await self._ws.send_message(item)
+        except ConnectionClosed:
+            nursery.cancel_scope.cancel()
+        finally:
+            self._sender_done.set()
+
+    async def _drain_on_stop(self, nursery: trio.Nursery) -> None:
+        """When the server stops: let requests finish until the grace is over,
+        end the rest (``shutdown`` or ``engine_dead``), flush, close the
+        WebSocket with the server's close code, then end the connection. A
+        client that does not read within ``close_timeout_s`` is dropped."""
+        await self._state.stopping.wait()
+        await wait_any(self._idle, self._state.grace_over)
+        for flight in self._flights.values():
+            flight.end_code = self._state.stop_code
+            flight.scope.cancel()
+        with trio.move_on_after(self._config.close_timeout_s):
+            await self._idle.wait()
+            self._closing = True
+            await self._outbox_send.send(_Close(self._state.close_code, self._state.close_reason))
+            await self._sender_done.wait()
+        nursery.cancel_scope.cancel()
+
+    # --- one request --------------------------------------------------------
+
+    async def _run_request(self, flight: _Flight) -> None:
+        """Run one request and queue its terminal message. If cancelled (the
+        connection is going away), the request is aborted in the engine, its
+        KV blocks are freed, and nothing more is queued."""
+        request_id = flight.request.id
+        try:
+            with flight.scope:
+                terminal = await self._generate(flight)
+            if flight.scope.cancelled_caught:
+                terminal = self._ended_early(flight)
+            self._forget(flight)
+            await self._outbox_send.send(protocol.encode(terminal))
+        finally:
+            self._forget(flight)
+            self._num_slots -= 1
+            if self._num_slots == 0:
+                self._idle.set()
+            log.debug("request %r ended", request_id)
+
+    def _forget(self, flight: _Flight) -> None:
+        if self._flights.get(flight.request.id) is flight:
+            del self._flights[flight.request.id]
+
+    def _ended_early(self, flight: _Flight) -> ServerMessage:
+        request_id = flight.request.id
+        if flight.end_code is None:  # the client's cancel
+            return protocol.done(request_id, "abort", None, flight.prompt_tokens, flight.completion_tokens)
+        if flight.end_code == protocol.ENGINE_DEAD:
+            return protocol.error(request_id, protocol.ENGINE_DEAD, "the engine died")
+        return protocol.error(request_id, flight.end_code, "the server is shutting down; the request was ended")
+
+    async def _generate(self, flight: _Flight) -> ServerMessage:
+        """Validate the prompt, then stream the request. Returns its terminal
+        message. If cancelled, the request is aborted in the engine."""
+        request = flight.request
+        try:
+            token_ids = await self._prompt_token_ids(request)
+            flight.prompt_tokens = len(token_ids)
+            problem = protocol.check_prompt(
+                request, token_ids, vocab_size=self._engine.info.vocab_size,
+                max_model_len=self._engine.info.max_model_len,
+            )
+            if problem is not None:
+                return problem.to_message()
+            stream = self._engine.stream(token_ids, request.params)
+            return await self._stream(flight, stream)
+        except ValueError as exc:  # the engine's own checks: "field: message"
+            return protocol.error(request.id, protocol.INVALID_FIELD, str(exc))
+        except EngineDeadError as exc:
+            self._state.engine_died()
+            return protocol.error(request.id, protocol.ENGINE_DEAD, str(exc))
+        except RequestError as exc:
+            return protocol.error(request.id, protocol.REQUEST_FAILED, str(exc))
+        except Exception:
+            log.exception("request %r failed", request.id)
+            return protocol.error(request.id, protocol.INTERNAL, "internal server error (see the server's log)")
+
+    async def _prompt_token_ids(self, request: Generate) -> list[int]:
+        """The prompt as token ids. If cancelled, nothing is left behind."""
+        if request.prompt is None:
+            assert request.prompt_token_ids is not None
+            return request.prompt_token_ids
+        if len(request.prompt) > LONG_PROMPT_CHARS:
+            return await trio.to_thread.run_sync(self._engine.tokenizer.encode, request.prompt)
+        return self._engine.tokenizer.encode(request.prompt)
+
+    async def _stream(self, flight: _Flight, stream: RequestStream) -> ServerMessage:
+        """Forward the request's deltas to the outbox until it finishes. Leaving
+        early (slow consumer, cancellation) aborts it in the engine."""
+        request_id = flight.request.id
+        async with stream:
+            async for out in stream:
+                flight.completion_tokens = out.num_output_tokens
+                if out.text or out.token_ids:
+                    delta = Delta(id=request_id, text=out.text, token_ids=out.token_ids, logprobs=out.logprobs)
+                    if not await self._queue_delta(protocol.encode(delta)):
+                        return protocol.error(
+                            request_id,
+                            protocol.SLOW_CONSUMER,
+                            f"the client read nothing for {self._config.slow_consumer_timeout_s:g}s "
+                            "while this request's messages waited; the request was ended",
+                        )
+                if out.finish_reason is not None:
+                    return protocol.done(
+                        request_id, out.finish_reason, out.stop_reason, out.num_prompt_tokens, out.num_output_tokens
+                    )
+        raise RuntimeError("the stream ended without a finished output")
+
+    async def _queue_delta(self, frame: str) -> bool:
+        """Queue a delta; False if the outbox stayed full for the slow-consumer
+        bound (then the frame was not queued). If cancelled, it was not queued."""
+        with trio.move_on_after(self._config.slow_consumer_timeout_s):
+            await self._outbox_send.send(frame)
+            return True
+        return False
+

@@ -1,0 +1,161 @@
+"""The little HTTP the server speaks before a WebSocket handshake.
+
+Every connection starts with an HTTP/1.1 request head. The server reads it
+itself (at most ``MAX_HEAD_BYTES``), answers ``GET /health`` and anything
+that is not a WebSocket upgrade, checks the API key, and hands WebSocket
+upgrades to trio-websocket with the bytes already read replayed in front of
+the stream (``ReplayStream``). Parsing and response building are plain
+functions.
+"""
+
+from __future__ import annotations
+
+import hmac
+import json
+from dataclasses import dataclass
+
+import trio
+
+MAX_HEAD_BYTES = 16 * 1024
+_REASONS = {200: "OK", 400: "Bad Request", 401: "Unauthorized", 405: "Method Not Allowed", 426: "Upgrade Required",
+            431: "Request Header Fields Too Large", 503: "Service Unavailable"}
+HEALTH_PATH = "/health"
+_NOT_READY = {"starting": "the engine is starting", "stopping": "the server is shutting down",
+              "dead": "the engine died"}
+
+
+class BadRequest(Exception):
+    """The request head is not valid HTTP/1.1; the message says why."""
+
+    def __init__(self, message: str, status: int = 400) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+@dataclass(frozen=True)
+class RequestHead:
+    method: str
+    target: str
+    headers: dict[str, str]  # lower-case names; repeated headers joined with ", "
+
+    @property
+    def path(self) -> str:
+        return self.target.split("?", 1)[0]
+
+    @property
+    def is_websocket_upgrade(self) -> bool:
+        return "websocket" in self.headers.get("upgrade", "").lower()
+
+    def has_bearer_token(self, api_key: str) -> bool:
+        """True when ``Authorization: Bearer <api_key>`` is present (compared in constant time)."""
+        scheme, _, token = self.headers.get("authorization", "").partition(" ")
+        return scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(), api_key.encode())
+
+
+def parse_request_head(head: bytes) -> RequestHead:
+    """Parse a request head (up to and including the blank line)."""
+    try:
+        text = head.decode("latin-1")
+    except UnicodeDecodeError:  # pragma: no cover - latin-1 decodes every byte
+        raise BadRequest("undecodable request head") from None
+    lines = text.split("\r\n")
+    parts = lines[0].split(" ")
+    if len(parts) != 3 or not parts[2].startswith("HTTP/1."):
+        raise BadRequest(f"malformed request line {lines[0][:80]!r}")
+    headers: dict[str, str] = {}
+    for line in lines[1:]:
+        if not line:
+            continue
+        name, sep, value = line.partition(":")
+        if not sep or not name or name != name.strip():
+            raise BadRequest(f"malformed header line {line[:80]!r}")
+        key = name.lower()
+        headers[key] = f"{headers[key]}, {value.strip()}" if key in headers else value.strip()
+    return RequestHead(method=parts[0], target=parts[1], headers=headers)
+
+
+@dataclass(frozen=True)
+class Reply:
+    """An HTTP response to send instead of a WebSocket handshake."""
+
+    status: int
+    body: dict[str, object]
+    headers: tuple[tuple[str, str], ...] = ()
+
+
+def route(head: RequestHead, *, phase: str, api_key: str | None) -> Reply | None:
+    """What to answer to ``head``: a ``Reply``, or None to go on with the
+    WebSocket handshake. ``GET /health`` needs no API key."""
+    if head.path == HEALTH_PATH:
+        if head.method not in ("GET", "HEAD"):
+            return Reply(405, {"error": "use GET /health"}, (("Allow", "GET, HEAD"),))
+        return Reply(200 if phase == "ready" else 503, {"status": phase})
+    if not head.is_websocket_upgrade:
+        return Reply(426, {"error": "this is a WebSocket server: connect with a WebSocket, or GET /health"},
+                     (("Upgrade", "websocket"),))
+    if "sec-websocket-key" not in head.headers or head.headers.get("sec-websocket-version") != "13":
+        return Reply(400, {"error": "bad WebSocket handshake: needs Sec-WebSocket-Key and Sec-WebSocket-Version: 13"})
+    if api_key is not None and not head.has_bearer_token(api_key):
+        return Reply(401, {"error": "missing or wrong API key: send 'Authorization: Bearer <key>'"},
+                     (("WWW-Authenticate", 'Bearer realm="trioserve"'),))
+    if phase != "ready":
+        return Reply(503, {"error": _NOT_READY.get(phase, phase)})
+    return None
+
+
+def response(status: int, body: dict[str, object], *, extra_headers: tuple[tuple[str, str], ...] = (),
+             head_only: bool = False) -> bytes:
+    """A complete HTTP/1.1 response with a JSON body; the connection closes after it."""
+    payload = (json.dumps(body) + "\n").encode()
+    lines = [f"HTTP/1.1 {status} {_REASONS.get(status, 'Error')}", "Content-Type: application/json",
+             f"Content-Length: {len(payload)}", "Connection: close", "Cache-Control: no-store"]
+    lines += [f"{name}: {value}" for name, value in extra_headers]
+    return ("\r\n".join(lines) + "\r\n\r\n").encode() + (b"" if head_only else payload)
+
+
+async def read_request_head(stream: trio.abc.ReceiveStream) -> tuple[bytes, bytes]:
+    """Read until the end of the request head: ``(head, bytes read past it)``.
+
+    Raises ``BadRequest`` if the head is too large or the peer closes first.
+    If cancelled, the bytes read so far are lost (the connection is dropped).
+    """
+    buffer = bytearray()
+    while True:
+        end = buffer.find(b"\r\n\r\n")
+        if end >= 0:
+            return bytes(buffer[: end + 4]), bytes(buffer[end + 4 :])
+        if len(buffer) > MAX_HEAD_BYTES:
+            raise BadRequest(f"request head larger than {MAX_HEAD_BYTES} bytes", status=431)
+        data = await stream.receive_some(4096)
+        if not data:
+            raise BadRequest("connection closed before the end of the request head")
+        buffer += data
+
+
+class ReplayStream(trio.abc.Stream):
+    """A stream that first returns bytes already read from ``inner``, then
+    delegates to it."""
+
+    def __init__(self, inner: trio.abc.Stream, replay: bytes) -> None:
+        self._inner = inner
+        self._replay = replay
+
+    async def receive_some(self, max_bytes: int | None = None) -> bytes:
+        """Bytes from the replay buffer, then from the inner stream."""
+        if self._replay:
+            size = len(self._replay) if max_bytes is None else max_bytes
+            data, self._replay = self._replay[:size], self._replay[size:]
+            await trio.lowlevel.checkpoint()
+            return data
+        return await self._inner.receive_some(max_bytes)
+
+    async def send_all(self, data: bytes | bytearray | memoryview) -> None:
+        """As the inner stream's: if cancelled, part of ``data`` may have been sent."""
+        await self._inner.send_all(data)
+
+    async def wait_send_all_might_not_block(self) -> None:
+        await self._inner.wait_send_all_might_not_block()
+
+    async def aclose(self) -> None:
+        """Close the inner stream (forcefully, if cancelled)."""
+        await self._inner.aclose()

@@ -1,0 +1,257 @@
+"""The WebSocket protocol as plain functions: client JSON in, typed messages
+out; server messages built and encoded. No I/O, no trio.
+
+Client messages: ``generate`` and ``cancel``. Server messages: ``delta``,
+``done``, ``error`` (docs/websocket-protocol.md). Invariants: every parse
+failure becomes one ``ProtocolError`` whose ``message`` starts with the name
+of the offending field (when there is one); every request ends with exactly
+one terminal message (``done`` or ``error``), the server's side of which is
+kept by ``server/connection.py``.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Sequence
+from typing import Any, Literal
+
+import msgspec
+
+from trioserve.messages import SampleLogprobs, SamplingParams
+
+MAX_ID_LENGTH = 256
+
+# Error codes (the table in docs/websocket-protocol.md).
+INVALID_JSON = "invalid_json"
+UNKNOWN_TYPE = "unknown_type"
+INVALID_FIELD = "invalid_field"
+DUPLICATE_ID = "duplicate_id"
+PROMPT_TOO_LONG = "prompt_too_long"
+TOO_MANY_REQUESTS = "too_many_requests"
+SLOW_CONSUMER = "slow_consumer"
+SHUTDOWN = "shutdown"
+ENGINE_DEAD = "engine_dead"
+REQUEST_FAILED = "request_failed"
+INTERNAL = "internal"
+
+_PARAM_FIELDS = frozenset(SamplingParams.__struct_fields__)
+_GENERATE_FIELDS = frozenset({"type", "id", "prompt", "prompt_token_ids", "params"})
+_CANCEL_FIELDS = frozenset({"type", "id"})
+
+
+# --- client -> server -------------------------------------------------------
+
+
+class Generate(msgspec.Struct, frozen=True):
+    """Start a request. Exactly one of ``prompt`` and ``prompt_token_ids`` is set."""
+
+    id: str
+    prompt: str | None
+    prompt_token_ids: list[int] | None
+    params: SamplingParams
+
+    @property
+    def prompt_field(self) -> str:
+        return "prompt" if self.prompt is not None else "prompt_token_ids"
+
+
+class Cancel(msgspec.Struct, frozen=True):
+    id: str
+
+
+# --- server -> client -------------------------------------------------------
+
+
+class Usage(msgspec.Struct, frozen=True):
+    prompt_tokens: int
+    completion_tokens: int
+
+
+class Delta(msgspec.Struct, tag="delta", tag_field="type", omit_defaults=True):
+    id: str
+    text: str
+    token_ids: list[int]
+    logprobs: list[SampleLogprobs] | None = None
+
+
+class Done(msgspec.Struct, tag="done", tag_field="type"):
+    id: str
+    finish_reason: str
+    stop_reason: str | int | None
+    usage: Usage
+
+
+class Error(msgspec.Struct, tag="error", tag_field="type", omit_defaults=True):
+    id: str | None
+    code: str
+    message: str
+    field: str | None = None
+
+
+ServerMessage = Delta | Done | Error
+
+
+class ProtocolError(Exception):
+    """A client message that cannot be served. ``id`` is the request it names
+    (when it named one), ``field`` the offending field."""
+
+    def __init__(self, code: str, message: str, *, id: str | None = None, field: str | None = None) -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message
+        self.id = id
+        self.field = field
+
+    def to_message(self) -> Error:
+        return Error(id=self.id, code=self.code, message=self.message, field=self.field)
+
+
+_encoder = msgspec.json.Encoder()
+
+
+def encode(message: ServerMessage) -> str:
+    """A server message as the text of one WebSocket frame."""
+    return _encoder.encode(message).decode()
+
+
+def parse_client_message(frame: str | bytes) -> Generate | Cancel:
+    """Parse one client frame. Raises ``ProtocolError`` for anything that is
+    not a valid ``generate`` or ``cancel`` message."""
+    if isinstance(frame, bytes):
+        raise ProtocolError(INVALID_JSON, "messages are JSON text frames; got a binary frame")
+    try:
+        raw = msgspec.json.decode(frame)
+    except msgspec.DecodeError as exc:
+        detail = str(exc).removeprefix("JSON is malformed: ")
+        raise ProtocolError(INVALID_JSON, f"malformed JSON: {detail}") from None
+    if not isinstance(raw, dict):
+        raise ProtocolError(INVALID_JSON, f"a message is a JSON object, got {_json_type(raw)}")
+    request_id = raw.get("id") if isinstance(raw.get("id"), str) else None
+    kind = raw.get("type")
+    if kind == "generate":
+        return _parse_generate(raw)
+    if kind == "cancel":
+        _check_fields(raw, _CANCEL_FIELDS, "", request_id)
+        return Cancel(id=_parse_id(raw))
+    if "type" not in raw:
+        raise ProtocolError(INVALID_FIELD, "type: missing", id=request_id, field="type")
+    raise ProtocolError(
+        UNKNOWN_TYPE, f"type: unknown message type {kind!r} (expected 'generate' or 'cancel')", id=request_id
+    )
+
+
+def _parse_generate(raw: dict[str, Any]) -> Generate:
+    request_id = _parse_id(raw)
+    _check_fields(raw, _GENERATE_FIELDS, "", request_id)
+    prompt, token_ids = raw.get("prompt"), raw.get("prompt_token_ids")
+    if (prompt is None) == (token_ids is None):
+        raise ProtocolError(
+            INVALID_FIELD, "prompt: give exactly one of prompt and prompt_token_ids", id=request_id, field="prompt"
+        )
+    if prompt is not None and (not isinstance(prompt, str) or prompt == ""):
+        raise _invalid(request_id, "prompt", "must be a non-empty string")
+    if token_ids is not None and not _is_token_list(token_ids):
+        raise _invalid(request_id, "prompt_token_ids", "must be a non-empty list of non-negative integers")
+    return Generate(id=request_id, prompt=prompt, prompt_token_ids=token_ids, params=_parse_params(raw, request_id))
+
+
+def _parse_id(raw: dict[str, Any]) -> str:
+    value = raw.get("id")
+    if "id" not in raw:
+        raise ProtocolError(INVALID_FIELD, "id: missing", field="id")
+    if not isinstance(value, str) or not 1 <= len(value) <= MAX_ID_LENGTH:
+        raise ProtocolError(
+            INVALID_FIELD, f"id: must be a string of 1 to {MAX_ID_LENGTH} characters (got {value!r:.60})", field="id"
+        )
+    return value
+
+
+def _parse_params(raw: dict[str, Any], request_id: str) -> SamplingParams:
+    params = raw.get("params", {})
+    if not isinstance(params, dict):
+        raise _invalid(request_id, "params", f"must be an object, got {_json_type(params)}")
+    _check_fields(params, _PARAM_FIELDS, "params.", request_id)
+    try:
+        return msgspec.convert(params, SamplingParams)
+    except msgspec.ValidationError as exc:
+        field, message = _split_validation_error(str(exc))
+        raise _invalid(request_id, f"params.{field}" if field else "params", message) from None
+
+
+_AT_PATH = re.compile(r"^(?P<message>.*) - at `\$(?P<path>[^`]*)`$")
+_FIELD_PREFIX = re.compile(r"^(?P<field>[a-z_]+): (?P<message>.*)$", re.S)
+
+
+def _split_validation_error(text: str) -> tuple[str, str]:
+    """``(field, message)`` from a msgspec ``ValidationError`` on ``SamplingParams``:
+    either msgspec's own ``... - at `$.field[0]``` or our ``field: message``."""
+    if match := _AT_PATH.match(text):
+        path, message = match["path"].lstrip("."), match["message"]
+        return path, message[0].lower() + message[1:]
+    if match := _FIELD_PREFIX.match(text):
+        return match["field"], match["message"]
+    return "", text
+
+
+def _check_fields(raw: dict[str, Any], known: frozenset[str], prefix: str, request_id: str | None) -> None:
+    unknown = sorted(set(raw) - known)
+    if unknown:
+        raise _invalid(request_id, f"{prefix}{unknown[0]}", "unknown field")
+
+
+def _is_token_list(value: object) -> bool:
+    return (
+        isinstance(value, list)
+        and len(value) > 0
+        and all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in value)
+    )
+
+
+def _invalid(request_id: str | None, field: str, message: str) -> ProtocolError:
+    return ProtocolError(INVALID_FIELD, f"{field}: {message}", id=request_id, field=field)
+
+
+def _json_type(value: object) -> str:
+    names = {list: "an array", str: "a string", bool: "a boolean", int: "a number", float: "a number"}
+    return "null" if value is None else names.get(type(value), type(value).__name__)
+
+
+def check_prompt(
+    request: Generate, token_ids: Sequence[int], *, vocab_size: int, max_model_len: int
+) -> ProtocolError | None:
+    """The error for a prompt the engine cannot take, or None. The context
+    must hold the prompt and at least one output token."""
+    field = request.prompt_field
+    if not token_ids:
+        return _invalid(request.id, field, "the prompt encodes to no tokens")
+    bad = next((t for t in token_ids if t >= vocab_size), None)
+    if bad is not None:
+        return _invalid(request.id, field, f"token id {bad} is outside the vocabulary [0, {vocab_size})")
+    if len(token_ids) >= max_model_len:
+        return ProtocolError(
+            PROMPT_TOO_LONG,
+            f"{field}: {len(token_ids)} tokens do not fit the context of {max_model_len} tokens "
+            "(which must also hold at least one output token)",
+            id=request.id,
+            field=field,
+        )
+    return None
+
+
+def error(request_id: str | None, code: str, message: str) -> Error:
+    return Error(id=request_id, code=code, message=message)
+
+
+def done(
+    request_id: str,
+    finish_reason: Literal["stop", "length", "abort"] | str,
+    stop_reason: str | int | None,
+    prompt_tokens: int,
+    completion_tokens: int,
+) -> Done:
+    return Done(
+        id=request_id,
+        finish_reason=finish_reason,
+        stop_reason=stop_reason,
+        usage=Usage(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens),
+    )

@@ -1,0 +1,234 @@
+"""``trioserve serve``: an engine behind a WebSocket listener, with ``GET /health``.
+
+Task tree::
+
+    Server.run                      nursery; cancelling it drops everything
+    ├── listener                    trio.serve_listeners: one handler task per TCP connection
+    │   └── handler                 HTTP head -> /health | rejection | WebSocket Connection.run
+    └── engine block                open_engine; leaves only after every WebSocket ended
+        ├── engine watch            polls engine.stats(); the engine's death stops the server
+        └── grace timer             ends the shutdown grace at its deadline
+
+The listener starts before the engine, so ``/health`` answers 503 while the
+model loads. Graceful shutdown (``Server.shutdown``): health turns 503, new
+WebSockets are refused (503) and new requests get ``error`` ``shutdown``;
+requests in flight have ``shutdown_grace_s`` to finish, then end with
+``error`` ``shutdown``; each connection is flushed and closed with 1001 (at
+most ``close_timeout_s`` more); then the engine stops and its processes are
+reaped. If the engine dies, the same happens at once with ``engine_dead`` and
+close code 1011, and ``run`` raises ``EngineDeadError``.
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+from functools import partial
+
+import trio
+from trio_websocket import wrap_server_stream
+
+from trioserve.api import Engine, open_engine
+from trioserve.config import EngineConfig
+from trioserve.errors import EngineDeadError
+from trioserve.server import http
+from trioserve.server.config import ServerConfig
+from trioserve.server.connection import Connection
+from trioserve.server.state import ServerState, wait_any
+
+log = logging.getLogger("trioserve.server")
+INCOMING_MESSAGE_QUEUE = 4  # client messages trio-websocket buffers before we read them
+
+
+class Server:
+    """Serve ``engine_config``'s model over WebSocket. Run with ``await
+    nursery.start(server.run)`` (started once listening; ``await
+    server.wait_ready()`` for the engine) and stop with ``server.shutdown()``."""
+
+    def __init__(self, engine_config: EngineConfig, config: ServerConfig | None = None) -> None:
+        self.engine_config = engine_config
+        self.config = config if config is not None else ServerConfig()
+        self.state = ServerState()
+        self.port: int | None = None
+        self._startup_scope = trio.CancelScope()
+        self._websockets: set[trio.CancelScope] = set()
+        self._no_websockets = trio.Event()
+        self._no_websockets.set()
+
+    @property
+    def engine(self) -> Engine | None:
+        return self.state.engine
+
+    @property
+    def url(self) -> str:
+        return f"ws://{self._host_for_url()}:{self.port}"
+
+    @property
+    def health_url(self) -> str:
+        return f"http://{self._host_for_url()}:{self.port}{http.HEALTH_PATH}"
+
+    def _host_for_url(self) -> str:
+        host = self.config.host
+        return f"[{host}]" if ":" in host else host
+
+    async def wait_ready(self) -> bool:
+        """Wait until the engine is ready (True) or the server stopped first
+        (False). If cancelled, nothing is left behind."""
+        await wait_any(self.state.ready, self.state.stopping)
+        return self.state.ready.is_set()
+
+    def shutdown(self) -> None:
+        """Begin a graceful shutdown (see the module docstring). A second call
+        ends the grace at once. During start-up, the engine start is cancelled."""
+        if not self.state.ready.is_set():
+            self._startup_scope.cancel()
+        self.state.begin_shutdown(self.config.shutdown_grace_s)
+
+    async def run(self, *, task_status: trio.TaskStatus[Server] = trio.TASK_STATUS_IGNORED) -> None:
+        """Listen, start the engine, and serve until ``shutdown()`` has run its
+        course; ``task_status.started(self)`` once listening.
+
+        Raises ``EngineStartupError`` if the engine cannot start, and
+        ``EngineDeadError`` (after every client got its terminal messages) if
+        it dies. If cancelled, every connection is dropped, every request
+        aborted, and every engine process stopped and reaped.
+        """
+        listeners = await trio.open_tcp_listeners(self.config.port, host=self.config.host)
+        self.port = listeners[0].socket.getsockname()[1]
+        try:
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(partial(trio.serve_listeners, self._handle_tcp, listeners))
+                task_status.started(self)
+                try:
+                    await self._run_engine()
+                finally:
+                    nursery.cancel_scope.cancel()
+        except BaseExceptionGroup as group:
+            raise _single(group) from None
+        if self.state.phase == "dead":
+            raise EngineDeadError("the engine died; the server stopped")
+
+    async def _run_engine(self) -> None:
+        """Start the engine, serve until the stop, then wait for every
+        WebSocket to end (cancelling stragglers) before stopping the engine.
+        If cancelled, the engine's processes are stopped and reaped."""
+        with self._startup_scope:
+            async with open_engine(config=self.engine_config) as engine:
+                self.state.set_ready(engine)
+                if not self.state.stopping.is_set():
+                    log.info("serving on %s", self.url)
+                async with trio.open_nursery() as nursery:
+                    nursery.start_soon(self._watch_engine, engine)
+                    nursery.start_soon(self.state.run_grace_timer)
+                    await self.state.stopping.wait()
+                    await self._end_websockets()
+                    nursery.cancel_scope.cancel()
+
+    async def _end_websockets(self) -> None:
+        """Wait for the connections to drain on their own (they end within the
+        grace plus ``close_timeout_s``), then cancel any that are left. If
+        cancelled, the connections are left to the enclosing cancellation."""
+        await wait_any(self._no_websockets, self.state.grace_over)
+        with trio.move_on_after(self.config.close_timeout_s + 0.25):
+            await self._no_websockets.wait()
+        for scope in self._websockets:
+            scope.cancel()
+        await self._no_websockets.wait()
+
+    async def _watch_engine(self, engine: Engine) -> None:
+        """Poll the engine until it dies, then stop the server. Cancelling
+        leaves nothing behind."""
+        while True:
+            try:
+                await engine.stats()
+            except EngineDeadError:
+                log.error("the engine died; stopping the server")
+                self.state.engine_died()
+                return
+            await trio.sleep(self.config.engine_check_interval_s)
+
+    # --- one TCP connection ---------------------------------------------------
+
+    async def _handle_tcp(self, stream: trio.SocketStream) -> None:
+        """Serve one TCP connection: ``/health``, an HTTP rejection, or a
+        WebSocket. If cancelled, the connection is closed at once and its
+        requests are aborted in the engine."""
+        if self.config.socket_send_buffer_bytes is not None:
+            stream.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, self.config.socket_send_buffer_bytes)
+        try:
+            replay = await self._answer_http(stream)
+            if replay is not None:
+                await self._serve_websocket(replay)
+        except (trio.BrokenResourceError, trio.ClosedResourceError):
+            pass  # the client went away
+        except Exception:  # a bug serving one client must not stop the others
+            log.exception("a connection failed")
+        finally:
+            await trio.aclose_forcefully(stream)
+
+    async def _answer_http(self, stream: trio.SocketStream) -> http.ReplayStream | None:
+        """Read the request head and answer it, unless it is a WebSocket
+        handshake to go on with: then return the stream with the head replayed.
+        If cancelled, the connection is to be closed."""
+        with trio.move_on_after(self.config.handshake_timeout_s):
+            try:
+                head, rest = await http.read_request_head(stream)
+                request = http.parse_request_head(head)
+            except http.BadRequest as exc:
+                await stream.send_all(http.response(exc.status, {"error": str(exc)}))
+                return None
+            reply = http.route(request, phase=self.state.phase, api_key=self.config.api_key)
+            if reply is None:
+                return http.ReplayStream(stream, head + rest)
+            data = http.response(reply.status, reply.body, extra_headers=reply.headers,
+                                 head_only=request.method == "HEAD")
+            await stream.send_all(data)
+        return None
+
+    async def _serve_websocket(self, stream: http.ReplayStream) -> None:
+        """Finish the WebSocket handshake and serve the connection. If
+        cancelled, its requests are aborted in the engine."""
+        engine = self.state.engine
+        assert engine is not None  # route() lets WebSockets through only when ready
+        with trio.CancelScope() as scope:
+            self._track(scope)
+            try:
+                async with trio.open_nursery() as nursery:  # trio-websocket's reader task
+                    with trio.move_on_after(self.config.handshake_timeout_s) as handshake:
+                        ws_request = await wrap_server_stream(
+                            nursery, stream, message_queue_size=INCOMING_MESSAGE_QUEUE,
+                            max_message_size=self.config.max_message_bytes,
+                        )
+                        ws = await ws_request.accept()
+                    if not handshake.cancelled_caught:
+                        await Connection(ws, engine, self.state, self.config).run()
+                    nursery.cancel_scope.cancel()
+            finally:
+                self._untrack(scope)
+
+    def _track(self, scope: trio.CancelScope) -> None:
+        self._websockets.add(scope)
+        self._no_websockets = trio.Event()
+
+    def _untrack(self, scope: trio.CancelScope) -> None:
+        self._websockets.discard(scope)
+        if not self._websockets:
+            self._no_websockets.set()
+
+
+def _single(group: BaseExceptionGroup) -> BaseException:
+    """The one exception that matters in ``group`` (the group itself if several do)."""
+    leaves: list[BaseException] = []
+
+    def collect(exc: BaseException) -> None:
+        if isinstance(exc, BaseExceptionGroup):
+            for inner in exc.exceptions:
+                collect(inner)
+        else:
+            leaves.append(exc)
+
+    collect(group)
+    meaningful = [e for e in leaves if not isinstance(e, trio.Cancelled)]
+    if len(meaningful) == 1:
+        return meaningful[0]
+    return group if meaningful else leaves[0]

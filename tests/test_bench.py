@@ -1,0 +1,153 @@
+"""``trioserve bench``: a quick form of the benchmark, so that it cannot rot.
+
+The engine runs with the torch-free fake runner on the tiny test model's
+tokenizer; one test runs the whole command with the tiny real Llama and
+every baseline.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+
+import psutil
+import pytest
+import trio
+
+from trioserve.bench.drivers import Progress
+from trioserve.bench.report import build_result, format_table, write_json
+from trioserve.bench.run import run_against_server, run_in_process
+from trioserve.bench.stats import RequestRecord, percentile, summarize
+from trioserve.bench.workload import WorkloadSpec, build_requests, parse_range
+from trioserve.config import EngineConfig, FakeRunnerConfig
+
+VOCAB = 259
+
+
+def spec(**changes) -> WorkloadSpec:
+    options = dict(num_requests=12, prompt_len=(4, 40), output_len=(3, 9), vocab_size=VOCAB, seed=3, concurrency=4)
+    return WorkloadSpec(**{**options, **changes})
+
+
+@pytest.fixture
+def fake_config(tiny_model_dir):
+    return EngineConfig(
+        model=str(tiny_model_dir("llama")),
+        runner="fake",
+        block_size=4,
+        shutdown_grace_s=2.0,
+        fake=FakeRunnerConfig(step_delay_s=0.002),
+    )
+
+
+def check_figures(result: dict, workload: WorkloadSpec) -> None:
+    """Every figure is there and sane, and each request got what it asked for."""
+    run = result["results"]
+    asked = sum(r.max_tokens for r in build_requests(workload))
+    assert run["num_completed"] == workload.num_requests
+    assert run["num_errors"] == run["num_short"] == 0
+    assert run["output_tokens"] == asked
+    assert run["duration_s"] > 0 and run["requests_per_s"] > 0 and run["output_tokens_per_s"] > 0
+    for key in ("ttft_s", "itl_s", "e2e_s"):
+        d = run[key]
+        assert 0 < d["p50"] <= d["p99"] <= d["max"], key
+    assert run["ttft_s"]["p50"] <= run["e2e_s"]["p50"]
+    assert run["itl_s"]["count"] == asked - workload.num_requests
+    table = format_table(result)
+    for label in ("requests/s", "output tokens/s", "time to first token", "inter-token latency", "end-to-end", "peak RSS"):
+        assert label in table
+
+
+def no_children_left() -> bool:
+    return not psutil.Process().children(recursive=True)
+
+
+async def test_in_process_run_reports_every_figure(fake_config, tmp_path):
+    workload = spec()
+    with trio.fail_after(30):
+        outcome = await run_in_process(fake_config, workload, Progress(workload.num_requests, enabled=False))
+    assert [r.num_output_tokens for r in outcome.records] == [r.max_tokens for r in build_requests(workload)]
+    assert set(outcome.peak_rss_bytes) == {"front-end + bench", "engine-core", "worker-0"}
+    assert all(size > 1024 * 1024 for size in outcome.peak_rss_bytes.values())
+    result = build_result(summarize(outcome.records), outcome.peak_rss_bytes, {}, _meta(workload))
+    check_figures(result, workload)
+    write_json(result, tmp_path / "bench.json")
+    assert json.loads((tmp_path / "bench.json").read_text())["results"]["output_tokens"] == result["results"]["output_tokens"]
+    assert no_children_left()
+
+
+async def test_request_rate_paces_the_requests(fake_config):
+    workload = spec(num_requests=6, concurrency=None, request_rate=200.0)
+    with trio.fail_after(30):
+        outcome = await run_in_process(fake_config, workload, Progress(6, enabled=False))
+    sent = [r.sent_s - outcome.records[0].sent_s for r in outcome.records]
+    arrivals = [r.arrival_s for r in build_requests(workload)]
+    assert all(s >= a - 0.005 for s, a in zip(sent, arrivals))
+    assert no_children_left()
+
+
+async def test_websocket_driver_against_a_running_server(fake_config):
+    from trioserve.server import Server, ServerConfig
+
+    workload = spec(num_requests=8)
+    with trio.fail_after(30):
+        async with trio.open_nursery() as nursery:
+            server = Server(fake_config, ServerConfig(port=0, shutdown_grace_s=0.5))
+            nursery.start_soon(server.run)
+            assert await server.wait_ready()
+            outcome = await run_against_server(server.url, None, workload, Progress(8, enabled=False))
+            server.shutdown()
+    assert {"bench client", "server", "engine-core-0", "worker-0"} <= set(outcome.peak_rss_bytes)
+    result = build_result(summarize(outcome.records), outcome.peak_rss_bytes, {}, _meta(workload))
+    check_figures(result, workload)
+    assert no_children_left()
+
+
+@pytest.mark.model
+def test_bench_command_with_a_real_model_and_every_baseline(tiny_model_dir, tmp_path):
+    out = tmp_path / "bench.json"
+    command = [
+        sys.executable, "-m", "trioserve.bench.cli", "--model", str(tiny_model_dir("llama")),
+        "--num-requests", "4", "--concurrency", "2", "--prompt-len", "8-24", "--output-len", "6",
+        "--json", str(out), "--no-progress",
+    ]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    result = json.loads(out.read_text())
+    assert set(result["baselines"]) == {"model-only", "generate-batch", "generate"}
+    for kind, baseline in result["baselines"].items():
+        assert "error" not in baseline, (kind, baseline)
+        assert baseline["output_tokens"] == 24 and baseline["output_tokens_per_s"] > 0
+        assert result["throughput_ratio"][kind] > 0
+    assert result["baselines"]["model-only"]["step_p50_s"] > 0
+    assert "tokens/s >= 0.7x model-only" in result["targets"]
+    assert "model-only bound" in done.stdout
+
+
+def test_itl_spreads_a_merged_delivery_over_its_tokens():
+    record = RequestRecord(0, 5, 5, sent_s=0.0)
+    for now, n in ((1.0, 1), (1.5, 1), (2.5, 2), (2.75, 1)):
+        record.deliver(now, n)
+    assert record.ttft == 1.0 and record.e2e == 2.75
+    assert record.itls() == [0.5, 0.5, 0.5, 0.25]
+
+
+def test_percentiles_interpolate_and_summary_of_nothing_is_nan():
+    assert percentile([1.0, 2.0, 3.0, 4.0], 50) == 2.5
+    assert percentile([5.0], 99) == 5.0
+    assert math.isnan(summarize([RequestRecord(0, 1, 1)])["requests_per_s"])
+
+
+def test_workload_is_a_function_of_its_spec():
+    a, b = build_requests(spec()), build_requests(spec())
+    assert a == b and a != build_requests(spec(seed=4))
+    assert all(4 <= len(r.prompt_token_ids) <= 40 and 3 <= min(r.prompt_token_ids) for r in a)
+    assert parse_range("64") == (64, 64) and parse_range("32-256") == (32, 256)
+    with pytest.raises(ValueError, match="length range"):
+        parse_range("9-3")
+
+
+def _meta(workload: WorkloadSpec) -> dict:
+    return {"driver": "test", "model": "tiny", "workload": workload.to_dict(), "workload_text": "test"}

@@ -1,0 +1,222 @@
+"""Length-prefixed frames on a byte stream, and the bridge to memory channels."""
+
+from __future__ import annotations
+
+import socket
+from typing import Any, Union
+
+import msgspec
+import pytest
+import trio
+import trio.testing
+
+from trioserve.nurseries.framing import (
+    FrameError,
+    FrameReader,
+    MessageBridge,
+    socketpair_for_child,
+    stream_from_fd,
+    write_frame,
+)
+
+
+class Ping(msgspec.Struct, tag=True):
+    n: int
+
+
+class Pong(msgspec.Struct, tag=True):
+    n: int
+    text: str = ""
+
+
+Message = Union[Ping, Pong]
+
+
+def stream_pair() -> tuple[trio.SocketStream, trio.SocketStream]:
+    """Both ends of a socketpair, the second one built as a child builds it."""
+    parent_end, child_end = socketpair_for_child()
+    return parent_end, stream_from_fd(child_end.detach())
+
+
+# --- frames -----------------------------------------------------------------
+
+
+async def test_frames_round_trip_and_clean_eof_reads_none() -> None:
+    payloads = [b"", b"x", bytes(range(256)) * 400, b"y" * (3 * 1024 * 1024)]
+    left, right = stream_pair()
+    reader = FrameReader(right)
+    with trio.fail_after(10):
+        async with trio.open_nursery() as nursery:
+
+            async def write_all() -> None:
+                for payload in payloads:
+                    await write_frame(left, payload)
+                await left.aclose()
+
+            nursery.start_soon(write_all)
+            received = [await reader.read() for _ in payloads]
+            assert await reader.read() is None
+    assert received == payloads
+    await right.aclose()
+
+
+@pytest.mark.parametrize("partial", [b"\x00\x00", b"\x00\x00\x00\x0aabc"], ids=["in-header", "in-payload"])
+async def test_eof_inside_a_frame_raises_frame_error(partial: bytes) -> None:
+    left, right = stream_pair()
+    with trio.fail_after(5):
+        await left.send_all(partial)
+        await left.aclose()
+        with pytest.raises(FrameError, match="EOF in the middle of a frame"):
+            await FrameReader(right).read()
+    await right.aclose()
+
+
+async def test_oversized_header_is_rejected_before_its_payload_arrives() -> None:
+    left, right = stream_pair()
+    with trio.fail_after(5):
+        await left.send_all((17).to_bytes(4, "big"))
+        with pytest.raises(FrameError, match="17 bytes, over the limit of 16"):
+            await FrameReader(right, max_frame_bytes=16).read()
+    await left.aclose()
+    await right.aclose()
+
+
+async def test_write_frame_refuses_an_oversized_payload_and_writes_nothing() -> None:
+    left, right = stream_pair()
+    reader = FrameReader(right)
+    with trio.fail_after(5):
+        with pytest.raises(FrameError, match="over the limit"):
+            await write_frame(left, b"x" * 17, max_frame_bytes=16)
+        await write_frame(left, b"next")
+        assert await reader.read() == b"next"
+    await left.aclose()
+    await right.aclose()
+
+
+async def test_cancelled_write_frame_writes_the_whole_frame_or_nothing() -> None:
+    big = bytes(range(256)) * (32 * 1024)  # 8 MiB: more than the socket buffers hold
+    left, right = stream_pair()
+    reader = FrameReader(right)
+    with trio.fail_after(10):
+        with trio.CancelScope() as scope:
+            scope.cancel()
+            await write_frame(left, b"never")  # cancelled before it starts: nothing written
+        async with trio.open_nursery() as nursery:
+            scope = trio.CancelScope()
+            finished = trio.Event()
+
+            async def write_big() -> None:
+                with scope:
+                    await write_frame(left, big)
+                    finished.set()
+                    await trio.sleep_forever()
+
+            nursery.start_soon(write_big)
+            await trio.testing.wait_all_tasks_blocked()
+            scope.cancel()
+            await trio.testing.wait_all_tasks_blocked()
+            assert not finished.is_set()  # still writing, shielded
+            assert await reader.read() == big
+        assert finished.is_set()
+        await write_frame(left, b"after")
+        assert await reader.read() == b"after"
+    await left.aclose()
+    await right.aclose()
+
+
+async def test_cancelled_read_keeps_what_already_arrived() -> None:
+    left, right = stream_pair()
+    reader = FrameReader(right)
+    frame = (5).to_bytes(4, "big") + b"hello"
+    with trio.fail_after(5):
+        await left.send_all(frame[:6])
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(reader.read)
+            await trio.testing.wait_all_tasks_blocked()
+            nursery.cancel_scope.cancel()  # the read had taken 6 bytes into its buffer
+        await left.send_all(frame[6:])
+        assert await reader.read() == b"hello"
+    await left.aclose()
+    await right.aclose()
+
+
+# --- the bridge ---------------------------------------------------------------
+
+
+async def test_bridges_carry_typed_messages_both_ways() -> None:
+    left, right = stream_pair()
+    with trio.fail_after(5):
+        async with trio.open_nursery() as nursery:
+            a_out, a_in = await nursery.start(MessageBridge(left, receive_type=Message, name="a").run)
+            b_out, b_in = await nursery.start(MessageBridge(right, receive_type=Message, name="b").run)
+            await a_out.send(Ping(1))
+            await a_out.send(Pong(2, "two"))
+            assert [await b_in.receive(), await b_in.receive()] == [Ping(1), Pong(2, "two")]
+            await b_out.send(Pong(3))
+            assert await a_in.receive() == Pong(3)
+            # Closing both outboxes is a clean shutdown: each run() returns.
+            await a_out.aclose()
+            await b_out.aclose()
+            with pytest.raises(trio.EndOfChannel):
+                await a_in.receive()
+            with pytest.raises(trio.EndOfChannel):
+                await b_in.receive()
+
+
+async def test_peer_eof_ends_the_inbox_and_run_returns() -> None:
+    left, right = stream_pair()
+    with trio.fail_after(5):
+        async with trio.open_nursery() as nursery:
+            outbox, inbox = await nursery.start(MessageBridge(left, receive_type=Message).run)
+            await write_frame(right, msgspec.msgpack.encode(Ping(7)))
+            await right.aclose()
+            assert await inbox.receive() == Ping(7)
+            with pytest.raises(trio.EndOfChannel):
+                await inbox.receive()
+        # run() has returned: the outbox is dead.
+        with pytest.raises(trio.BrokenResourceError):
+            await outbox.send(Ping(8))
+
+
+@pytest.mark.parametrize(
+    ("payload", "match"),
+    [(b"\xc1", "worker-0: undecodable frame"), (msgspec.msgpack.encode({"type": "Nope"}), "worker-0: undecodable")],
+    ids=["not-msgpack", "wrong-type"],
+)
+async def test_malformed_frame_raises_frame_error_naming_the_bridge(payload: bytes, match: str) -> None:
+    left, right = stream_pair()
+    inbox: Any = None
+    with trio.fail_after(5), pytest.RaisesGroup(pytest.RaisesExc(FrameError, match=match)):
+        async with trio.open_nursery() as nursery:
+            _, inbox = await nursery.start(MessageBridge(left, receive_type=Message, name="worker-0").run)
+            await write_frame(right, payload)
+            await trio.sleep_forever()
+    with pytest.raises(trio.EndOfChannel):
+        inbox.receive_nowait()
+    await right.aclose()
+
+
+async def test_cancelling_the_bridge_closes_the_stream() -> None:
+    left, right = stream_pair()
+    with trio.fail_after(5):
+        async with trio.open_nursery() as nursery:
+            await nursery.start(MessageBridge(left, receive_type=Message).run)
+            nursery.cancel_scope.cancel()
+        assert await right.receive_some() == b""  # the peer sees EOF
+    await right.aclose()
+
+
+async def test_a_message_that_cannot_be_encoded_stops_the_bridge() -> None:
+    left, right = stream_pair()
+    with trio.fail_after(5), pytest.RaisesGroup(TypeError):
+        async with trio.open_nursery() as nursery:
+            outbox, _ = await nursery.start(MessageBridge(left, receive_type=Message).run)
+            await outbox.send(object())
+            await trio.sleep_forever()
+    await right.aclose()
+
+
+def test_stream_from_fd_rejects_a_datagram_socket() -> None:
+    a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_DGRAM)
+    with a, b, pytest.raises(ValueError, match="SOCK_STREAM"):
+        stream_from_fd(a.fileno())

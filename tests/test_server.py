@@ -1,0 +1,503 @@
+"""The WebSocket server in-process, over the torch-free fake runner, with the
+third-party ``websockets`` client (run in threads)."""
+
+from __future__ import annotations
+
+import json
+import socket
+import threading
+import time
+import urllib.error
+import urllib.request
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from functools import partial
+from typing import Any
+
+import psutil
+import pytest
+import trio
+from websockets.exceptions import ConnectionClosed, InvalidStatus
+from websockets.sync.client import ClientConnection, connect
+
+from trioserve import EngineConfig, FakeRunnerConfig, SamplingParams
+from trioserve.errors import EngineDeadError
+from trioserve.server import Server, ServerConfig
+
+EOS = 2
+
+
+# --- helpers ---------------------------------------------------------------------
+
+
+@pytest.fixture
+def fake_config(tiny_model_dir) -> Callable[..., EngineConfig]:
+    def make(*, num_kv_blocks: int = 256, **fake_options: Any) -> EngineConfig:
+        fake_options.setdefault("step_delay_s", 0.002)
+        return EngineConfig(
+            model=str(tiny_model_dir("llama")),
+            runner="fake",
+            block_size=4,
+            num_kv_blocks=num_kv_blocks,
+            shutdown_grace_s=2.0,
+            fake=FakeRunnerConfig(eos_token_id=EOS, num_kv_blocks=num_kv_blocks, **fake_options),
+        )
+
+    return make
+
+
+@asynccontextmanager
+async def serving(engine_config: EngineConfig, **options: Any) -> AsyncIterator[Server]:
+    """A ready server on 127.0.0.1 and a free port; dropped (engine reaped) on exit."""
+    server = Server(engine_config, ServerConfig(port=0, **options))
+    async with trio.open_nursery() as nursery:
+        await nursery.start(server.run)
+        assert await server.wait_ready()
+        yield server
+        nursery.cancel_scope.cancel()
+    assert not psutil.Process().children(recursive=True)
+
+
+async def in_thread(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    return await trio.to_thread.run_sync(partial(fn, *args, **kwargs), abandon_on_cancel=True)
+
+
+def open_ws(url: str, **kwargs: Any) -> ClientConnection:
+    return connect(url, open_timeout=10, close_timeout=5, **kwargs)
+
+
+def generate(request_id: str, prompt: str | list[int], **params: Any) -> str:
+    key = "prompt" if isinstance(prompt, str) else "prompt_token_ids"
+    return json.dumps({"type": "generate", "id": request_id, key: prompt, "params": params})
+
+
+@dataclass
+class Received:
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    terminal: dict[str, Any] | None = None
+    at: list[float] = field(default_factory=list)  # arrival time of each message
+
+
+def collect(
+    ws: ClientConnection, ids: set[str], timeout: float = 30, received: dict[str, Received] | None = None
+) -> tuple[dict[str, Received], list[dict]]:
+    """Read until every request in ``ids`` has its terminal message (adding to
+    ``received`` when given). Checks that nothing arrives for a request after
+    its terminal. Returns the requests and any messages that name none of them."""
+    received = received if received is not None else {}
+    for request_id in ids:
+        received.setdefault(request_id, Received())
+    others: list[dict] = []
+    while any(received[request_id].terminal is None for request_id in ids):
+        msg = json.loads(ws.recv(timeout=timeout))
+        if not record(received, msg):
+            others.append(msg)
+    return received, others
+
+
+def record(received: dict[str, Received], msg: dict) -> bool:
+    """Add ``msg`` to its request in ``received``; False if it names none."""
+    r = received.get(msg.get("id"))  # type: ignore[arg-type]
+    if r is None:
+        return False
+    assert r.terminal is None, f"a message after the terminal one: {msg}"
+    r.at.append(time.monotonic())
+    if msg["type"] == "delta":
+        r.text += msg["text"]
+        r.token_ids += msg["token_ids"]
+    else:
+        assert msg["type"] in ("done", "error"), msg
+        r.terminal = msg
+    return True
+
+
+def stream_requests(url: str, requests: list[tuple[str, str | list[int], dict]]) -> dict[str, Received]:
+    with open_ws(url) as ws:
+        for request_id, prompt, params in requests:
+            ws.send(generate(request_id, prompt, **params))
+        received, others = collect(ws, {r[0] for r in requests})
+    assert not others, others
+    return received
+
+
+def expect_error(
+    ws: ClientConnection, code: str, request_id: str | None, running: dict[str, Received], timeout: float = 10
+) -> dict:
+    """The next message about anything but the ``running`` requests (whose
+    messages are recorded on the way): it must be this error."""
+    while True:
+        msg = json.loads(ws.recv(timeout=timeout))
+        if msg["type"] == "error" and msg["code"] == "duplicate_id" or not record(running, msg):
+            assert msg["type"] == "error" and msg["code"] == code and msg["id"] == request_id, msg
+            return msg
+
+
+async def wait_blocks_free(server: Server, timeout: float = 5) -> None:
+    assert server.engine is not None
+    with trio.fail_after(timeout):
+        while True:
+            stats = await server.engine.stats()
+            if stats.num_running == 0 and stats.num_waiting == 0 and stats.num_free_blocks == stats.num_total_blocks:
+                return
+            await trio.sleep(0.02)
+
+
+def http_get(url: str) -> tuple[int, dict]:
+    try:
+        with urllib.request.urlopen(url, timeout=5) as response:
+            return response.status, json.loads(response.read())
+    except urllib.error.HTTPError as exc:
+        return exc.code, json.loads(exc.read())
+
+
+async def generate_into(results: dict, server: Server, key: Any, prompt: str, params: dict) -> None:
+    """The same request without streaming."""
+    assert server.engine is not None
+    results[key] = await server.engine.generate(prompt, SamplingParams(**params))
+
+
+PROMPTS = [f"Request number {i} says" + " hello" * (i % 5) for i in range(16)]
+
+
+# --- streaming ---------------------------------------------------------------------
+
+
+async def test_16_concurrent_streams_on_one_connection_equal_their_generate_text(fake_config):
+    with trio.fail_after(60):
+        async with serving(fake_config()) as server:
+            requests = [(f"r{i}", p, {"max_tokens": 20 + i, "temperature": 0}) for i, p in enumerate(PROMPTS)]
+            received = await in_thread(stream_requests, server.url, requests)
+            expected_outputs = {}
+            async with trio.open_nursery() as nursery:
+                for request_id, prompt, params in requests:
+                    nursery.start_soon(generate_into, expected_outputs, server, request_id, prompt, params)
+            for request_id, prompt, params in requests:
+                expected = expected_outputs[request_id]
+                r = received[request_id]
+                assert r.terminal == {
+                    "type": "done", "id": request_id, "finish_reason": "length", "stop_reason": None,
+                    "usage": {"prompt_tokens": expected.num_prompt_tokens, "completion_tokens": params["max_tokens"]},
+                }
+                assert r.text == expected.text
+                assert r.token_ids == expected.token_ids
+
+
+async def test_16_concurrent_connections_stream_independently(fake_config):
+    with trio.fail_after(60):
+        async with serving(fake_config()) as server:
+            results: dict[int, dict[str, Received]] = {}
+
+            async def one(i: int) -> None:
+                results[i] = await in_thread(stream_requests, server.url, [("only", PROMPTS[i], {"max_tokens": 24})])
+
+            async with trio.open_nursery() as nursery:
+                for i in range(16):
+                    nursery.start_soon(one, i)
+            expected: dict[int, Any] = {}
+            async with trio.open_nursery() as nursery:
+                for i in range(16):
+                    nursery.start_soon(generate_into, expected, server, i, PROMPTS[i], {"max_tokens": 24})
+            for i in range(16):
+                assert results[i]["only"].text == expected[i].text
+                assert results[i]["only"].terminal["finish_reason"] == "length"  # type: ignore[index]
+
+
+async def test_prompt_token_ids_and_stop_strings_and_reusing_an_id_after_done(fake_config):
+    with trio.fail_after(30):
+        async with serving(fake_config()) as server:
+            assert server.engine is not None
+            expected = await server.engine.generate([5, 6, 7], SamplingParams(max_tokens=30))
+            stop = expected.text[10:13]
+
+            def client() -> tuple[Received, Received]:
+                with open_ws(server.url) as ws:
+                    ws.send(generate("x", [5, 6, 7], max_tokens=30))
+                    first, _ = collect(ws, {"x"})
+                    ws.send(generate("x", [5, 6, 7], max_tokens=30, stop=[stop]))
+                    second, _ = collect(ws, {"x"})
+                return first["x"], second["x"]
+
+            first, second = await in_thread(client)
+            assert first.token_ids == expected.token_ids
+            assert second.terminal["finish_reason"] == "stop" and second.terminal["stop_reason"] == stop  # type: ignore[index]
+            assert second.text == expected.text[: expected.text.index(stop)]
+
+
+async def test_cancel_ends_the_request_with_done_abort_and_frees_its_blocks(fake_config):
+    with trio.fail_after(30):
+        async with serving(fake_config(step_delay_s=0.01)) as server:
+
+            def client() -> dict:
+                with open_ws(server.url) as ws:
+                    ws.send(generate("long", "Hello there", max_tokens=1000, ignore_eos=True))
+                    assert json.loads(ws.recv(timeout=10))["type"] == "delta"
+                    ws.send(json.dumps({"type": "cancel", "id": "long"}))
+                    ws.send(json.dumps({"type": "cancel", "id": "never-was"}))  # ignored
+                    received, others = collect(ws, {"long"})
+                    assert not others
+                    return received["long"].terminal  # type: ignore[return-value]
+
+            terminal = await in_thread(client)
+            assert terminal["type"] == "done" and terminal["finish_reason"] == "abort"
+            assert 0 < terminal["usage"]["completion_tokens"] < 1000
+            await wait_blocks_free(server)
+
+
+# --- bad input -----------------------------------------------------------------------
+
+
+async def test_every_bad_input_gets_its_error_while_a_request_beside_it_completes(fake_config):
+    with trio.fail_after(60):
+        async with serving(fake_config(max_model_len=256, step_delay_s=0.005), max_requests_per_connection=3) as server:
+
+            def client() -> tuple[Received, list[dict]]:
+                with open_ws(server.url) as ws:
+                    running = {"beside": Received()}
+                    ws.send(generate("beside", "A request that must finish", max_tokens=150))
+                    ws.send(generate("beside", "same id again"))
+                    assert expect_error(ws, "duplicate_id", "beside", running)["field"] == "id"
+                    ws.send("{this is not json")
+                    expect_error(ws, "invalid_json", None, running)
+                    ws.send(b'{"type": "generate"}')
+                    expect_error(ws, "invalid_json", None, running)
+                    ws.send(json.dumps({"type": "complete", "id": "u"}))
+                    expect_error(ws, "unknown_type", "u", running)
+                    ws.send(json.dumps({"type": "generate", "id": "m"}))
+                    assert expect_error(ws, "invalid_field", "m", running)["field"] == "prompt"
+                    ws.send(generate("t", "x", temperature=-1))
+                    err = expect_error(ws, "invalid_field", "t", running)
+                    assert err["field"] == "params.temperature" and err["message"].startswith("params.temperature:")
+                    ws.send(generate("v", [5, 100000]))
+                    assert expect_error(ws, "invalid_field", "v", running)["field"] == "prompt_token_ids"
+                    ws.send(generate("long", "word " * 300))
+                    assert expect_error(ws, "prompt_too_long", "long", running)["field"] == "prompt"
+                    running.update(p2=Received(), p3=Received())
+                    ws.send(generate("p2", "two", max_tokens=100))
+                    ws.send(generate("p3", "three", max_tokens=100))
+                    ws.send(generate("p4", "four is one too many"))
+                    expect_error(ws, "too_many_requests", "p4", running)
+                    return collect(ws, set(running), received=running)
+
+            received, others = await in_thread(client)
+            assert not others, others
+            assert server.engine is not None
+            expected = await server.engine.generate("A request that must finish", SamplingParams(max_tokens=150))
+            assert received["beside"].text == expected.text
+            for request_id in ("beside", "p2", "p3"):
+                assert received[request_id].terminal["type"] == "done"  # type: ignore[index]
+
+
+async def test_an_oversized_message_closes_with_1009_and_other_connections_carry_on(fake_config):
+    with trio.fail_after(30):
+        async with serving(fake_config(step_delay_s=0.005), max_message_bytes=4096) as server:
+
+            def other_client(started: trio.Event) -> Received:
+                with open_ws(server.url) as ws:
+                    ws.send(generate("beside", "carry on", max_tokens=60))
+                    assert json.loads(ws.recv(timeout=10))["type"] == "delta"
+                    trio.from_thread.run_sync(started.set)
+                    return collect(ws, {"beside"})[0]["beside"]
+
+            def big_client() -> int:
+                with open_ws(server.url, max_size=None) as ws:
+                    ws.send(generate("big", "x" * 5000))
+                    with pytest.raises(ConnectionClosed) as info:
+                        ws.recv(timeout=10)
+                    return info.value.rcvd.code  # type: ignore[union-attr]
+
+            async with trio.open_nursery() as nursery:
+                started = trio.Event()
+                results: dict[str, Any] = {}
+
+                async def run_other() -> None:
+                    results["other"] = await in_thread(other_client, started)
+
+                nursery.start_soon(run_other)
+                await started.wait()
+                assert await in_thread(big_client) == 1009
+            assert results["other"].terminal["type"] == "done"
+
+
+async def test_a_handshake_without_the_api_key_is_rejected_with_401(fake_config):
+    with trio.fail_after(30):
+        async with serving(fake_config(), api_key="s3cret") as server:
+            for headers in ({}, {"Authorization": "Bearer wrong"}):
+                with pytest.raises(InvalidStatus) as info:
+                    await in_thread(open_ws, server.url, additional_headers=headers)
+                assert info.value.response.status_code == 401
+            assert await in_thread(http_get, server.health_url) == (200, {"status": "ready"})
+
+            def authorized() -> dict:
+                with open_ws(server.url, additional_headers={"Authorization": "Bearer s3cret"}) as ws:
+                    ws.send(generate("a", "hi", max_tokens=3))
+                    return collect(ws, {"a"})[0]["a"].terminal  # type: ignore[return-value]
+
+            assert (await in_thread(authorized))["type"] == "done"
+            stats = await server.engine.stats()  # type: ignore[union-attr]
+            assert stats.num_steps > 0
+
+
+# --- disconnects and slow clients ------------------------------------------------------
+
+
+@pytest.mark.parametrize("how", ["close", "drop"])
+async def test_disconnecting_mid_stream_aborts_requests_and_frees_kv_blocks(fake_config, how):
+    with trio.fail_after(30):
+        async with serving(fake_config(step_delay_s=0.01)) as server:
+
+            def client() -> None:
+                with open_ws(server.url) as ws:
+                    for i in range(4):
+                        ws.send(generate(f"r{i}", f"prompt {i}", max_tokens=1000, ignore_eos=True))
+                    for _ in range(8):
+                        assert json.loads(ws.recv(timeout=10))["type"] == "delta"
+                    if how == "drop":  # no closing handshake: the TCP connection just goes
+                        ws.socket.shutdown(socket.SHUT_RDWR)
+                        ws.socket.close()
+
+            await in_thread(client)
+            await wait_blocks_free(server)
+
+
+async def test_a_client_that_stops_reading_neither_delays_others_nor_holds_its_requests(fake_config):
+    slow_s = 1.0
+    options = dict(outbox_size=4, slow_consumer_timeout_s=slow_s, socket_send_buffer_bytes=4096)
+    with trio.fail_after(60):
+        async with serving(fake_config(step_delay_s=0.002), **options) as server:
+            stalled = await in_thread(open_stalled, server)
+            ids = {f"slow{i}" for i in range(4)}
+            for request_id in sorted(ids):
+                stalled.send(generate(request_id, request_id, max_tokens=1900, ignore_eos=True))
+            await trio.sleep(0.5)  # its buffers fill
+
+            started = time.monotonic()
+            fast = await in_thread(stream_requests, server.url, [("fast", "quick one", {"max_tokens": 50})])
+            took = time.monotonic() - started
+            assert fast["fast"].terminal["type"] == "done"  # type: ignore[index]
+            assert took < slow_s, f"the other client took {took:.2f}s"
+
+            await wait_blocks_free(server, timeout=slow_s + 5)  # aborted long before 1900 tokens
+            received, others = await in_thread(collect, stalled, ids)
+            stalled.close()
+            assert not others
+            for r in received.values():
+                assert r.terminal["code"] == "slow_consumer", r.terminal  # type: ignore[index]
+                assert len(r.token_ids) < 1900
+
+
+def open_stalled(server: Server) -> ClientConnection:
+    """A client that stops reading the socket once 4 frames wait for it, with
+    a small receive buffer so that the server notices soon."""
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    sock.connect(("127.0.0.1", server.port))
+    return connect(server.url, sock=sock, max_queue=(4, 1), open_timeout=10, close_timeout=1, legacy=True)
+
+
+# --- health, shutdown, engine death --------------------------------------------------
+
+
+async def test_health_is_503_while_the_engine_starts_and_200_once_ready(fake_config):
+    with trio.fail_after(30):
+        server = Server(fake_config(load_delay_s=1.5), ServerConfig(port=0))
+        async with trio.open_nursery() as nursery:
+            await nursery.start(server.run)
+            assert await in_thread(http_get, server.health_url) == (503, {"status": "starting"})
+            with pytest.raises(InvalidStatus) as info:
+                await in_thread(open_ws, server.url)
+            assert info.value.response.status_code == 503
+            assert await server.wait_ready()
+            assert await in_thread(http_get, server.health_url) == (200, {"status": "ready"})
+            server.shutdown()
+        assert server.state.phase == "stopping"
+        assert not psutil.Process().children(recursive=True)
+
+
+async def test_shutdown_during_start_up_stops_the_engine_start(fake_config):
+    with trio.fail_after(30):
+        server = Server(fake_config(load_delay_s=30), ServerConfig(port=0))
+        async with trio.open_nursery() as nursery:
+            await nursery.start(server.run)
+            await trio.sleep(0.5)
+            server.shutdown()
+        assert not await server.wait_ready()
+        assert not psutil.Process().children(recursive=True)
+
+
+async def test_graceful_shutdown_finishes_short_requests_and_ends_the_rest_with_shutdown(fake_config):
+    grace = 1.0
+    with trio.fail_after(30):
+        server = Server(fake_config(step_delay_s=0.01), ServerConfig(port=0, shutdown_grace_s=grace))
+        stop_begun = threading.Event()
+
+        def client(ready: trio.Event) -> tuple[dict[str, Received], int]:
+            with open_ws(server.url) as ws:
+                ws.send(generate("short", "short", max_tokens=20))
+                ws.send(generate("long", "long", max_tokens=2000, ignore_eos=True))
+                assert json.loads(ws.recv(timeout=10))["type"] == "delta"
+                trio.from_thread.run_sync(ready.set)
+                assert stop_begun.wait(timeout=10)
+                ws.send(generate("late", "too late"))
+                received, others = collect(ws, {"short", "long", "late"})
+                assert not others
+                with pytest.raises(ConnectionClosed) as info:
+                    ws.recv(timeout=5)
+                return received, info.value.rcvd.code  # type: ignore[union-attr]
+
+        results: dict[str, Any] = {}
+        async with trio.open_nursery() as nursery:
+            await nursery.start(server.run)
+            assert await server.wait_ready()
+            ready = trio.Event()
+
+            async def run_client() -> None:
+                results["client"] = await in_thread(client, ready)
+
+            nursery.start_soon(run_client)
+            await ready.wait()
+            started = trio.current_time()
+            server.shutdown()
+            stop_begun.set()
+            assert await in_thread(http_get, server.health_url) == (503, {"status": "stopping"})
+            with pytest.raises(InvalidStatus) as info:
+                await in_thread(open_ws, server.url)
+            assert info.value.response.status_code == 503
+        stopped_after = trio.current_time() - started
+        received, close_code = results["client"]
+        assert received["short"].terminal["type"] == "done"  # type: ignore[index]
+        assert received["long"].terminal["code"] == "shutdown"  # type: ignore[index]
+        assert received["late"].terminal["code"] == "shutdown"  # type: ignore[index]
+        assert close_code == 1001
+        assert grace <= stopped_after < grace + 2
+        assert not psutil.Process().children(recursive=True)
+
+
+async def test_when_the_engine_dies_requests_end_with_engine_dead_and_run_raises(fake_config):
+    with trio.fail_after(30):
+        server = Server(fake_config(step_delay_s=0.01, die_at_step=30), ServerConfig(port=0))
+        captured: list[BaseException] = []
+
+        async def run(task_status: trio.TaskStatus[Server]) -> None:
+            try:
+                await server.run(task_status=task_status)
+            except EngineDeadError as exc:
+                captured.append(exc)
+
+        def client() -> tuple[Received, int]:
+            with open_ws(server.url) as ws:
+                ws.send(generate("doomed", "doomed", max_tokens=1000, ignore_eos=True))
+                received, _ = collect(ws, {"doomed"})
+                with pytest.raises(ConnectionClosed) as info:
+                    ws.recv(timeout=5)
+                return received["doomed"], info.value.rcvd.code  # type: ignore[union-attr]
+
+        async with trio.open_nursery() as nursery:
+            await nursery.start(run)
+            assert await server.wait_ready()
+            doomed, close_code = await in_thread(client)
+        assert doomed.terminal["code"] == "engine_dead"  # type: ignore[index]
+        assert close_code == 1011
+        assert captured and isinstance(captured[0], EngineDeadError)
+        assert not psutil.Process().children(recursive=True)

@@ -1,0 +1,184 @@
+"""``trioserve serve`` end to end: a real tiny transformers model, the command
+in a subprocess (signals, exit codes, the process tree), and the README's
+commands with the example client."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import psutil
+import pytest
+import trio
+from test_server import Received, collect, generate, generate_into, in_thread, open_ws, serving, stream_requests
+from websockets.exceptions import ConnectionClosed
+
+from trioserve import EngineConfig
+
+REPO = Path(__file__).parent.parent
+EXAMPLE = REPO / "examples" / "stream_client.py"
+
+
+# --- acceptance 1 on a real model ---------------------------------------------------
+
+
+@pytest.mark.model
+async def test_real_model_greedy_streams_equal_generate_on_one_and_on_16_connections(tiny_model_dir):
+    config = EngineConfig(model=str(tiny_model_dir("llama")), dtype="float32", block_size=4, shutdown_grace_s=3.0)
+    prompts = [f"Prompt {i}: the quick brown fox" + " jumps" * (i % 4) for i in range(16)]
+    params = {"max_tokens": 24, "temperature": 0, "ignore_eos": True}
+    with trio.fail_after(240):
+        async with serving(config) as server:
+            expected: dict[int, Any] = {}
+            for i, prompt in enumerate(prompts):  # one at a time: nothing else in the batch
+                await generate_into(expected, server, i, prompt, params)
+            one = await in_thread(stream_requests, server.url, [(f"r{i}", p, params) for i, p in enumerate(prompts)])
+            many: dict[int, dict[str, Received]] = {}
+
+            async def connection(i: int) -> None:
+                many[i] = await in_thread(stream_requests, server.url, [("only", prompts[i], params)])
+
+            async with trio.open_nursery() as nursery:
+                for i in range(16):
+                    nursery.start_soon(connection, i)
+    for i in range(16):
+        assert one[f"r{i}"].text == expected[i].text, i
+        assert one[f"r{i}"].token_ids == expected[i].token_ids, i
+        assert many[i]["only"].text == expected[i].text, i
+        assert one[f"r{i}"].terminal["usage"]["completion_tokens"] == 24  # type: ignore[index]
+
+
+# --- the command in a subprocess ---------------------------------------------------------
+
+
+def serve_argv(*options: str) -> list[str]:
+    return [sys.executable, "-m", "trioserve.cli", "serve", "--port", "0", *options]
+
+
+@contextmanager
+def spawned(argv: list[str], env: dict[str, str] | None = None) -> Iterator[subprocess.Popen[str]]:
+    """Run ``argv``; on the way out, kill whatever of its process tree is left."""
+    proc = subprocess.Popen(
+        argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO, env=env or dict(os.environ)
+    )
+    try:
+        yield proc
+    finally:
+        try:
+            leftovers = psutil.Process(proc.pid).children(recursive=True)
+        except psutil.NoSuchProcess:
+            leftovers = []
+        for p in [*leftovers]:
+            p.kill()
+        proc.kill()
+        proc.communicate(timeout=10)
+
+
+def wait_for_url(proc: subprocess.Popen[str], timeout: float) -> str:
+    """The ws:// URL from the "serving on" line."""
+    assert proc.stdout is not None
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        line = proc.stdout.readline()
+        if not line:
+            raise AssertionError(f"exited with {proc.wait()}: {proc.stderr.read() if proc.stderr else ''}")
+        if line.startswith("trioserve: serving on "):
+            url = line.split()[3]
+            assert url.startswith("ws://127.0.0.1:") and "health: http://127.0.0.1:" in line, line
+            return url
+    raise AssertionError("no 'serving on' line")
+
+
+def stream_until_closed(url: str, started: Any, n: int) -> tuple[dict[str, Received], int | None]:
+    """Send ``n`` long requests; return each one's messages (all of them, up to
+    its terminal message) and the close code that follows."""
+    ids = {f"r{i}" for i in range(n)}
+    with open_ws(url) as ws:
+        for request_id in sorted(ids):
+            ws.send(generate(request_id, f"in flight {request_id}", max_tokens=2000, ignore_eos=True))
+        assert json.loads(ws.recv(timeout=30))["type"] == "delta"
+        started()
+        received, others = collect(ws, ids)
+        assert not others, others
+        with pytest.raises(ConnectionClosed) as info:
+            ws.recv(timeout=10)
+    return received, info.value.rcvd.code if info.value.rcvd else None
+
+
+def wait_gone(pids: list[int], since: float, limit: float) -> float:
+    """Seconds from ``since`` until none of ``pids`` runs (zombies count as gone)."""
+    while time.monotonic() < since + limit:
+        if not any(_running(pid) for pid in pids):
+            break
+        time.sleep(0.02)
+    return time.monotonic() - since
+
+
+def _running(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
+async def test_a_signal_with_streams_in_flight_ends_every_stream_and_exits_0(tiny_model_dir, signum):
+    grace = 1.0
+    argv = serve_argv("--model", str(tiny_model_dir("llama")), "--runner", "fake", "--shutdown-grace", str(grace))
+    with trio.fail_after(60), spawned(argv) as proc:
+        url = await in_thread(wait_for_url, proc, 30)
+        tree = psutil.Process(proc.pid).children(recursive=True)
+        assert len(tree) >= 2  # the engine core and its worker
+        streaming = trio.Semaphore(0)
+        results: list[tuple[dict[str, Received], int | None]] = []
+
+        async def client() -> None:
+            def started() -> None:
+                trio.from_thread.run_sync(streaming.release)
+
+            results.append(await in_thread(stream_until_closed, url, started, 4))
+
+        async with trio.open_nursery() as nursery:
+            for _ in range(4):
+                nursery.start_soon(client)
+            for _ in range(4):
+                await streaming.acquire()
+            signalled = time.monotonic()
+            proc.send_signal(signum)
+            exit_code = await in_thread(proc.wait, grace + 10)
+        gone_after = await in_thread(wait_gone, [proc.pid, *(p.pid for p in tree)], signalled, grace + 10)
+        assert exit_code == 0, proc.stderr.read() if proc.stderr else ""
+        assert gone_after <= grace + 2, f"the process tree took {gone_after:.2f}s to go"
+    assert len(results) == 4
+    for received, close_code in results:
+        assert close_code == 1001
+        assert len(received) == 4
+        for r in received.values():
+            assert r.terminal is not None
+            assert r.terminal["type"] == "done" or r.terminal["code"] == "shutdown", r.terminal
+
+
+
+async def test_the_readme_commands_serve_the_default_model_to_the_example_client(tmp_path):
+    env = {**os.environ, "TRIOSERVE_CACHE_DIR": str(tmp_path / "cache")}  # a fresh machine: no model yet
+    script = Path(sys.executable).parent / "trioserve"
+    argv = [str(script), "serve", "--port", "0"] if script.exists() else serve_argv()
+    with trio.fail_after(300), spawned(argv, env) as proc:
+        url = await in_thread(wait_for_url, proc, 240)
+        client = await trio.run_process(
+            [sys.executable, str(EXAMPLE), "--url", url, "Once upon a time"], capture_stdout=True, capture_stderr=True,
+            check=False,
+        )
+        assert client.returncode == 0, client.stderr.decode()
+        assert "finish reason: length" in client.stderr.decode()
+        assert client.stdout
+        proc.send_signal(signal.SIGTERM)
+        assert await in_thread(proc.wait, 30) == 0

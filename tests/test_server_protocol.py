@@ -1,0 +1,215 @@
+"""The WebSocket protocol's pure functions: parsing, validation, encoding, HTTP routing."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from trioserve.messages import SampleLogprobs, SamplingParams
+from trioserve.server import http, protocol
+from trioserve.server.protocol import Cancel, Delta, Generate, ProtocolError
+
+
+def parse(message: object) -> Generate | Cancel:
+    return protocol.parse_client_message(json.dumps(message))
+
+
+def parse_error(frame: str | bytes) -> ProtocolError:
+    with pytest.raises(ProtocolError) as info:
+        protocol.parse_client_message(frame)
+    return info.value
+
+
+def test_generate_with_a_text_prompt_and_params():
+    msg = parse({"type": "generate", "id": "r1", "prompt": "Hello", "params": {"max_tokens": 5, "temperature": 0}})
+    assert msg == Generate(id="r1", prompt="Hello", prompt_token_ids=None, params=SamplingParams(max_tokens=5, temperature=0))
+    assert msg.prompt_field == "prompt"
+
+
+def test_generate_with_token_ids_and_default_params():
+    msg = parse({"type": "generate", "id": "r1", "prompt_token_ids": [1, 2, 3]})
+    assert isinstance(msg, Generate)
+    assert msg.prompt_token_ids == [1, 2, 3] and msg.prompt is None
+    assert msg.params == SamplingParams()
+    assert msg.prompt_field == "prompt_token_ids"
+
+
+def test_cancel():
+    assert parse({"type": "cancel", "id": "r1"}) == Cancel(id="r1")
+
+
+@pytest.mark.parametrize(
+    "frame",
+    ["{bad", "", "[1, 2", '{"type": "generate"', "nul", b'{"type": "cancel", "id": "x"}'],
+)
+def test_malformed_json_and_binary_frames_are_invalid_json(frame):
+    err = parse_error(frame)
+    assert err.code == protocol.INVALID_JSON
+    assert err.id is None
+
+
+@pytest.mark.parametrize("value", [[1, 2], "hello", 3, None, True])
+def test_a_message_that_is_not_an_object_is_invalid_json(value):
+    err = parse_error(json.dumps(value))
+    assert err.code == protocol.INVALID_JSON
+    assert "JSON object" in err.message
+
+
+def test_unknown_type_names_the_type_and_keeps_the_id():
+    err = parse_error(json.dumps({"type": "complete", "id": "r9"}))
+    assert err.code == protocol.UNKNOWN_TYPE
+    assert err.message.startswith("type:") and "complete" in err.message
+    assert err.id == "r9"
+
+
+def test_missing_type_is_an_invalid_field():
+    err = parse_error(json.dumps({"id": "r1", "prompt": "x"}))
+    assert (err.code, err.field, err.id) == (protocol.INVALID_FIELD, "type", "r1")
+
+
+@pytest.mark.parametrize(
+    ("message", "field"),
+    [
+        ({"type": "generate", "prompt": "x"}, "id"),
+        ({"type": "generate", "id": "", "prompt": "x"}, "id"),
+        ({"type": "generate", "id": 7, "prompt": "x"}, "id"),
+        ({"type": "generate", "id": "x" * 257, "prompt": "x"}, "id"),
+        ({"type": "cancel"}, "id"),
+        ({"type": "cancel", "id": ["a"]}, "id"),
+        ({"type": "generate", "id": "a"}, "prompt"),
+        ({"type": "generate", "id": "a", "prompt": "x", "prompt_token_ids": [1]}, "prompt"),
+        ({"type": "generate", "id": "a", "prompt": ""}, "prompt"),
+        ({"type": "generate", "id": "a", "prompt": 5}, "prompt"),
+        ({"type": "generate", "id": "a", "prompt_token_ids": []}, "prompt_token_ids"),
+        ({"type": "generate", "id": "a", "prompt_token_ids": [1, -2]}, "prompt_token_ids"),
+        ({"type": "generate", "id": "a", "prompt_token_ids": [1, 2.5]}, "prompt_token_ids"),
+        ({"type": "generate", "id": "a", "prompt_token_ids": [True]}, "prompt_token_ids"),
+        ({"type": "generate", "id": "a", "prompt_token_ids": "1 2"}, "prompt_token_ids"),
+        ({"type": "generate", "id": "a", "prompt": "x", "params": [1]}, "params"),
+        ({"type": "generate", "id": "a", "prompt": "x", "params": {"max_tokens": 0}}, "params.max_tokens"),
+        ({"type": "generate", "id": "a", "prompt": "x", "params": {"max_tokens": "3"}}, "params.max_tokens"),
+        ({"type": "generate", "id": "a", "prompt": "x", "params": {"max_tokens": 2.0}}, "params.max_tokens"),
+        ({"type": "generate", "id": "a", "prompt": "x", "params": {"temperature": -1}}, "params.temperature"),
+        ({"type": "generate", "id": "a", "prompt": "x", "params": {"top_p": 0}}, "params.top_p"),
+        ({"type": "generate", "id": "a", "prompt": "x", "params": {"stop": [1]}}, "params.stop[0]"),
+        ({"type": "generate", "id": "a", "prompt": "x", "params": {"stop": [""]}}, "params.stop"),
+        ({"type": "generate", "id": "a", "prompt": "x", "params": {"max_token": 3}}, "params.max_token"),
+        ({"type": "generate", "id": "a", "prompt": "x", "stream": True}, "stream"),
+        ({"type": "cancel", "id": "a", "reason": "bored"}, "reason"),
+    ],
+)
+def test_a_missing_or_invalid_field_is_named(message, field):
+    err = parse_error(json.dumps(message))
+    assert err.code == protocol.INVALID_FIELD
+    assert err.field == field
+    assert err.message.startswith(f"{field}: "), err.message
+    expected_id = message.get("id") if isinstance(message.get("id"), str) and message["id"] and field != "id" else None
+    assert err.id == expected_id
+
+
+def test_error_messages_carry_the_field_only_when_there_is_one():
+    assert json.loads(protocol.encode(parse_error("{").to_message())) == {
+        "type": "error", "id": None, "code": "invalid_json", "message": parse_error("{").message,
+    }
+    err = parse_error(json.dumps({"type": "generate", "id": "a", "prompt": ""}))
+    assert json.loads(protocol.encode(err.to_message()))["field"] == "prompt"
+
+
+def generate(**fields) -> Generate:
+    return Generate(id="a", prompt=fields.get("prompt"), prompt_token_ids=fields.get("prompt_token_ids"),
+                    params=SamplingParams())
+
+
+def test_check_prompt_accepts_a_prompt_that_leaves_room_for_one_token():
+    assert protocol.check_prompt(generate(prompt="x"), [1] * 9, vocab_size=10, max_model_len=10) is None
+
+
+def test_check_prompt_rejects_a_prompt_longer_than_the_context():
+    err = protocol.check_prompt(generate(prompt="x"), [1] * 10, vocab_size=10, max_model_len=10)
+    assert err is not None
+    assert (err.code, err.field, err.id) == (protocol.PROMPT_TOO_LONG, "prompt", "a")
+    assert err.message.startswith("prompt: 10 tokens")
+
+
+def test_check_prompt_names_prompt_token_ids_for_ids_outside_the_vocabulary():
+    err = protocol.check_prompt(generate(prompt_token_ids=[1, 10]), [1, 10], vocab_size=10, max_model_len=100)
+    assert err is not None
+    assert (err.code, err.field) == (protocol.INVALID_FIELD, "prompt_token_ids")
+    assert "10" in err.message
+
+
+def test_check_prompt_rejects_a_prompt_with_no_tokens():
+    err = protocol.check_prompt(generate(prompt=" "), [], vocab_size=10, max_model_len=100)
+    assert err is not None and err.code == protocol.INVALID_FIELD
+
+
+def test_server_messages_encode_as_documented():
+    delta = Delta(id="a", text="hi", token_ids=[1, 2])
+    assert json.loads(protocol.encode(delta)) == {"type": "delta", "id": "a", "text": "hi", "token_ids": [1, 2]}
+    with_logprobs = Delta(id="a", text="", token_ids=[1], logprobs=[SampleLogprobs(-0.5, [1, 2], [-0.5, -1.0])])
+    assert json.loads(protocol.encode(with_logprobs))["logprobs"] == [[-0.5, [1, 2], [-0.5, -1.0]]]
+    assert json.loads(protocol.encode(protocol.done("a", "stop", "\n", 3, 4))) == {
+        "type": "done", "id": "a", "finish_reason": "stop", "stop_reason": "\n",
+        "usage": {"prompt_tokens": 3, "completion_tokens": 4},
+    }
+    assert json.loads(protocol.encode(protocol.error("a", "shutdown", "bye"))) == {
+        "type": "error", "id": "a", "code": "shutdown", "message": "bye",
+    }
+
+
+# --- HTTP ----------------------------------------------------------------------
+
+
+def head(method: str = "GET", target: str = "/", **headers: str) -> http.RequestHead:
+    lines = [f"{method} {target} HTTP/1.1", "Host: x"] + [f"{k.replace('_', '-')}: {v}" for k, v in headers.items()]
+    return http.parse_request_head(("\r\n".join(lines) + "\r\n\r\n").encode())
+
+
+def test_parse_request_head_lowercases_header_names():
+    parsed = head("GET", "/health?x=1", Upgrade="WebSocket", Authorization="Bearer k")
+    assert parsed.method == "GET" and parsed.path == "/health"
+    assert parsed.headers["upgrade"] == "WebSocket" and parsed.is_websocket_upgrade
+    assert parsed.has_bearer_token("k") and not parsed.has_bearer_token("kk")
+
+
+@pytest.mark.parametrize("raw", [b"GARBAGE\r\n\r\n", b"GET / HTTP/2\r\n\r\n", b"GET / HTTP/1.1\r\nno-colon\r\n\r\n"])
+def test_parse_request_head_rejects_malformed_heads(raw):
+    with pytest.raises(http.BadRequest):
+        http.parse_request_head(raw)
+
+
+@pytest.mark.parametrize(("phase", "status"), [("ready", 200), ("starting", 503), ("stopping", 503), ("dead", 503)])
+def test_health_is_200_only_when_ready_and_needs_no_key(phase, status):
+    reply = http.route(head("GET", "/health"), phase=phase, api_key="secret")
+    assert reply is not None and reply.status == status and reply.body == {"status": phase}
+
+
+def test_websocket_needs_the_api_key_when_one_is_set():
+    ws = {"Upgrade": "websocket", "Connection": "Upgrade", "Sec-WebSocket-Key": "a2V5a2V5a2V5a2V5a2V5aw==",
+          "Sec-WebSocket-Version": "13"}
+    assert http.route(head(**ws), phase="ready", api_key=None) is None
+    assert http.route(head(Authorization="Bearer secret", **ws), phase="ready", api_key="secret") is None
+    for auth in ("", "Bearer wrong", "Basic secret", "Bearer"):
+        reply = http.route(head(Authorization=auth, **ws), phase="ready", api_key="secret")
+        assert reply is not None and reply.status == 401
+
+
+def test_websocket_is_refused_with_503_unless_ready_and_plain_http_gets_426():
+    ws = {"Upgrade": "websocket", "Connection": "Upgrade", "Sec-WebSocket-Key": "a2V5a2V5a2V5a2V5a2V5aw==",
+          "Sec-WebSocket-Version": "13"}
+    assert http.route(head(**ws), phase="starting", api_key=None).status == 503  # type: ignore[union-attr]
+    assert http.route(head(**ws), phase="stopping", api_key=None).status == 503  # type: ignore[union-attr]
+    assert http.route(head("GET", "/"), phase="ready", api_key=None).status == 426  # type: ignore[union-attr]
+    assert http.route(head("POST", "/health"), phase="ready", api_key=None).status == 405  # type: ignore[union-attr]
+    bad = http.route(head(Upgrade="websocket", Connection="Upgrade"), phase="ready", api_key=None)
+    assert bad is not None and bad.status == 400
+
+
+def test_response_is_complete_http():
+    data = http.response(503, {"status": "starting"})
+    assert data.startswith(b"HTTP/1.1 503 Service Unavailable\r\n")
+    headers, body = data.split(b"\r\n\r\n", 1)
+    assert json.loads(body) == {"status": "starting"}
+    assert f"Content-Length: {len(body)}".encode() in headers
+    assert http.response(200, {"a": 1}, head_only=True).endswith(b"\r\n\r\n")
