@@ -19,6 +19,8 @@ ALLOWED = {
     "core": STDLIB | {"msgspec", "trioserve.messages", "trioserve.config", "trioserve.core"},
     "nurseries": STDLIB | {"msgspec", "trio", "zmq", "trioserve"},
     "frontend": STDLIB | {"msgspec", "trio", "zmq", "tokenizers", "trioserve"},
+    "server": STDLIB | {"msgspec", "trio", "trio_websocket", "trioserve"},
+    "bench": STDLIB | {"msgspec", "trio", "trio_websocket", "psutil", "trioserve"},
 }
 FORBIDDEN_EVERYWHERE_BUT_GPU = ("torch", "transformers", "trioserve.gpu")
 

@@ -12,6 +12,7 @@ import time
 import trio
 
 from trioserve.api import open_engine
+from trioserve.bench.cli import add_bench_parser
 from trioserve.config import EngineConfig
 from trioserve.errors import TrioserveError
 from trioserve.messages import SamplingParams
@@ -221,6 +222,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_server_options(serve)
     _add_engine_options(serve)
     serve.set_defaults(func=cmd_serve)
+    add_bench_parser(commands)
     return parser
 
 

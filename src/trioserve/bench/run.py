@@ -78,7 +78,7 @@ async def _measure(
 def run_baseline(kind: str, config: EngineConfig, spec: WorkloadSpec, timeout_s: float | None = None) -> dict[str, Any]:
     """One baseline in a subprocess; its JSON, or ``{"error": ...}``."""
     command = [
-        sys.executable, "-m", "trioserve.bench.baselines", kind,
+        sys.executable, "-m", "trioserve.gpu.baselines", kind,
         "--config", msgspec.json.encode(config).decode(),
         "--spec", json.dumps(spec.to_dict()),
     ]
