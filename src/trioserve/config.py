@@ -84,7 +84,18 @@ class EngineConfig:
     # Deadlines and grace periods, in seconds.
     startup_timeout_s: float = 30.0  # process spawn and handshake
     model_load_timeout_s: float = 300.0  # worker ready, model loaded
+    step_timeout_s: float | None = 300.0  # one model step; past it the worker counts as hung (None: no limit)
     shutdown_grace_s: float = 5.0  # asked to stop -> SIGTERM -> SIGKILL
+
+    # Supervision: an engine core that dies is restarted (with its workers),
+    # after a backoff that doubles from restart_backoff_s up to
+    # restart_backoff_max_s, at most max_restarts times within
+    # restart_window_s. Past that budget the engine is failed for good.
+    max_restarts: int = 3
+    restart_window_s: float = 300.0
+    restart_backoff_s: float = 0.5
+    restart_backoff_max_s: float = 10.0
+    restart_wait_s: float = 60.0  # how long a new request waits for a restarting engine
 
     fake: FakeRunnerConfig = field(default_factory=FakeRunnerConfig)
 
@@ -110,8 +121,12 @@ class EngineConfig:
             "the transformers runner does not shard models yet; use 1",
         )
         _check(self.torch_threads is None or self.torch_threads >= 1, "torch_threads", "must be >= 1")
-        for name in ("startup_timeout_s", "model_load_timeout_s", "shutdown_grace_s"):
+        for name in ("startup_timeout_s", "model_load_timeout_s", "shutdown_grace_s", "restart_window_s"):
             _check(getattr(self, name) > 0, name, "must be > 0")
+        _check(self.step_timeout_s is None or self.step_timeout_s > 0, "step_timeout_s", "must be > 0 (or None)")
+        _check(self.max_restarts >= 0, "max_restarts", "must be >= 0")
+        for name in ("restart_backoff_s", "restart_backoff_max_s", "restart_wait_s"):
+            _check(getattr(self, name) >= 0, name, "must be >= 0")
 
     def replace(self, **changes: object) -> EngineConfig:
         """A copy with some fields changed (validated again)."""
