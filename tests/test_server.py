@@ -35,6 +35,7 @@ EOS = 2
 def fake_config(tiny_model_dir) -> Callable[..., EngineConfig]:
     def make(*, num_kv_blocks: int = 256, **fake_options: Any) -> EngineConfig:
         fake_options.setdefault("step_delay_s", 0.002)
+        engine_options = {k: fake_options.pop(k) for k in list(fake_options) if k in EngineConfig.__dataclass_fields__}
         return EngineConfig(
             model=str(tiny_model_dir("llama")),
             runner="fake",
@@ -42,6 +43,7 @@ def fake_config(tiny_model_dir) -> Callable[..., EngineConfig]:
             num_kv_blocks=num_kv_blocks,
             shutdown_grace_s=2.0,
             fake=FakeRunnerConfig(eos_token_id=EOS, num_kv_blocks=num_kv_blocks, **fake_options),
+            **engine_options,
         )
 
     return make
@@ -474,9 +476,37 @@ async def test_graceful_shutdown_finishes_short_requests_and_ends_the_rest_with_
         assert not psutil.Process().children(recursive=True)
 
 
-async def test_when_the_engine_dies_requests_end_with_engine_dead_and_run_raises(fake_config):
+async def test_when_the_engine_dies_its_requests_end_and_the_restarted_engine_serves(fake_config):
+    config = fake_config(step_delay_s=0.01, die_at_step=30, restart_backoff_s=0.3)
     with trio.fail_after(30):
-        server = Server(fake_config(step_delay_s=0.01, die_at_step=30), ServerConfig(port=0))
+        async with serving(config) as server:
+            assert server.engine is not None
+            old_pid = server.engine.info.engine_pid
+            healths: list[int] = []
+
+            def client() -> tuple[Received, Received]:
+                with open_ws(server.url) as ws:
+                    ws.send(generate("doomed", "doomed", max_tokens=1000, ignore_eos=True))
+                    doomed, _ = collect(ws, {"doomed"})
+                    healths.append(http_get(server.health_url)[0])
+                    # The same connection carries on, and a new request waits for the restart.
+                    ws.send(generate("after", [5, 6, 7], max_tokens=5, ignore_eos=True))
+                    after, _ = collect(ws, {"after"})
+                    return doomed["doomed"], after["after"]
+
+            doomed, after = await in_thread(client)
+            assert doomed.terminal["code"] == "engine_dead"  # type: ignore[index]
+            assert after.terminal["type"] == "done", after.terminal  # type: ignore[index]
+            assert len(after.token_ids) == 5
+            assert healths == [503]  # restarting, at that moment (the backoff is 0.3 s)
+            assert await in_thread(http_get, server.health_url) == (200, {"status": "ready"})
+            assert server.engine.num_restarts == 1
+            assert server.engine.info.engine_pid != old_pid
+
+
+async def test_when_the_engine_is_out_of_restarts_requests_end_with_engine_dead_and_run_raises(fake_config):
+    with trio.fail_after(30):
+        server = Server(fake_config(step_delay_s=0.01, die_at_step=30, max_restarts=0), ServerConfig(port=0))
         captured: list[BaseException] = []
 
         async def run(task_status: trio.TaskStatus[Server]) -> None:
@@ -500,4 +530,5 @@ async def test_when_the_engine_dies_requests_end_with_engine_dead_and_run_raises
         assert doomed.terminal["code"] == "engine_dead"  # type: ignore[index]
         assert close_code == 1011
         assert captured and isinstance(captured[0], EngineDeadError)
+        assert "max_restarts=0" in str(captured[0])
         assert not psutil.Process().children(recursive=True)

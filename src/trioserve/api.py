@@ -17,9 +17,11 @@ from typing import Any
 import trio
 
 from trioserve.config import EngineConfig
+from trioserve.errors import EngineDeadError
 from trioserve.frontend.client import EngineCoreClient
 from trioserve.frontend.outputs import RequestOutput
 from trioserve.frontend.request_state import RequestState
+from trioserve.frontend.supervisor import EngineSupervisor, Health
 from trioserve.frontend.tokenizer import Tokenizer
 from trioserve.messages import EngineInfo, EngineStats, SamplingParams
 
@@ -37,8 +39,13 @@ async def open_engine(
     ``EngineConfig`` fields as keywords, or a whole ``config``. Start-up
     failures raise ``EngineStartupError``. When the block exits, normally, by
     an exception or by cancellation, every process is stopped and reaped
-    before this returns. If the engine dies while the block runs, requests
-    raise ``EngineDeadError``; the block itself is not interrupted.
+    before this returns.
+
+    If the engine core (or a worker) dies while the block runs, the requests
+    in flight raise ``EngineDeadError`` and the engine is restarted (see
+    ``EngineConfig.max_restarts``); new requests wait for it. Once out of
+    restarts, every request raises ``EngineDeadError`` and ``wait_failed()``
+    returns; the block itself is never interrupted.
     """
     if config is None:
         if model is None:
@@ -49,10 +56,10 @@ async def open_engine(
     tokenizer = await trio.to_thread.run_sync(Tokenizer.from_dir, config.model)
     try:
         async with trio.open_nursery() as nursery:
-            client = EngineCoreClient(config)
-            info: EngineInfo = await nursery.start(client.run)
+            supervisor = EngineSupervisor(config)
+            await nursery.start(supervisor.run)
             try:
-                yield Engine(client, tokenizer, info)
+                yield Engine(supervisor, tokenizer)
             finally:
                 nursery.cancel_scope.cancel()
     except BaseExceptionGroup as group:
@@ -81,16 +88,45 @@ def _leaves(exc: BaseException) -> Any:
 class Engine:
     """A running engine. Get one from ``open_engine``."""
 
-    def __init__(self, client: EngineCoreClient, tokenizer: Tokenizer, info: EngineInfo) -> None:
-        self._client = client
+    def __init__(self, supervisor: EngineSupervisor, tokenizer: Tokenizer) -> None:
+        self._supervisor = supervisor
         self.tokenizer = tokenizer
-        self.info = info
         self._ids = itertools.count()
         self._id_prefix = secrets.token_hex(3)
 
     @property
     def config(self) -> EngineConfig:
-        return self._client.config
+        return self._supervisor.config
+
+    @property
+    def info(self) -> EngineInfo:
+        """What the engine core reported when it became ready (after a
+        restart, the new one's: its process ids change)."""
+        assert self._supervisor.info is not None  # set before the Engine exists
+        return self._supervisor.info
+
+    @property
+    def health(self) -> Health:
+        """``ready``, ``restarting`` (the engine core died and is being
+        restarted), ``failed`` (out of restarts: for good) or ``stopped``."""
+        return self._supervisor.health
+
+    @property
+    def num_restarts(self) -> int:
+        """How many times the engine core has been restarted."""
+        return self._supervisor.num_restarts
+
+    async def wait_failed(self) -> EngineDeadError:
+        """Wait until the engine has failed for good (it died more often than
+        its restart budget allows); returns the error every request now raises."""
+        return await self._supervisor.wait_failed()
+
+    async def wait_ready(self) -> None:
+        """Wait until the engine is ready (at once, unless it is restarting).
+        Raises ``EngineDeadError`` if it failed or stopped instead."""
+        await self._supervisor.wait_health("ready", "failed", "stopped")
+        if self.health != "ready":
+            await self._supervisor.ready_client()  # raises the reason
 
     def stream(self, prompt: Prompt, params: SamplingParams | None = None) -> RequestStream:
         """A request whose outputs arrive as they are produced.
@@ -104,7 +140,7 @@ class Engine:
         params = params if params is not None else SamplingParams()
         prompt_token_ids = self._prompt_token_ids(prompt)
         request_id = f"{self._id_prefix}-{next(self._ids)}"
-        return RequestStream(self._client, RequestState(request_id, prompt_token_ids, params, self.tokenizer))
+        return RequestStream(self._supervisor, RequestState(request_id, prompt_token_ids, params, self.tokenizer))
 
     async def generate(self, prompt: Prompt, params: SamplingParams | None = None) -> RequestOutput:
         """Run a request to the end: one output holding all its text and tokens.
@@ -122,8 +158,15 @@ class Engine:
         return result
 
     async def stats(self) -> EngineStats:
-        """The engine core's counters (running and waiting requests, free KV blocks)."""
-        return await self._client.stats()
+        """The engine core's counters (running and waiting requests, free KV
+        blocks). While the engine restarts, waits for it like a request."""
+        client = await self._supervisor.ready_client()
+        return await client.stats()
+
+    def num_requests_in_flight(self) -> int:
+        """Requests the front-end holds state for (submitted and not yet over)."""
+        client = self._supervisor.client
+        return 0 if client is None else len(client.requests)
 
     def _prompt_token_ids(self, prompt: Prompt) -> list[int]:
         if isinstance(prompt, str):
@@ -150,8 +193,9 @@ class RequestStream:
     ``RequestOutput`` deltas. Iteration ends after the output whose
     ``finish_reason`` is set."""
 
-    def __init__(self, client: EngineCoreClient, state: RequestState) -> None:
-        self._client = client
+    def __init__(self, supervisor: EngineSupervisor, state: RequestState) -> None:
+        self._supervisor = supervisor
+        self._client: EngineCoreClient | None = None
         self._state = state
         self._done = False
 
@@ -160,14 +204,17 @@ class RequestStream:
         return self._state.request_id
 
     async def __aenter__(self) -> RequestStream:
-        """Submit the request. If cancelled, it was not submitted."""
-        await self._client.submit(self._state)
+        """Submit the request (waiting for a restarting engine at most
+        ``restart_wait_s``). If cancelled, it was not submitted."""
+        client = await self._supervisor.ready_client()
+        await client.submit(self._state)
+        self._client = client
         return self
 
     async def __aexit__(
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None:
-        if not self._done:
+        if not self._done and self._client is not None:
             self._client.abort(self._state.request_id)
 
     def __aiter__(self) -> RequestStream:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import os
 import signal
@@ -13,10 +14,18 @@ import trio
 
 from trioserve.api import open_engine
 from trioserve.bench.cli import add_bench_parser
-from trioserve.config import EngineConfig
-from trioserve.errors import TrioserveError
+from trioserve.config import EngineConfig, FakeRunnerConfig
+from trioserve.errors import EngineDeadError, EngineStartupError, TrioserveError
 from trioserve.messages import SamplingParams
 from trioserve.server import Server, ServerConfig
+
+# Exit statuses (docs/supervision.md).
+EXIT_OK = 0  # done, or shut down cleanly (SIGINT / SIGTERM)
+EXIT_ERROR = 1  # anything else: cannot listen, a request failed, ...
+EXIT_USAGE = 2  # bad command line or configuration
+EXIT_STARTUP_FAILED = 3  # the engine could not start (the message names the stage and process)
+EXIT_ENGINE_DEAD = 4  # the engine died and could not be restarted (out of restarts)
+EXIT_INTERRUPTED = 130  # Ctrl-C where no graceful shutdown applies
 
 
 def _add_engine_options(parser: argparse.ArgumentParser) -> None:
@@ -39,7 +48,32 @@ def _add_engine_options(parser: argparse.ArgumentParser) -> None:
         "--max-model-len", type=int, default=None, help="context length cap (default: the model's own)"
     )
     group.add_argument("--runner", choices=["hf", "fake"], default="hf", help=argparse.SUPPRESS)
+    # FakeRunnerConfig fields as a JSON object (tests drive faults through real servers).
+    group.add_argument("--fake-options", default="{}", help=argparse.SUPPRESS)
     group.add_argument("--log-level", default="WARNING", help="logging level (default: %(default)s)")
+    defaults = EngineConfig(model="-")
+    group = parser.add_argument_group("supervision (docs/supervision.md)")
+    group.add_argument(
+        "--max-restarts", type=int, default=defaults.max_restarts,
+        help="restarts of a dead engine core allowed within --restart-window; one more death "
+        "fails the engine for good (default: %(default)s)",
+    )
+    group.add_argument(
+        "--restart-window", type=float, default=defaults.restart_window_s, metavar="SECONDS",
+        help="default: %(default)s",
+    )
+    group.add_argument(
+        "--startup-timeout", type=float, default=defaults.startup_timeout_s, metavar="SECONDS",
+        help="deadline for starting a process and its handshake (default: %(default)s)",
+    )
+    group.add_argument(
+        "--model-load-timeout", type=float, default=defaults.model_load_timeout_s, metavar="SECONDS",
+        help="deadline for loading the model and sizing the KV cache (default: %(default)s)",
+    )
+    group.add_argument(
+        "--step-timeout", type=float, default=defaults.step_timeout_s, metavar="SECONDS",
+        help="a model step taking longer counts as a hung worker; 0 for no limit (default: %(default)s)",
+    )
 
 
 def _add_sampling_options(parser: argparse.ArgumentParser) -> None:
@@ -71,7 +105,26 @@ def _engine_config(args: argparse.Namespace) -> EngineConfig:
         kv_cache_memory_bytes=args.kv_cache_mib * 1024 * 1024,
         max_num_seqs=args.max_num_seqs,
         max_model_len=args.max_model_len,
+        max_restarts=args.max_restarts,
+        restart_window_s=args.restart_window,
+        startup_timeout_s=args.startup_timeout,
+        model_load_timeout_s=args.model_load_timeout,
+        step_timeout_s=args.step_timeout or None,
+        fake=_fake_options(args.fake_options),
     )
+
+
+def _fake_options(text: str) -> FakeRunnerConfig:
+    try:
+        options = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"--fake-options: not JSON ({exc})") from None
+    if not isinstance(options, dict):
+        raise ValueError("--fake-options: must be a JSON object")
+    try:
+        return FakeRunnerConfig(**options)
+    except TypeError as exc:
+        raise ValueError(f"--fake-options: {exc}") from None
 
 
 def _sampling_params(args: argparse.Namespace) -> SamplingParams:
@@ -109,7 +162,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     config = _engine_config(args)
     params = _sampling_params(args)
     trio.run(_generate, config, args.prompt, params)
-    return 0
+    return EXIT_OK
 
 
 def _add_server_options(parser: argparse.ArgumentParser) -> None:
@@ -192,9 +245,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
         trio.run(_serve, server)
     except OSError as exc:  # the address is taken, or not ours
         print(f"trioserve: cannot listen on {args.host}:{args.port}: {exc.strerror or exc}", file=sys.stderr)
-        return 1
+        return EXIT_ERROR
     print("trioserve: stopped", file=sys.stderr)
-    return 0
+    return EXIT_OK
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -235,13 +288,19 @@ def main(argv: list[str] | None = None) -> int:
         return args.func(args)
     except ValueError as exc:
         print(f"trioserve: invalid input: {exc}", file=sys.stderr)
-        return 2
+        return EXIT_USAGE
+    except EngineStartupError as exc:
+        print(f"trioserve: the engine could not start: {exc}", file=sys.stderr)
+        return EXIT_STARTUP_FAILED
+    except EngineDeadError as exc:
+        print(f"trioserve: the engine died and was not recovered: {exc}", file=sys.stderr)
+        return EXIT_ENGINE_DEAD
     except TrioserveError as exc:
         print(f"trioserve: {type(exc).__name__}: {exc}", file=sys.stderr)
-        return 1
+        return EXIT_ERROR
     except KeyboardInterrupt:
         print("\ntrioserve: interrupted", file=sys.stderr)
-        return 130
+        return EXIT_INTERRUPTED
 
 
 if __name__ == "__main__":

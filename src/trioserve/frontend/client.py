@@ -19,6 +19,7 @@ import itertools
 import logging
 import os
 import sys
+from collections.abc import Callable
 from functools import partial
 from typing import Any
 
@@ -54,8 +55,16 @@ _encode = msgspec.msgpack.Encoder().encode
 
 
 class EngineCoreClient:
-    def __init__(self, config: EngineConfig, engine_index: int = 0) -> None:
+    def __init__(
+        self,
+        config: EngineConfig,
+        engine_index: int = 0,
+        *,
+        on_dead: Callable[[EngineCoreClient], None] | None = None,
+    ) -> None:
         self.config = config
+        self._on_dead = on_dead
+        self._dead_event = trio.Event()
         self.name = f"engine-core-{engine_index}"
         self.engine_index = engine_index
         self.info: EngineInfo | None = None
@@ -152,6 +161,7 @@ class EngineCoreClient:
         )
 
     def _die(self, reason: str) -> None:
+        first = self._dead is None
         if self._dead is None:
             self._dead = EngineDeadError(f"{self.name} died: {reason}")
             log.error("%s", self._dead)
@@ -160,6 +170,14 @@ class EngineCoreClient:
         self.requests.clear()
         for event, _ in self._stats_calls.values():
             event.set()
+        if first:
+            self._dead_event.set()
+            if self._on_dead is not None:
+                self._on_dead(self)
+
+    async def wait_dead(self) -> None:
+        """Wait until the engine core is known dead."""
+        await self._dead_event.wait()
 
     @property
     def dead(self) -> EngineDeadError | None:

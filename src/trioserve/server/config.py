@@ -29,7 +29,6 @@ class ServerConfig:
     handshake_timeout_s: float = 10.0  # to receive the HTTP request head and finish the handshake
     shutdown_grace_s: float = 10.0  # in-flight requests may finish within this after SIGINT/SIGTERM
     close_timeout_s: float = 1.0  # after the grace: to flush terminal messages and close each connection
-    engine_check_interval_s: float = 1.0  # how often the engine's liveness is checked
 
     def __post_init__(self) -> None:
         _check(isinstance(self.host, str) and self.host != "", "host", "must be an address or host name")
@@ -44,6 +43,6 @@ class ServerConfig:
             "socket_send_buffer_bytes",
             "must be >= 1024",
         )
-        for name in ("slow_consumer_timeout_s", "handshake_timeout_s", "close_timeout_s", "engine_check_interval_s"):
+        for name in ("slow_consumer_timeout_s", "handshake_timeout_s", "close_timeout_s"):
             _check(getattr(self, name) > 0, name, "must be > 0")
         _check(self.shutdown_grace_s >= 0, "shutdown_grace_s", "must be >= 0")

@@ -221,8 +221,7 @@ class Connection:
             return await self._stream(flight, stream)
         except ValueError as exc:  # the engine's own checks: "field: message"
             return protocol.error(request.id, protocol.INVALID_FIELD, str(exc))
-        except EngineDeadError as exc:
-            self._state.engine_died()
+        except EngineDeadError as exc:  # the engine restarts (the server watches for it failing for good)
             return protocol.error(request.id, protocol.ENGINE_DEAD, str(exc))
         except RequestError as exc:
             return protocol.error(request.id, protocol.REQUEST_FAILED, str(exc))

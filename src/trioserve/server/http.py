@@ -83,13 +83,15 @@ class Reply:
     headers: tuple[tuple[str, str], ...] = ()
 
 
-def route(head: RequestHead, *, phase: str, api_key: str | None) -> Reply | None:
+def route(head: RequestHead, *, phase: str, api_key: str | None, health: str | None = None) -> Reply | None:
     """What to answer to ``head``: a ``Reply``, or None to go on with the
-    WebSocket handshake. ``GET /health`` needs no API key."""
+    WebSocket handshake. ``GET /health`` needs no API key; it reports
+    ``health`` (default: ``phase``), 200 when that is ``ready``."""
     if head.path == HEALTH_PATH:
         if head.method not in ("GET", "HEAD"):
             return Reply(405, {"error": "use GET /health"}, (("Allow", "GET, HEAD"),))
-        return Reply(200 if phase == "ready" else 503, {"status": phase})
+        status = health if health is not None else phase
+        return Reply(200 if status == "ready" else 503, {"status": status})
     if not head.is_websocket_upgrade:
         return Reply(426, {"error": "this is a WebSocket server: connect with a WebSocket, or GET /health"},
                      (("Upgrade", "websocket"),))

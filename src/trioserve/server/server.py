@@ -6,7 +6,7 @@ Task tree::
     ├── listener                    trio.serve_listeners: one handler task per TCP connection
     │   └── handler                 HTTP head -> /health | rejection | WebSocket Connection.run
     └── engine block                open_engine; leaves only after every WebSocket ended
-        ├── engine watch            polls engine.stats(); the engine's death stops the server
+        ├── engine watch            the engine failing for good (out of restarts) stops the server
         └── grace timer             ends the shutdown grace at its deadline
 
 The listener starts before the engine, so ``/health`` answers 503 while the
@@ -15,8 +15,11 @@ WebSockets are refused (503) and new requests get ``error`` ``shutdown``;
 requests in flight have ``shutdown_grace_s`` to finish, then end with
 ``error`` ``shutdown``; each connection is flushed and closed with 1001 (at
 most ``close_timeout_s`` more); then the engine stops and its processes are
-reaped. If the engine dies, the same happens at once with ``engine_dead`` and
-close code 1011, and ``run`` raises ``EngineDeadError``.
+reaped. If the engine core dies, its requests in flight end with
+``engine_dead`` and the engine restarts (``/health`` says ``restarting``,
+503) while the server carries on. If it is out of restarts, the shutdown
+happens at once with ``engine_dead`` and close code 1011, and ``run`` raises
+``EngineDeadError``.
 """
 
 from __future__ import annotations
@@ -54,6 +57,7 @@ class Server:
         self._websockets: set[trio.CancelScope] = set()
         self._no_websockets = trio.Event()
         self._no_websockets.set()
+        self._engine_failure: EngineDeadError | None = None
 
     @property
     def engine(self) -> Engine | None:
@@ -106,7 +110,7 @@ class Server:
         except BaseExceptionGroup as group:
             raise _single(group) from None
         if self.state.phase == "dead":
-            raise EngineDeadError("the engine died; the server stopped")
+            raise self._engine_failure or EngineDeadError("the engine died; the server stopped")
 
     async def _run_engine(self) -> None:
         """Start the engine, serve until the stop, then wait for every
@@ -136,16 +140,19 @@ class Server:
         await self._no_websockets.wait()
 
     async def _watch_engine(self, engine: Engine) -> None:
-        """Poll the engine until it dies, then stop the server. Cancelling
-        leaves nothing behind."""
-        while True:
-            try:
-                await engine.stats()
-            except EngineDeadError:
-                log.error("the engine died; stopping the server")
-                self.state.engine_died()
-                return
-            await trio.sleep(self.config.engine_check_interval_s)
+        """Wait until the engine has failed for good (out of restarts), then
+        stop the server. Cancelling leaves nothing behind."""
+        error = await engine.wait_failed()
+        log.error("the engine failed for good (%s); stopping the server", error)
+        self._engine_failure = error
+        self.state.engine_died()
+
+    def _health(self) -> str:
+        """What ``/health`` reports: the server's phase, or while it serves, the engine's health."""
+        engine = self.state.engine
+        if self.state.phase == "ready" and engine is not None:
+            return engine.health
+        return self.state.phase
 
     # --- one TCP connection ---------------------------------------------------
 
@@ -177,7 +184,7 @@ class Server:
             except http.BadRequest as exc:
                 await stream.send_all(http.response(exc.status, {"error": str(exc)}))
                 return None
-            reply = http.route(request, phase=self.state.phase, api_key=self.config.api_key)
+            reply = http.route(request, phase=self.state.phase, api_key=self.config.api_key, health=self._health())
             if reply is None:
                 return http.ReplayStream(stream, head + rest)
             data = http.response(reply.status, reply.body, extra_headers=reply.headers,

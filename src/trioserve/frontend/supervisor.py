@@ -1,0 +1,206 @@
+"""The front-end's supervisor of its engine core: restarts with backoff, within a budget.
+
+Task tree (inside the caller's ``trio.run``)::
+
+    EngineSupervisor.run
+    └── generation nursery         one per engine-core life
+        ├── EngineCoreClient.run   the engine-core process, its sockets, its requests
+        └── death watch            a dead engine core that does not exit is stopped
+
+Health moves ``starting`` -> ``ready``; when the engine core dies, every
+request in flight fails with ``EngineDeadError`` at once (its client does
+that) and health turns ``restarting``; after a backoff a new engine core
+(with new workers) is started, and health is ``ready`` again. A death that
+would exceed ``max_restarts`` within ``restart_window_s`` turns health
+``failed`` for good: requests then fail at once, and ``wait_failed`` returns.
+When the supervisor is cancelled (the engine is shut down), health is
+``stopped``.
+
+The first start is not retried: a model that cannot load, or a deadline
+missed on first start, is a configuration problem, raised to the caller as
+``EngineStartupError``. A restart that fails to start counts against the
+budget like any other death.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import deque
+from typing import Literal
+
+import trio
+
+from trioserve.config import EngineConfig
+from trioserve.errors import EngineDeadError, EngineStartupError
+from trioserve.frontend.client import EngineCoreClient
+from trioserve.messages import EngineInfo
+
+Health = Literal["starting", "ready", "restarting", "failed", "stopped"]
+log = logging.getLogger("trioserve.supervisor")
+
+
+class EngineSupervisor:
+    def __init__(self, config: EngineConfig, engine_index: int = 0) -> None:
+        self.config = config
+        self.engine_index = engine_index
+        self.name = f"engine-core-{engine_index}"
+        self.health: Health = "starting"
+        self.client: EngineCoreClient | None = None  # the live engine core's, while ready
+        self.info: EngineInfo | None = None  # the latest engine core's
+        self.num_restarts = 0
+        self.failure: EngineDeadError | None = None
+        self._deaths: deque[float] = deque()
+        self._changed = trio.Event()
+
+    # --- life cycle ---------------------------------------------------------
+
+    async def run(self, *, task_status: trio.TaskStatus[EngineInfo] = trio.TASK_STATUS_IGNORED) -> None:
+        """Start the engine core and report its ``EngineInfo`` once it is ready;
+        then keep one running until cancelled or out of restarts (then return,
+        with health ``failed``). A failure of the first start raises
+        ``EngineStartupError``. If cancelled, the engine core and its workers
+        are stopped and reaped before this returns.
+        """
+        try:
+            await self._start_first(task_status)
+            while True:
+                if not self._may_restart():
+                    return
+                await self._restart()
+        finally:
+            self.client = None
+            if self.health != "failed":
+                self._set_health("stopped")
+
+    async def _start_first(self, task_status: trio.TaskStatus[EngineInfo]) -> None:
+        """Run the first engine core until it dies. Raises ``EngineStartupError``
+        if it cannot start."""
+        started = False
+
+        def ready(info: EngineInfo) -> None:
+            nonlocal started
+            started = True
+            task_status.started(info)
+
+        try:
+            await self._run_generation(ready)
+        except BaseExceptionGroup as group:
+            error = _startup_error(group)
+            if error is None or started:
+                raise
+            raise error from None
+
+    async def _restart(self) -> None:
+        """Wait out the backoff, then run a new engine core until it dies.
+        A failure to start is recorded as one more death."""
+        delay = self._backoff()
+        log.warning("%s: restarting in %.2fs (restart %d)", self.name, delay, self.num_restarts + 1)
+        await trio.sleep(delay)
+        self.num_restarts += 1
+        try:
+            await self._run_generation(lambda info: None)
+        except BaseExceptionGroup as group:
+            error = _startup_error(group)
+            if error is None:
+                raise
+            log.error("%s: restart %d failed: %s", self.name, self.num_restarts, error)
+            self._last_reason = str(error)
+
+    async def _run_generation(self, on_ready: object) -> None:
+        """Start one engine core, mark it ready, and return when it died."""
+        client = EngineCoreClient(self.config, self.engine_index, on_dead=self._on_dead)
+        self._last_reason = "unknown"
+        async with trio.open_nursery() as nursery:
+            info: EngineInfo = await nursery.start(client.run)
+            self.client, self.info = client, info
+            self._set_health("ready")
+            on_ready(info)  # type: ignore[operator]
+            nursery.start_soon(self._stop_when_dead_but_running, client, nursery.cancel_scope)
+        # client.run returned: its engine core died, and was reaped.
+        self._last_reason = str(client.dead) if client.dead is not None else "it exited"
+
+    def _on_dead(self, client: EngineCoreClient) -> None:
+        """Called by the client the moment its engine core is known dead."""
+        if client is self.client:
+            self.client = None
+            self._set_health("restarting")
+
+    async def _stop_when_dead_but_running(self, client: EngineCoreClient, scope: trio.CancelScope) -> None:
+        """An engine core that reported its death but does not exit is stopped
+        (asked, then terminated, then killed) after the shutdown grace."""
+        await client.wait_dead()
+        await trio.sleep(self.config.shutdown_grace_s)
+        scope.cancel()
+
+    def _may_restart(self) -> bool:
+        """Record a death; False (and health ``failed``) when the budget is spent."""
+        now = trio.current_time()
+        self._deaths.append(now)
+        while self._deaths and self._deaths[0] < now - self.config.restart_window_s:
+            self._deaths.popleft()
+        if len(self._deaths) <= self.config.max_restarts:
+            self._set_health("restarting")
+            return True
+        self.failure = EngineDeadError(
+            f"{self.name} died {len(self._deaths)} time(s) within restart_window_s={self.config.restart_window_s}s "
+            f"(max_restarts={self.config.max_restarts}); not restarting. Last: {self._last_reason}"
+        )
+        log.error("%s", self.failure)
+        self._set_health("failed")
+        return False
+
+    def _backoff(self) -> float:
+        exponent = max(len(self._deaths) - 1, 0)
+        return min(self.config.restart_backoff_s * 2**exponent, self.config.restart_backoff_max_s)
+
+    def _set_health(self, health: Health) -> None:
+        if health != self.health:
+            log.info("%s: %s -> %s", self.name, self.health, health)
+        self.health = health
+        self._changed.set()
+        self._changed = trio.Event()
+
+    # --- for requests ---------------------------------------------------------
+
+    async def ready_client(self) -> EngineCoreClient:
+        """The live engine core's client. While the engine restarts, wait for it
+        at most ``restart_wait_s``; then, or if the engine failed or stopped,
+        raise ``EngineDeadError``. If cancelled, nothing is left behind."""
+        with trio.move_on_after(self.config.restart_wait_s):
+            while True:
+                client = self.client
+                if client is not None and client.dead is None:
+                    return client
+                if self.health == "failed":
+                    assert self.failure is not None
+                    raise self.failure
+                if self.health == "stopped":
+                    raise EngineDeadError(f"{self.name} is stopped")
+                await self._changed.wait()
+        raise EngineDeadError(
+            f"{self.name} is restarting and was not ready within restart_wait_s={self.config.restart_wait_s}s"
+        )
+
+    async def wait_failed(self) -> EngineDeadError:
+        """Wait until the engine has failed for good (out of restarts); its error."""
+        while self.failure is None:
+            await self._changed.wait()
+        return self.failure
+
+    async def wait_health(self, *wanted: Health) -> None:
+        """Wait until health is one of ``wanted``."""
+        while self.health not in wanted:
+            await self._changed.wait()
+
+
+def _startup_error(group: BaseExceptionGroup) -> EngineStartupError | None:
+    """The ``EngineStartupError`` that ``group`` is about, if that is all it holds."""
+    matched, rest = group.split(EngineStartupError)
+    if matched is None or rest is not None:  # something else too, a cancellation perhaps: not ours
+        return None
+    first: BaseException = matched
+    while isinstance(first, BaseExceptionGroup):
+        first = first.exceptions[0]
+    assert isinstance(first, EngineStartupError)
+    return first
+
