@@ -218,7 +218,7 @@ async def test_no_child_process_remains_after_open_engine_exits(fake_config, how
 
 async def test_worker_death_fails_requests_with_engine_dead_error(fake_config):
     with trio.fail_after(30):
-        async with trioserve.open_engine(config=fake_config(die_at_step=5, step_delay_s=0.005)) as engine:
+        async with trioserve.open_engine(config=fake_config(die_at_step=5, step_delay_s=0.005, max_restarts=0)) as engine:
             with pytest.raises(trioserve.EngineDeadError, match="worker-0"):
                 await engine.generate([1, 2, 3], SamplingParams(max_tokens=100))
             with pytest.raises(trioserve.EngineDeadError):
