@@ -1,0 +1,348 @@
+"""Supervision (docs/supervision.md): faults under load, restarts, the
+restart budget, deadlines and exit codes, with real processes and the
+torch-free fake runner."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import psutil
+import pytest
+import trio
+
+import trioserve
+from trioserve import EngineConfig, FakeRunnerConfig, SamplingParams
+from trioserve.errors import EngineDeadError
+
+EOS = 2
+REPO = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture
+def fake_config(tiny_model_dir):
+    def make(**options: Any) -> EngineConfig:
+        engine_options = {k: options.pop(k) for k in list(options) if k in EngineConfig.__dataclass_fields__}
+        engine_options.setdefault("restart_backoff_s", 0.05)
+        return EngineConfig(
+            model=str(tiny_model_dir("llama")),
+            runner="fake",
+            block_size=4,
+            num_kv_blocks=64,
+            shutdown_grace_s=2.0,
+            fake=FakeRunnerConfig(eos_token_id=EOS, num_kv_blocks=64, **options),
+            **engine_options,
+        )
+
+    return make
+
+
+def descendants() -> list[psutil.Process]:
+    return [p for p in psutil.Process().children(recursive=True) if p.status() != psutil.STATUS_ZOMBIE]
+
+
+async def wait_no_descendants(timeout: float = 2.0) -> list[psutil.Process]:
+    with trio.move_on_after(timeout):
+        while psutil.Process().children(recursive=True):
+            await trio.sleep(0.05)
+    return psutil.Process().children(recursive=True)
+
+
+async def assert_idle_and_clean(engine: trioserve.Engine) -> None:
+    """Nothing is left of any request: not in the front-end, not in the engine core."""
+    assert engine.num_requests_in_flight() == 0
+    with trio.fail_after(5):
+        while True:
+            stats = await engine.stats()
+            if (stats.num_running, stats.num_waiting, stats.num_free_blocks) == (0, 0, stats.num_total_blocks):
+                return
+            await trio.sleep(0.02)
+
+
+class Outcome:
+    """What one request's consumer saw: every output, then one terminal event."""
+
+    def __init__(self) -> None:
+        self.token_ids: list[int] = []
+        self.finish_reason: str | None = None
+        self.error: BaseException | None = None
+        self.ended_at: float | None = None
+        self.started = trio.Event()
+
+
+async def consume(engine: trioserve.Engine, prompt: list[int], params: SamplingParams, outcome: Outcome) -> None:
+    try:
+        async with engine.stream(prompt, params) as stream:
+            async for out in stream:
+                outcome.token_ids += out.token_ids
+                outcome.started.set()
+                outcome.finish_reason = out.finish_reason
+    except EngineDeadError as exc:
+        outcome.error = exc
+    outcome.ended_at = time.monotonic()
+    outcome.started.set()
+
+
+@pytest.mark.parametrize("victim", ["worker", "engine-core"])
+async def test_kill_9_under_load_ends_every_request_within_a_second_then_the_restarted_engine_serves(
+    fake_config, victim
+):
+    with trio.fail_after(30):
+        async with trioserve.open_engine(config=fake_config(step_delay_s=0.01)) as engine:
+            old = engine.info
+            outcomes = [Outcome() for _ in range(8)]
+            async with trio.open_nursery() as nursery:
+                for i, outcome in enumerate(outcomes):
+                    params = SamplingParams(max_tokens=100_000, ignore_eos=True)
+                    nursery.start_soon(consume, engine, [3 + i, 4, 5], params, outcome)
+                for outcome in outcomes:
+                    await outcome.started.wait()
+                pid = old.worker_pids[0] if victim == "worker" else old.engine_pid
+                os.kill(pid, signal.SIGKILL)
+                killed_at = time.monotonic()
+            for outcome in outcomes:
+                assert isinstance(outcome.error, EngineDeadError), outcome.finish_reason
+                assert outcome.ended_at is not None and outcome.ended_at - killed_at < 1.0
+            assert engine.num_requests_in_flight() == 0
+
+            out = await engine.generate([5, 6, 7], SamplingParams(max_tokens=4))
+            assert out.finish_reason == "length" and len(out.token_ids) == 4
+            assert engine.health == "ready"
+            assert engine.num_restarts == 1
+            assert engine.info.engine_pid != old.engine_pid
+            assert not set(engine.info.worker_pids) & set(old.worker_pids)
+            # Only the new engine's processes are left.
+            assert {p.pid for p in descendants()} == {engine.info.engine_pid, *engine.info.worker_pids}
+            await assert_idle_and_clean(engine)
+        assert await wait_no_descendants() == []
+
+
+async def test_a_hung_worker_fails_its_step_at_the_deadline_and_the_engine_restarts(fake_config):
+    config = fake_config(hang_at_step=3, step_timeout_s=0.5)
+    with trio.fail_after(30):
+        async with trioserve.open_engine(config=config) as engine:
+            started = time.monotonic()
+            with pytest.raises(EngineDeadError, match="step_timeout_s"):
+                await engine.generate([1, 2, 3], SamplingParams(max_tokens=10))
+            assert time.monotonic() - started < 3
+            # The new worker counts its steps from 1 again: it hangs at its third step too.
+            out = await engine.generate([1, 2, 3], SamplingParams(max_tokens=2))
+            assert len(out.token_ids) == 2
+            assert engine.num_restarts == 1
+        assert await wait_no_descendants() == []
+
+
+async def test_out_of_restarts_every_request_fails_at_once_and_wait_failed_returns(fake_config):
+    config = fake_config(raise_at_step=2, max_restarts=2)
+    with trio.fail_after(30):
+        async with trioserve.open_engine(config=config) as engine:
+            for _ in range(3):  # the first death, then one per restart
+                with pytest.raises(EngineDeadError, match="worker-0"):
+                    await engine.generate([1, 2, 3], SamplingParams(max_tokens=5))
+            with trio.fail_after(5):
+                failure = await engine.wait_failed()
+            assert "max_restarts=2" in str(failure)
+            assert engine.health == "failed"
+            assert engine.num_restarts == 2
+            with pytest.raises(EngineDeadError, match="max_restarts=2"):
+                await engine.generate([1, 2, 3], SamplingParams(max_tokens=5))
+            assert await wait_no_descendants() == []  # a failed engine holds no process
+        assert await wait_no_descendants() == []
+
+
+async def test_a_new_request_waits_a_bounded_time_for_a_restarting_engine(fake_config):
+    config = fake_config(raise_at_step=2, restart_backoff_s=5.0, restart_wait_s=0.3)
+    with trio.fail_after(30):
+        async with trioserve.open_engine(config=config) as engine:
+            with pytest.raises(EngineDeadError):
+                await engine.generate([1, 2, 3], SamplingParams(max_tokens=5))
+            assert engine.health == "restarting"
+            started = time.monotonic()
+            with pytest.raises(EngineDeadError, match="restart_wait_s=0.3"):
+                await engine.generate([1, 2, 3], SamplingParams(max_tokens=5))
+            assert 0.25 < time.monotonic() - started < 2
+        assert await wait_no_descendants() == []
+
+
+async def test_shutdown_while_restarting_leaves_no_process(fake_config):
+    config = fake_config(raise_at_step=2, restart_backoff_s=0.2)
+    with trio.fail_after(30):
+        async with trioserve.open_engine(config=config) as engine:
+            old = {engine.info.engine_pid, *engine.info.worker_pids}
+            with pytest.raises(EngineDeadError):
+                await engine.generate([1, 2, 3], SamplingParams(max_tokens=5))
+            while not {p.pid for p in descendants()} - old:  # the new engine core is starting
+                await trio.sleep(0.01)
+            assert engine.health == "restarting"
+            exit_started = time.monotonic()
+        assert time.monotonic() - exit_started < 2 * config.shutdown_grace_s
+        assert await wait_no_descendants() == []
+        assert engine.health == "stopped"
+
+
+# --- cancellation at every point of a request's life -----------------------------
+
+
+async def test_cancelled_while_waiting_for_a_restart_leaves_nothing(fake_config):
+    config = fake_config(raise_at_step=2, restart_backoff_s=0.5)
+    with trio.fail_after(30):
+        async with trioserve.open_engine(config=config) as engine:
+            with pytest.raises(EngineDeadError):
+                await engine.generate([1, 2, 3], SamplingParams(max_tokens=5))
+            with trio.move_on_after(0.1) as scope:
+                await engine.generate([1, 2, 3], SamplingParams(max_tokens=5))  # waits for the restart
+            assert scope.cancelled_caught
+            await engine.wait_ready()
+            await assert_idle_and_clean(engine)
+
+
+@pytest.mark.parametrize("when", ["before-submission", "prefill", "mid-decode", "consumer-stalled"])
+async def test_a_request_cancelled_at_any_point_leaves_no_state(fake_config, when):
+    # Slow steps so that "prefill" (the first step) and "mid-decode" can be hit.
+    config = fake_config(step_delay_s=0.05)
+    prompt = list(range(3, 40))
+    with trio.fail_after(30):
+        async with trioserve.open_engine(config=config) as engine:
+            bystander = Outcome()
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(consume, engine, [7, 8], SamplingParams(max_tokens=30, ignore_eos=True), bystander)
+                with trio.CancelScope() as scope:
+                    if when == "before-submission":
+                        scope.cancel()
+                    stream = engine.stream(prompt, SamplingParams(max_tokens=1000, ignore_eos=True))
+                    async with stream:
+                        if when == "prefill":
+                            nursery.start_soon(_cancel_after, scope, 0.01)  # inside the first step
+                        elif when == "mid-decode":
+                            await stream.__anext__()
+                            await stream.__anext__()
+                            scope.cancel()
+                        async for _ in stream:
+                            if when == "consumer-stalled":
+                                await trio.sleep(0.5)  # outputs pile up (merged) meanwhile
+                                scope.cancel()
+                assert scope.cancelled_caught
+            assert bystander.finish_reason == "length" and len(bystander.token_ids) == 30
+            await assert_idle_and_clean(engine)
+
+
+async def _cancel_after(scope: trio.CancelScope, delay: float) -> None:
+    await trio.sleep(delay)
+    scope.cancel()
+
+
+# --- the command line: deadlines and exit codes ----------------------------------
+
+
+def run_cli(argv: list[str], timeout: float) -> tuple[int, str, list[int]]:
+    """Run ``trioserve`` with ``argv``; its exit status, stderr, and the pids of
+    every process it started that was still alive after it exited."""
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "trioserve.cli", *argv], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        text=True, cwd=REPO,
+    )
+    seen: set[int] = set()
+    try:
+        deadline = time.monotonic() + timeout
+        while proc.poll() is None and time.monotonic() < deadline:
+            try:
+                seen.update(p.pid for p in psutil.Process(proc.pid).children(recursive=True))
+            except psutil.NoSuchProcess:
+                pass
+            time.sleep(0.05)
+        if proc.poll() is None:
+            raise AssertionError(f"trioserve {' '.join(argv)} did not exit within {timeout}s")
+        _, stderr = proc.communicate(timeout=5)
+        left = []
+        time.sleep(0.5)
+        for pid in seen:
+            try:
+                if psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
+                    left.append(pid)
+            except psutil.NoSuchProcess:
+                pass
+        return proc.returncode, stderr, left
+    finally:
+        if proc.poll() is None:
+            for p in psutil.Process(proc.pid).children(recursive=True):
+                p.kill()
+            proc.kill()
+            proc.communicate()
+
+
+async def test_serve_with_a_model_load_that_hangs_exits_3_naming_the_stage(tiny_model_dir):
+    argv = [
+        "serve", "--port", "0", "--model", str(tiny_model_dir("llama")), "--runner", "fake",
+        "--fake-options", json.dumps({"hang_at_load": True}), "--model-load-timeout", "1",
+    ]
+    code, stderr, left = await trio.to_thread.run_sync(run_cli, argv, 30)
+    assert code == 3, stderr
+    assert "model-load" in stderr and "model_load_timeout_s" in stderr
+    assert left == []
+
+
+async def test_serve_out_of_restarts_exits_4_and_leaves_no_process(tiny_model_dir):
+    """The server's engine dies at its second step, again after its one restart:
+    out of restarts, the server exits 4, with no process left behind."""
+    from websockets.sync.client import connect
+
+    argv = [
+        sys.executable, "-m", "trioserve.cli", "serve", "--port", "0", "--model", str(tiny_model_dir("llama")),
+        "--runner", "fake", "--fake-options", json.dumps({"raise_at_step": 2}), "--max-restarts", "1",
+    ]
+
+    def scenario() -> tuple[int, str, list[str], list[int]]:
+        proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO)
+        try:
+            assert proc.stdout is not None
+            line = proc.stdout.readline()
+            assert line.startswith("trioserve: serving on "), line + proc.stderr.read()  # type: ignore[union-attr]
+            url = line.split()[3]
+            seen = {p.pid for p in psutil.Process(proc.pid).children(recursive=True)}
+            codes = []
+            with connect(url, open_timeout=10) as ws:
+                for i in range(2):
+                    ws.send(json.dumps({"type": "generate", "id": f"r{i}", "prompt_token_ids": [1, 2, 3],
+                                        "params": {"max_tokens": 5}}))
+                    while True:
+                        msg = json.loads(ws.recv(timeout=10))
+                        if msg["type"] in ("done", "error"):
+                            codes.append(msg.get("code", "done"))
+                            break
+                    if i == 0:
+                        seen |= {p.pid for p in _wait_for_restart(proc.pid, seen)}
+            code = proc.wait(timeout=15)
+            stderr = proc.stderr.read() if proc.stderr else ""
+            time.sleep(0.5)
+            left = [pid for pid in seen if psutil.pid_exists(pid) and psutil.Process(pid).status() != "zombie"]
+            return code, stderr, codes, left
+        finally:
+            if proc.poll() is None:
+                for p in psutil.Process(proc.pid).children(recursive=True):
+                    p.kill()
+                proc.kill()
+            proc.communicate()
+
+    with trio.fail_after(60):
+        code, stderr, codes, left = await trio.to_thread.run_sync(scenario)
+    assert codes == ["engine_dead", "engine_dead"]
+    assert code == 4, stderr
+    assert "max_restarts=1" in stderr
+    assert left == []
+
+
+def _wait_for_restart(server_pid: int, old: set[int]) -> list[psutil.Process]:
+    """The server's new engine processes, once its restart started them."""
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        new = [p for p in psutil.Process(server_pid).children(recursive=True) if p.pid not in old]
+        if len(new) >= 2:
+            return new
+        time.sleep(0.05)
+    raise AssertionError("the engine was not restarted")
