@@ -40,6 +40,10 @@ class Seq:
     def finished(self) -> bool:
         return len(self.outputs) >= self.params.max_tokens
 
+    @property
+    def num_prompt(self) -> int:
+        return len(self.tokens) - len(self.outputs)
+
 
 class MiniScheduler:
     """Just enough of a scheduler to drive the runner: shuffled block
@@ -83,7 +87,7 @@ class MiniScheduler:
             if seq.sent:
                 cached.append(CachedRequestData(req_id, seq.new_tokens, seq.new_blocks, seq.num_computed))
             else:
-                new.append(NewRequestData(req_id, list(seq.tokens), seq.params, list(seq.blocks), seq.num_computed))
+                new.append(NewRequestData(req_id, list(seq.tokens), seq.params, list(seq.blocks), seq.num_computed, seq.num_prompt))
             seq.sent, seq.new_tokens, seq.new_blocks = True, [], []
         sched = SchedulerOutput(new, cached, scheduled, sum(scheduled.values()), self.dropped)
         self.dropped = []
@@ -205,6 +209,24 @@ def test_seeded_sampling_does_not_depend_on_batch_or_preemption(tiny_model_dir):
     assert len(set(alone)) > 1
 
 
+def test_penalties_count_only_output_tokens_also_after_preemption(tiny_model_dir):
+    # Frequency and presence penalties cover output tokens only: a request
+    # resumed after preemption (re-sent with its outputs) must not count its
+    # earlier outputs as prompt.
+    model_dir = tiny_model_dir("llama")
+    prompt = make_prompts([9], seed=5)[0]
+    params = SamplingParams(temperature=0, max_tokens=12, frequency_penalty=2.0)
+
+    def run(preempt: bool) -> list[int]:
+        runner, _ = make_runner(model_dir)
+        sched = MiniScheduler(runner, num_blocks=128, block_size=4, token_budget=16)
+        sched.add("r", prompt, params)
+        return sched.run(preempt_at={2: "r"} if preempt else None)["r"]
+
+    # (Counting them as prompt, this model repeats its second token at once.)
+    assert run(preempt=True) == run(preempt=False)
+
+
 def test_load_reports_memory_budget_eos_and_context(tiny_model_dir):
     from trioserve.gpu.model_runner import ModelRunner
 
@@ -233,11 +255,11 @@ def test_bad_scheduler_output_raises_value_error(tiny_model_dir):
         return runner.execute(SchedulerOutput(list(new), [], scheduled or {}, 0, []))
 
     with pytest.raises(ValueError, match="token_ids"):
-        step([NewRequestData("x", [1, 9999], GREEDY, [0], 0)], {"x": 2})
+        step([NewRequestData("x", [1, 9999], GREEDY, [0], 0, 2)], {"x": 2})
     with pytest.raises(ValueError, match="block_ids"):
-        step([NewRequestData("y", [1, 5], GREEDY, [8], 0)], {"y": 2})
+        step([NewRequestData("y", [1, 5], GREEDY, [8], 0, 2)], {"y": 2})
     with pytest.raises(ValueError, match="unknown request"):
         step(scheduled={"nobody": 1})
     with pytest.raises(ValueError, match="cannot hold"):
-        step([NewRequestData("z", [1] * 6, GREEDY, [0], 0)], {"z": 6})
+        step([NewRequestData("z", [1] * 6, GREEDY, [0], 0, 6)], {"z": 6})
     assert step().req_ids == []

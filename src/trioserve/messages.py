@@ -129,8 +129,14 @@ class Ready(msgspec.Struct, tag=True):
 
 
 class StartupFailed(msgspec.Struct, tag=True):
+    """The engine core could not start: the stage, what went wrong, and the
+    process that failed (the engine core itself or one of its workers) with
+    its exit status when it exited (negative: the signal)."""
+
     stage: str
     message: str
+    process: str = ""
+    exit_code: int | None = None
 
 
 HandshakeMessage = Union[Hello, HandshakeInit, Ready, StartupFailed]
@@ -196,6 +202,7 @@ class NewRequestData(msgspec.Struct, array_like=True):
     params: SamplingParams
     block_ids: list[int]
     num_computed_tokens: int
+    num_prompt_tokens: int  # the first this many of token_ids are the prompt (penalties count the rest)
 
 
 class CachedRequestData(msgspec.Struct, array_like=True):

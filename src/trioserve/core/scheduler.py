@@ -280,6 +280,7 @@ class Scheduler:
                         req.params,
                         self.block_manager.block_table(req_id),
                         req.num_computed_tokens,
+                        req.num_prompt_tokens,
                     )
                 )
             else:

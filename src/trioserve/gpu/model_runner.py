@@ -202,9 +202,7 @@ class ModelRunner:
             params=new.params,
             token_ids=list(new.token_ids),
             block_ids=list(new.block_ids),
-            # Until NewRequestData says how long the prompt was, a resumed
-            # request counts its earlier outputs as prompt (for penalties only).
-            num_prompt_tokens=getattr(new, "num_prompt_tokens", len(new.token_ids)),
+            num_prompt_tokens=new.num_prompt_tokens,
             num_computed_tokens=new.num_computed_tokens,
         )
 
