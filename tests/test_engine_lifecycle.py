@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -285,3 +286,203 @@ async def test_kill_9_of_the_front_end_leaves_no_engine_or_worker_process(tiny_m
         finally:
             proc.kill()
             await proc.wait()
+
+
+# --- deadlines, start-up failures and run-time fault injection ---------------
+
+
+def trioserve_children(role: str) -> list[psutil.Process]:
+    """This test's descendant processes running ``trioserve.nurseries.entry ROLE``."""
+    found = []
+    for proc in children():
+        try:
+            cmdline = proc.cmdline()
+        except psutil.Error:
+            continue
+        if "trioserve.nurseries.entry" in cmdline and role in cmdline:
+            found.append(proc)
+    return found
+
+
+async def test_step_past_step_timeout_kills_the_engine_naming_worker_step_and_deadline(fake_config):
+    config = fake_config(hang_at_step=3, step_timeout_s=0.5, max_restarts=0)
+    with trio.fail_after(30):
+        async with trioserve.open_engine(config=config) as engine:
+            pids = [engine.info.engine_pid, *engine.info.worker_pids]
+            started = time.monotonic()
+            with pytest.raises(
+                trioserve.EngineDeadError, match=r"worker-0 \(pid \d+\) did not finish step 3 within step_timeout_s=0.5s"
+            ):
+                await engine.generate([1, 2, 3], SamplingParams(max_tokens=10))
+            assert time.monotonic() - started < 0.5 + 1.0
+            # The engine core reaped its hung worker, then exited.
+            with trio.move_on_after(2):
+                while any(alive(p) for p in pids):
+                    await trio.sleep(0.02)
+            assert [p for p in pids if alive(p)] == []
+        assert await wait_no_children() == []
+
+
+async def test_step_timeout_names_only_the_worker_that_did_not_answer(fake_config):
+    config = fake_config(tensor_parallel_size=2, fault_rank=1, hang_at_step=2, step_timeout_s=0.5, max_restarts=0)
+    with trio.fail_after(30):
+        async with trioserve.open_engine(config=config) as engine:
+            with pytest.raises(trioserve.EngineDeadError) as info:
+                await engine.generate([1, 2, 3], SamplingParams(max_tokens=10))
+            message = str(info.value)
+            assert re.search(r"worker-1 \(pid \d+\) did not finish step 2 within step_timeout_s=0.5s", message)
+            assert "worker-0" not in message
+        assert await wait_no_children() == []
+
+
+async def test_slow_steps_within_step_timeout_are_not_a_failure(fake_config):
+    with trio.fail_after(30):
+        async with trioserve.open_engine(config=fake_config(step_delay_s=0.05, step_timeout_s=1.0)) as engine:
+            out = await engine.generate([1, 2], SamplingParams(max_tokens=4))
+            assert out.token_ids == fake_tokens([1, 2], 4)
+
+
+async def test_model_load_timeout_names_the_stage_the_worker_and_the_deadline(fake_config):
+    config = fake_config(tensor_parallel_size=2, fault_rank=1, hang_at_load=True, model_load_timeout_s=1.0)
+    with trio.fail_after(30):
+        with pytest.raises(trioserve.EngineStartupError) as info:
+            async with trioserve.open_engine(config=config):
+                pass
+        assert info.value.stage == "model-load"
+        message = str(info.value)
+        assert re.search(r"worker-1 \(pid \d+\) did not finish model-load within model_load_timeout_s=1.0s", message)
+        assert "worker-0" not in message
+        assert await wait_no_children() == []
+
+
+async def test_worker_that_raises_while_loading_names_stage_exit_code_and_error(fake_config, tiny_model_dir, tmp_path):
+    model = tmp_path / "model"
+    model.mkdir()
+    for path in tiny_model_dir("llama").iterdir():
+        if path.is_file():
+            (model / path.name).write_bytes(path.read_bytes())
+    config_json = json.loads((model / "config.json").read_text())
+    config_json["vocab_size"] = "not a number"  # the fake runner reads it while loading
+    (model / "config.json").write_text(json.dumps(config_json))
+    config = fake_config().replace(model=str(model))
+    with trio.fail_after(30):
+        with pytest.raises(trioserve.EngineStartupError) as info:
+            async with trioserve.open_engine(config=config):
+                pass
+        assert info.value.stage == "model-load"
+        assert re.search(
+            r"worker-0 \(pid \d+\) exited with code 1 during model-load: ValueError: .*not a number", str(info.value)
+        )
+        assert await wait_no_children() == []
+
+
+async def test_worker_killed_while_loading_names_stage_and_signal(fake_config):
+    async def kill_worker_when_it_appears() -> None:
+        while not (workers := trioserve_children("worker")):
+            await trio.sleep(0.02)
+        workers[0].kill()
+
+    with trio.fail_after(30):
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(kill_worker_when_it_appears)
+            with pytest.raises(trioserve.EngineStartupError) as info:
+                async with trioserve.open_engine(config=fake_config(load_delay_s=30.0)):
+                    pass  # not reached: the worker is killed while it loads
+            nursery.cancel_scope.cancel()
+        assert info.value.stage == "model-load"
+        assert re.search(r"worker-0 \(pid \d+\) was killed by SIGKILL during model-load", str(info.value))
+        assert await wait_no_children() == []
+
+
+async def test_worker_that_cannot_be_spawned_fails_at_the_spawn_stage(fake_config, monkeypatch):
+    from trioserve.errors import EngineStartupError
+    from trioserve.nurseries.executor import Executor
+
+    monkeypatch.setattr(sys, "executable", "/nonexistent/python")
+    def names_the_spawn(exc: EngineStartupError) -> bool:
+        return exc.stage == "spawn" and exc.process == "worker-0" and "could not start worker-0" in str(exc)
+
+    with trio.fail_after(10):
+        with pytest.RaisesGroup(pytest.RaisesExc(EngineStartupError, check=names_the_spawn), flatten_subgroups=True):
+            async with trio.open_nursery() as nursery:
+                await nursery.start(Executor(fake_config()).run)
+    assert children() == []
+
+
+async def test_engine_core_without_handshake_reply_exits_at_its_handshake_deadline(tmp_path: Path):
+    import zmq
+
+    from trioserve.nurseries.engine_core import HANDSHAKE_ADDRESS_ENV, HANDSHAKE_TIMEOUT_ENV
+    from trioserve.nurseries.zmq_trio import TrioZmqSocket
+
+    address = f"ipc://{tmp_path}/handshake"
+    env = {**os.environ, HANDSHAKE_ADDRESS_ENV: address, HANDSHAKE_TIMEOUT_ENV: "0.5"}
+    argv = [sys.executable, "-m", "trioserve.nurseries.entry", "engine-core"]
+    with trio.fail_after(20), TrioZmqSocket.bind(zmq.ROUTER, address, linger=0) as front_end:
+        proc = await trio.lowlevel.open_process(argv, env=env, stderr=subprocess.PIPE)
+        try:
+            _, hello = await front_end.recv_multipart()  # ...and never answer
+            started = time.monotonic()
+            stderr = b""
+            while chunk := await proc.stderr.receive_some(65536):
+                stderr += chunk
+            await proc.wait()
+            assert time.monotonic() - started < 0.5 + 5.0
+        finally:
+            proc.kill()
+            await proc.wait()
+    assert proc.returncode == 1
+    assert re.search(
+        rb"engine-core-0 \(pid \d+\) got no HandshakeInit from the front-end within 0.5s \(TRIOSERVE_HANDSHAKE_TIMEOUT_S\)",
+        stderr,
+    ), stderr.decode(errors="replace")
+
+
+@pytest.mark.parametrize(("raw", "expected"), [(None, 30.0), ("2.5", 2.5), ("0", 30.0), ("-1", 30.0), ("soon", 30.0), ("inf", 30.0)])
+def test_handshake_timeout_comes_from_the_environment_with_a_default(monkeypatch, raw, expected):
+    from trioserve.nurseries.engine_core import DEFAULT_HANDSHAKE_TIMEOUT_S, HANDSHAKE_TIMEOUT_ENV, handshake_timeout_s
+
+    assert DEFAULT_HANDSHAKE_TIMEOUT_S == 30.0
+    if raw is None:
+        monkeypatch.delenv(HANDSHAKE_TIMEOUT_ENV, raising=False)
+    else:
+        monkeypatch.setenv(HANDSHAKE_TIMEOUT_ENV, raw)
+    assert handshake_timeout_s() == expected
+
+
+async def test_sigusr1_leaves_an_idle_worker_alone_and_fails_its_next_step(fake_config):
+    with trio.fail_after(30):
+        async with trioserve.open_engine(config=fake_config(max_restarts=0)) as engine:
+            await engine.generate([1, 2], SamplingParams(max_tokens=3))
+            (worker,) = engine.info.worker_pids
+            os.kill(worker, signal.SIGUSR1)
+            await trio.sleep(0.2)
+            assert alive(worker)
+            stats = await engine.stats()  # no step: nothing fails yet
+            assert stats.num_running == 0
+            assert alive(worker)
+            with pytest.raises(
+                trioserve.EngineDeadError,
+                match=r"worker-0 \(pid \d+\) exited with code 1 during step \d+: .*InjectedFault: .*SIGUSR1",
+            ):
+                await engine.generate([1, 2], SamplingParams(max_tokens=3))
+        assert await wait_no_children() == []
+
+
+async def test_sigusr1_mid_stream_ends_the_request_with_engine_dead_error_at_once(fake_config):
+    config = fake_config(tensor_parallel_size=2, step_delay_s=0.01, max_restarts=0)
+    with trio.fail_after(30):
+        async with trioserve.open_engine(config=config) as engine:
+            outputs = []
+            with pytest.raises(trioserve.EngineDeadError, match=r"worker-1 .*InjectedFault") as info:
+                async with engine.stream([1, 2, 3], SamplingParams(max_tokens=10_000, ignore_eos=True)) as stream:
+                    async for out in stream:
+                        outputs.append(out)
+                        if len(outputs) == 3:
+                            os.kill(engine.info.worker_pids[1], signal.SIGUSR1)
+                            signalled = time.monotonic()
+            assert time.monotonic() - signalled < 1.0
+            assert "worker-0" not in str(info.value)
+            tokens = [t for out in outputs for t in out.token_ids]
+            assert tokens == fake_tokens([1, 2, 3], len(tokens))
+        assert await wait_no_children() == []

@@ -10,13 +10,21 @@ Task tree (one ``trio.run``, under ``run_child_main``'s parent watch)::
 
 The step loop never awaits a client: it only waits on its inbox (when idle),
 the executor, and the outbox. Start-up: connect to the front-end's handshake
-socket, send ``Hello``, receive ``HandshakeInit``, start the workers, reply
-``Ready`` (or ``StartupFailed`` naming the stage).
+socket, send ``Hello``, receive ``HandshakeInit`` (within
+``TRIOSERVE_HANDSHAKE_TIMEOUT_S``, which the front-end sets to its
+``startup_timeout_s``), start the workers, reply ``Ready`` (or
+``StartupFailed`` naming the stage, the process and its exit code).
+
+Any failure after that (a worker that exits, raises, or does not finish a
+step within ``step_timeout_s``) is reported to the front-end as
+``EngineDead`` with the reason, once the workers are reaped; then the
+process exits 1.
 """
 
 from __future__ import annotations
 
 import logging
+import math
 import os
 import traceback
 from typing import Any
@@ -50,6 +58,10 @@ from trioserve.nurseries.zmq_trio import TrioZmqSocket
 
 HANDSHAKE_ADDRESS_ENV = "TRIOSERVE_HANDSHAKE_ADDRESS"
 ENGINE_INDEX_ENV = "TRIOSERVE_ENGINE_INDEX"
+# How long the engine core waits for the front-end's HandshakeInit: the
+# front-end sets it to its startup_timeout_s.
+HANDSHAKE_TIMEOUT_ENV = "TRIOSERVE_HANDSHAKE_TIMEOUT_S"
+DEFAULT_HANDSHAKE_TIMEOUT_S = 30.0  # EngineConfig.startup_timeout_s's default
 INBOX_SIZE = 1024  # requests and aborts waiting for the step loop
 OUTBOX_SIZE = 64  # output batches waiting for the output socket
 
@@ -152,19 +164,56 @@ async def _handshake(sock: TrioZmqSocket, engine_index: int) -> HandshakeInit:
     return msg
 
 
-def _startup_failure(exc: BaseException) -> StartupFailed:
-    first = exc
-    while isinstance(first, BaseExceptionGroup):
-        first = first.exceptions[0]
-    return StartupFailed(stage=getattr(first, "stage", "model-load"), message=_describe(exc))
+def handshake_timeout_s() -> float:
+    """``TRIOSERVE_HANDSHAKE_TIMEOUT_S`` from the environment; the default
+    (with a warning) when it is missing or not a positive number."""
+    raw = os.environ.get(HANDSHAKE_TIMEOUT_ENV)
+    if raw is None:
+        return DEFAULT_HANDSHAKE_TIMEOUT_S
+    try:
+        value = float(raw)
+    except ValueError:
+        value = math.nan
+    if not 0 < value < math.inf:
+        log.warning("%s=%r is not a positive number of seconds: using %ss", HANDSHAKE_TIMEOUT_ENV, raw, DEFAULT_HANDSHAKE_TIMEOUT_S)
+        return DEFAULT_HANDSHAKE_TIMEOUT_S
+    return value
+
+
+def _startup_failure(exc: BaseException, stage: str) -> StartupFailed:
+    """``StartupFailed`` for a start-up that raised ``exc``, while the
+    executor was at ``stage``: the stage, process and exit code come from
+    the first error that names them (``WorkerError``, ``EngineStartupError``)."""
+    leaves = [leaf for leaf in _leaves(exc) if not isinstance(leaf, trio.Cancelled)]
+    named = next((leaf for leaf in leaves if getattr(leaf, "process", "")), None)
+    return StartupFailed(
+        stage=getattr(named, "stage", stage),
+        message=_describe(exc),
+        process=getattr(named, "process", ""),
+        exit_code=getattr(named, "exit_code", None),
+    )
+
+
+def _leaves(exc: BaseException) -> list[BaseException]:
+    if isinstance(exc, BaseExceptionGroup):
+        return [leaf for inner in exc.exceptions for leaf in _leaves(inner)]
+    return [exc]
 
 
 async def engine_core_main() -> None:
     engine_index = int(os.environ.get(ENGINE_INDEX_ENV, "0"))
     handshake = TrioZmqSocket.connect(zmq.DEALER, os.environ[HANDSHAKE_ADDRESS_ENV], linger=1000)
     with handshake:
-        with trio.fail_after(60):
+        timeout = handshake_timeout_s()
+        with trio.move_on_after(timeout) as scope:
             init = await _handshake(handshake, engine_index)
+        if scope.cancelled_caught:
+            raise EngineStartupError(
+                f"engine-core-{engine_index} (pid {os.getpid()}) got no HandshakeInit from the front-end "
+                f"within {timeout}s ({HANDSHAKE_TIMEOUT_ENV})",
+                stage="handshake",
+                process=f"engine-core-{engine_index}",
+            )
         outbox_send, outbox_receive = trio.open_memory_channel[Any](OUTBOX_SIZE)
         async with trio.open_nursery() as outer:
             # The output socket outlives the rest, so that a failure can be reported.
@@ -186,7 +235,7 @@ async def _serve(init: HandshakeInit, handshake: TrioZmqSocket, outbox: trio.Mem
             executor_info: ExecutorInfo = await nursery.start(executor.run)
         except BaseException as exc:
             with trio.CancelScope(shield=True), trio.move_on_after(1):
-                await handshake.send(_encode(_startup_failure(exc)))
+                await handshake.send(_encode(_startup_failure(exc, executor.stage)))
             raise
         info = _engine_info(config.block_size, executor_info)
         scheduler = Scheduler(

@@ -4,16 +4,22 @@ Each worker is a supervised child process with a private framed stream,
 bridged to a pair of memory channels. A call goes to every worker; the reply
 that counts comes from the output rank (rank 0). The supervising tasks are
 the worker monitor: a worker that exits is noticed the moment it is reaped,
-and its ``ProcessExited`` cancels the engine core.
+and a ``WorkerError`` naming it, the stage (and step) and its exit code or
+signal cancels the engine core.
+
+Deadlines: spawning and loading are bounded by ``model_load_timeout_s``, each
+step by ``step_timeout_s``. Past one, the error names the workers that did
+not answer; cancelling the executor then stops and reaps them.
 """
 
 from __future__ import annotations
 
+import math
 import os
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import partial
-from typing import Any
+from typing import Any, NoReturn
 
 import trio
 
@@ -30,18 +36,31 @@ from trioserve.messages import (
     WorkerLoaded,
 )
 from trioserve.nurseries.framing import MessageBridge, socketpair_for_child
-from trioserve.nurseries.process import ChildProcess, supervise_process
+from trioserve.nurseries.process import ChildProcess, ProcessExited, supervise_process
 from trioserve.nurseries.worker import WORKER_FD_ENV
 
 OUTPUT_RANK = 0
+# How long a worker that reported a failure, or closed its stream, gets to
+# exit, so that the error can name its exit code. It exits at once after its
+# last word; this only bounds a worker that does not.
+EXIT_WAIT_S = 0.5
 
 
 class WorkerError(RuntimeError):
-    """A worker reported a failure, or its stream ended, in the middle of a call."""
+    """A worker failed: it exited, reported a failure, closed its stream, or
+    did not answer in time. ``stage`` is the executor's stage (``spawn``,
+    ``model-load``, ``kv-cache``, ``step``), ``process`` the worker's name,
+    ``exit_code`` its exit status if it exited (negative: the signal)."""
 
-    def __init__(self, message: str, *, stage: str) -> None:
+    def __init__(self, message: str, *, stage: str, process: str = "", exit_code: int | None = None) -> None:
         super().__init__(message)
         self.stage = stage
+        self.process = process
+        self.exit_code = exit_code
+
+
+class StepTimeout(WorkerError):
+    """Workers did not answer a step within ``step_timeout_s``."""
 
 
 @dataclass(frozen=True)
@@ -53,27 +72,60 @@ class ExecutorInfo:
     worker_pids: list[int]
 
 
-@dataclass
+@dataclass(eq=False)
 class _Worker:
+    """One worker as the executor sees it; filled in as it starts."""
+
     rank: int
-    process: ChildProcess
-    outbox: trio.MemorySendChannel[Any]
-    inbox: trio.MemoryReceiveChannel[Any]
+    exited: trio.Event = field(default_factory=trio.Event)  # set once it is reaped
+    stream_closed: trio.Event = field(default_factory=trio.Event)  # set once its bridge ended
+    process: ChildProcess | None = None
+    outbox: trio.MemorySendChannel[Any] | None = None
+    inbox: trio.MemoryReceiveChannel[Any] | None = None
+
+    @property
+    def name(self) -> str:
+        return f"worker-{self.rank}"
+
+    @property
+    def pid(self) -> int | None:
+        return None if self.process is None else self.process.pid
+
+    def has_reply(self) -> bool:
+        return self.inbox is not None and self.inbox.statistics().current_buffer_used > 0
+
+    def take_failure(self) -> str | None:
+        """The message of a ``WorkerFailed`` still waiting in its inbox, if any."""
+        while self.inbox is not None:
+            try:
+                msg = self.inbox.receive_nowait()
+            except (trio.WouldBlock, trio.EndOfChannel, trio.ClosedResourceError):
+                return None
+            if isinstance(msg, WorkerFailed):
+                return msg.message
+        return None
 
 
 class Executor:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
         self._workers: list[_Worker] = []
+        self.stage = "spawn"  # then "model-load", "kv-cache", "step"
+        self.num_steps = 0  # steps sent to the workers; the first is 1
+        self._last_words: dict[int, str] = {}  # rank -> its WorkerFailed message
+        self._answered: set[int] = set()  # ranks whose reply the current call has taken
 
     async def run(self, *, task_status: trio.TaskStatus[ExecutorInfo] = trio.TASK_STATUS_IGNORED) -> None:
         """Start the workers, load the model, size the KV cache, then supervise.
 
-        Reports ``ExecutorInfo`` once every worker is ready. Start-up waits are
-        bounded by ``startup_timeout_s`` (spawn) and ``model_load_timeout_s``
-        (model and KV cache); past them ``EngineStartupError`` names the stage.
-        If cancelled, every worker is asked to stop, then terminated, then
-        killed, and always reaped.
+        Reports ``ExecutorInfo`` once every worker is ready. From the first
+        ``WorkerInit`` (sent as soon as the workers are spawned) to the last
+        ``KVCacheReady`` the wait is bounded by ``model_load_timeout_s``; past
+        it ``EngineStartupError`` names the stage and the workers that did not
+        answer. A worker that cannot be spawned raises ``EngineStartupError``
+        (stage ``spawn``); one that exits raises ``WorkerError`` with its exit
+        code. If cancelled, every worker is asked to stop, then terminated,
+        then killed, and always reaped.
         """
         async with trio.open_nursery() as nursery:
             for rank in range(self.config.tensor_parallel_size):
@@ -83,78 +135,159 @@ class Executor:
             await trio.sleep_forever()
 
     async def _start_worker(self, nursery: trio.Nursery, rank: int) -> _Worker:
+        worker = _Worker(rank)
         parent_end, child_end = socketpair_for_child()
         env = {**os.environ, WORKER_FD_ENV: str(child_end.fileno())}
         argv = [sys.executable, "-m", "trioserve.nurseries.entry", "worker"]
         try:
-            process = await nursery.start(
-                partial(
-                    supervise_process,
-                    argv,
-                    name=f"worker-{rank}",
-                    pass_fds=[child_end.fileno()],
-                    env=env,
-                    grace_s=self.config.shutdown_grace_s,
-                )
+            worker.process = await nursery.start(
+                partial(self._monitor, argv, worker, pass_fds=[child_end.fileno()], env=env)
             )
+        except OSError as exc:
+            await trio.aclose_forcefully(parent_end)
+            raise EngineStartupError(f"could not start {worker.name}: {exc}", stage="spawn", process=worker.name)
         finally:
             child_end.close()
-        bridge = MessageBridge(parent_end, receive_type=FromWorker, name=f"worker-{rank}")
-        outbox, inbox = await nursery.start(bridge.run)
-        return _Worker(rank, process, outbox, inbox)
+        bridge = MessageBridge(parent_end, receive_type=FromWorker, name=worker.name)
+        worker.outbox, worker.inbox = await nursery.start(self._bridge, bridge, worker)
+        return worker
+
+    async def _bridge(
+        self, bridge: MessageBridge, worker: _Worker, *, task_status: trio.TaskStatus[Any] = trio.TASK_STATUS_IGNORED
+    ) -> None:
+        try:
+            await bridge.run(task_status=task_status)
+        finally:
+            worker.stream_closed.set()
+
+    async def _monitor(
+        self,
+        argv: list[str],
+        worker: _Worker,
+        *,
+        pass_fds: list[int],
+        env: dict[str, str],
+        task_status: trio.TaskStatus[ChildProcess] = trio.TASK_STATUS_IGNORED,
+    ) -> None:
+        """The worker monitor: supervise one worker. Its unexpected exit raises
+        ``WorkerError`` naming the stage (and step), its exit code or signal
+        and its last words (a ``WorkerFailed`` it sent before exiting; the
+        stream gets ``EXIT_WAIT_S`` to deliver it). If cancelled, the worker
+        is stopped and reaped."""
+        try:
+            await supervise_process(
+                argv,
+                name=worker.name,
+                pass_fds=pass_fds,
+                env=env,
+                grace_s=self.config.shutdown_grace_s,
+                task_status=task_status,
+            )
+        except ProcessExited as exc:
+            with trio.move_on_after(EXIT_WAIT_S):
+                await worker.stream_closed.wait()
+            last_words = self._last_words.get(worker.rank) or worker.take_failure()
+            message = f"{exc} during {self._stage_label()}" + (f": {last_words}" if last_words else "")
+            raise WorkerError(message, stage=self.stage, process=worker.name, exit_code=exc.exit_code) from None
+        finally:
+            worker.exited.set()
+
+    def _stage_label(self) -> str:
+        return f"step {self.num_steps}" if self.stage == "step" else self.stage
 
     async def _initialize(self) -> ExecutorInfo:
         world = len(self._workers)
-        stage = "model-load"
+        self.stage = "model-load"
         with trio.move_on_after(self.config.model_load_timeout_s) as scope:
             loaded: list[WorkerLoaded] = await self._call_all(
-                [WorkerInit(config=self.config, rank=w.rank, world_size=world) for w in self._workers],
-                WorkerLoaded,
-                stage,
+                [WorkerInit(config=self.config, rank=w.rank, world_size=world) for w in self._workers], WorkerLoaded
             )
             num_blocks = min(w.max_num_kv_blocks for w in loaded)
-            stage = "kv-cache"
-            await self._call_all([InitKVCache(num_blocks=num_blocks)] * world, KVCacheReady, stage)
+            self.stage = "kv-cache"
+            await self._call_all([InitKVCache(num_blocks=num_blocks)] * world, KVCacheReady)
         if scope.cancelled_caught:
             raise EngineStartupError(
-                f"workers did not finish {stage} within model_load_timeout_s="
-                f"{self.config.model_load_timeout_s}s",
-                stage=stage,
-                process="worker",
+                self._late_message(f"model_load_timeout_s={self.config.model_load_timeout_s}s"),
+                stage=self.stage,
+                process=", ".join(w.name for w in self._late_workers()),
             )
+        self.stage = "step"
         first = loaded[OUTPUT_RANK]
         return ExecutorInfo(
             num_kv_blocks=num_blocks,
             max_model_len=first.max_model_len,
             vocab_size=first.vocab_size,
             eos_token_ids=first.eos_token_ids,
-            worker_pids=[w.process.pid for w in self._workers],
+            worker_pids=[w.pid for w in self._workers if w.pid is not None],
         )
 
-    async def _call_all(self, messages: list[Any], reply_type: type, stage: str) -> list[Any]:
+    async def _call_all(self, messages: list[Any], reply_type: type) -> list[Any]:
+        """Send each worker its message, then take one reply from each, in rank
+        order. A worker that reports a failure or closes its stream gets
+        ``EXIT_WAIT_S`` to exit, so that the monitor's error (with its exit
+        code) is the one raised. If cancelled, replies not yet taken stay in
+        the workers' inboxes (``_late_workers`` looks there)."""
+        self._answered = set()
         for worker, msg in zip(self._workers, messages):
+            assert worker.outbox is not None
             await worker.outbox.send(msg)
         replies = []
         for worker in self._workers:
+            assert worker.inbox is not None
             try:
                 reply = await worker.inbox.receive()
             except trio.EndOfChannel:
-                raise WorkerError(f"worker-{worker.rank}: stream closed during {stage}", stage=stage) from None
+                await self._fail(worker, "closed its stream")
             if isinstance(reply, WorkerFailed):
-                raise WorkerError(f"worker-{worker.rank} failed during {reply.stage}: {reply.message}", stage=reply.stage)
+                self._last_words[worker.rank] = reply.message
+                await self._fail(worker, f"failed: {reply.message}")
             if not isinstance(reply, reply_type):
-                raise WorkerError(
-                    f"worker-{worker.rank}: expected {reply_type.__name__}, got {type(reply).__name__}", stage=stage
-                )
+                await self._fail(worker, f"sent {type(reply).__name__} where {reply_type.__name__} was expected")
             replies.append(reply)
+            self._answered.add(worker.rank)
         return replies
+
+    async def _fail(self, worker: _Worker, what: str) -> NoReturn:
+        """Raise for a worker that went wrong in the middle of a call, after
+        giving it ``EXIT_WAIT_S`` to exit (then the monitor raises instead)."""
+        with trio.move_on_after(EXIT_WAIT_S):
+            await worker.exited.wait()
+            await trio.sleep_forever()  # the monitor's WorkerError cancels this
+        raise WorkerError(
+            f"{worker.name} (pid {worker.pid}) {what} during {self._stage_label()}",
+            stage=self.stage,
+            process=worker.name,
+            exit_code=None if worker.process is None else worker.process.returncode,
+        )
+
+    def _late_workers(self) -> list[_Worker]:
+        """After a call timed out: the workers whose reply has not arrived
+        (neither taken by ``_call_all`` nor waiting in their inbox)."""
+        return [w for w in self._workers if w.rank not in self._answered and not w.has_reply()]
+
+    def _late_message(self, deadline: str) -> str:
+        late = self._late_workers()
+        names = " and ".join(f"{w.name} (pid {w.pid})" for w in late) or "the workers"
+        return f"{names} did not finish {self._stage_label()} within {deadline}"
 
     async def execute(self, scheduler_output: SchedulerOutput) -> RunnerOutput:
         """Run one step on every worker; the output rank's sampled tokens.
 
-        Must not be called concurrently (the step loop is its one caller). If
-        cancelled mid-step, workers may still be running that step: the engine
-        core is going down anyway, and cancellation stops them.
+        Past ``step_timeout_s`` raises ``StepTimeout`` naming the workers that
+        did not answer, the step and the deadline. Must not be called
+        concurrently (the step loop is its one caller). If cancelled mid-step,
+        workers may still be running that step: the engine core is going down
+        anyway, and cancellation stops them.
         """
-        replies = await self._call_all([scheduler_output] * len(self._workers), RunnerOutput, "step")
+        self.num_steps += 1
+        timeout = self.config.step_timeout_s
+        with trio.move_on_after(math.inf if timeout is None else timeout) as scope:
+            replies = await self._call_all([scheduler_output] * len(self._workers), RunnerOutput)
+        if scope.cancelled_caught:
+            late = self._late_workers()
+            raise StepTimeout(
+                self._late_message(f"step_timeout_s={timeout}s"),
+                stage="step",
+                process=", ".join(w.name for w in late),
+            )
         return replies[OUTPUT_RANK]

@@ -3,18 +3,26 @@
 It mirrors the workers' per-request state exactly as the real runner does
 (dropping finished requests, adding new ones, appending new tokens), so the
 lifecycle tests exercise the same messages as a real model, only faster.
-Faults are chosen by ``FakeRunnerConfig`` so tests drive real processes.
+Faults are chosen by ``FakeRunnerConfig`` so tests drive real processes, or
+injected at run time with ``SIGUSR1`` (see ``FakeRunner``).
 """
 
 from __future__ import annotations
 
 import json
 import os
+import signal
+import threading
 import time
 from pathlib import Path
+from types import FrameType
+
+import trio
 
 from trioserve.config import EngineConfig
 from trioserve.messages import RunnerOutput, SchedulerOutput, WorkerLoaded
+
+FAULT_SIGNAL = signal.SIGUSR1
 
 
 class InjectedFault(RuntimeError):
@@ -22,6 +30,20 @@ class InjectedFault(RuntimeError):
 
 
 class FakeRunner:
+    """The torch-free runner, with the faults ``FakeRunnerConfig`` selects.
+
+    Run-time fault injection: once a ``FakeRunner`` is built, ``SIGUSR1``
+    sent to its worker process makes the worker's *next* step raise
+    ``InjectedFault`` (whatever its rank; a step already running finishes
+    normally). The worker then reports ``WorkerFailed`` and exits 1, and the
+    engine core dies with that reason, as for ``raise_at_step``. Signals that
+    arrive before that step count once. A worker that is idle is not
+    disturbed: the handler only sets a flag. The handler is installed when
+    the runner is built (on the worker's ``WorkerInit``), in the worker's
+    main thread; a ``SIGUSR1`` that arrives before then (while the worker
+    process starts) still has its default effect and kills the worker.
+    """
+
     def __init__(self, config: EngineConfig, rank: int = 0, world_size: int = 1) -> None:
         self.config = config
         self.fake = config.fake
@@ -30,6 +52,25 @@ class FakeRunner:
         self.num_steps = 0
         self.vocab_size = self.fake.vocab_size or self._model_vocab_size()
         self._tokens: dict[str, list[int]] = {}
+        self._fault_requested = False  # set by SIGUSR1
+        self._install_fault_signal()
+
+    def _install_fault_signal(self) -> None:
+        """Install the ``SIGUSR1`` handler in the main thread: directly when
+        this runs there, else through Trio when this runs in a Trio worker
+        thread (the worker builds its runner off the Trio thread). Elsewhere
+        (a runner built in some other thread) no handler is installed."""
+
+        def on_signal(signum: int, frame: FrameType | None) -> None:
+            self._fault_requested = True
+
+        if threading.current_thread() is threading.main_thread():
+            signal.signal(FAULT_SIGNAL, on_signal)
+            return
+        try:
+            trio.from_thread.run_sync(signal.signal, FAULT_SIGNAL, on_signal)
+        except RuntimeError:  # not in a Trio worker thread
+            pass
 
     def _model_vocab_size(self) -> int:
         path = Path(self.config.model) / "config.json"
@@ -70,6 +111,9 @@ class FakeRunner:
 
     def _inject_faults(self) -> None:
         fake = self.fake
+        if self._fault_requested:
+            self._fault_requested = False
+            raise InjectedFault(f"fake runner: failure injected by {FAULT_SIGNAL.name} at step {self.num_steps}")
         if not self._faults_apply():
             return
         if self.num_steps == fake.die_at_step:

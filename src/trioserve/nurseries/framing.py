@@ -143,8 +143,9 @@ class MessageBridge:
     outbox makes senders wait for the stream, a full inbox stops reading it.
 
     Closing every clone of the outbox half-closes the stream (the peer's
-    bridge sees EOF); ``run`` still goes on reading until the peer does the
-    same. If the peer stops reading, sends on the outbox raise
+    bridge sees EOF) once every message sent before is written, and then
+    sets ``writer_done``; ``run`` still goes on reading until the peer does
+    the same. If the peer stops reading, sends on the outbox raise
     ``trio.BrokenResourceError``.
     """
 
@@ -156,6 +157,7 @@ class MessageBridge:
         self._capacity = capacity
         self.name = name or "bridge"
         self._failure: BaseException | None = None
+        self.writer_done = trio.Event()  # set when the writing half stops, however it stops
 
     async def run(self, *, task_status: trio.TaskStatus[Any] = trio.TASK_STATUS_IGNORED) -> None:
         """Move messages until the peer closes its end.
@@ -219,3 +221,5 @@ class MessageBridge:
                 # Not the peer's fault: stop the bridge and raise it from run().
                 self._failure = exc
                 scope.cancel()
+            finally:
+                self.writer_done.set()

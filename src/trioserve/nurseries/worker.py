@@ -29,6 +29,7 @@ from trioserve.messages import (
 from trioserve.nurseries.framing import MessageBridge, stream_from_fd
 
 WORKER_FD_ENV = "TRIOSERVE_WORKER_FD"
+LAST_WORD_S = 1.0  # how long a failing worker waits for its WorkerFailed to be written
 
 
 def make_runner(config: EngineConfig, rank: int, world_size: int) -> Any:
@@ -85,5 +86,13 @@ async def worker_main() -> None:
     bridge = MessageBridge(stream, receive_type=ToWorker, name=f"worker-{os.getpid()}")
     async with trio.open_nursery() as nursery:
         outbox, inbox = await nursery.start(bridge.run)
-        await serve(outbox, inbox)
+        try:
+            await serve(outbox, inbox)
+        except Exception:
+            # Let the bridge write the last word (WorkerFailed) before the
+            # failure cancels it.
+            outbox.close()
+            with trio.move_on_after(LAST_WORD_S):
+                await bridge.writer_done.wait()
+            raise
         nursery.cancel_scope.cancel()
