@@ -45,7 +45,7 @@ from trioserve.messages import (
     StartupFailed,
     StatsReply,
 )
-from trioserve.nurseries.engine_core import ENGINE_INDEX_ENV, HANDSHAKE_ADDRESS_ENV
+from trioserve.nurseries.engine_core import ENGINE_INDEX_ENV, HANDSHAKE_ADDRESS_ENV, HANDSHAKE_TIMEOUT_ENV
 from trioserve.nurseries.process import ChildProcess, ProcessExited, supervise_process
 from trioserve.nurseries.zmq_trio import TrioZmqSocket, private_ipc_dir
 
@@ -108,6 +108,7 @@ class EngineCoreClient:
                 **os.environ,
                 HANDSHAKE_ADDRESS_ENV: f"ipc://{ipc_dir}/handshake",
                 ENGINE_INDEX_ENV: str(self.engine_index),
+                HANDSHAKE_TIMEOUT_ENV: str(self.config.startup_timeout_s),
             }
             argv = [sys.executable, "-m", "trioserve.nurseries.entry", "engine-core"]
             self.process = await nursery.start(

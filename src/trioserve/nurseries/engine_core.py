@@ -116,6 +116,8 @@ class EngineCore:
     async def step(self, outbox: trio.MemorySendChannel[Any]) -> None:
         scheduler_output = self.scheduler.schedule()
         if scheduler_output.total_num_scheduled_tokens == 0:
+            if scheduler_output.finished_req_ids:  # the workers must still forget these
+                await self.executor.execute(scheduler_output)
             await trio.lowlevel.checkpoint()
             return
         runner_output = await self.executor.execute(scheduler_output)
