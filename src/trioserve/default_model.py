@@ -40,7 +40,7 @@ def default_model_dir(*, announce: bool = True) -> Path:
         subprocess.run(
             [sys.executable, "-m", "trioserve.gpu.tiny_models", str(building), "--arch", "llama", "--seed", "0"],
             check=True,
-            stdout=sys.stderr,
+            stdout=subprocess.DEVNULL,  # it prints the directory; we announce the final one
         )
         (building / _COMPLETE_MARKER).write_text("built by trioserve\n")
         shutil.rmtree(target, ignore_errors=True)  # a half-built one from a crash
