@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import subprocess
 import sys
 
@@ -20,6 +21,14 @@ from trioserve.bench.drivers import Progress
 from trioserve.bench.report import build_result, format_table, write_json
 from trioserve.bench.run import run_against_server, run_in_process
 from trioserve.bench.stats import RequestRecord, percentile, summarize
+from trioserve.bench.steplog import (
+    STEP_LOG_ENV,
+    StepRecord,
+    format_step,
+    in_run_figures,
+    read_step_log,
+    step_log_env,
+)
 from trioserve.bench.workload import WorkloadSpec, build_requests, parse_range
 from trioserve.config import EngineConfig, FakeRunnerConfig
 
@@ -121,9 +130,46 @@ def test_bench_command_with_a_real_model_and_every_baseline(tiny_model_dir, tmp_
         assert "error" not in baseline, (kind, baseline)
         assert baseline["output_tokens"] == 24 and baseline["output_tokens_per_s"] > 0
         assert result["throughput_ratio"][kind] > 0
-    assert result["baselines"]["model-only"]["step_p50_s"] > 0
-    assert "tokens/s >= 0.7x model-only" in result["targets"]
-    assert "model-only bound" in done.stdout
+    assert result["baselines"]["model-only"]["itl_p50_s"] > 0
+    in_run = result["model_steps_in_run"]  # the worker's own step log
+    assert in_run["num_steps"] > 0 and 0 < in_run["model_busy_fraction"] <= 1 and in_run["itl_p50_s"] > 0
+    assert {
+        "tokens/s >= 0.7x model-only",
+        "ITL p50 <= model steps' (same run) + 1 ms",
+        "ITL p50 <= model-only ITL p50 + 1 ms",
+    } <= set(result["targets"])
+    assert "model-only bound" in done.stdout and "model busy" in done.stdout
+
+
+def test_step_log_round_trips_and_skips_a_cut_line(tmp_path):
+    steps = [StepRecord(10.0, 10.5, 300, 3, 2, 2), StepRecord(10.5125, 10.6, 3, 3, 3, 0)]
+    path = tmp_path / "steps.0"
+    path.write_text("".join(format_step(s) for s in steps) + "11.0 11.1 3")
+    assert read_step_log(path) == steps
+    assert read_step_log(tmp_path / "none.0") == []
+
+
+def test_in_run_figures_count_each_step_once_per_gap_it_ends():
+    steps = [
+        StepRecord(0.0, 1.0, 500, 4, 0, 0),  # warm-up: before the window
+        StepRecord(2.0, 3.0, 400, 4, 4, 4),  # prefill: first tokens only, no gaps
+        StepRecord(3.5, 3.6, 4, 4, 4, 0),  # decodes: 4 gaps of 0.1 s
+        StepRecord(3.7, 3.9, 4, 4, 4, 0),  # 4 gaps of 0.2 s
+        StepRecord(4.0, 4.3, 5, 2, 1, 0),  # a long step with one gap
+    ]
+    figures = in_run_figures(steps, 1.5, 4.5)
+    assert figures["num_steps"] == 4
+    assert math.isclose(figures["model_busy_s"], 1.6) and math.isclose(figures["model_busy_fraction"], 1.6 / 3)
+    assert math.isclose(figures["itl_p50_s"], 0.2)  # gaps: 4 of 0.1 s, 4 of 0.2 s, 1 of 0.3 s
+    assert math.isclose(figures["idle_between_steps_p50_s"], 0.1)
+    assert in_run_figures(steps, 5.0, 6.0) is None
+
+
+def test_step_log_env_is_set_inside_and_restored_after(monkeypatch):
+    monkeypatch.delenv(STEP_LOG_ENV, raising=False)
+    with step_log_env("/tmp/x"):
+        assert os.environ[STEP_LOG_ENV] == "/tmp/x"
+    assert STEP_LOG_ENV not in os.environ
 
 
 def test_itl_spreads_a_merged_delivery_over_its_tokens():

@@ -30,7 +30,7 @@ def reference(q, k, v, scale, window=None, softcap=None):
     return (scores.softmax(-1) @ v).transpose(0, 1)
 
 
-def run_steps(seqs, steps, scale, window, softcap, scale_from_module, num_blocks=64):
+def run_steps(seqs, steps, scale, window, softcap, scale_from_module, num_blocks=64, decode_group_blocks=None):
     """Feed each sequence's q/k/v through the paged function, ``steps`` giving
     per step the number of new tokens of each sequence (0: not scheduled)."""
     caches = [(torch.zeros(num_blocks, BLOCK, KVH, D), torch.zeros(num_blocks, BLOCK, KVH, D))]
@@ -48,7 +48,7 @@ def run_steps(seqs, steps, scale, window, softcap, scale_from_module, num_blocks
         v = torch.cat([seqs[i]["v"][:, r] for i, r in zip(active, rows)], dim=1)[None]
         meta = build_metadata(
             [counts[i] for i in active], [done[i] + counts[i] for i in active], [tables[i] for i in active],
-            BLOCK, caches, torch.device("cpu"),
+            BLOCK, caches, torch.device("cpu"), decode_group_blocks,
         )  # fmt: skip
         out, _ = paged_attention_forward(
             module,
@@ -91,6 +91,34 @@ def test_prefill_chunks_and_decodes_match_per_sequence_attention(window, softcap
     got = run_steps(seqs, steps, scale, window, softcap, scale_from_module)
     for seq, out in zip(seqs, got):
         torch.testing.assert_close(out, reference(seq["q"], seq["k"], seq["v"], scale, window, softcap))
+
+
+@pytest.mark.parametrize("decode_group_blocks", [1, 5, 8])
+def test_decodes_in_groups_match_per_sequence_attention(decode_group_blocks):
+    """Decodes cut into several padded groups (shortest context first) give
+    the same attention as one group."""
+    gen = torch.Generator().manual_seed(1)
+    decodes = 3
+    lengths = [n + decodes for n in (2, 13, 7, 5, 17, 9)]
+    seqs = [
+        {name: torch.randn(heads, n, D, generator=gen) for name, heads in (("q", H), ("k", KVH), ("v", KVH))}
+        for n in lengths
+    ]
+    steps = [[n - decodes for n in lengths]] + [[1] * len(lengths)] * decodes
+    got = run_steps(seqs, steps, 0.3, None, None, False, decode_group_blocks=decode_group_blocks)
+    for seq, out in zip(seqs, got):
+        torch.testing.assert_close(out, reference(seq["q"], seq["k"], seq["v"], 0.3))
+
+
+def test_decode_groups_are_sorted_by_length_and_capped():
+    caches = [(torch.zeros(64, BLOCK, KVH, D), torch.zeros(64, BLOCK, KVH, D))]
+    context = [9, 2, 30, 5, 14]  # blocks of 4: 3, 1, 8, 2, 4
+    tables = [list(range(10 * i, 10 * i + 8)) for i in range(len(context))]
+    meta = build_metadata([1] * 5, context, tables, BLOCK, caches, torch.device("cpu"), decode_group_blocks=8)
+    groups = [g.token_index.tolist() for g in meta.decodes]
+    assert groups == [[1, 3], [0, 4], [2]]  # 2x2 blocks, 2x4 blocks, then 8 blocks alone
+    assert [tuple(g.block_tables.shape) for g in meta.decodes] == [(2, 2), (2, 4), (1, 8)]
+    assert sorted(i for g in groups for i in g) == list(range(5))
 
 
 def test_missing_metadata_is_a_clear_error():

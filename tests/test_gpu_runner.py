@@ -164,6 +164,56 @@ def test_packed_chunked_and_preempted_batch_matches_generate(tiny_model_dir, arc
     assert [outputs[f"r{i}"] for i in range(len(prompts))] == expected
 
 
+@pytest.mark.parametrize("arch", ["llama", "gemma2"])
+def test_decodes_split_into_several_groups_match_generate(tiny_model_dir, arch, monkeypatch):
+    # The tiny models' blocks are small enough that every decode shares one
+    # group; a budget of 12 blocks per group splits this batch into several.
+    from trioserve.gpu import attention
+
+    model_dir = tiny_model_dir(arch)
+    prompts = make_prompts([5, 23, 41, 2, 14, 30], seed=11)
+    expected = reference_greedy(model_dir, prompts, GREEDY.max_tokens)
+    runner, _ = make_runner(model_dir)
+    k_block = runner.kv_caches[0][0][0]
+    monkeypatch.setattr(attention, "DECODE_GROUP_BYTES", 12 * k_block.numel() * k_block.element_size())
+    group_counts = []
+    group_decodes = attention._group_decodes
+
+    def counting(*args):
+        groups = group_decodes(*args)
+        group_counts.append(len(groups))
+        return groups
+
+    monkeypatch.setattr(attention, "_group_decodes", counting)
+    sched = MiniScheduler(runner, num_blocks=128, block_size=4, token_budget=128)
+    for i, prompt in enumerate(prompts):
+        sched.add(f"r{i}", prompt)
+    outputs = sched.run()
+    assert [outputs[f"r{i}"] for i in range(len(prompts))] == expected
+    assert max(group_counts) >= 3
+
+
+def test_step_log_has_a_line_per_step(tiny_model_dir, tmp_path, monkeypatch):
+    from trioserve.bench.steplog import STEP_LOG_ENV, read_step_log
+
+    monkeypatch.setenv(STEP_LOG_ENV, str(tmp_path / "steps"))
+    runner, _ = make_runner(tiny_model_dir("llama"))
+    sched = MiniScheduler(runner, num_blocks=128, block_size=4, token_budget=8)
+    sched.add("a", make_prompts([12])[0])  # two prefill chunks, then the first token
+    sched.add("b", make_prompts([3])[0])
+    for _ in range(4):
+        sched.step()
+    steps = read_step_log(tmp_path / "steps.0")
+    assert [(s.num_tokens, s.num_seqs, s.num_sampled, s.num_first) for s in steps] == [
+        (8, 1, 0, 0),  # a: 8 of 12 prompt tokens
+        (7, 2, 2, 2),  # a: the last 4, b: its 3; both sample their first token
+        (2, 2, 2, 0),  # decodes
+        (2, 2, 2, 0),
+    ]
+    assert all(0 < s.seconds < 60 for s in steps)
+    assert all(a.end_s <= b.start_s for a, b in zip(steps, steps[1:]))
+
+
 def test_requests_added_while_others_decode_match_generate(tiny_model_dir):
     model_dir = tiny_model_dir("llama")
     prompts = make_prompts([9, 3, 30], seed=7)

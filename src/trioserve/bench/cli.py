@@ -14,7 +14,8 @@ from trioserve.bench.drivers import Progress
 from trioserve.bench.models import BENCH_MODELS, resolve_model
 from trioserve.bench.report import build_result, format_table, plot_latencies, write_json
 from trioserve.bench.run import BASELINE_KINDS, run_against_server, run_baseline, run_in_process
-from trioserve.bench.stats import summarize
+from trioserve.bench.stats import run_window, summarize
+from trioserve.bench.steplog import in_run_figures
 from trioserve.bench.workload import WorkloadSpec, parse_range
 from trioserve.config import EngineConfig
 
@@ -180,7 +181,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
         "workload_text": _describe(spec),
         "engine_config": {k: v for k, v in vars(config).items() if k != "fake"},
     }
-    result = build_result(summarize(outcome.records), outcome.peak_rss_bytes, baselines, meta)
+    in_run = in_run_figures(outcome.steps, *run_window(outcome.records))
+    result = build_result(summarize(outcome.records), outcome.peak_rss_bytes, baselines, meta, in_run)
     print(format_table(result))
     if args.json:
         write_json(result, args.json)

@@ -23,8 +23,13 @@ BASELINE_NAMES = {
 
 
 def build_result(
-    run: dict[str, Any], memory: dict[str, int], baselines: dict[str, dict[str, Any]], meta: dict[str, Any]
+    run: dict[str, Any],
+    memory: dict[str, int],
+    baselines: dict[str, dict[str, Any]],
+    meta: dict[str, Any],
+    in_run: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
+    """``in_run``: the worker's own step figures of this run (``steplog.in_run_figures``)."""
     ours = run["output_tokens_per_s"]
     ratios = {
         kind: ours / b["output_tokens_per_s"] for kind, b in baselines.items() if b.get("output_tokens_per_s")
@@ -33,25 +38,39 @@ def build_result(
         **meta,
         "results": run,
         "peak_rss_bytes": memory,
+        "model_steps_in_run": in_run,
         "baselines": baselines,
         "throughput_ratio": ratios,
-        "targets": check_targets(run, baselines, ratios),
+        "targets": check_targets(run, baselines, ratios, in_run),
     }
 
 
 def check_targets(
-    run: dict[str, Any], baselines: dict[str, dict[str, Any]], ratios: dict[str, float]
+    run: dict[str, Any],
+    baselines: dict[str, dict[str, Any]],
+    ratios: dict[str, float],
+    in_run: dict[str, Any] | None = None,
 ) -> dict[str, dict[str, Any]]:
-    """Issue 5's targets, each with the figure, the bar, and whether it is met."""
+    """Issue 5's targets, each with the figure, the bar, and whether it is met.
+
+    The ITL target is checked twice, against the same figure (the ITL this
+    workload's batch shapes have with zero overhead) measured two ways: by
+    the worker during this run, and by the model-only baseline minutes
+    later. The first sees exactly the same steps at the same moment; the
+    second also sees the machine change in between.
+    """
     targets: dict[str, dict[str, Any]] = {}
+    itl = run["itl_s"]["p50"]
     if "generate-batch" in ratios:
         targets["tokens/s >= 1.5x generate_batch"] = _target(ratios["generate-batch"], ">=", 1.5)
     if "model-only" in ratios:
         targets["tokens/s >= 0.7x model-only"] = _target(ratios["model-only"], ">=", 0.7)
-        step = baselines["model-only"].get("step_p50_s")
-        if step is not None:
-            over_ms = (run["itl_s"]["p50"] - step) * 1000
-            targets["ITL p50 <= model-only step p50 + 1 ms"] = _target(over_ms, "<=", 1.0, unit="ms over")
+    if in_run is not None and not math.isnan(in_run["itl_p50_s"]):
+        over_ms = (itl - in_run["itl_p50_s"]) * 1000
+        targets["ITL p50 <= model steps' (same run) + 1 ms"] = _target(over_ms, "<=", 1.0, unit="ms over")
+    if "model-only" in ratios and baselines["model-only"].get("itl_p50_s") is not None:
+        over_ms = (itl - baselines["model-only"]["itl_p50_s"]) * 1000
+        targets["ITL p50 <= model-only ITL p50 + 1 ms"] = _target(over_ms, "<=", 1.0, unit="ms over")
     ttft = run["ttft_s"]
     if ttft["p50"] > 0:
         targets["TTFT p99 < 4x p50"] = _target(ttft["p99"] / ttft["p50"], "<", 4.0)
@@ -84,13 +103,27 @@ def format_table(result: dict[str, Any]) -> str:
         lines.append(f"  {label + ' p50 / p99':<32}{_ms(d['p50'])} / {_ms(d['p99'])}")
     for name, size in result["peak_rss_bytes"].items():
         lines.append(f"  {'peak RSS ' + name:<32}{size / MIB:.0f} MiB")
+    lines += _in_run_lines(result.get("model_steps_in_run"))
     lines += _baseline_lines(result)
     if result["targets"]:
         lines += ["", "  targets (issue 5):"]
         for name, t in result["targets"].items():
             verdict = "met" if t["met"] else "MISSED"
-            lines.append(f"    {name:<42}{t['value']:.2f} {t['unit']} ({t['op']} {t['bar']:g}): {verdict}")
+            lines.append(f"    {name:<46}{t['value']:.2f} {t['unit']} ({t['op']} {t['bar']:g}): {verdict}")
     return "\n".join(lines)
+
+
+def _in_run_lines(in_run: dict[str, Any] | None) -> list[str]:
+    if not in_run:
+        return []
+    return [
+        "",
+        f"  model steps in this run (the worker's own timing, {in_run['num_steps']} steps)",
+        f"  {'  model busy':<46}{in_run['model_busy_fraction'] * 100:>8.1f}% of the run",
+        f"  {'  ITL with zero overhead, p50':<46}{_ms(in_run['itl_p50_s']):>9}",
+        f"  {'  worker idle between steps, p50 / mean':<46}"
+        f"{_ms(in_run['idle_between_steps_p50_s'])} / {_ms(in_run['idle_between_steps_mean_s'])}",
+    ]
 
 
 def _baseline_lines(result: dict[str, Any]) -> list[str]:
@@ -107,7 +140,7 @@ def _baseline_lines(result: dict[str, Any]) -> list[str]:
         rss = b.get("peak_rss_bytes", 0) / MIB
         lines.append(f"  {name:<46}{b['output_tokens_per_s']:>9.1f}{ratio:>8.2f}x{rss:>6.0f} MiB")
         if kind == "model-only":
-            lines.append(f"  {'  step p50 (token-weighted)':<46}{_ms(b['step_p50_s']):>9}")
+            lines.append(f"  {'  ITL with zero overhead, p50':<46}{_ms(b['itl_p50_s']):>9}")
     return lines
 
 

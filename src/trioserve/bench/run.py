@@ -8,8 +8,9 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import urlparse
 
@@ -20,6 +21,7 @@ from trioserve.api import open_engine
 from trioserve.bench.drivers import Progress, WebSocketPool, connections_for, drive, engine_sender
 from trioserve.bench.memory import PeakMemory, server_processes
 from trioserve.bench.stats import RequestRecord
+from trioserve.bench.steplog import StepRecord, read_step_log, step_log_env, step_log_path
 from trioserve.bench.workload import BenchRequest, WorkloadSpec, build_requests, warmup_spec
 from trioserve.config import EngineConfig
 
@@ -30,17 +32,22 @@ BASELINE_KINDS = ("model-only", "generate-batch", "generate")
 class RunOutcome:
     records: list[RequestRecord]
     peak_rss_bytes: dict[str, int]
+    steps: list[StepRecord] = field(default_factory=list)  # the output worker's own step log, if any
 
 
 async def run_in_process(config: EngineConfig, spec: WorkloadSpec, progress: Progress) -> RunOutcome:
     """Start an engine, warm it up (two short requests, not counted), run the
-    workload, read the processes' peak memory, stop the engine."""
+    workload, read the processes' peak memory, stop the engine. The worker
+    logs each step's timing (``trioserve.bench.steplog``) for the figures
+    of the same run."""
     requests = build_requests(spec)
-    async with open_engine(config=config) as engine:
-        pids = {"front-end + bench": os.getpid(), "engine-core": engine.info.engine_pid}
-        pids.update({f"worker-{i}": pid for i, pid in enumerate(engine.info.worker_pids)})
-        send = engine_sender(engine)
-        return await _measure(requests, spec, send, PeakMemory(pids), progress)
+    with tempfile.TemporaryDirectory(prefix="trioserve-bench-") as tmp, step_log_env(os.path.join(tmp, "steps")):
+        async with open_engine(config=config) as engine:  # its processes inherit the step log's path
+            pids = {"front-end + bench": os.getpid(), "engine-core": engine.info.engine_pid}
+            pids.update({f"worker-{i}": pid for i, pid in enumerate(engine.info.worker_pids)})
+            outcome = await _measure(requests, spec, engine_sender(engine), PeakMemory(pids), progress)
+        outcome.steps = read_step_log(step_log_path(os.path.join(tmp, "steps"), 0))
+    return outcome
 
 
 async def run_against_server(

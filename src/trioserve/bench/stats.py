@@ -84,11 +84,17 @@ def distribution(values: list[float]) -> dict[str, float]:
     }
 
 
+def run_window(records: list[RequestRecord]) -> tuple[float, float]:
+    """From the first request sent to the last completed request's end."""
+    start = min((r.sent_s for r in records), default=math.nan)
+    end = max((r.finished_s for r in records if r.ok), default=math.nan)
+    return start, end
+
+
 def summarize(records: list[RequestRecord]) -> dict[str, Any]:
     """The run's figures (see the module docstring)."""
     done = [r for r in records if r.ok]
-    start = min((r.sent_s for r in records), default=math.nan)
-    end = max((r.finished_s for r in done), default=math.nan)
+    start, end = run_window(records)
     duration = end - start if done else math.nan
     output_tokens = sum(r.num_output_tokens for r in done)
     return {

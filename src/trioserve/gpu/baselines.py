@@ -8,7 +8,9 @@ prints one JSON object on stdout. ``KIND``:
   scheduler makes for the same workload (a closed loop holding
   ``concurrency`` requests), in this one process: no IPC, no asyncio/trio,
   no detokenization. Only ``execute()`` is timed: the fastest this model
-  goes on this machine through our runner.
+  goes on this machine through our runner. Its ITL figures are the bench
+  client's inter-token latencies on a clock that runs only inside
+  ``execute()``: the ITL the workload would have with zero overhead.
 - ``generate-batch``: ``transformers``' continuous batching
   (``model.generate_batch``) over all the requests at once.
 - ``generate``: ``transformers`` ``model.generate()`` in static batches of
@@ -17,6 +19,8 @@ prints one JSON object on stdout. ``KIND``:
 
 Every kind decodes greedily and ignores EOS, and warms up on two short
 requests first. Output tokens counted are the ones the workload asked for.
+Every kind runs with the allocator settings our worker uses
+(``host_memory.keep_freed_memory``) and its torch thread count.
 """
 
 from __future__ import annotations
@@ -32,6 +36,7 @@ from typing import Any
 import msgspec
 import torch
 
+from trioserve.bench.stats import percentile
 from trioserve.bench.workload import BenchRequest, WorkloadSpec, build_requests, warmup_spec
 from trioserve.config import EngineConfig
 from trioserve.core.request import Request
@@ -41,17 +46,6 @@ from trioserve.messages import SamplingParams
 
 def _params(max_tokens: int) -> SamplingParams:
     return SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
-
-
-def _weighted_median(values: list[tuple[float, int]]) -> float:
-    """The median of ``value`` counted ``weight`` times each."""
-    ordered = sorted(values)
-    half, seen = sum(w for _, w in ordered) / 2, 0
-    for value, weight in ordered:
-        seen += weight
-        if seen >= half:
-            return value
-    return float("nan")
 
 
 class _ModelOnly:
@@ -66,8 +60,12 @@ class _ModelOnly:
         self.config = config
         self.loaded = loaded
 
-    def run(self, requests: list[BenchRequest], concurrency: int | None) -> list[tuple[int, int, float]]:
-        """``(num_seqs, num_sampled, seconds)`` per step."""
+    def run(
+        self, requests: list[BenchRequest], concurrency: int | None
+    ) -> tuple[list[tuple[int, int, float]], list[float]]:
+        """``(num_tokens, num_seqs, seconds)`` of each step, and every inter-token gap
+        on a clock that runs only inside ``execute()``: the ITLs of this run
+        with zero overhead, defined as the bench client defines them."""
         c = self.config
         sched = Scheduler(
             num_blocks=self.loaded.max_num_kv_blocks,
@@ -78,7 +76,7 @@ class _ModelOnly:
         )
         queue = deque(requests)
         limit = concurrency or len(requests)
-        in_flight, steps = 0, []
+        in_flight, steps, itls, clock, last = 0, [], [], 0.0, {}
         while queue or sched.has_unfinished():
             while queue and in_flight < limit:
                 r = queue.popleft()
@@ -87,17 +85,28 @@ class _ModelOnly:
             out = sched.schedule()
             started = time.perf_counter()
             result = self.runner.execute(out)
-            steps.append((len(out.num_scheduled_tokens), len(result.req_ids), time.perf_counter() - started))
-            in_flight -= sum(o.finish_reason is not None for o in sched.postprocess(out, result))
-        return steps
+            seconds = time.perf_counter() - started
+            clock += seconds
+            steps.append((out.total_num_scheduled_tokens, len(out.num_scheduled_tokens), seconds))
+            for o in sched.postprocess(out, result):
+                if o.new_token_ids:
+                    if o.request_id in last:
+                        n = len(o.new_token_ids)
+                        itls.extend([(clock - last[o.request_id]) / n] * n)
+                    last[o.request_id] = clock
+                if o.finish_reason is not None:
+                    in_flight -= 1
+                    last.pop(o.request_id, None)
+        return steps, itls
 
 
 def run_model_only(config: EngineConfig, spec: WorkloadSpec) -> dict[str, Any]:
     bench = _ModelOnly(config)
     bench.run(_warmup_requests(spec), None)
-    steps = bench.run(build_requests(spec), spec.concurrency)
+    steps, itls = bench.run(build_requests(spec), spec.concurrency)
     total = sum(s for _, _, s in steps)
-    full = [s for n, k, s in steps if n == k == (spec.concurrency or config.max_num_seqs)]
+    batch = spec.concurrency or config.max_num_seqs
+    full = sorted(s for t, n, s in steps if t == n == batch)  # decodes only, the whole batch
     tokens = sum(r.max_tokens for r in build_requests(spec))
     return {
         "kind": "model-only",
@@ -106,10 +115,11 @@ def run_model_only(config: EngineConfig, spec: WorkloadSpec) -> dict[str, Any]:
         "output_tokens_per_s": tokens / total,
         "requests_per_s": spec.num_requests / total,
         "num_steps": len(steps),
-        # Each step's time, counted once per token it sampled: compare with ITL p50.
-        "step_p50_s": _weighted_median([(s, k) for _, k, s in steps if k]),
-        "decode_step_p50_s": sorted(full)[len(full) // 2] if full else None,
-        "decode_batch_size": spec.concurrency or config.max_num_seqs,
+        # The ITL this workload has with zero overhead, at our own batch shapes: compare with ITL p50.
+        "itl_p50_s": percentile(itls, 50),
+        "itl_p99_s": percentile(itls, 99),
+        "decode_step_p50_s": full[len(full) // 2] if full else None,
+        "decode_batch_size": batch,
         "torch_threads": torch.get_num_threads(),
     }
 
@@ -228,8 +238,10 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     config = msgspec.json.decode(args.config, type=EngineConfig)
     spec = WorkloadSpec.from_dict(json.loads(args.spec))
+    from trioserve.gpu.host_memory import keep_freed_memory
     from trioserve.gpu.model_runner import default_torch_threads
 
+    keep_freed_memory()  # every kind gets the allocator our worker gets
     torch.set_num_threads(config.torch_threads or default_torch_threads(torch.device("cpu")) or torch.get_num_threads())
     result = KINDS[args.kind](config, spec)
     result["peak_rss_bytes"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux: KiB

@@ -14,12 +14,15 @@ request's token list and its block table.
 from __future__ import annotations
 
 import os
+import time
 from dataclasses import dataclass
 
 import torch
 
+from trioserve.bench.steplog import STEP_LOG_ENV, StepRecord, format_step, step_log_path
 from trioserve.config import EngineConfig
 from trioserve.gpu.attention import ATTENTION_NAME, METADATA_KWARG, KVCache, build_metadata
+from trioserve.gpu.host_memory import keep_freed_memory
 from trioserve.gpu.sampler import SamplingBatch, sample
 from trioserve.messages import (
     CachedRequestData,
@@ -85,7 +88,9 @@ class ModelRunner:
     """Runs a transformers causal LM over a paged KV cache.
 
     Call ``load()``, then ``init_kv_cache(n)``, then ``execute(step)`` once
-    per scheduler step. Not thread-safe; one runner per worker process.
+    per scheduler step. Not thread-safe; one runner per worker process. With
+    ``TRIOSERVE_STEP_LOG`` in the environment it logs each step's timing
+    (``trioserve.bench.steplog``).
     """
 
     def __init__(self, config: EngineConfig, rank: int = 0, world_size: int = 1) -> None:
@@ -102,8 +107,13 @@ class ModelRunner:
         threads = config.torch_threads or default_torch_threads(self.device)
         if threads is not None:
             torch.set_num_threads(threads)
+        if self.device.type == "cpu":
+            keep_freed_memory()  # else every step faults its temporaries in afresh
         # Every rank draws the same unseeded noise, so tensor-parallel ranks agree.
         self.generator = torch.Generator(device=self.device).manual_seed(config.seed)
+        # Benchmarks ask for each step's timing (trioserve.bench.steplog); a line per step.
+        log_base = os.environ.get(STEP_LOG_ENV)
+        self._step_log = open(step_log_path(log_base, rank), "w", buffering=1) if log_base else None
 
     # --- start-up -----------------------------------------------------------
 
@@ -155,9 +165,25 @@ class ModelRunner:
 
     # --- one step -----------------------------------------------------------
 
-    @torch.inference_mode()
     def execute(self, sched: SchedulerOutput) -> RunnerOutput:
         """Run one step: update request state, one packed model call, sample."""
+        started = time.perf_counter()
+        out = self._execute(sched)
+        if self._step_log is not None:
+            self._log_step(sched, out, started)
+        return out
+
+    def _log_step(self, sched: SchedulerOutput, out: RunnerOutput, started: float) -> None:
+        # A request whose tokens are all prompt has just sampled its first output token.
+        first = sum(len(self.requests[r].token_ids) == self.requests[r].num_prompt_tokens for r in out.req_ids)
+        record = StepRecord(
+            started, time.perf_counter(), sched.total_num_scheduled_tokens,
+            len(sched.num_scheduled_tokens), len(out.req_ids), first,
+        )  # fmt: skip
+        self._step_log.write(format_step(record))
+
+    @torch.inference_mode()
+    def _execute(self, sched: SchedulerOutput) -> RunnerOutput:
         if self.model is None or not self.kv_caches:
             raise RuntimeError("execute() before load() and init_kv_cache()")
         self._update_requests(sched)
