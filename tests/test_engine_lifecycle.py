@@ -352,6 +352,7 @@ async def test_model_load_timeout_names_the_stage_the_worker_and_the_deadline(fa
         message = str(info.value)
         assert re.search(r"worker-1 \(pid \d+\) did not finish model-load within model_load_timeout_s=1.0s", message)
         assert "worker-0" not in message
+        assert info.value.process == "worker-1"
         assert await wait_no_children() == []
 
 
@@ -373,6 +374,7 @@ async def test_worker_that_raises_while_loading_names_stage_exit_code_and_error(
         assert re.search(
             r"worker-0 \(pid \d+\) exited with code 1 during model-load: ValueError: .*not a number", str(info.value)
         )
+        assert (info.value.process, info.value.exit_code) == ("worker-0", 1)
         assert await wait_no_children() == []
 
 
@@ -391,6 +393,7 @@ async def test_worker_killed_while_loading_names_stage_and_signal(fake_config):
             nursery.cancel_scope.cancel()
         assert info.value.stage == "model-load"
         assert re.search(r"worker-0 \(pid \d+\) was killed by SIGKILL during model-load", str(info.value))
+        assert (info.value.process, info.value.exit_code) == ("worker-0", -signal.SIGKILL)
         assert await wait_no_children() == []
 
 

@@ -30,12 +30,12 @@ def fake_config(tiny_model_dir):
     def make(**options: Any) -> EngineConfig:
         engine_options = {k: options.pop(k) for k in list(options) if k in EngineConfig.__dataclass_fields__}
         engine_options.setdefault("restart_backoff_s", 0.05)
+        engine_options.setdefault("shutdown_grace_s", 2.0)
         return EngineConfig(
             model=str(tiny_model_dir("llama")),
             runner="fake",
             block_size=4,
             num_kv_blocks=64,
-            shutdown_grace_s=2.0,
             fake=FakeRunnerConfig(eos_token_id=EOS, num_kv_blocks=64, **options),
             **engine_options,
         )
@@ -94,7 +94,10 @@ async def test_kill_9_under_load_ends_every_request_within_a_second_then_the_res
     fake_config, victim
 ):
     with trio.fail_after(30):
-        async with trioserve.open_engine(config=fake_config(step_delay_s=0.01)) as engine:
+        # A long grace: the restart must not wait for it (it is only for an
+        # engine core that reports its death and then does not exit).
+        config = fake_config(step_delay_s=0.01, shutdown_grace_s=20.0)
+        async with trioserve.open_engine(config=config) as engine:
             old = engine.info
             outcomes = [Outcome() for _ in range(8)]
             async with trio.open_nursery() as nursery:
@@ -110,6 +113,8 @@ async def test_kill_9_under_load_ends_every_request_within_a_second_then_the_res
                 assert isinstance(outcome.error, EngineDeadError), outcome.finish_reason
                 assert outcome.ended_at is not None and outcome.ended_at - killed_at < 1.0
             assert engine.num_requests_in_flight() == 0
+            await engine.wait_ready()
+            assert time.monotonic() - killed_at < config.shutdown_grace_s / 2
 
             out = await engine.generate([5, 6, 7], SamplingParams(max_tokens=4))
             assert out.finish_reason == "length" and len(out.token_ids) == 4

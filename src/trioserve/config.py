@@ -25,7 +25,9 @@ class FakeRunnerConfig:
     is ``(t * 31 + 7) % vocab_size``, moved past the EOS id, except that EOS is
     sampled whenever the sequence length is a multiple of ``eos_every`` (when set).
     Faults are counted in model steps executed by a worker since it started (the
-    first step is 1) and apply to worker ``fault_rank`` only.
+    first step is 1) and apply to worker ``fault_rank`` only. At run time,
+    ``SIGUSR1`` to a worker makes its next step raise ``InjectedFault`` (see
+    ``FakeRunner``).
     """
 
     vocab_size: int | None = None  # default: the model directory's config.json, else 512

@@ -143,7 +143,7 @@ class EngineCoreClient:
             self._stage = reply.stage
             with trio.move_on_after(self.config.shutdown_grace_s):
                 await trio.sleep_forever()  # its exit arrives as ProcessExited
-            raise EngineStartupError(self._startup_message(), stage=reply.stage, process=self.name)
+            raise self._startup_error(None)
         if not isinstance(reply, Ready):
             raise EngineStartupError(f"unexpected handshake message {reply!r}", stage="handshake", process=self.name)
         return reply.info
@@ -156,9 +156,17 @@ class EngineCoreClient:
             parts.append(str(exited))
         return ": ".join(parts)
 
-    def _startup_error(self, exited: ProcessExited) -> EngineStartupError:
+    def _startup_error(self, exited: ProcessExited | None) -> EngineStartupError:
+        """The error names the process that failed: the one the engine core
+        reported (itself or a worker), else the engine core as it exited."""
+        process, exit_code = self.name, None
+        if exited is not None:
+            process, exit_code = exited.name, exited.exit_code
+        reported = self._startup_failed
+        if reported is not None and reported.process:
+            process, exit_code = reported.process, reported.exit_code
         return EngineStartupError(
-            self._startup_message(exited), stage=self._stage, process=exited.name, exit_code=exited.exit_code
+            self._startup_message(exited), stage=self._stage, process=process, exit_code=exit_code
         )
 
     def _die(self, reason: str) -> None:

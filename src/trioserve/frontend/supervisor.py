@@ -111,7 +111,13 @@ class EngineSupervisor:
         client = EngineCoreClient(self.config, self.engine_index, on_dead=self._on_dead)
         self._last_reason = "unknown"
         async with trio.open_nursery() as nursery:
-            info: EngineInfo = await nursery.start(client.run)
+
+            async def run_client(task_status: trio.TaskStatus[EngineInfo] = trio.TASK_STATUS_IGNORED) -> None:
+                await client.run(task_status=task_status)
+                # Reaped: the watch below has nothing left to wait for.
+                nursery.cancel_scope.cancel()
+
+            info: EngineInfo = await nursery.start(run_client)
             self.client, self.info = client, info
             self._set_health("ready")
             on_ready(info)  # type: ignore[operator]
