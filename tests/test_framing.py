@@ -11,9 +11,11 @@ import trio
 import trio.testing
 
 from trioserve.nurseries.framing import (
+    BlockingFrames,
     FrameError,
     FrameReader,
     MessageBridge,
+    socket_from_fd,
     socketpair_for_child,
     stream_from_fd,
     write_frame,
@@ -220,3 +222,85 @@ def test_stream_from_fd_rejects_a_datagram_socket() -> None:
     a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_DGRAM)
     with a, b, pytest.raises(ValueError, match="SOCK_STREAM"):
         stream_from_fd(a.fileno())
+
+
+# --- the worker's end: blocking frames in one thread -----------------------------
+
+
+async def test_a_bridge_and_blocking_frames_talk_both_ways() -> None:
+    """The engine core's bridge and a worker's blocking thread, as they run."""
+    parent_end, child_end = socketpair_for_child()
+    worker_sock = socket_from_fd(child_end.detach())
+    frames = BlockingFrames(worker_sock)
+    decode = msgspec.msgpack.Decoder(Message).decode
+    big = "z" * (3 * 1024 * 1024)  # over the size written with its header in one call
+
+    def echo_until_eof() -> int:
+        count = 0
+        while (payload := frames.read()) is not None:
+            ping = decode(payload)
+            frames.write(msgspec.msgpack.encode(Pong(ping.n + 1, big if ping.n == 2 else "")))
+            count += 1
+        return count
+
+    with trio.fail_after(10):
+        async with trio.open_nursery() as nursery:
+            outbox, inbox = await nursery.start(MessageBridge(parent_end, receive_type=Message, name="a").run)
+            echoed: list[int] = []
+
+            async def echo_thread() -> None:
+                with worker_sock:  # closing it is the bridge's EOF: run() returns
+                    echoed.append(await trio.to_thread.run_sync(echo_until_eof))
+
+            nursery.start_soon(echo_thread)
+            for n in range(3):
+                await outbox.send(Ping(n))
+                reply = await inbox.receive()
+                assert isinstance(reply, Pong) and reply.n == n + 1
+                assert reply.text == (big if n == 2 else "")
+            await outbox.aclose()  # EOF for the thread, which then returns
+        assert echoed == [3]
+
+
+@pytest.mark.parametrize(
+    ("sent", "match"),
+    [(b"\x00\x00", "2 of the 4 bytes of its header"), (b"\x00\x00\x00\x09abc", "3 of the 9 bytes of its payload")],
+    ids=["cut-in-header", "cut-in-payload"],
+)
+def test_blocking_frames_eof_inside_a_frame_is_an_error(sent: bytes, match: str) -> None:
+    a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    with a, b:
+        a.sendall(b"\x00\x00\x00\x01x" + sent)
+        a.shutdown(socket.SHUT_WR)
+        frames = BlockingFrames(b)
+        assert frames.read() == b"x"
+        with pytest.raises(FrameError, match=match):
+            frames.read()
+
+
+def test_blocking_frames_refuse_oversized_frames_both_ways() -> None:
+    a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    with a, b:
+        frames = BlockingFrames(b, max_frame_bytes=8)
+        with pytest.raises(FrameError, match="9 bytes is over the limit of 8"):
+            frames.write(b"x" * 9)
+        a.setblocking(False)
+        with pytest.raises(BlockingIOError):
+            a.recv(1)  # nothing was written
+        a.sendall((1000).to_bytes(4, "big"))
+        with pytest.raises(FrameError, match="announces 1000 bytes, over the limit of 8"):
+            frames.read()
+
+
+def test_blocking_frames_read_none_at_a_clean_eof_or_when_the_peer_is_gone() -> None:
+    a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    with b:
+        b.sendall(b"unread by a")  # a closes with data unread: b's read may see a reset
+        a.close()
+        assert BlockingFrames(b).read() is None
+
+
+def test_socket_from_fd_rejects_a_datagram_socket() -> None:
+    a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_DGRAM)
+    with a, b, pytest.raises(ValueError, match="SOCK_STREAM"):
+        socket_from_fd(a.fileno())

@@ -1,7 +1,9 @@
 """Length-prefixed msgspec frames on a byte stream, and a bridge to channels.
 
 This is the wire between the engine core and each worker: a private
-``AF_UNIX`` socketpair, one end inherited by the worker.
+``AF_UNIX`` socketpair, one end inherited by the worker. The engine core's
+end is a Trio stream bridged to memory channels (``MessageBridge``); the
+worker's end is a blocking socket that one thread owns (``BlockingFrames``).
 
 A frame is a 4-byte big-endian length followed by that many payload bytes.
 Invariants: a frame is written whole or not at all (the write is shielded
@@ -21,9 +23,11 @@ import trio
 
 __all__ = [
     "MAX_FRAME_BYTES",
+    "BlockingFrames",
     "FrameError",
     "FrameReader",
     "MessageBridge",
+    "socket_from_fd",
     "socketpair_for_child",
     "stream_from_fd",
     "write_frame",
@@ -117,12 +121,7 @@ def stream_from_fd(fd: int) -> trio.SocketStream:
     Takes ownership of ``fd`` (closing the stream closes it) and makes it
     non-inheritable, so that this process's own children do not get it.
     """
-    sock = socket.socket(fileno=fd)
-    if sock.family != socket.AF_UNIX or sock.type != socket.SOCK_STREAM:
-        sock.detach()
-        raise ValueError(f"fd {fd}: expected an AF_UNIX SOCK_STREAM socket, got {sock.family!r} {sock.type!r}")
-    sock.set_inheritable(False)
-    return trio.SocketStream(trio.socket.from_stdlib_socket(sock))
+    return trio.SocketStream(trio.socket.from_stdlib_socket(socket_from_fd(fd)))
 
 
 def socketpair_for_child() -> tuple[trio.SocketStream, socket.socket]:
@@ -223,3 +222,68 @@ class MessageBridge:
                 scope.cancel()
             finally:
                 self.writer_done.set()
+
+
+def socket_from_fd(fd: int) -> socket.socket:
+    """A (blocking) socket over an inherited ``AF_UNIX``/``SOCK_STREAM`` fd,
+    for ``BlockingFrames``. Takes ownership of ``fd`` and makes it
+    non-inheritable, so that this process's own children do not get it."""
+    sock = socket.socket(fileno=fd)
+    if sock.family != socket.AF_UNIX or sock.type != socket.SOCK_STREAM:
+        sock.detach()
+        raise ValueError(f"fd {fd}: expected an AF_UNIX SOCK_STREAM socket, got {sock.family!r} {sock.type!r}")
+    sock.set_inheritable(False)
+    return sock
+
+
+class BlockingFrames:
+    """The same frames over a blocking socket, for one thread that owns it
+    (a worker's conversation with its engine core). ``read`` and ``write``
+    block; a timeout set on the socket applies to each call."""
+
+    def __init__(self, sock: socket.socket, max_frame_bytes: int = MAX_FRAME_BYTES) -> None:
+        self._sock = sock
+        self._max = max_frame_bytes
+
+    def read(self) -> bytes | None:
+        """The next frame's payload, or ``None`` at a clean EOF between frames.
+        Raises ``FrameError`` at EOF inside a frame or for an oversized header."""
+        header = self._read_exactly(_HEADER, at_frame_start=True)
+        if header is None:
+            return None
+        size = int.from_bytes(header, "big")
+        if size > self._max:
+            raise FrameError(f"frame header announces {size} bytes, over the limit of {self._max}")
+        payload = self._read_exactly(size, at_frame_start=False)
+        assert payload is not None
+        return payload
+
+    def write(self, payload: bytes) -> None:
+        """Write one frame. Raises ``FrameError`` for a payload over the limit
+        (nothing is written), ``OSError`` if the peer is gone."""
+        size = len(payload)
+        if size > self._max:
+            raise FrameError(f"frame of {size} bytes is over the limit of {self._max}")
+        header = size.to_bytes(_HEADER, "big")
+        if size < _COALESCE_BELOW:
+            self._sock.sendall(header + payload)
+        else:
+            self._sock.sendall(header)
+            self._sock.sendall(payload)
+
+    def _read_exactly(self, n: int, *, at_frame_start: bool) -> bytes | None:
+        buf = bytearray(n)
+        view = memoryview(buf)
+        got = 0
+        while got < n:
+            try:
+                received = self._sock.recv_into(view[got:], min(n - got, _MAX_RECEIVE_CHUNK))
+            except ConnectionResetError:  # the peer went away with our data unread: same as EOF
+                received = 0
+            if received == 0:
+                if at_frame_start and got == 0:
+                    return None
+                part = "header" if at_frame_start else "payload"
+                raise FrameError(f"EOF in the middle of a frame ({got} of the {n} bytes of its {part} arrived)")
+            got += received
+        return bytes(buf)

@@ -3,18 +3,27 @@
 The engine core starts it with ``python -m trioserve.nurseries.entry worker``; the
 stream's socket arrives as an inherited fd (``TRIOSERVE_WORKER_FD``). The
 worker answers, in order: ``WorkerInit`` -> ``WorkerLoaded``, ``InitKVCache``
--> ``KVCacheReady``, then one ``RunnerOutput`` for each ``SchedulerOutput``.
-Model code runs in a thread so that this process's trio loop stays free to
-notice that its parent is gone, even in the middle of a long step.
+-> ``KVCacheReady``, then one ``RunnerOutput`` for each ``SchedulerOutput``,
+until the engine core closes the stream.
+
+The whole conversation runs in one thread with blocking reads and writes on
+the socket (``BlockingFrames``): a step's reply goes out, and the next step
+is read, without handing anything between threads. (Relaying each step
+through Trio tasks and a thread hand-off cost about 1 ms between steps; see
+docs/architecture.md.) The Trio loop in the main thread stays free to notice
+that the parent is gone, even in the middle of a long step: then the thread
+is abandoned and the process exits.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import socket
 import traceback
 from typing import Any
 
+import msgspec
 import trio
 
 from trioserve.config import EngineConfig
@@ -26,10 +35,12 @@ from trioserve.messages import (
     WorkerFailed,
     WorkerInit,
 )
-from trioserve.nurseries.framing import MessageBridge, stream_from_fd
+from trioserve.nurseries.framing import BlockingFrames, socket_from_fd
 
 WORKER_FD_ENV = "TRIOSERVE_WORKER_FD"
 LAST_WORD_S = 1.0  # how long a failing worker waits for its WorkerFailed to be written
+
+log = logging.getLogger("trioserve.worker")
 
 
 def make_runner(config: EngineConfig, rank: int, world_size: int) -> Any:
@@ -44,55 +55,62 @@ def make_runner(config: EngineConfig, rank: int, world_size: int) -> Any:
     return ModelRunner(config, rank, world_size)
 
 
-async def _in_thread(fn: Any, *args: Any) -> Any:
-    # If cancelled (parent gone), the thread is abandoned and the process exits
-    # without waiting for the model step to finish.
-    return await trio.to_thread.run_sync(fn, *args, abandon_on_cancel=True)
+class _Conversation:
+    """The worker's side of the stream, in blocking calls (one thread)."""
+
+    def __init__(self, sock: socket.socket) -> None:
+        self.frames = BlockingFrames(sock)
+        self._decode = msgspec.msgpack.Decoder(ToWorker).decode
+        self._encode = msgspec.msgpack.Encoder().encode
+
+    def receive(self) -> Any:
+        """The next message, or ``None`` once the engine core closed the stream."""
+        payload = self.frames.read()
+        return None if payload is None else self._decode(payload)
+
+    def expect(self, kind: type) -> Any:
+        msg = self.receive()
+        if not isinstance(msg, kind):
+            got = "the end of the stream" if msg is None else type(msg).__name__
+            raise RuntimeError(f"worker expected {kind.__name__}, got {got}")
+        return msg
+
+    def send(self, msg: msgspec.Struct) -> None:
+        self.frames.write(self._encode(msg))
 
 
-async def _expect(inbox: trio.MemoryReceiveChannel[Any], kind: type) -> Any:
-    msg = await inbox.receive()
-    if not isinstance(msg, kind):
-        raise RuntimeError(f"worker expected {kind.__name__}, got {type(msg).__name__}")
-    return msg
-
-
-async def serve(outbox: trio.MemorySendChannel[Any], inbox: trio.MemoryReceiveChannel[Any]) -> None:
-    """Answer the engine core until it closes the stream."""
+def serve(sock: socket.socket) -> None:
+    """Answer the engine core until it closes the stream (blocking: run it in
+    a thread). On a failure, report ``WorkerFailed`` naming the stage, then
+    raise."""
+    talk = _Conversation(sock)
     stage = "model-load"
     try:
-        init: WorkerInit = await _expect(inbox, WorkerInit)
-        runner = await _in_thread(make_runner, init.config, init.rank, init.world_size)
-        await outbox.send(await _in_thread(runner.load))
+        init: WorkerInit = talk.expect(WorkerInit)
+        runner = make_runner(init.config, init.rank, init.world_size)
+        talk.send(runner.load())
         stage = "kv-cache"
-        kv: InitKVCache = await _expect(inbox, InitKVCache)
-        await _in_thread(runner.init_kv_cache, kv.num_blocks)
-        await outbox.send(KVCacheReady())
+        kv: InitKVCache = talk.expect(InitKVCache)
+        runner.init_kv_cache(kv.num_blocks)
+        talk.send(KVCacheReady())
         stage = "step"
-        async for msg in inbox:
+        while (msg := talk.receive()) is not None:
             if not isinstance(msg, SchedulerOutput):
                 raise RuntimeError(f"worker expected SchedulerOutput, got {type(msg).__name__}")
-            await outbox.send(await _in_thread(runner.execute, msg))
+            talk.send(runner.execute(msg))
     except Exception as exc:
         detail = "".join(traceback.format_exception_only(exc)).strip()
-        with trio.move_on_after(1) as scope:
-            scope.shield = True
-            await outbox.send(WorkerFailed(stage=stage, message=detail))
+        try:
+            sock.settimeout(LAST_WORD_S)
+            talk.send(WorkerFailed(stage=stage, message=detail))
+        except OSError as write_error:  # the engine core is gone or not reading
+            log.debug("could not report the failure: %s", write_error)
         raise
 
 
 async def worker_main() -> None:
-    stream = stream_from_fd(int(os.environ[WORKER_FD_ENV]))
-    bridge = MessageBridge(stream, receive_type=ToWorker, name=f"worker-{os.getpid()}")
-    async with trio.open_nursery() as nursery:
-        outbox, inbox = await nursery.start(bridge.run)
-        try:
-            await serve(outbox, inbox)
-        except Exception:
-            # Let the bridge write the last word (WorkerFailed) before the
-            # failure cancels it.
-            outbox.close()
-            with trio.move_on_after(LAST_WORD_S):
-                await bridge.writer_done.wait()
-            raise
-        nursery.cancel_scope.cancel()
+    sock = socket_from_fd(int(os.environ[WORKER_FD_ENV]))
+    with sock:
+        # If cancelled (the parent is gone), the thread is abandoned and the
+        # process exits without waiting for the model step to finish.
+        await trio.to_thread.run_sync(serve, sock, abandon_on_cancel=True)
