@@ -6,7 +6,8 @@ Task tree (one ``trio.run``, under ``run_child_main``'s parent watch)::
     ├── executor          worker processes, each supervised, each a framed stream
     ├── input socket      ZMQ PULL -> inbox (bounded memory channel)
     ├── output socket     outbox (bounded memory channel) -> ZMQ PUSH
-    └── step loop         apply inbox -> schedule -> execute -> postprocess -> outbox
+    └── step loop         apply inbox -> schedule -> send the step to the workers ->
+                          the last step's outputs to the outbox -> wait -> postprocess
 
 The step loop never awaits a client: it only waits on its inbox (when idle),
 the executor, and the outbox. Start-up: connect to the front-end's handshake
@@ -27,6 +28,7 @@ import logging
 import math
 import os
 import traceback
+from functools import partial
 from typing import Any
 
 import msgspec
@@ -76,6 +78,7 @@ class EngineCore:
         self.scheduler = scheduler
         self.executor = executor
         self.info = info
+        self._unsent: list[TokenOutput] = []  # the last step's outputs, not yet in the outbox
 
     def apply(self, msg: Any, outputs: list[Any]) -> None:
         """Apply one front-end message; replies are appended to ``outputs``."""
@@ -102,6 +105,7 @@ class EngineCore:
         while True:
             replies: list[Any] = []
             if not self.scheduler.has_unfinished():
+                await self._send_outputs(outbox)
                 self.apply(await inbox.receive(), replies)
             while True:
                 try:
@@ -114,15 +118,21 @@ class EngineCore:
                 await self.step(outbox)
 
     async def step(self, outbox: trio.MemorySendChannel[Any]) -> None:
+        """One step. Its outputs go out while the workers run the next one:
+        sending them first would hold the workers idle for that long."""
         scheduler_output = self.scheduler.schedule()
         if scheduler_output.total_num_scheduled_tokens == 0:
+            await self._send_outputs(outbox)
             if scheduler_output.finished_req_ids:  # the workers must still forget these
                 await self.executor.execute(scheduler_output)
             await trio.lowlevel.checkpoint()
             return
-        runner_output = await self.executor.execute(scheduler_output)
-        outputs = self.scheduler.postprocess(scheduler_output, runner_output)
-        if outputs:
+        runner_output = await self.executor.execute(scheduler_output, while_running=partial(self._send_outputs, outbox))
+        self._unsent = self.scheduler.postprocess(scheduler_output, runner_output)
+
+    async def _send_outputs(self, outbox: trio.MemorySendChannel[Any]) -> None:
+        if self._unsent:
+            outputs, self._unsent = self._unsent, []
             await outbox.send(EngineOutputs(outputs=outputs))
 
 

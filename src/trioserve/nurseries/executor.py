@@ -19,6 +19,7 @@ import os
 import sys
 from dataclasses import dataclass, field
 from functools import partial
+from collections.abc import Awaitable, Callable
 from typing import Any, NoReturn
 
 import trio
@@ -221,9 +222,11 @@ class Executor:
             worker_pids=[w.pid for w in self._workers if w.pid is not None],
         )
 
-    async def _call_all(self, messages: list[Any], reply_type: type) -> list[Any]:
-        """Send each worker its message, then take one reply from each, in rank
-        order. A worker that reports a failure or closes its stream gets
+    async def _call_all(
+        self, messages: list[Any], reply_type: type, while_running: Callable[[], Awaitable[None]] | None = None
+    ) -> list[Any]:
+        """Send each worker its message, then (after ``while_running``, if
+        given) take one reply from each, in rank order. A worker that reports a failure or closes its stream gets
         ``EXIT_WAIT_S`` to exit, so that the monitor's error (with its exit
         code) is the one raised. If cancelled, replies not yet taken stay in
         the workers' inboxes (``_late_workers`` looks there)."""
@@ -231,6 +234,8 @@ class Executor:
         for worker, msg in zip(self._workers, messages):
             assert worker.outbox is not None
             await worker.outbox.send(msg)
+        if while_running is not None:
+            await while_running()
         replies = []
         for worker in self._workers:
             assert worker.inbox is not None
@@ -270,8 +275,12 @@ class Executor:
         names = " and ".join(f"{w.name} (pid {w.pid})" for w in late) or "the workers"
         return f"{names} did not finish {self._stage_label()} within {deadline}"
 
-    async def execute(self, scheduler_output: SchedulerOutput) -> RunnerOutput:
+    async def execute(
+        self, scheduler_output: SchedulerOutput, while_running: Callable[[], Awaitable[None]] | None = None
+    ) -> RunnerOutput:
         """Run one step on every worker; the output rank's sampled tokens.
+        ``while_running`` is awaited once the step is on its way to every
+        worker, before waiting for their replies (within the deadline).
 
         Past ``step_timeout_s`` raises ``StepTimeout`` naming the workers that
         did not answer, the step and the deadline. Must not be called
@@ -282,7 +291,7 @@ class Executor:
         self.num_steps += 1
         timeout = self.config.step_timeout_s
         with trio.move_on_after(math.inf if timeout is None else timeout) as scope:
-            replies = await self._call_all([scheduler_output] * len(self._workers), RunnerOutput)
+            replies = await self._call_all([scheduler_output] * len(self._workers), RunnerOutput, while_running)
         if scope.cancelled_caught:
             late = self._late_workers()
             raise StepTimeout(
