@@ -93,6 +93,20 @@ async def test_concurrent_streams_finish_correctly_through_preemption(fake_confi
     assert stats.num_running == stats.num_waiting == 0
 
 
+@pytest.mark.parametrize("depth", [1, 2])
+async def test_steps_planned_ahead_keep_the_tokens_and_cost_one_dropped_step_per_stop(fake_config, depth):
+    """With two steps in flight the step after a request's EOS was already
+    planned: it runs, its token is dropped. Nothing else differs."""
+    config = fake_config(eos_every=6, max_steps_in_flight=depth)
+    with trio.fail_after(30):
+        async with trioserve.open_engine(config=config) as engine:
+            out = await engine.generate([5, 6, 7], SamplingParams(max_tokens=100))
+            assert out.finish_reason == "stop" and out.token_ids == fake_tokens([5, 6, 7], 3) + [EOS]
+            stats = await engine.stats()
+    assert stats.num_steps == 4 + (depth - 1)  # prefill, 3 decodes (+ the one planned past EOS)
+    assert stats.num_free_blocks == stats.num_total_blocks and stats.num_running == 0
+
+
 async def test_leaving_a_stream_early_frees_its_blocks_while_others_finish(fake_config):
     with trio.fail_after(30):
         async with trioserve.open_engine(config=fake_config(step_delay_s=0.005)) as engine:

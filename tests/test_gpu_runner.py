@@ -33,7 +33,6 @@ class Seq:
     blocks: list[int] = field(default_factory=list)
     num_computed: int = 0
     sent: bool = False  # the runner holds this request's state
-    new_tokens: list[int] = field(default_factory=list)  # appended since last scheduled
     new_blocks: list[int] = field(default_factory=list)
 
     @property
@@ -65,7 +64,7 @@ class MiniScheduler:
     def preempt(self, req_id: str) -> None:
         seq = self.seqs[req_id]
         self.free.extend(seq.blocks)
-        seq.blocks, seq.num_computed, seq.sent, seq.new_tokens, seq.new_blocks = [], 0, False, [], []
+        seq.blocks, seq.num_computed, seq.sent, seq.new_blocks = [], 0, False, []
         self.dropped.append(req_id)
 
     def _allocate(self, seq: Seq, num_tokens: int) -> None:
@@ -85,10 +84,10 @@ class MiniScheduler:
             scheduled[req_id] = n
             self._allocate(seq, seq.num_computed + n)
             if seq.sent:
-                cached.append(CachedRequestData(req_id, seq.new_tokens, seq.new_blocks, seq.num_computed))
+                cached.append(CachedRequestData(req_id, seq.new_blocks, seq.num_computed))
             else:
                 new.append(NewRequestData(req_id, list(seq.tokens), seq.params, list(seq.blocks), seq.num_computed, seq.num_prompt))
-            seq.sent, seq.new_tokens, seq.new_blocks = True, [], []
+            seq.sent, seq.new_blocks = True, []
         sched = SchedulerOutput(new, cached, scheduled, sum(scheduled.values()), self.dropped)
         self.dropped = []
         out = self.runner.execute(sched)
@@ -97,8 +96,7 @@ class MiniScheduler:
         for req_id, token in zip(out.req_ids, out.sampled_token_ids):
             seq = self.seqs[req_id]
             seq.tokens.append(token)
-            seq.outputs.append(token)
-            seq.new_tokens.append(token)
+            seq.outputs.append(token)  # the runner appended it to its own copy
             if seq.finished:
                 self.free.extend(seq.blocks)
                 self.dropped.append(req_id)

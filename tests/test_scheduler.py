@@ -136,20 +136,19 @@ def test_short_prompt_is_prefilled_in_one_step_and_samples() -> None:
     assert sched.get_request("a").num_computed_tokens == 5
 
 
-def test_decode_sends_only_the_new_token() -> None:
+def test_decode_sends_only_new_blocks_the_workers_append_what_they_sample() -> None:
     sched = make_scheduler(block_size=4)
     sched.add(make_request("a", prompt_len=3))
     step(sched, token=42)
     out, _ = step(sched, token=43)
     assert out.new_requests == []
     (cached,) = out.cached_requests
-    assert cached.new_token_ids == [42]
     assert cached.new_block_ids == []  # 4 tokens still fit in the first block
     assert cached.num_computed_tokens == 3
     assert out.num_scheduled_tokens == {"a": 1}
     out, _ = step(sched)
-    assert out.cached_requests[0].new_token_ids == [43]
     assert len(out.cached_requests[0].new_block_ids) == 1  # the 5th token opens a block
+    assert sched.get_request("a").output_token_ids == [42, 43, 7]
 
 
 def test_long_prompt_is_prefilled_in_chunks() -> None:
@@ -161,7 +160,6 @@ def test_long_prompt_is_prefilled_in_chunks() -> None:
     assert [o.num_scheduled_tokens["a"] for o in (out1, out2, out3)] == [4, 4, 2]
     assert new_ids(out1) == ["a"] and out1.new_requests[0].token_ids == list(range(10, 20))
     assert [c.num_computed_tokens for c in out2.cached_requests + out3.cached_requests] == [4, 8]
-    assert out2.cached_requests[0].new_token_ids == []
     assert outputs1 == outputs2 == []  # mid-prefill chunks sample nothing
     assert outputs3 == [TokenOutput("a", [42])]
 
@@ -476,3 +474,76 @@ def test_stats_count_steps_with_work_and_preemptions() -> None:
 def test_constructor_rejects_bad_sizes(name: str, value: int) -> None:
     with pytest.raises(ValueError, match=name):
         make_scheduler(**{name: value})
+
+
+# --- steps planned ahead (the engine core keeps two in flight) ---------------
+
+
+def test_a_step_planned_ahead_computes_the_token_still_in_flight() -> None:
+    sched = make_scheduler(block_size=4)
+    sched.add(make_request("a", prompt_len=3, max_tokens=10))
+    first = sched.schedule()  # prefill: samples token 4
+    second = sched.schedule()  # planned before the first returns: computes token 4
+    assert first.num_scheduled_tokens == {"a": 3} and second.num_scheduled_tokens == {"a": 1}
+    (cached,) = second.cached_requests
+    assert cached.num_computed_tokens == 3 and cached.new_block_ids == []
+    assert sched.get_request("a").num_pending == 2
+    sched.check_invariants()
+    assert sched.postprocess(first, RunnerOutput(["a"], [42])) == [TokenOutput("a", [42])]
+    third = sched.schedule()
+    assert third.num_scheduled_tokens == {"a": 1} and len(third.cached_requests[0].new_block_ids) == 1
+    assert sched.postprocess(second, RunnerOutput(["a"], [43])) == [TokenOutput("a", [43])]
+    assert sched.postprocess(third, RunnerOutput(["a"], [44])) == [TokenOutput("a", [44])]
+    assert sched.get_request("a").output_token_ids == [42, 43, 44]
+    assert sched.get_request("a").num_pending == 0
+    sched.check_invariants()
+
+
+def test_the_token_planned_after_a_stop_is_dropped_and_its_blocks_are_free() -> None:
+    sched = make_scheduler()
+    sched.add(make_request("a", prompt_len=4, max_tokens=10))
+    first, second = sched.schedule(), sched.schedule()
+    assert sched.postprocess(first, RunnerOutput(["a"], [EOS])) == [TokenOutput("a", [EOS], "stop")]
+    assert sched.block_manager.num_free_blocks == 16 and not sched.has_unfinished()
+    assert sched.postprocess(second, RunnerOutput(["a"], [7])) == []  # computed, then dropped
+    assert sched.schedule().finished_req_ids == ["a"]
+    sched.check_invariants()
+
+
+def test_a_request_is_not_planned_past_its_max_tokens() -> None:
+    sched = make_scheduler()
+    sched.add(make_request("a", prompt_len=4, max_tokens=1))
+    sched.add(make_request("b", prompt_len=4, max_tokens=2))
+    first, second = sched.schedule(), sched.schedule()
+    assert second.num_scheduled_tokens == {"b": 1}  # a's token in flight is its last
+    outputs = sched.postprocess(first, RunnerOutput(["a", "b"], [5, 6]))
+    assert outputs == [TokenOutput("a", [5], "length"), TokenOutput("b", [6])]
+    assert sched.schedule().num_scheduled_tokens == {}  # b's token in flight is its last
+    assert sched.postprocess(second, RunnerOutput(["b"], [7])) == [TokenOutput("b", [7], "length")]
+
+
+def test_outputs_must_be_postprocessed_in_the_order_their_steps_were_scheduled() -> None:
+    sched = make_scheduler()
+    sched.add(make_request("a", max_tokens=10))
+    first, second = sched.schedule(), sched.schedule()
+    with pytest.raises(RuntimeError, match="not the oldest step in flight"):
+        sched.postprocess(second, RunnerOutput(["a"], [5]))
+    assert sched.postprocess(first, RunnerOutput(["a"], [5])) == [TokenOutput("a", [5])]
+
+
+def test_a_request_preempted_while_a_step_samples_for_it_keeps_that_token() -> None:
+    sched = make_scheduler(num_blocks=2, block_size=2, max_num_batched_tokens=8)
+    sched.add(make_request("old", prompt_len=2, max_tokens=4))
+    sched.add(make_request("new", prompt_len=1, max_tokens=4))
+    first = sched.schedule()  # both prefill, a block each; both sample
+    second = sched.schedule()  # "old" needs a second block: "new" is preempted
+    assert second.num_scheduled_tokens == {"old": 1}
+    assert second.finished_req_ids == ["new"]
+    new = sched.get_request("new")
+    assert new.status is RequestStatus.WAITING and new.num_pending == 1
+    sched.check_invariants()
+    outputs = sched.postprocess(first, RunnerOutput(["old", "new"], [5, 6]))
+    assert outputs == [TokenOutput("old", [5]), TokenOutput("new", [6])]
+    assert new.output_token_ids == [6] and new.num_pending == 0
+    assert sched.postprocess(second, RunnerOutput(["old"], [7])) == [TokenOutput("old", [7])]
+    sched.check_invariants()

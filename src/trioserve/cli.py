@@ -47,6 +47,10 @@ def _add_engine_options(parser: argparse.ArgumentParser) -> None:
     group.add_argument(
         "--max-model-len", type=int, default=None, help="context length cap (default: the model's own)"
     )
+    group.add_argument(
+        "--max-steps-in-flight", type=int, choices=[1, 2], default=2,
+        help="2: plan and send the next model step while the current one runs; 1: one at a time (default: %(default)s)",
+    )
     group.add_argument("--runner", choices=["hf", "fake"], default="hf", help=argparse.SUPPRESS)
     # FakeRunnerConfig fields as a JSON object (tests drive faults through real servers).
     group.add_argument("--fake-options", default="{}", help=argparse.SUPPRESS)
@@ -105,6 +109,7 @@ def _engine_config(args: argparse.Namespace) -> EngineConfig:
         kv_cache_memory_bytes=args.kv_cache_mib * 1024 * 1024,
         max_num_seqs=args.max_num_seqs,
         max_model_len=args.max_model_len,
+        max_steps_in_flight=args.max_steps_in_flight,
         max_restarts=args.max_restarts,
         restart_window_s=args.restart_window,
         startup_timeout_s=args.startup_timeout,

@@ -78,6 +78,10 @@ class EngineConfig:
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
     max_model_len: int | None = None  # default: the model's own context length
+    # Steps sent to the workers before the oldest one's tokens are back: with 2
+    # the next step is planned and sent while the workers run the current one,
+    # so they never wait on the engine core; 1 runs one step at a time.
+    max_steps_in_flight: int = 2
 
     # Processes.
     tensor_parallel_size: int = 1
@@ -115,6 +119,7 @@ class EngineConfig:
         _check(self.num_kv_blocks is None or self.num_kv_blocks >= 1, "num_kv_blocks", "must be >= 1")
         _check(self.max_num_seqs >= 1, "max_num_seqs", "must be >= 1")
         _check(self.max_num_batched_tokens >= 1, "max_num_batched_tokens", "must be >= 1")
+        _check(self.max_steps_in_flight in (1, 2), "max_steps_in_flight", "must be 1 or 2")
         _check(self.max_model_len is None or self.max_model_len >= 2, "max_model_len", "must be >= 2")
         _check(self.tensor_parallel_size >= 1, "tensor_parallel_size", "must be >= 1")
         _check(

@@ -206,10 +206,12 @@ class NewRequestData(msgspec.Struct, array_like=True):
 
 
 class CachedRequestData(msgspec.Struct, array_like=True):
-    """A request the workers already hold: only what changed since its last step."""
+    """A request the workers already hold: only what changed since its last step.
+    No tokens: the workers append each token they sample to the request
+    themselves (so a step can be sent before the previous one's tokens have
+    come back to the engine core)."""
 
     req_id: str
-    new_token_ids: list[int]  # tokens appended since it was last scheduled
     new_block_ids: list[int]
     num_computed_tokens: int
 
@@ -218,8 +220,9 @@ class SchedulerOutput(msgspec.Struct, tag=True):
     """One step's work. For each scheduled request the worker computes tokens
     ``[num_computed_tokens, num_computed_tokens + num_scheduled_tokens[id])`` of
     its token list, and samples one token when that range reaches the end of
-    the list. ``finished_req_ids`` (finished, aborted or preempted since the
-    last step) tell workers which per-request state to drop.
+    the list, which it then appends to the list. ``finished_req_ids``
+    (finished, aborted or preempted since the last step) tell workers which
+    per-request state to drop: they drop it before running the step.
     """
 
     new_requests: list[NewRequestData]

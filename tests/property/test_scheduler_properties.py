@@ -1,11 +1,14 @@
 """The scheduler under random workloads, against a simulated runner.
 
 The runner plays the workers: it keeps only what the ``SchedulerOutput``s tell
-it (token lists, block tables, computed counts), writes each computed token
-into a simulated paged KV cache, and samples by reading the whole context
-back through the block table. Its next token is a fixed function of the
-token prefix, so every request's output must equal what it would produce
-alone, however often it was chunked, preempted or batched with others.
+it (token lists, block tables, computed counts) and the tokens it sampled
+itself, writes each computed token into a simulated paged KV cache, and
+samples by reading the whole context back through the block table. Its next
+token is a fixed function of the token prefix, so every request's output
+must equal what it would produce alone, however often it was chunked,
+preempted or batched with others, and whether steps ran one at a time or
+were planned one ahead (``depth`` 2: the next step is scheduled, and run,
+before the previous one's output is postprocessed, as the engine core does).
 """
 
 from __future__ import annotations
@@ -82,6 +85,7 @@ class MirrorRunner:
                 context = [self._read(req_id, req, pos) for pos in range(len(req.token_ids))]
                 req_ids.append(req_id)
                 token_ids.append(next_token(context))
+                req.token_ids.append(token_ids[-1])  # as the workers do
         return RunnerOutput(req_ids, token_ids)
 
     def _apply(self, out: SchedulerOutput) -> None:
@@ -97,7 +101,6 @@ class MirrorRunner:
         for cached in out.cached_requests:
             req = self.requests[cached.req_id]
             assert cached.num_computed_tokens == req.num_computed_tokens, "computed count drifted"
-            req.token_ids += cached.new_token_ids
             req.block_ids += cached.new_block_ids
         sent = [r.req_id for r in out.new_requests] + [r.req_id for r in out.cached_requests]
         assert len(sent) == len(set(sent)) and set(sent) == set(out.num_scheduled_tokens)
@@ -124,7 +127,9 @@ class MirrorRunner:
 class Harness:
     """A scheduler, its mirror runner, and everything the clients received."""
 
-    def __init__(self, **sizes: int) -> None:
+    def __init__(self, depth: int = 1, **sizes: int) -> None:
+        self.depth = depth  # steps scheduled before the oldest is postprocessed
+        self.in_flight: list[tuple[SchedulerOutput, RunnerOutput]] = []
         self.sched = Scheduler(**sizes)
         self.sizes = sizes
         self.runner = MirrorRunner(sizes["num_blocks"], sizes["block_size"])
@@ -154,12 +159,25 @@ class Harness:
         self.finish_reasons[req_id] = "abort"
 
     def step(self) -> None:
+        """As the engine core's step loop: schedule a step if fewer than
+        ``depth`` are in flight, and run it at once (the workers run steps in
+        order); then, if ``depth`` are in flight or nothing was scheduled,
+        postprocess the oldest."""
         self.mid_step = True
-        out = self.sched.schedule()
-        assert out.total_num_scheduled_tokens <= self.sizes["max_num_batched_tokens"]
-        assert self.sched.num_running <= self.sizes["max_num_seqs"]
-        runner_output = self.runner.execute(out)
-        self._check_mirror(out)
+        scheduled = False
+        if len(self.in_flight) < self.depth and self.sched.has_unfinished():
+            out = self.sched.schedule()
+            assert out.total_num_scheduled_tokens <= self.sizes["max_num_batched_tokens"]
+            assert self.sched.num_running <= self.sizes["max_num_seqs"]
+            if out.total_num_scheduled_tokens or out.finished_req_ids:
+                self.in_flight.append((out, self.runner.execute(out)))
+                self._check_mirror(out)
+                scheduled = True
+        if self.in_flight and (len(self.in_flight) == self.depth or not scheduled):
+            self._postprocess(*self.in_flight.pop(0))
+        self.mid_step = False
+
+    def _postprocess(self, out: SchedulerOutput, runner_output: RunnerOutput) -> None:
         for output in self.sched.postprocess(out, runner_output):
             req_id = output.request_id
             assert req_id not in self.finish_reasons, f"{req_id!r} got a token after finishing"
@@ -167,19 +185,20 @@ class Harness:
             assert self.received[req_id] == self.expected[req_id][0][: len(self.received[req_id])]
             if output.finish_reason is not None:
                 self.finish_reasons[req_id] = output.finish_reason
-        self.mid_step = False
 
     def _check_mirror(self, out: SchedulerOutput) -> None:
         bm = self.sched.block_manager
         for req_id in out.num_scheduled_tokens:
             req, mirror = self.sched.get_request(req_id), self.runner.requests[req_id]
-            assert mirror.token_ids == req.all_token_ids, f"{req_id!r}: workers lost tokens"
+            # The workers hold the tokens the engine has, then those in flight.
+            assert mirror.token_ids[: req.num_tokens] == req.all_token_ids, f"{req_id!r}: workers lost tokens"
+            assert len(mirror.token_ids) == req.num_tokens + req.num_pending, f"{req_id!r}: pending drifted"
             assert mirror.block_ids == bm.block_table(req_id), f"{req_id!r}: block tables differ"
             assert mirror.num_computed_tokens == req.num_computed_tokens
 
     def drain_and_check(self) -> None:
         for _ in range(MAX_DRAIN_STEPS):
-            if not self.sched.has_unfinished():
+            if not self.sched.has_unfinished() and not self.in_flight:
                 break
             self.step()
         else:
@@ -209,14 +228,15 @@ class SchedulerMachine(RuleBasedStateMachine):
     harness: Harness
 
     @initialize(
+        depth=st.sampled_from([1, 2]),
         num_blocks=st.integers(2, 10),
         block_size=st.sampled_from([1, 2, 4]),
         max_num_seqs=st.integers(1, 4),
         max_num_batched_tokens=st.integers(1, 12),
         max_model_len=st.integers(8, 40),
     )
-    def setup(self, **sizes: int) -> None:
-        self.harness = Harness(**sizes)
+    def setup(self, depth: int, **sizes: int) -> None:
+        self.harness = Harness(depth, **sizes)
         self.next_id = 0
 
     @rule(batch=st.lists(requests, min_size=1, max_size=3))
@@ -257,10 +277,12 @@ TestSchedulerMachine = SchedulerMachine.TestCase
 TestSchedulerMachine.settings = settings(max_examples=200, stateful_step_count=30, deadline=None)
 
 
+@pytest.mark.parametrize("depth", [1, 2])
 @pytest.mark.parametrize("seed", range(5))
-def test_heavy_workload_preempts_and_still_matches_solo_outputs(seed: int) -> None:
+def test_heavy_workload_preempts_and_still_matches_solo_outputs(seed: int, depth: int) -> None:
     rng = random.Random(seed)
     harness = Harness(
+        depth,
         num_blocks=6, block_size=2, max_num_seqs=4, max_num_batched_tokens=8, max_model_len=32
     )
     for i in range(12):

@@ -90,6 +90,10 @@ def _add_target_options(parser: argparse.ArgumentParser) -> None:
     )
     group.add_argument("--kv-cache-mib", type=int, default=512, help="engine: KV cache memory (default: %(default)s)")
     group.add_argument(
+        "--max-steps-in-flight", type=int, choices=[1, 2], default=2,
+        help="engine: model steps sent before the oldest one's output is back (default: %(default)s)",
+    )
+    group.add_argument(
         "--torch-threads", type=int, default=None,
         help="torch threads of the engine's worker and of every baseline (default: CPU cores - 1 on the CPU)",
     )
@@ -116,6 +120,7 @@ def _engine_config(args: argparse.Namespace, model_dir: Path) -> EngineConfig:
         max_num_batched_tokens=args.max_num_batched_tokens,
         kv_cache_memory_bytes=args.kv_cache_mib * 1024 * 1024,
         torch_threads=args.torch_threads,
+        max_steps_in_flight=args.max_steps_in_flight,
     )
 
 

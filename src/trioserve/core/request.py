@@ -6,6 +6,10 @@ Invariants:
 - ``0 <= num_computed_tokens <= num_tokens``: the first ``num_computed_tokens``
   tokens have their keys and values in the KV cache (while RUNNING). After a
   preemption it is 0 again: everything is recomputed.
+- ``num_pending`` counts the tokens being sampled for it in steps that are
+  still in flight (the scheduler plans a step before the previous one has
+  returned). The workers already hold ``num_tokens + num_pending`` tokens of
+  it, or will when those steps have run: they append what they sample.
 - ``finish_reason`` is set exactly when ``status`` is FINISHED, and a
   finished request never changes again.
 
@@ -42,6 +46,7 @@ class Request:
         self.eos_token_ids = frozenset(eos_token_ids)
         self.output_token_ids: list[int] = []
         self.num_computed_tokens = 0
+        self.num_pending = 0  # tokens being sampled in steps in flight
         self.status = RequestStatus.WAITING
         self.finish_reason: FinishReason | None = None
         self._stop_token_ids = frozenset(params.stop_token_ids)
@@ -49,7 +54,7 @@ class Request:
     def __repr__(self) -> str:
         return (
             f"Request({self.request_id!r}, {self.status.name}, prompt={self.num_prompt_tokens}, "
-            f"output={self.num_output_tokens}, computed={self.num_computed_tokens})"
+            f"output={self.num_output_tokens}, computed={self.num_computed_tokens}, pending={self.num_pending})"
         )
 
     @property
@@ -72,13 +77,6 @@ class Request:
     @property
     def is_finished(self) -> bool:
         return self.status is RequestStatus.FINISHED
-
-    def token_ids_from(self, start: int) -> list[int]:
-        """``all_token_ids[start:]``, without copying the whole sequence."""
-        prompt_len = len(self.prompt_token_ids)
-        if start >= prompt_len:
-            return self.output_token_ids[start - prompt_len :]
-        return self.prompt_token_ids[start:] + self.output_token_ids
 
     def append_output_token(self, token_id: int) -> None:
         self.output_token_ids.append(token_id)

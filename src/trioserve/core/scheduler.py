@@ -6,6 +6,17 @@ the rest if the token budget allows, else a chunk (a long prompt is prefilled
 over several steps). A decode is a slice of one token. A request samples a
 token in a step exactly when its slice reaches the end of its tokens.
 
+Steps may be planned ahead: ``schedule()`` can be called again before the
+previous step's ``postprocess()`` (the engine core keeps the workers busy
+with the next step while it handles the last one's output). A token still
+being sampled counts as one of the request's tokens (``num_pending``): the
+next step computes it, and the workers fill it in, since they append every
+token they sample to their copy of the request. Outputs must then be
+postprocessed in the order their steps were scheduled. A request planned
+into a step after its last token (it stops on EOS or a stop token at the
+step before) has that extra token dropped; one that will stop on a length
+limit is not planned further. With one step at a time, none of this shows.
+
 Each ``schedule()``:
 1. running requests, oldest first, get their slices and the blocks to hold
    them; when blocks run out the newest running request is preempted (its
@@ -13,7 +24,8 @@ Each ``schedule()``:
    waiting queue), and if that was the request being scheduled, this phase stops;
 2. only if nothing was preempted, waiting requests are admitted in FIFO order
    while the budget, the sequence cap and the free blocks allow; the first
-   that does not fit stops the queue.
+   that does not fit, or that still has a token in flight (preempted while a
+   step sampled for it), stops the queue.
 
 Invariants (``check_invariants`` raises ``RuntimeError`` naming the one broken):
 - every unfinished request is either running (RUNNING) or waiting (WAITING);
@@ -23,7 +35,9 @@ Invariants (``check_invariants`` raises ``RuntimeError`` naming the one broken):
 - ``len(running) <= max_num_seqs``; a step schedules at most
   ``max_num_batched_tokens`` tokens;
 - a request the workers have seen and that stops running (finished, aborted,
-  preempted) is named in the next output's ``finished_req_ids``, exactly once.
+  preempted) is named in the next output's ``finished_req_ids``, exactly once;
+- ``num_pending`` of every request is the number of steps in flight that
+  sample for it.
 
 A request can never hold more than the whole KV cache, so it also stops with
 ``"length"`` once it has ``num_blocks * block_size + 1`` tokens (the last
@@ -94,7 +108,8 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # oldest first
         self._requests: dict[str, Request] = {}  # every unfinished request
-        self._num_tokens_sent: dict[str, int] = {}  # tokens the workers hold, per request
+        self._on_workers: set[str] = set()  # requests whose state the workers hold
+        self._in_flight: deque[tuple[SchedulerOutput, list[str]]] = deque()  # steps and their samplers
         self._finished_req_ids: list[str] = []  # for the next output
         self.num_preemptions = 0
         self.num_steps = 0
@@ -156,43 +171,66 @@ class Scheduler:
 
     def schedule(self) -> SchedulerOutput:
         """Plan one step. Each scheduled request's ``num_computed_tokens`` moves
-        past its slice at once: the workers are trusted to compute it."""
+        past its slice at once: the workers are trusted to compute it. A step
+        that schedules tokens must be handed to ``postprocess`` later, after
+        every step scheduled before it."""
         plan = _StepPlan(budget=self.max_num_batched_tokens)
         preempted = self._schedule_running(plan)
         if not preempted:
             self._schedule_waiting(plan)
         output = self._make_output(plan)
+        samplers = []
         for req_id, num_tokens in plan.num_scheduled.items():
-            self._requests[req_id].num_computed_tokens += num_tokens
+            req = self._requests[req_id]
+            req.num_computed_tokens += num_tokens
+            if req.num_computed_tokens == req.num_tokens + req.num_pending:
+                req.num_pending += 1
+                samplers.append(req_id)
         if output.total_num_scheduled_tokens > 0:
             self.num_steps += 1
+            self._in_flight.append((output, samplers))
         return output
+
+    @property
+    def num_steps_in_flight(self) -> int:
+        """Steps scheduled and not yet postprocessed."""
+        return len(self._in_flight)
 
     def postprocess(
         self, scheduler_output: SchedulerOutput, runner_output: RunnerOutput
     ) -> list[TokenOutput]:
-        """Append the sampled tokens, finish the requests that must stop, and
-        return one output per request that got a token.
+        """Append the sampled tokens of the oldest step in flight (which must
+        be ``scheduler_output``; one that scheduled no tokens is not a step,
+        and gives nothing), finish the requests that must stop, and return
+        one output per request that got a token.
 
-        Tokens for requests that are no longer running (aborted since) are
-        dropped. Raises ``RuntimeError`` if the runner left out a request that
+        Tokens for requests that finished since the step was scheduled
+        (aborted, or stopped in an earlier step) are dropped; a request
+        preempted since keeps its token. Raises ``RuntimeError`` if the
+        outputs come out of order, or if the runner left out a request that
         had to sample.
         """
+        if scheduler_output.total_num_scheduled_tokens == 0:
+            return []  # not a step: nothing was sampled
+        if not self._in_flight or self._in_flight[0][0] is not scheduler_output:
+            raise RuntimeError("postprocess: not the oldest step in flight")
+        _, samplers = self._in_flight.popleft()
         sampled = _sampled_tokens(runner_output)
         outputs = []
         any_finished = False
-        for req_id in scheduler_output.num_scheduled_tokens:
+        for req_id in samplers:
             req = self._requests.get(req_id)
-            if req is None or req.status is not RequestStatus.RUNNING:
-                continue  # aborted after it was scheduled
-            if req.num_computed_tokens < req.num_tokens:
-                continue  # a prefill chunk that did not reach the end
+            if req is None:
+                continue  # finished since it was scheduled
             if req_id not in sampled:
                 raise RuntimeError(f"the runner sampled no token for request {req_id!r}")
+            req.num_pending -= 1
             token_id, logprobs = sampled[req_id]
             req.append_output_token(token_id)
             reason = req.stop_reason(self._max_len)
             if reason is not None:
+                if req.status is RequestStatus.WAITING:
+                    self.waiting.remove(req)  # preempted while this step ran
                 self._finish(req, reason)
                 any_finished = True
             new_logprobs = None if logprobs is None else [logprobs]
@@ -231,8 +269,8 @@ class Scheduler:
         i = 0
         while i < len(self.running) and plan.budget > 0:
             req = self.running[i]
-            num_new = min(req.num_tokens - req.num_computed_tokens, plan.budget)
-            if num_new > 0:
+            num_new = min(req.num_tokens + req.num_pending - req.num_computed_tokens, plan.budget)
+            if num_new > 0 and not self._stops_by_length(req):
                 if not self._make_room(req, req.num_computed_tokens + num_new):
                     break
                 new_blocks = self.block_manager.allocate(
@@ -241,6 +279,14 @@ class Scheduler:
                 plan.take(req.request_id, num_new, new_blocks)
             i += 1
         return self.num_preemptions > preemptions_before
+
+    def _stops_by_length(self, req: Request) -> bool:
+        """The tokens in flight will end ``req`` on a length limit: planning
+        it further would only compute a token to drop."""
+        if req.num_pending == 0:
+            return False
+        num_tokens = req.num_tokens + req.num_pending
+        return num_tokens - req.num_prompt_tokens >= req.params.max_tokens or num_tokens >= self._max_len
 
     def _make_room(self, req: Request, num_tokens: int) -> bool:
         """Preempt the newest running requests until ``req`` can hold ``num_tokens``.
@@ -258,6 +304,8 @@ class Scheduler:
         """Admit waiting requests in FIFO order while they fit; never skip ahead."""
         while self.waiting and plan.budget > 0 and len(self.running) < self.max_num_seqs:
             req = self.waiting[0]
+            if req.num_pending:
+                break  # preempted while a step samples for it: resume it with that token
             num_new = min(req.num_tokens - req.num_computed_tokens, plan.budget)
             if not self.block_manager.can_allocate(req.request_id, num_new):
                 break
@@ -271,8 +319,8 @@ class Scheduler:
         new_requests, cached_requests = [], []
         for req_id in plan.num_scheduled:
             req = self._requests[req_id]
-            sent = self._num_tokens_sent.get(req_id)
-            if sent is None:
+            if req_id not in self._on_workers:
+                self._on_workers.add(req_id)
                 new_requests.append(
                     NewRequestData(
                         req_id,
@@ -285,14 +333,8 @@ class Scheduler:
                 )
             else:
                 cached_requests.append(
-                    CachedRequestData(
-                        req_id,
-                        req.token_ids_from(sent),
-                        plan.new_block_ids[req_id],
-                        req.num_computed_tokens,
-                    )
+                    CachedRequestData(req_id, plan.new_block_ids[req_id], req.num_computed_tokens)
                 )
-            self._num_tokens_sent[req_id] = req.num_tokens
         finished, self._finished_req_ids = self._finished_req_ids, []
         return SchedulerOutput(
             new_requests=new_requests,
@@ -319,7 +361,8 @@ class Scheduler:
         self._forget_on_workers(req.request_id)
 
     def _forget_on_workers(self, req_id: str) -> None:
-        if self._num_tokens_sent.pop(req_id, None) is not None:
+        if req_id in self._on_workers:
+            self._on_workers.discard(req_id)
             self._finished_req_ids.append(req_id)
 
     # --- checks ----------------------------------------------------------------
@@ -334,7 +377,13 @@ class Scheduler:
         _check(not running & waiting, "a request is both running and waiting")
         _check(running | waiting == set(self._requests), "running + waiting != unfinished")
         _check(len(self.running) <= self.max_num_seqs, "more running requests than max_num_seqs")
-        _check(set(self._num_tokens_sent) == running, "workers hold requests other than the running")
+        _check(self._on_workers == running, "workers hold requests other than the running")
+        pending: dict[str, int] = {}
+        for _, samplers in self._in_flight:
+            for req_id in samplers:
+                pending[req_id] = pending.get(req_id, 0) + 1
+        for req in self._requests.values():
+            _check(req.num_pending == pending.get(req.request_id, 0), f"{req!r}: pending != steps in flight for it")
         block_size = self.block_manager.block_size
         for req in self.running:
             _check(req.status is RequestStatus.RUNNING, f"{req!r} is running but not RUNNING")

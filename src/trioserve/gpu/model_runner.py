@@ -66,7 +66,7 @@ def default_torch_threads(device: torch.device) -> int | None:
 @dataclass
 class _Request:
     params: SamplingParams
-    token_ids: list[int]  # prompt + outputs, as far as the scheduler has sent them
+    token_ids: list[int]  # prompt + outputs: what the scheduler sent, then each token sampled here
     block_ids: list[int]
     num_prompt_tokens: int
     num_computed_tokens: int
@@ -174,8 +174,8 @@ class ModelRunner:
         return out
 
     def _log_step(self, sched: SchedulerOutput, out: RunnerOutput, started: float) -> None:
-        # A request whose tokens are all prompt has just sampled its first output token.
-        first = sum(len(self.requests[r].token_ids) == self.requests[r].num_prompt_tokens for r in out.req_ids)
+        # A request with one token past its prompt has just sampled its first output token.
+        first = sum(len(self.requests[r].token_ids) == self.requests[r].num_prompt_tokens + 1 for r in out.req_ids)
         record = StepRecord(
             started, time.perf_counter(), sched.total_num_scheduled_tokens,
             len(sched.num_scheduled_tokens), len(out.req_ids), first,
@@ -211,6 +211,8 @@ class ModelRunner:
             [r.params for r in reqs], [r.token_ids for r in reqs], [r.num_prompt_tokens for r in reqs]
         )
         out = sample(logits, batch, self.generator)
+        for req, token_id in zip(reqs, out.token_ids):
+            req.token_ids.append(token_id)  # the next step computes it, whether or not the engine has it yet
         return RunnerOutput(req_ids=step.sample_req_ids, sampled_token_ids=out.token_ids, logprobs=out.logprobs)
 
     def _update_requests(self, sched: SchedulerOutput) -> None:
@@ -236,9 +238,7 @@ class ModelRunner:
         req = self.requests.get(cached.req_id)
         if req is None:
             raise ValueError(f"cached_requests: unknown request {cached.req_id!r}")
-        _check_range(f"new_token_ids of {cached.req_id!r}", cached.new_token_ids, self.vocab_size)
         _check_range(f"new_block_ids of {cached.req_id!r}", cached.new_block_ids, self.num_blocks)
-        req.token_ids.extend(cached.new_token_ids)
         req.block_ids.extend(cached.new_block_ids)
         req.num_computed_tokens = cached.num_computed_tokens
 

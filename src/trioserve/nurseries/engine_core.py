@@ -6,8 +6,8 @@ Task tree (one ``trio.run``, under ``run_child_main``'s parent watch)::
     ├── executor          worker processes, each supervised, each a framed stream
     ├── input socket      ZMQ PULL -> inbox (bounded memory channel)
     ├── output socket     outbox (bounded memory channel) -> ZMQ PUSH
-    └── step loop         apply inbox -> schedule -> send the step to the workers ->
-                          the last step's outputs to the outbox -> wait -> postprocess
+    └── step loop         apply inbox -> schedule and send step N+1 -> step N-1's
+                          outputs to the outbox -> wait for step N -> postprocess
 
 The step loop never awaits a client: it only waits on its inbox (when idle),
 the executor, and the outbox. Start-up: connect to the front-end's handshake
@@ -28,7 +28,7 @@ import logging
 import math
 import os
 import traceback
-from functools import partial
+from collections import deque
 from typing import Any
 
 import msgspec
@@ -51,6 +51,7 @@ from trioserve.messages import (
     HandshakeMessage,
     Hello,
     Ready,
+    SchedulerOutput,
     StartupFailed,
     StatsReply,
     TokenOutput,
@@ -101,10 +102,18 @@ class EngineCore:
     async def step_loop(
         self, inbox: trio.MemoryReceiveChannel[Any], outbox: trio.MemorySendChannel[Any]
     ) -> None:
-        """Run steps while there is work; sleep on the inbox when there is none."""
+        """Run steps while there is work; sleep on the inbox when there is none.
+
+        Up to ``max_steps_in_flight`` steps are with the workers at once: the
+        next step is planned and sent before the current one's output is
+        taken, so the workers go from one step straight to the next. A step's
+        outputs go to the front-end once the step after it is on its way.
+        """
+        in_flight: deque[SchedulerOutput] = deque()
+        depth = self.executor.config.max_steps_in_flight
         while True:
             replies: list[Any] = []
-            if not self.scheduler.has_unfinished():
+            if not in_flight and not self.scheduler.has_unfinished():
                 await self._send_outputs(outbox)
                 self.apply(await inbox.receive(), replies)
             while True:
@@ -114,21 +123,24 @@ class EngineCore:
                     break
             for reply in replies:
                 await outbox.send(reply)
-            if self.scheduler.has_unfinished():
-                await self.step(outbox)
-
-    async def step(self, outbox: trio.MemorySendChannel[Any]) -> None:
-        """One step. Its outputs go out while the workers run the next one:
-        sending them first would hold the workers idle for that long."""
-        scheduler_output = self.scheduler.schedule()
-        if scheduler_output.total_num_scheduled_tokens == 0:
+            sent = False
+            if len(in_flight) < depth and self.scheduler.has_unfinished():
+                scheduler_output = self.scheduler.schedule()
+                # An empty step that names finished requests still goes: the
+                # workers must forget them.
+                if scheduler_output.total_num_scheduled_tokens or scheduler_output.finished_req_ids:
+                    await self.executor.dispatch(scheduler_output)
+                    in_flight.append(scheduler_output)
+                    sent = True
             await self._send_outputs(outbox)
-            if scheduler_output.finished_req_ids:  # the workers must still forget these
-                await self.executor.execute(scheduler_output)
-            await trio.lowlevel.checkpoint()
-            return
-        runner_output = await self.executor.execute(scheduler_output, while_running=partial(self._send_outputs, outbox))
-        self._unsent = self.scheduler.postprocess(scheduler_output, runner_output)
+            if in_flight and (len(in_flight) == depth or not sent):
+                await self._take_output(in_flight.popleft())
+            elif not in_flight:
+                await trio.lowlevel.checkpoint()
+
+    async def _take_output(self, scheduler_output: SchedulerOutput) -> None:
+        runner_output = await self.executor.collect()
+        self._unsent += self.scheduler.postprocess(scheduler_output, runner_output)
 
     async def _send_outputs(self, outbox: trio.MemorySendChannel[Any]) -> None:
         if self._unsent:

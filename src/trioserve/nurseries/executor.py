@@ -19,7 +19,7 @@ import os
 import sys
 from dataclasses import dataclass, field
 from functools import partial
-from collections.abc import Awaitable, Callable
+from collections import deque
 from typing import Any, NoReturn
 
 import trio
@@ -113,6 +113,7 @@ class Executor:
         self._workers: list[_Worker] = []
         self.stage = "spawn"  # then "model-load", "kv-cache", "step"
         self.num_steps = 0  # steps sent to the workers; the first is 1
+        self._steps_in_flight: deque[int] = deque()  # sent, reply not yet collected
         self._last_words: dict[int, str] = {}  # rank -> its WorkerFailed message
         self._answered: set[int] = set()  # ranks whose reply the current call has taken
 
@@ -194,7 +195,11 @@ class Executor:
             worker.exited.set()
 
     def _stage_label(self) -> str:
-        return f"step {self.num_steps}" if self.stage == "step" else self.stage
+        """The stage; in the step stage, the oldest step not yet collected
+        (the one the workers are running, or the last one sent)."""
+        if self.stage != "step":
+            return self.stage
+        return f"step {self._steps_in_flight[0] if self._steps_in_flight else self.num_steps}"
 
     async def _initialize(self) -> ExecutorInfo:
         world = len(self._workers)
@@ -222,20 +227,23 @@ class Executor:
             worker_pids=[w.pid for w in self._workers if w.pid is not None],
         )
 
-    async def _call_all(
-        self, messages: list[Any], reply_type: type, while_running: Callable[[], Awaitable[None]] | None = None
-    ) -> list[Any]:
-        """Send each worker its message, then (after ``while_running``, if
-        given) take one reply from each, in rank order. A worker that reports a failure or closes its stream gets
-        ``EXIT_WAIT_S`` to exit, so that the monitor's error (with its exit
-        code) is the one raised. If cancelled, replies not yet taken stay in
-        the workers' inboxes (``_late_workers`` looks there)."""
-        self._answered = set()
+    async def _call_all(self, messages: list[Any], reply_type: type) -> list[Any]:
+        """Send each worker its message, then take one reply from each."""
+        await self._send_all(messages)
+        return await self._receive_all(reply_type)
+
+    async def _send_all(self, messages: list[Any]) -> None:
         for worker, msg in zip(self._workers, messages):
             assert worker.outbox is not None
             await worker.outbox.send(msg)
-        if while_running is not None:
-            await while_running()
+
+    async def _receive_all(self, reply_type: type) -> list[Any]:
+        """Take one reply from each worker, in rank order. A worker that
+        reports a failure or closes its stream gets ``EXIT_WAIT_S`` to exit,
+        so that the monitor's error (with its exit code) is the one raised.
+        If cancelled, replies not yet taken stay in the workers' inboxes
+        (``_late_workers`` looks there)."""
+        self._answered = set()
         replies = []
         for worker in self._workers:
             assert worker.inbox is not None
@@ -275,23 +283,28 @@ class Executor:
         names = " and ".join(f"{w.name} (pid {w.pid})" for w in late) or "the workers"
         return f"{names} did not finish {self._stage_label()} within {deadline}"
 
-    async def execute(
-        self, scheduler_output: SchedulerOutput, while_running: Callable[[], Awaitable[None]] | None = None
-    ) -> RunnerOutput:
-        """Run one step on every worker; the output rank's sampled tokens.
-        ``while_running`` is awaited once the step is on its way to every
-        worker, before waiting for their replies (within the deadline).
-
-        Past ``step_timeout_s`` raises ``StepTimeout`` naming the workers that
-        did not answer, the step and the deadline. Must not be called
-        concurrently (the step loop is its one caller). If cancelled mid-step,
-        workers may still be running that step: the engine core is going down
-        anyway, and cancellation stops them.
-        """
+    async def dispatch(self, scheduler_output: SchedulerOutput) -> None:
+        """Send one step to every worker. Up to a few steps may be in flight:
+        workers run them in order, and ``collect`` takes their outputs in the
+        same order."""
         self.num_steps += 1
+        self._steps_in_flight.append(self.num_steps)
+        await self._send_all([scheduler_output] * len(self._workers))
+
+    async def collect(self) -> RunnerOutput:
+        """The output rank's sampled tokens for the oldest step in flight.
+
+        Past ``step_timeout_s`` (counted from this call: the step before has
+        just been collected, so the workers are on this one) raises
+        ``StepTimeout`` naming the workers that did not answer, the step and
+        the deadline. Must not be called concurrently (the step loop is its
+        one caller). If cancelled mid-step, workers may still be running
+        that step: the engine core is going down anyway, and cancellation
+        stops them.
+        """
         timeout = self.config.step_timeout_s
         with trio.move_on_after(math.inf if timeout is None else timeout) as scope:
-            replies = await self._call_all([scheduler_output] * len(self._workers), RunnerOutput, while_running)
+            replies = await self._receive_all(RunnerOutput)
         if scope.cancelled_caught:
             late = self._late_workers()
             raise StepTimeout(
@@ -299,4 +312,10 @@ class Executor:
                 stage="step",
                 process=", ".join(w.name for w in late),
             )
+        self._steps_in_flight.popleft()
         return replies[OUTPUT_RANK]
+
+    async def execute(self, scheduler_output: SchedulerOutput) -> RunnerOutput:
+        """One step, sent and collected (with nothing else in flight)."""
+        await self.dispatch(scheduler_output)
+        return await self.collect()

@@ -131,8 +131,6 @@ class FakeRunner:
             self._tokens.pop(req_id, None)
         for new in sched.new_requests:
             self._tokens[new.req_id] = list(new.token_ids)
-        for cached in sched.cached_requests:
-            self._tokens[cached.req_id].extend(cached.new_token_ids)
         num_computed = {r.req_id: r.num_computed_tokens for r in sched.new_requests}
         num_computed.update({r.req_id: r.num_computed_tokens for r in sched.cached_requests})
         req_ids, sampled = [], []
@@ -141,6 +139,7 @@ class FakeRunner:
             if num_computed[req_id] + n == len(tokens):
                 req_ids.append(req_id)
                 sampled.append(self.next_token(tokens))
+                tokens.append(sampled[-1])  # as a real runner does: the next step computes it
         if self.fake.step_delay_s:
             time.sleep(self.fake.step_delay_s)
         return RunnerOutput(req_ids=req_ids, sampled_token_ids=sampled)
