@@ -11,6 +11,7 @@ import sys
 import textwrap
 import time
 from pathlib import Path
+from typing import Any
 
 import psutil
 import pytest
@@ -424,6 +425,55 @@ async def test_worker_that_cannot_be_spawned_fails_at_the_spawn_stage(fake_confi
             async with trio.open_nursery() as nursery:
                 await nursery.start(Executor(fake_config()).run)
     assert children() == []
+
+
+def _step(n: int, computed: int, new: bool = False) -> Any:
+    from trioserve.messages import CachedRequestData, NewRequestData, SchedulerOutput
+
+    if new:
+        return SchedulerOutput([NewRequestData("a", [5, 6, 7], SamplingParams(max_tokens=10), [0], 0, 3)], [], {"a": n}, n, [])
+    return SchedulerOutput([], [CachedRequestData("a", [], computed)], {"a": n}, n, [])
+
+
+def _names_step_2(exc: Exception) -> bool:
+    return re.search(r"worker-0 \(pid \d+\) exited with code 3 during step 2$", str(exc)) is not None
+
+
+async def _expect_death_named_at_step_2(fake_config, body: Any) -> None:
+    """Run ``body(executor)`` on a worker that dies in step 2; the executor
+    must fail with the monitor's error naming step 2, and leave no process."""
+    from trioserve.nurseries.executor import Executor, WorkerError
+
+    executor = Executor(fake_config(die_at_step=2))
+    with trio.fail_after(20):
+        with pytest.RaisesGroup(pytest.RaisesExc(WorkerError, check=_names_step_2), flatten_subgroups=True):
+            async with trio.open_nursery() as nursery:
+                await nursery.start(executor.run)
+                await executor.dispatch(_step(3, 0, new=True))
+                await executor.dispatch(_step(1, 3))
+                await body(executor)
+    assert children() == []
+
+
+async def test_a_worker_that_dies_with_earlier_replies_uncollected_is_named_at_the_step_it_was_running(fake_config):
+    """Two steps in flight: the worker answers step 1, then dies in step 2
+    before the step loop has taken step 1's reply."""
+
+    async def body(executor: Any) -> None:
+        await executor._workers[0].exited.wait()  # step 1's reply still in its inbox
+        await executor.collect()
+
+    await _expect_death_named_at_step_2(fake_config, body)
+
+
+async def test_a_step_sent_to_a_worker_that_already_closed_its_stream_names_the_worker(fake_config):
+    async def body(executor: Any) -> None:
+        await executor.collect()
+        await executor._workers[0].stream_closed.wait()  # it died in step 2
+        await executor.dispatch(_step(1, 4))
+        await trio.sleep_forever()
+
+    await _expect_death_named_at_step_2(fake_config, body)
 
 
 async def test_engine_core_without_handshake_reply_exits_at_its_handshake_deadline(tmp_path: Path):

@@ -547,3 +547,17 @@ def test_a_request_preempted_while_a_step_samples_for_it_keeps_that_token() -> N
     assert new.output_token_ids == [6] and new.num_pending == 0
     assert sched.postprocess(second, RunnerOutput(["old"], [7])) == [TokenOutput("old", [7])]
     sched.check_invariants()
+
+
+def test_a_token_in_flight_for_an_aborted_request_never_reaches_a_new_one_with_its_id() -> None:
+    sched = make_scheduler()
+    sched.add(make_request("x", prompt_len=3, max_tokens=10))
+    first = sched.schedule()  # samples for the old "x"
+    sched.abort(["x"])
+    sched.add(make_request("x", prompt_len=4, max_tokens=10))  # the id is free again
+    second = sched.schedule()
+    assert second.finished_req_ids == ["x"] and [r.req_id for r in second.new_requests] == ["x"]
+    assert sched.postprocess(first, RunnerOutput(["x"], [99])) == []  # the old request's token
+    assert sched.get_request("x").output_token_ids == []
+    sched.check_invariants()
+    assert sched.postprocess(second, RunnerOutput(["x"], [5])) == [TokenOutput("x", [5])]

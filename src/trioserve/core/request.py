@@ -3,8 +3,9 @@
 Invariants:
 - ``all_token_ids == prompt_token_ids + output_token_ids``; the prompt never
   changes, and output tokens are only ever appended.
-- ``0 <= num_computed_tokens <= num_tokens``: the first ``num_computed_tokens``
-  tokens have their keys and values in the KV cache (while RUNNING). After a
+- ``0 <= num_computed_tokens <= num_tokens + num_pending``: the first
+  ``num_computed_tokens`` tokens have their keys and values in the KV cache
+  (while RUNNING), or will once the steps in flight have run. After a
   preemption it is 0 again: everything is recomputed.
 - ``num_pending`` counts the tokens being sampled for it in steps that are
   still in flight (the scheduler plans a step before the previous one has

@@ -109,7 +109,7 @@ class Scheduler:
         self.running: list[Request] = []  # oldest first
         self._requests: dict[str, Request] = {}  # every unfinished request
         self._on_workers: set[str] = set()  # requests whose state the workers hold
-        self._in_flight: deque[tuple[SchedulerOutput, list[str]]] = deque()  # steps and their samplers
+        self._in_flight: deque[tuple[SchedulerOutput, list[Request]]] = deque()  # steps and their samplers
         self._finished_req_ids: list[str] = []  # for the next output
         self.num_preemptions = 0
         self.num_steps = 0
@@ -185,7 +185,7 @@ class Scheduler:
             req.num_computed_tokens += num_tokens
             if req.num_computed_tokens == req.num_tokens + req.num_pending:
                 req.num_pending += 1
-                samplers.append(req_id)
+                samplers.append(req)
         if output.total_num_scheduled_tokens > 0:
             self.num_steps += 1
             self._in_flight.append((output, samplers))
@@ -218,10 +218,10 @@ class Scheduler:
         sampled = _sampled_tokens(runner_output)
         outputs = []
         any_finished = False
-        for req_id in samplers:
-            req = self._requests.get(req_id)
-            if req is None:
-                continue  # finished since it was scheduled
+        for req in samplers:
+            req_id = req.request_id
+            if self._requests.get(req_id) is not req:
+                continue  # finished since it was scheduled (its id may even be in use again)
             if req_id not in sampled:
                 raise RuntimeError(f"the runner sampled no token for request {req_id!r}")
             req.num_pending -= 1
@@ -380,10 +380,12 @@ class Scheduler:
         _check(self._on_workers == running, "workers hold requests other than the running")
         pending: dict[str, int] = {}
         for _, samplers in self._in_flight:
-            for req_id in samplers:
-                pending[req_id] = pending.get(req_id, 0) + 1
+            for sampler in samplers:
+                if self._requests.get(sampler.request_id) is sampler:
+                    pending[sampler.request_id] = pending.get(sampler.request_id, 0) + 1
         for req in self._requests.values():
             _check(req.num_pending == pending.get(req.request_id, 0), f"{req!r}: pending != steps in flight for it")
+            _check(req.num_computed_tokens <= req.num_tokens + req.num_pending, f"{req!r} computed past its tokens")
         block_size = self.block_manager.block_size
         for req in self.running:
             _check(req.status is RequestStatus.RUNNING, f"{req!r} is running but not RUNNING")

@@ -95,16 +95,20 @@ class _Worker:
     def has_reply(self) -> bool:
         return self.inbox is not None and self.inbox.statistics().current_buffer_used > 0
 
-    def take_failure(self) -> str | None:
-        """The message of a ``WorkerFailed`` still waiting in its inbox, if any."""
+    def drain(self) -> tuple[int, str | None]:
+        """Empty its inbox (once it is dead): how many replies were still
+        waiting there, and the message of its ``WorkerFailed``, if any."""
+        num_replies, failure = 0, None
         while self.inbox is not None:
             try:
                 msg = self.inbox.receive_nowait()
             except (trio.WouldBlock, trio.EndOfChannel, trio.ClosedResourceError):
-                return None
+                break
             if isinstance(msg, WorkerFailed):
-                return msg.message
-        return None
+                failure = msg.message
+            else:
+                num_replies += 1
+        return num_replies, failure
 
 
 class Executor:
@@ -114,6 +118,7 @@ class Executor:
         self.stage = "spawn"  # then "model-load", "kv-cache", "step"
         self.num_steps = 0  # steps sent to the workers; the first is 1
         self._steps_in_flight: deque[int] = deque()  # sent, reply not yet collected
+        self._collecting = False  # a collect() is taking replies
         self._last_words: dict[int, str] = {}  # rank -> its WorkerFailed message
         self._answered: set[int] = set()  # ranks whose reply the current call has taken
 
@@ -188,18 +193,26 @@ class Executor:
         except ProcessExited as exc:
             with trio.move_on_after(EXIT_WAIT_S):
                 await worker.stream_closed.wait()
-            last_words = self._last_words.get(worker.rank) or worker.take_failure()
-            message = f"{exc} during {self._stage_label()}" + (f": {last_words}" if last_words else "")
+            num_replies, failure = worker.drain()
+            last_words = self._last_words.get(worker.rank) or failure
+            stage = self._stage_label(worker, num_replies)
+            message = f"{exc} during {stage}" + (f": {last_words}" if last_words else "")
             raise WorkerError(message, stage=self.stage, process=worker.name, exit_code=exc.exit_code) from None
         finally:
             worker.exited.set()
 
-    def _stage_label(self) -> str:
-        """The stage; in the step stage, the oldest step not yet collected
-        (the one the workers are running, or the last one sent)."""
+    def _stage_label(self, worker: _Worker | None = None, num_replies: int = 0) -> str:
+        """The stage; in the step stage, the step being run: the oldest step
+        not yet collected or, for a ``worker`` that already answered some of
+        the steps in flight (``num_replies`` still in its inbox, and maybe one
+        taken by the collect in progress), the first it has not answered."""
         if self.stage != "step":
             return self.stage
-        return f"step {self._steps_in_flight[0] if self._steps_in_flight else self.num_steps}"
+        steps = self._steps_in_flight
+        if not steps:
+            return f"step {self.num_steps}"
+        answered = num_replies + (1 if worker is not None and self._collecting and worker.rank in self._answered else 0)
+        return f"step {steps[min(answered, len(steps) - 1)]}"
 
     async def _initialize(self) -> ExecutorInfo:
         world = len(self._workers)
@@ -233,9 +246,14 @@ class Executor:
         return await self._receive_all(reply_type)
 
     async def _send_all(self, messages: list[Any]) -> None:
+        """Send each worker its message. A worker whose stream is already
+        closed (it is exiting) fails as in ``_receive_all``."""
         for worker, msg in zip(self._workers, messages):
             assert worker.outbox is not None
-            await worker.outbox.send(msg)
+            try:
+                await worker.outbox.send(msg)
+            except (trio.BrokenResourceError, trio.ClosedResourceError):
+                await self._fail(worker, "closed its stream")
 
     async def _receive_all(self, reply_type: type) -> list[Any]:
         """Take one reply from each worker, in rank order. A worker that
@@ -303,8 +321,12 @@ class Executor:
         stops them.
         """
         timeout = self.config.step_timeout_s
-        with trio.move_on_after(math.inf if timeout is None else timeout) as scope:
-            replies = await self._receive_all(RunnerOutput)
+        self._collecting = True
+        try:
+            with trio.move_on_after(math.inf if timeout is None else timeout) as scope:
+                replies = await self._receive_all(RunnerOutput)
+        finally:
+            self._collecting = False
         if scope.cancelled_caught:
             late = self._late_workers()
             raise StepTimeout(
@@ -312,10 +334,16 @@ class Executor:
                 stage="step",
                 process=", ".join(w.name for w in late),
             )
+        first = replies[OUTPUT_RANK]
+        for worker, reply in zip(self._workers, replies):
+            # Each rank appends what it samples to its own copy of the requests:
+            # ranks that disagree would drift apart silently.
+            if (reply.req_ids, reply.sampled_token_ids) != (first.req_ids, first.sampled_token_ids):
+                raise WorkerError(
+                    f"{worker.name} (pid {worker.pid}) sampled other tokens than rank {OUTPUT_RANK} "
+                    f"in {self._stage_label()}",
+                    stage="step",
+                    process=worker.name,
+                )
         self._steps_in_flight.popleft()
-        return replies[OUTPUT_RANK]
-
-    async def execute(self, scheduler_output: SchedulerOutput) -> RunnerOutput:
-        """One step, sent and collected (with nothing else in flight)."""
-        await self.dispatch(scheduler_output)
-        return await self.collect()
+        return first

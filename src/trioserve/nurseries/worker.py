@@ -17,6 +17,7 @@ is abandoned and the process exits.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import socket
@@ -97,7 +98,12 @@ def serve(sock: socket.socket) -> None:
         while (msg := talk.receive()) is not None:
             if not isinstance(msg, SchedulerOutput):
                 raise RuntimeError(f"worker expected SchedulerOutput, got {type(msg).__name__}")
-            talk.send(runner.execute(msg))
+            output = runner.execute(msg)
+            try:
+                talk.send(output)
+            except (BrokenPipeError, ConnectionResetError):
+                log.debug("the engine core closed the stream during a step")
+                return  # it is going down: same as the end of the stream
     except Exception as exc:
         detail = "".join(traceback.format_exception_only(exc)).strip()
         try:
@@ -110,7 +116,11 @@ def serve(sock: socket.socket) -> None:
 
 async def worker_main() -> None:
     sock = socket_from_fd(int(os.environ[WORKER_FD_ENV]))
-    with sock:
+    try:
         # If cancelled (the parent is gone), the thread is abandoned and the
         # process exits without waiting for the model step to finish.
         await trio.to_thread.run_sync(serve, sock, abandon_on_cancel=True)
+    finally:
+        with contextlib.suppress(OSError):
+            sock.shutdown(socket.SHUT_RDWR)  # wakes an abandoned thread blocked on it
+        sock.close()
