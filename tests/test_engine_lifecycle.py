@@ -350,6 +350,17 @@ async def test_step_timeout_names_only_the_worker_that_did_not_answer(fake_confi
         assert await wait_no_children() == []
 
 
+async def test_ranks_that_sample_different_tokens_fail_the_engine_naming_the_rank(fake_config):
+    config = fake_config(tensor_parallel_size=2, fault_rank=1, diverge_at_step=2, max_restarts=0)
+    with trio.fail_after(30):
+        async with trioserve.open_engine(config=config) as engine:
+            with pytest.raises(
+                trioserve.EngineDeadError, match=r"worker-1 \(pid \d+\) sampled other tokens than rank 0 in step 2"
+            ):
+                await engine.generate([1, 2, 3], SamplingParams(max_tokens=10))
+        assert await wait_no_children() == []
+
+
 async def test_slow_steps_within_step_timeout_are_not_a_failure(fake_config):
     with trio.fail_after(30):
         async with trioserve.open_engine(config=fake_config(step_delay_s=0.05, step_timeout_s=1.0)) as engine:

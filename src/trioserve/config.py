@@ -41,6 +41,7 @@ class FakeRunnerConfig:
     die_at_step: int = 0  # os._exit(3) at that step (0: never)
     raise_at_step: int = 0  # raise RuntimeError at that step
     hang_at_step: int = 0  # block forever at that step
+    diverge_at_step: int = 0  # sample a different token than the other ranks at that step
     fault_rank: int = 0  # which worker rank the faults apply to
 
     def __post_init__(self) -> None:
@@ -48,7 +49,7 @@ class FakeRunnerConfig:
         _check(self.max_model_len >= 2, "fake.max_model_len", "must be at least 2")
         _check(self.num_kv_blocks >= 1, "fake.num_kv_blocks", "must be at least 1")
         _check(self.eos_token_id >= 0, "fake.eos_token_id", "must be a token id")
-        for name in ("eos_every", "die_at_step", "raise_at_step", "hang_at_step", "fault_rank"):
+        for name in ("eos_every", "die_at_step", "raise_at_step", "hang_at_step", "diverge_at_step", "fault_rank"):
             _check(getattr(self, name) >= 0, f"fake.{name}", "must be >= 0")
         _check(self.step_delay_s >= 0, "fake.step_delay_s", "must be >= 0")
         _check(self.load_delay_s >= 0, "fake.load_delay_s", "must be >= 0")

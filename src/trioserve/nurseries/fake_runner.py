@@ -139,6 +139,8 @@ class FakeRunner:
             if num_computed[req_id] + n == len(tokens):
                 req_ids.append(req_id)
                 sampled.append(self.next_token(tokens))
+                if self._faults_apply() and self.num_steps == self.fake.diverge_at_step:
+                    sampled[-1] = (sampled[-1] + 1) % self.vocab_size  # this rank disagrees
                 tokens.append(sampled[-1])  # as a real runner does: the next step computes it
         if self.fake.step_delay_s:
             time.sleep(self.fake.step_delay_s)
