@@ -95,11 +95,15 @@ class Request:
             return "stop"
         if last in self._stop_token_ids:
             return "stop"
-        if self.num_output_tokens >= self.params.max_tokens:
-            return "length"
-        if self.num_tokens >= max_model_len:
+        if self.reaches_length_limit(max_model_len):
             return "length"
         return None
+
+    def reaches_length_limit(self, max_model_len: int, num_more: int = 0) -> bool:
+        """With ``num_more`` tokens beyond those it has, it would have
+        ``max_tokens`` output tokens or ``max_model_len`` tokens in all."""
+        num_tokens = self.num_tokens + num_more
+        return num_tokens - self.num_prompt_tokens >= self.params.max_tokens or num_tokens >= max_model_len
 
     def finish(self, reason: FinishReason) -> None:
         self.status = RequestStatus.FINISHED

@@ -191,11 +191,6 @@ class Scheduler:
             self._in_flight.append((output, samplers))
         return output
 
-    @property
-    def num_steps_in_flight(self) -> int:
-        """Steps scheduled and not yet postprocessed."""
-        return len(self._in_flight)
-
     def postprocess(
         self, scheduler_output: SchedulerOutput, runner_output: RunnerOutput
     ) -> list[TokenOutput]:
@@ -283,10 +278,7 @@ class Scheduler:
     def _stops_by_length(self, req: Request) -> bool:
         """The tokens in flight will end ``req`` on a length limit: planning
         it further would only compute a token to drop."""
-        if req.num_pending == 0:
-            return False
-        num_tokens = req.num_tokens + req.num_pending
-        return num_tokens - req.num_prompt_tokens >= req.params.max_tokens or num_tokens >= self._max_len
+        return req.num_pending > 0 and req.reaches_length_limit(self._max_len, req.num_pending)
 
     def _make_room(self, req: Request, num_tokens: int) -> bool:
         """Preempt the newest running requests until ``req`` can hold ``num_tokens``.

@@ -17,9 +17,9 @@ from __future__ import annotations
 import math
 import os
 import sys
+from collections import deque
 from dataclasses import dataclass, field
 from functools import partial
-from collections import deque
 from typing import Any, NoReturn
 
 import trio
@@ -338,7 +338,7 @@ class Executor:
         for worker, reply in zip(self._workers, replies):
             # Each rank appends what it samples to its own copy of the requests:
             # ranks that disagree would drift apart silently.
-            if (reply.req_ids, reply.sampled_token_ids) != (first.req_ids, first.sampled_token_ids):
+            if reply is not first and (reply.req_ids, reply.sampled_token_ids) != (first.req_ids, first.sampled_token_ids):
                 raise WorkerError(
                     f"{worker.name} (pid {worker.pid}) sampled other tokens than rank {OUTPUT_RANK} "
                     f"in {self._stage_label()}",

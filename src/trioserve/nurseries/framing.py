@@ -47,6 +47,24 @@ class FrameError(Exception):
     payload that does not decode."""
 
 
+def _frame_parts(payload: bytes, max_frame_bytes: int) -> list[bytes]:
+    """What to write for one frame: header and payload in one piece when
+    small, else apart. Raises ``FrameError`` for a payload over the limit."""
+    size = len(payload)
+    if size > max_frame_bytes:
+        raise FrameError(f"frame of {size} bytes is over the limit of {max_frame_bytes}")
+    header = size.to_bytes(_HEADER, "big")
+    return [header + payload] if size < _COALESCE_BELOW else [header, payload]
+
+
+def _announced_size(header: bytes | bytearray, max_frame_bytes: int) -> int:
+    """The payload size a header announces. Raises ``FrameError`` if over the limit."""
+    size = int.from_bytes(header[:_HEADER], "big")
+    if size > max_frame_bytes:
+        raise FrameError(f"frame header announces {size} bytes, over the limit of {max_frame_bytes}")
+    return size
+
+
 async def write_frame(stream: trio.abc.SendStream, payload: bytes, *, max_frame_bytes: int = MAX_FRAME_BYTES) -> None:
     """Write one frame: the payload's length, then the payload.
 
@@ -57,17 +75,11 @@ async def write_frame(stream: trio.abc.SendStream, payload: bytes, *, max_frame_
     at the caller's next checkpoint. A peer that is gone raises
     ``trio.BrokenResourceError``.
     """
-    size = len(payload)
-    if size > max_frame_bytes:
-        raise FrameError(f"frame of {size} bytes is over the limit of {max_frame_bytes}")
-    header = size.to_bytes(_HEADER, "big")
+    parts = _frame_parts(payload, max_frame_bytes)
     await trio.lowlevel.checkpoint_if_cancelled()
     with trio.CancelScope(shield=True):
-        if size < _COALESCE_BELOW:
-            await stream.send_all(header + payload)
-        else:
-            await stream.send_all(header)
-            await stream.send_all(payload)
+        for part in parts:
+            await stream.send_all(part)
 
 
 class FrameReader:
@@ -102,10 +114,7 @@ class FrameReader:
         """Where the first buffered frame ends, if it has all arrived."""
         if len(self._buf) < _HEADER:
             return None
-        size = int.from_bytes(self._buf[:_HEADER], "big")
-        if size > self._max:
-            raise FrameError(f"frame header announces {size} bytes, over the limit of {self._max}")
-        end = _HEADER + size
+        end = _HEADER + _announced_size(self._buf, self._max)
         return end if len(self._buf) >= end else None
 
     def _wanted(self) -> int:
@@ -251,25 +260,15 @@ class BlockingFrames:
         header = self._read_exactly(_HEADER, at_frame_start=True)
         if header is None:
             return None
-        size = int.from_bytes(header, "big")
-        if size > self._max:
-            raise FrameError(f"frame header announces {size} bytes, over the limit of {self._max}")
-        payload = self._read_exactly(size, at_frame_start=False)
+        payload = self._read_exactly(_announced_size(header, self._max), at_frame_start=False)
         assert payload is not None
         return payload
 
     def write(self, payload: bytes) -> None:
         """Write one frame. Raises ``FrameError`` for a payload over the limit
         (nothing is written), ``OSError`` if the peer is gone."""
-        size = len(payload)
-        if size > self._max:
-            raise FrameError(f"frame of {size} bytes is over the limit of {self._max}")
-        header = size.to_bytes(_HEADER, "big")
-        if size < _COALESCE_BELOW:
-            self._sock.sendall(header + payload)
-        else:
-            self._sock.sendall(header)
-            self._sock.sendall(payload)
+        for part in _frame_parts(payload, self._max):
+            self._sock.sendall(part)
 
     def _read_exactly(self, n: int, *, at_frame_start: bool) -> bytes | None:
         buf = bytearray(n)
