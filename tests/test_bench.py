@@ -21,16 +21,10 @@ from trioserve.bench.drivers import Progress
 from trioserve.bench.report import build_result, format_table, write_json
 from trioserve.bench.run import run_against_server, run_in_process
 from trioserve.bench.stats import RequestRecord, percentile, summarize
-from trioserve.bench.steplog import (
-    STEP_LOG_ENV,
-    StepRecord,
-    format_step,
-    in_run_figures,
-    read_step_log,
-    step_log_env,
-)
+from trioserve.bench.steps import in_run_figures, step_log_env
 from trioserve.bench.workload import WorkloadSpec, build_requests, parse_range
 from trioserve.config import EngineConfig, FakeRunnerConfig
+from trioserve.runners.steplog import STEP_LOG_ENV, StepRecord, format_step, read_step_log
 
 VOCAB = 259
 

@@ -491,7 +491,7 @@ async def test_engine_core_without_handshake_reply_exits_at_its_handshake_deadli
     import zmq
 
     from trioserve.nurseries.engine_core import HANDSHAKE_ADDRESS_ENV, HANDSHAKE_TIMEOUT_ENV
-    from trioserve.nurseries.zmq_trio import TrioZmqSocket
+    from trioserve.transport.zmq_trio import TrioZmqSocket
 
     address = f"ipc://{tmp_path}/handshake"
     env = {**os.environ, HANDSHAKE_ADDRESS_ENV: address, HANDSHAKE_TIMEOUT_ENV: "0.5"}

@@ -10,7 +10,7 @@ import pytest
 import trio
 import trio.testing
 
-from trioserve.nurseries.framing import (
+from trioserve.transport.framing import (
     BlockingFrames,
     FrameError,
     FrameReader,

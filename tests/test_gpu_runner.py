@@ -192,7 +192,7 @@ def test_decodes_split_into_several_groups_match_generate(tiny_model_dir, arch, 
 
 
 def test_step_log_has_a_line_per_step(tiny_model_dir, tmp_path, monkeypatch):
-    from trioserve.bench.steplog import STEP_LOG_ENV, read_step_log
+    from trioserve.runners.steplog import STEP_LOG_ENV, read_step_log
 
     monkeypatch.setenv(STEP_LOG_ENV, str(tmp_path / "steps"))
     runner, _ = make_runner(tiny_model_dir("llama"))

@@ -1,4 +1,13 @@
-"""The layers keep to their imports (docs/architecture.md, "Layers")."""
+"""The layers keep to their imports (docs/architecture.md, "Layers").
+
+Every unit of the package (a subpackage, or a top-level module) has a rank.
+An import of another unit, at module level or inside a function, must go to
+a lower rank: nothing runs back up, and units of the same rank do not import
+each other. torch and transformers (and ``trioserve.gpu``, which imports
+them) are imported at module level only by ``gpu/`` and by the benchmark's
+baseline process (``bench/baselines.py``); lazily, only by the worker's
+choice of runner and the benchmark's model-building subprocess.
+"""
 
 from __future__ import annotations
 
@@ -13,43 +22,138 @@ import trioserve
 
 SRC = Path(trioserve.__file__).parent
 
-# For each layer: the top-level packages its modules may import at module level.
-STDLIB = set(sys.stdlib_module_names)
-ALLOWED = {
-    "core": STDLIB | {"msgspec", "trioserve.messages", "trioserve.config", "trioserve.core"},
-    "nurseries": STDLIB | {"msgspec", "trio", "zmq", "trioserve"},
-    "frontend": STDLIB | {"msgspec", "trio", "zmq", "tokenizers", "trioserve"},
-    "server": STDLIB | {"msgspec", "trio", "trio_websocket", "trioserve"},
-    "bench": STDLIB | {"msgspec", "trio", "trio_websocket", "psutil", "trioserve"},
+RANKS = {
+    "errors": 0,
+    "config": 0,
+    "messages": 1,
+    "core": 2,
+    "transport": 3,
+    "runners": 3,
+    "gpu": 4,
+    "nurseries": 5,
+    "frontend": 6,
+    "default_model": 6,
+    "api": 7,
+    "server": 8,
+    "bench": 8,
+    "cli": 9,
+    "__init__": 10,  # the public face re-exports from anywhere
 }
-FORBIDDEN_EVERYWHERE_BUT_GPU = ("torch", "transformers", "trioserve.gpu")
+
+STDLIB = set(sys.stdlib_module_names) | {"__future__"}
+TORCH = {"torch", "transformers", "safetensors", "trioserve.gpu"}
+# Third-party packages each unit may import (anywhere in its modules).
+THIRD_PARTY = {
+    "errors": set(),
+    "config": set(),
+    "messages": {"msgspec"},
+    "core": {"msgspec"},
+    "transport": {"msgspec", "trio", "zmq"},
+    "runners": {"msgspec", "trio"},
+    "gpu": {"msgspec", "torch", "transformers", "safetensors", "tokenizers", "numpy"},
+    "nurseries": {"msgspec", "trio", "zmq", "setproctitle"},
+    "frontend": {"msgspec", "trio", "zmq", "tokenizers"},
+    "default_model": set(),
+    "api": {"msgspec", "trio"},
+    "server": {"msgspec", "trio", "trio_websocket", "h11"},
+    "bench": {"msgspec", "trio", "trio_websocket", "psutil", "matplotlib", "numpy"},
+    "cli": {"msgspec", "trio"},
+    "__init__": set(),
+}
+# (module, imported unit) pairs allowed although they break the rules above.
+TORCH_AT_MODULE_LEVEL = {"bench/baselines.py"}
+LAZY_GPU_IMPORTS = {
+    ("nurseries/worker.py", "trioserve.gpu.model_runner"),  # the worker's runner
+    ("bench/models.py", "transformers.utils"),  # the model-building subprocess
+    ("bench/models.py", "trioserve.gpu.tiny_models"),
+}
 
 
-def module_level_imports(path: Path) -> set[str]:
-    names = set()
-    for node in ast.parse(path.read_text()).body:
+def unit_of(relpath: str) -> str:
+    first = relpath.split("/")[0]
+    return first.removesuffix(".py")
+
+
+def imports(tree: ast.Module) -> list[tuple[str, bool]]:
+    """Every absolute import in ``tree``: (module name, at module level?)."""
+    top = set(map(id, tree.body))
+    found = []
+    for node in ast.walk(tree):
         if isinstance(node, ast.Import):
-            names.update(alias.name for alias in node.names)
+            found += [(alias.name, id(node) in top) for alias in node.names]
         elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
-            names.add(node.module)
-    return names
+            found.append((node.module, id(node) in top))
+    return found
 
 
-def allowed(name: str, allowed_names: set[str]) -> bool:
-    return any(name == a or name.startswith(a + ".") for a in allowed_names) or name == "__future__"
+def _is(name: str, prefix: str) -> bool:
+    return name == prefix or name.startswith(prefix + ".")
 
 
-@pytest.mark.parametrize("layer", sorted(ALLOWED))
-def test_layer_imports_only_what_it_may(layer):
-    for path in sorted((SRC / layer).glob("*.py")):
-        for name in module_level_imports(path):
-            assert allowed(name, ALLOWED[layer]), f"{path.name} imports {name}"
-            assert not name.startswith(FORBIDDEN_EVERYWHERE_BUT_GPU), f"{path.name} imports {name}"
+def violations(relpath: str, source: str) -> list[str]:
+    """What is wrong with the imports of the module at ``relpath`` (under
+    ``src/trioserve``) whose text is ``source``."""
+    unit = unit_of(relpath)
+    problems = []
+    for name, module_level in imports(ast.parse(source)):
+        if any(_is(name, t) for t in TORCH):
+            if module_level and unit != "gpu" and relpath not in TORCH_AT_MODULE_LEVEL:
+                problems.append(f"{relpath} imports {name} at module level")
+                continue
+            if not module_level and unit != "gpu" and relpath not in TORCH_AT_MODULE_LEVEL:
+                if (relpath, name) not in LAZY_GPU_IMPORTS:
+                    problems.append(f"{relpath} imports {name} (torch belongs to worker and baseline processes)")
+                    continue
+        if _is(name, "trioserve"):
+            parts = name.split(".")
+            target = parts[1] if len(parts) > 1 else "__init__"
+            if target not in RANKS:
+                problems.append(f"{relpath} imports {name}: unit {target!r} has no rank")
+            elif target != unit and RANKS[target] >= RANKS[unit]:
+                problems.append(
+                    f"{relpath} imports {name}: {unit} (rank {RANKS[unit]}) may not import "
+                    f"{target} (rank {RANKS[target]})"
+                )
+        elif name.split(".")[0] not in STDLIB and not any(_is(name, t) for t in TORCH):
+            allowed = THIRD_PARTY[unit]
+            if name.split(".")[0] not in allowed:
+                problems.append(f"{relpath} imports {name}, which {unit} may not use")
+    return problems
+
+
+def all_modules() -> list[str]:
+    return sorted(str(p.relative_to(SRC)) for p in SRC.rglob("*.py"))
+
+
+def test_every_unit_has_a_rank():
+    assert {unit_of(m) for m in all_modules()} <= set(RANKS)
+
+
+@pytest.mark.parametrize("relpath", all_modules())
+def test_imports_never_run_back_up(relpath):
+    assert violations(relpath, (SRC / relpath).read_text()) == []
+
+
+@pytest.mark.parametrize(
+    ("relpath", "source", "expected"),
+    [
+        ("gpu/model_runner.py", "from trioserve.bench.stats import percentile\n", "gpu (rank 4) may not import bench"),
+        ("core/scheduler.py", "def f():\n    import trioserve.frontend\n", "core (rank 2) may not import frontend"),
+        ("transport/framing.py", "from trioserve.runners import Runner\n", "transport (rank 3) may not import runners"),
+        ("frontend/client.py", "import torch\n", "imports torch at module level"),
+        ("server/http.py", "def f():\n    from trioserve.gpu import sampler\n", "torch belongs to worker"),
+        ("core/request.py", "import trio\n", "which core may not use"),
+    ],
+)
+def test_the_check_finds_an_import_that_breaks_the_layers(relpath, source, expected):
+    found = violations(relpath, source)
+    assert len(found) == 1 and expected in found[0], found
 
 
 def test_front_end_and_cli_import_neither_torch_nor_transformers():
     code = (
-        "import sys, trioserve, trioserve.cli, trioserve.nurseries.engine_core, trioserve.nurseries.worker; "
+        "import sys, trioserve, trioserve.cli, trioserve.server, trioserve.bench.cli, "
+        "trioserve.nurseries.engine_core, trioserve.nurseries.worker; "
         "bad = [m for m in ('torch', 'transformers', 'trioserve.gpu') if m in sys.modules]; "
         "assert not bad, bad"
     )

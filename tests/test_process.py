@@ -19,7 +19,7 @@ import psutil
 import pytest
 import trio
 
-from trioserve.nurseries.framing import MessageBridge, socketpair_for_child
+from trioserve.transport.framing import MessageBridge, socketpair_for_child
 from trioserve.nurseries.process import ChildProcess, ProcessExited, supervise_process
 
 HELPER = Path(__file__).parent / "helpers" / "child.py"

@@ -13,7 +13,7 @@ import trio
 import trio.testing
 import zmq
 
-from trioserve.nurseries.zmq_trio import TrioZmqSocket, private_ipc_dir, zmq_context
+from trioserve.transport.zmq_trio import TrioZmqSocket, private_ipc_dir, zmq_context
 
 _inproc_names = itertools.count()
 

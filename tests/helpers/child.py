@@ -24,7 +24,7 @@ from typing import Any
 
 import trio
 
-from trioserve.nurseries.framing import MessageBridge, stream_from_fd
+from trioserve.transport.framing import MessageBridge, stream_from_fd
 from trioserve.nurseries.process import run_child_main, supervise_process
 
 REPORT_FD_ENV = "TRIOSERVE_TEST_REPORT_FD"

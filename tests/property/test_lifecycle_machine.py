@@ -68,7 +68,7 @@ import trioserve
 from trioserve import EngineConfig, FakeRunnerConfig, SamplingParams
 from trioserve.errors import EngineDeadError, RequestError
 from trioserve.frontend.outputs import RequestOutput
-from trioserve.nurseries.zmq_trio import zmq_context
+from trioserve.transport.zmq_trio import zmq_context
 
 VOCAB = 259  # the tiny test tokenizer's vocabulary: 256 bytes + 3 specials
 EOS = 2

@@ -15,7 +15,7 @@ from trioserve.bench.models import BENCH_MODELS, resolve_model
 from trioserve.bench.report import build_result, format_table, plot_latencies, write_json
 from trioserve.bench.run import BASELINE_KINDS, run_against_server, run_baseline, run_in_process
 from trioserve.bench.stats import run_window, summarize
-from trioserve.bench.steplog import in_run_figures
+from trioserve.bench.steps import in_run_figures
 from trioserve.bench.workload import WorkloadSpec, parse_range
 from trioserve.config import EngineConfig
 

@@ -29,7 +29,7 @@ def build_result(
     meta: dict[str, Any],
     in_run: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """``in_run``: the worker's own step figures of this run (``steplog.in_run_figures``)."""
+    """``in_run``: the worker's own step figures of this run (``bench.steps.in_run_figures``)."""
     ours = run["output_tokens_per_s"]
     ratios = {
         kind: ours / b["output_tokens_per_s"] for kind, b in baselines.items() if b.get("output_tokens_per_s")

@@ -21,7 +21,8 @@ from trioserve.api import open_engine
 from trioserve.bench.drivers import Progress, WebSocketPool, connections_for, drive, engine_sender
 from trioserve.bench.memory import PeakMemory, server_processes
 from trioserve.bench.stats import RequestRecord
-from trioserve.bench.steplog import StepRecord, read_step_log, step_log_env, step_log_path
+from trioserve.bench.steps import step_log_env
+from trioserve.runners.steplog import StepRecord, read_step_log, step_log_path
 from trioserve.bench.workload import BenchRequest, WorkloadSpec, build_requests, warmup_spec
 from trioserve.config import EngineConfig
 
@@ -38,7 +39,7 @@ class RunOutcome:
 async def run_in_process(config: EngineConfig, spec: WorkloadSpec, progress: Progress) -> RunOutcome:
     """Start an engine, warm it up (two short requests, not counted), run the
     workload, read the processes' peak memory, stop the engine. The worker
-    logs each step's timing (``trioserve.bench.steplog``) for the figures
+    logs each step's timing (``trioserve.runners.steplog``) for the figures
     of the same run."""
     requests = build_requests(spec)
     with tempfile.TemporaryDirectory(prefix="trioserve-bench-") as tmp, step_log_env(os.path.join(tmp, "steps")):
@@ -85,7 +86,7 @@ async def _measure(
 def run_baseline(kind: str, config: EngineConfig, spec: WorkloadSpec, timeout_s: float | None = None) -> dict[str, Any]:
     """One baseline in a subprocess; its JSON, or ``{"error": ...}``."""
     command = [
-        sys.executable, "-m", "trioserve.gpu.baselines", kind,
+        sys.executable, "-m", "trioserve.bench.baselines", kind,
         "--config", msgspec.json.encode(config).decode(),
         "--spec", json.dumps(spec.to_dict()),
     ]

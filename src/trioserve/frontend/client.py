@@ -47,7 +47,7 @@ from trioserve.messages import (
 )
 from trioserve.nurseries.engine_core import ENGINE_INDEX_ENV, HANDSHAKE_ADDRESS_ENV, HANDSHAKE_TIMEOUT_ENV
 from trioserve.nurseries.process import ChildProcess, ProcessExited, supervise_process
-from trioserve.nurseries.zmq_trio import TrioZmqSocket, private_ipc_dir
+from trioserve.transport.zmq_trio import TrioZmqSocket, private_ipc_dir
 
 TO_ENGINE_SIZE = 1024  # messages queued for the input socket
 log = logging.getLogger("trioserve.client")

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-from trioserve.bench.steplog import STEP_LOG_ENV, StepRecord, format_step, step_log_path
+from trioserve.runners.steplog import STEP_LOG_ENV, StepRecord, format_step, step_log_path
 from trioserve.config import EngineConfig
 from trioserve.gpu.attention import ATTENTION_NAME, METADATA_KWARG, KVCache, build_metadata
 from trioserve.gpu.host_memory import keep_freed_memory
@@ -90,7 +90,7 @@ class ModelRunner:
     Call ``load()``, then ``init_kv_cache(n)``, then ``execute(step)`` once
     per scheduler step. Not thread-safe; one runner per worker process. With
     ``TRIOSERVE_STEP_LOG`` in the environment it logs each step's timing
-    (``trioserve.bench.steplog``).
+    (``trioserve.runners.steplog``).
     """
 
     def __init__(self, config: EngineConfig, rank: int = 0, world_size: int = 1) -> None:
@@ -111,7 +111,7 @@ class ModelRunner:
             keep_freed_memory()  # else every step faults its temporaries in afresh
         # Every rank draws the same unseeded noise, so tensor-parallel ranks agree.
         self.generator = torch.Generator(device=self.device).manual_seed(config.seed)
-        # Benchmarks ask for each step's timing (trioserve.bench.steplog); a line per step.
+        # Benchmarks ask for each step's timing (trioserve.runners.steplog); a line per step.
         log_base = os.environ.get(STEP_LOG_ENV)
         self._step_log = open(step_log_path(log_base, rank), "w", buffering=1) if log_base else None
 

@@ -57,7 +57,7 @@ from trioserve.messages import (
     TokenOutput,
 )
 from trioserve.nurseries.executor import Executor, ExecutorInfo
-from trioserve.nurseries.zmq_trio import TrioZmqSocket
+from trioserve.transport.zmq_trio import TrioZmqSocket
 
 HANDSHAKE_ADDRESS_ENV = "TRIOSERVE_HANDSHAKE_ADDRESS"
 ENGINE_INDEX_ENV = "TRIOSERVE_ENGINE_INDEX"

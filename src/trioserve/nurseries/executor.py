@@ -36,7 +36,7 @@ from trioserve.messages import (
     WorkerInit,
     WorkerLoaded,
 )
-from trioserve.nurseries.framing import MessageBridge, socketpair_for_child
+from trioserve.transport.framing import MessageBridge, socketpair_for_child
 from trioserve.nurseries.process import ChildProcess, ProcessExited, supervise_process
 from trioserve.nurseries.worker import WORKER_FD_ENV
 

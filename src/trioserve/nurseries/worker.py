@@ -36,7 +36,8 @@ from trioserve.messages import (
     WorkerFailed,
     WorkerInit,
 )
-from trioserve.nurseries.framing import BlockingFrames, socket_from_fd
+from trioserve.runners import Runner
+from trioserve.transport.framing import BlockingFrames, socket_from_fd
 
 WORKER_FD_ENV = "TRIOSERVE_WORKER_FD"
 LAST_WORD_S = 1.0  # how long a failing worker waits for its WorkerFailed to be written
@@ -44,11 +45,11 @@ LAST_WORD_S = 1.0  # how long a failing worker waits for its WorkerFailed to be 
 log = logging.getLogger("trioserve.worker")
 
 
-def make_runner(config: EngineConfig, rank: int, world_size: int) -> Any:
-    """The runner the config asks for. The transformers runner's imports
-    (torch and all) happen here, so call this off the trio thread."""
+def make_runner(config: EngineConfig, rank: int, world_size: int) -> Runner:
+    """The runner ``config.runner`` names. The transformers runner's imports
+    (torch and all) happen here, so call this off the Trio thread."""
     if config.runner == "fake":
-        from trioserve.nurseries.fake_runner import FakeRunner
+        from trioserve.runners.fake import FakeRunner
 
         return FakeRunner(config, rank, world_size)
     from trioserve.gpu.model_runner import ModelRunner

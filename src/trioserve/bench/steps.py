@@ -1,11 +1,4 @@
-"""The worker's own step timings, measured during the benchmark's run.
-
-With ``TRIOSERVE_STEP_LOG=PATH`` in its environment, a model runner of rank
-r appends one line per ``execute()`` to ``PATH.r``: when the step started and
-ended (``time.perf_counter``, which on Linux is the system-wide monotonic
-clock, so it compares with the bench client's timestamps), how many tokens
-and sequences it ran, how many tokens it sampled, and how many of those
-were a request's first output token (the rest each end an inter-token gap).
+"""The worker's step log (``runners.steplog``) turned into figures of the run.
 
 ``in_run_figures`` turns the lines that fall in the measured window into the
 same-run counterparts of the model-only baseline: the time the model was
@@ -14,8 +7,7 @@ the run would have had with no overhead, at exactly its batch shapes and
 at the same moment), and the worker's idle time between steps (the engine's
 per-step overhead: scheduling, messages, the thread hand-off). They are
 immune to what other tenants of the machine do between the run and the
-baselines. This module imports no torch: the runner writes with
-``format_step``, the bench reads with ``read_step_log``.
+baselines.
 """
 
 from __future__ import annotations
@@ -24,54 +16,10 @@ import math
 import os
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-STEP_LOG_ENV = "TRIOSERVE_STEP_LOG"
-
-
-@dataclass(frozen=True)
-class StepRecord:
-    start_s: float
-    end_s: float
-    num_tokens: int
-    num_seqs: int
-    num_sampled: int
-    num_first: int  # sampled tokens that were a request's first output token
-
-    @property
-    def seconds(self) -> float:
-        return self.end_s - self.start_s
-
-    @property
-    def num_gaps(self) -> int:
-        """Inter-token gaps this step ended: its sampled tokens but first ones."""
-        return self.num_sampled - self.num_first
-
-
-def step_log_path(base: str, rank: int) -> str:
-    return f"{base}.{rank}"
-
-
-def format_step(record: StepRecord) -> str:
-    r = record
-    return f"{r.start_s:.6f} {r.end_s:.6f} {r.num_tokens} {r.num_seqs} {r.num_sampled} {r.num_first}\n"
-
-
-def read_step_log(path: str | Path) -> list[StepRecord]:
-    """The records in a step log; [] when there is none."""
-    try:
-        text = Path(path).read_text()
-    except FileNotFoundError:
-        return []
-    records = []
-    for line in text.splitlines():
-        fields = line.split()
-        if len(fields) == 6:  # a line cut short by a killed worker is skipped
-            start, end, *counts = fields
-            records.append(StepRecord(float(start), float(end), *(int(c) for c in counts)))
-    return records
+from trioserve.runners.steplog import STEP_LOG_ENV, StepRecord
 
 
 @contextmanager

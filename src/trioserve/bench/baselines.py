@@ -1,6 +1,6 @@
 """Baselines, run in their own process (they import torch)::
 
-    python -m trioserve.gpu.baselines KIND --model DIR --spec JSON
+    python -m trioserve.bench.baselines KIND --model DIR --spec JSON
 
 prints one JSON object on stdout. ``KIND``:
 
@@ -231,7 +231,7 @@ KINDS = {"model-only": run_model_only, "generate-batch": run_generate_batch, "ge
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m trioserve.gpu.baselines", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m trioserve.bench.baselines", description=__doc__.splitlines()[0])
     parser.add_argument("kind", choices=sorted(KINDS))
     parser.add_argument("--config", required=True, help="the engine's EngineConfig, as JSON")
     parser.add_argument("--spec", required=True, help="the WorkloadSpec, as JSON")

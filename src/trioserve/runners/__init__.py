@@ -1,0 +1,35 @@
+"""Model runners: what a worker process steps. ``Runner`` is the contract;
+``runners.fake.FakeRunner`` (no torch) and ``gpu.model_runner.ModelRunner``
+(transformers) satisfy it; the worker process (``nurseries.worker``) picks
+one. ``runners.steplog`` is the step timing log a runner may write."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Protocol
+
+if TYPE_CHECKING:
+    from trioserve.messages import RunnerOutput, SchedulerOutput, WorkerLoaded
+
+
+class Runner(Protocol):
+    """One model (or one shard of it) over a paged KV cache, in one worker.
+
+    Called in this order, from one thread: ``load()`` once, then
+    ``init_kv_cache(n)`` once, then ``execute(step)`` once per scheduler step.
+    A runner keeps each request's token list and appends every token it
+    samples, so a step can be planned before the previous one's tokens are
+    back in the engine core. Errors raise; the worker reports them.
+    """
+
+    def load(self) -> WorkerLoaded:
+        """Load the model; report what it is and how many KV blocks fit."""
+        ...
+
+    def init_kv_cache(self, num_blocks: int) -> None:
+        """Allocate ``num_blocks`` KV blocks (the smallest any rank can hold)."""
+        ...
+
+    def execute(self, step: SchedulerOutput) -> RunnerOutput:
+        """Run one step and return the tokens it sampled."""
+        ...
+
