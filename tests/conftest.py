@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import functools
 import pathlib
 from collections.abc import Callable
 
 import pytest
+from helpers.fakes import make_fake_config
+
+from trioserve import EngineConfig
 
 
 @pytest.fixture(scope="session")
@@ -25,3 +29,10 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., pa
         return cache[arch, seed]
 
     return get
+
+
+@pytest.fixture
+def fake_config(tiny_model_dir: Callable[..., pathlib.Path]) -> Callable[..., EngineConfig]:
+    """``fake_config(**options) -> EngineConfig``: an engine on the fake
+    runner over the tiny llama's tokenizer (``helpers.fakes.make_fake_config``)."""
+    return functools.partial(make_fake_config, str(tiny_model_dir("llama")))

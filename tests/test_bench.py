@@ -17,16 +17,17 @@ import psutil
 import pytest
 import trio
 
+from helpers.fakes import VOCAB
+
 from trioserve.bench.drivers import Progress
 from trioserve.bench.report import build_result, format_table, write_json
 from trioserve.bench.run import run_against_server, run_in_process
 from trioserve.bench.stats import RequestRecord, percentile, summarize
 from trioserve.bench.steps import in_run_figures, step_log_env
 from trioserve.bench.workload import WorkloadSpec, build_requests, parse_range
-from trioserve.config import EngineConfig, FakeRunnerConfig
+from trioserve.config import EngineConfig
 from trioserve.runners.steplog import STEP_LOG_ENV, StepRecord, format_step, read_step_log
 
-VOCAB = 259
 
 
 def spec(**changes) -> WorkloadSpec:
@@ -35,14 +36,8 @@ def spec(**changes) -> WorkloadSpec:
 
 
 @pytest.fixture
-def fake_config(tiny_model_dir):
-    return EngineConfig(
-        model=str(tiny_model_dir("llama")),
-        runner="fake",
-        block_size=4,
-        shutdown_grace_s=2.0,
-        fake=FakeRunnerConfig(step_delay_s=0.002),
-    )
+def fake_config(fake_config):
+    return fake_config(step_delay_s=0.002)
 
 
 def check_figures(result: dict, workload: WorkloadSpec, records: list) -> None:

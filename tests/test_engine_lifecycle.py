@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections import deque
+
 import json
 import os
 import re
@@ -20,44 +22,8 @@ import trio
 import trioserve
 from trioserve import EngineConfig, FakeRunnerConfig, SamplingParams
 
-VOCAB = 259  # the tiny test tokenizer's vocabulary: 256 bytes + 3 specials
-EOS = 2
-
-
-def fake_tokens(prompt: list[int], n: int) -> list[int]:
-    """What the fake runner produces, computed independently of it."""
-    tokens = list(prompt)
-    for _ in range(n):
-        t = (tokens[-1] * 31 + 7) % VOCAB
-        tokens.append(t + 1 if t == EOS else t)
-    return tokens[len(prompt):]
-
-
-def children() -> list[psutil.Process]:
-    return psutil.Process().children(recursive=True)
-
-
-async def wait_no_children(timeout: float = 2.0) -> list[psutil.Process]:
-    with trio.move_on_after(timeout):
-        while children():
-            await trio.sleep(0.05)
-    return children()
-
-
-@pytest.fixture
-def fake_config(tiny_model_dir):
-    def make(**fake_options) -> EngineConfig:
-        engine_options = {k: fake_options.pop(k) for k in list(fake_options) if k in EngineConfig.__dataclass_fields__}
-        return EngineConfig(
-            model=str(tiny_model_dir("llama")),
-            runner="fake",
-            block_size=4,
-            shutdown_grace_s=2.0,
-            fake=FakeRunnerConfig(eos_token_id=EOS, **fake_options),
-            **engine_options,
-        )
-
-    return make
+from helpers.fakes import EOS, VOCAB, children, wait_no_children
+from helpers.fakes import fake_tokens as fake_tokens
 
 
 async def test_generate_returns_the_runner_tokens_in_order(fake_config):
@@ -438,12 +404,16 @@ async def test_worker_that_cannot_be_spawned_fails_at_the_spawn_stage(fake_confi
     assert children() == []
 
 
-def _step(n: int, computed: int, new: bool = False) -> Any:
+def _step(number: int, n: int, computed: int, new: bool = False) -> Any:
+    from trioserve.core.step import Step
     from trioserve.messages import CachedRequestData, NewRequestData, SchedulerOutput
 
     if new:
-        return SchedulerOutput([NewRequestData("a", [5, 6, 7], SamplingParams(max_tokens=10), [0], 0, 3)], [], {"a": n}, n, [])
-    return SchedulerOutput([], [CachedRequestData("a", [], computed)], {"a": n}, n, [])
+        params = SamplingParams(max_tokens=10)
+        scheduled = SchedulerOutput([NewRequestData("a", [5, 6, 7], params, [0], 0, 3)], [], {"a": n}, n, [])
+    else:
+        scheduled = SchedulerOutput([], [CachedRequestData("a", [], computed)], {"a": n}, n, [])
+    return Step(number, scheduled, ())
 
 
 def _names_step_2(exc: Exception) -> bool:
@@ -455,14 +425,16 @@ async def _expect_death_named_at_step_2(fake_config, body: Any) -> None:
     must fail with the monitor's error naming step 2, and leave no process."""
     from trioserve.nurseries.executor import Executor, WorkerError
 
-    executor = Executor(fake_config(die_at_step=2))
+    in_flight: deque[Any] = deque()  # as the step loop keeps it
+    executor = Executor(fake_config(die_at_step=2), in_flight)
     with trio.fail_after(20):
         with pytest.RaisesGroup(pytest.RaisesExc(WorkerError, check=_names_step_2), flatten_subgroups=True):
             async with trio.open_nursery() as nursery:
                 await nursery.start(executor.run)
-                await executor.dispatch(_step(3, 0, new=True))
-                await executor.dispatch(_step(1, 3))
-                await body(executor)
+                for step in (_step(1, 3, 0, new=True), _step(2, 1, 3)):
+                    await executor.dispatch(step)
+                    in_flight.append(step)
+                await body(executor, in_flight)
     assert children() == []
 
 
@@ -470,18 +442,18 @@ async def test_a_worker_that_dies_with_earlier_replies_uncollected_is_named_at_t
     """Two steps in flight: the worker answers step 1, then dies in step 2
     before the step loop has taken step 1's reply."""
 
-    async def body(executor: Any) -> None:
+    async def body(executor: Any, in_flight: deque[Any]) -> None:
         await executor._workers[0].exited.wait()  # step 1's reply still in its inbox
-        await executor.collect()
+        await executor.collect(in_flight[0])
 
     await _expect_death_named_at_step_2(fake_config, body)
 
 
 async def test_a_step_sent_to_a_worker_that_already_closed_its_stream_names_the_worker(fake_config):
-    async def body(executor: Any) -> None:
-        await executor.collect()
+    async def body(executor: Any, in_flight: deque[Any]) -> None:
+        await executor.collect(in_flight.popleft())
         await executor._workers[0].stream_closed.wait()  # it died in step 2
-        await executor.dispatch(_step(1, 4))
+        await executor.dispatch(_step(3, 1, 4))
         await trio.sleep_forever()
 
     await _expect_death_named_at_step_2(fake_config, body)

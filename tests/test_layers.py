@@ -44,7 +44,7 @@ STDLIB = set(sys.stdlib_module_names) | {"__future__"}
 TORCH = {"torch", "transformers", "safetensors", "trioserve.gpu"}
 # Third-party packages each unit may import (anywhere in its modules).
 THIRD_PARTY = {
-    "errors": set(),
+    "errors": {"trio"},  # lazily: to tell a cancellation from a failure
     "config": set(),
     "messages": {"msgspec"},
     "core": {"msgspec"},

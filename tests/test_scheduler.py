@@ -6,6 +6,7 @@ import pytest
 
 from trioserve.core.request import Request, RequestStatus
 from trioserve.core.scheduler import Scheduler
+from trioserve.core.step import Step
 from trioserve.messages import (
     RunnerOutput,
     SampleLogprobs,
@@ -40,14 +41,28 @@ def samplers(sched: Scheduler, out: SchedulerOutput) -> list[str]:
     return result
 
 
+NOTHING = SchedulerOutput([], [], {}, 0, [])
+
+
 def step(
     sched: Scheduler, token: int | dict[str, int] = 7
 ) -> tuple[SchedulerOutput, list[TokenOutput]]:
-    """One schedule -> run -> postprocess round; every sampler gets ``token``."""
-    out = sched.schedule()
+    """One schedule -> run -> postprocess round; every sampler gets ``token``.
+    A round with nothing to do gives an empty ``SchedulerOutput``."""
+    planned = sched.schedule()
+    if planned is None:
+        return NOTHING, []
+    out = planned.scheduled
     req_ids = samplers(sched, out)
     tokens = [token if isinstance(token, int) else token[r] for r in req_ids]
-    return out, sched.postprocess(out, RunnerOutput(req_ids, tokens))
+    return out, sched.postprocess(planned, RunnerOutput(req_ids, tokens))
+
+
+def schedule(sched: Scheduler) -> Step:
+    """The next step, which the test expects there to be."""
+    planned = sched.schedule()
+    assert planned is not None
+    return planned
 
 
 def new_ids(out: SchedulerOutput) -> list[str]:
@@ -362,7 +377,7 @@ def test_logprobs_are_passed_through() -> None:
     sched = make_scheduler()
     sched.add(make_request("a"))
     sched.add(make_request("b"))
-    out = sched.schedule()
+    out = schedule(sched)
     lp = SampleLogprobs(-0.5, [7, 8], [-0.5, -1.5])
     outputs = sched.postprocess(out, RunnerOutput(["a", "b"], [7, 8], [lp, None]))
     assert outputs == [TokenOutput("a", [7], None, [lp]), TokenOutput("b", [8])]
@@ -371,7 +386,7 @@ def test_logprobs_are_passed_through() -> None:
 def test_postprocess_raises_if_the_runner_skips_a_sampling_request() -> None:
     sched = make_scheduler()
     sched.add(make_request("a"))
-    out = sched.schedule()
+    out = schedule(sched)
     with pytest.raises(RuntimeError, match="'a'"):
         sched.postprocess(out, RunnerOutput([], []))
 
@@ -431,7 +446,7 @@ def test_token_of_a_request_aborted_mid_step_is_dropped() -> None:
     sched = make_scheduler()
     sched.add(make_request("a"))
     sched.add(make_request("b"))
-    out = sched.schedule()
+    out = schedule(sched)
     sched.abort(["a"])
     outputs = sched.postprocess(out, RunnerOutput(["a", "b"], [7, 8]))
     assert outputs == [TokenOutput("b", [8])]
@@ -444,12 +459,11 @@ def test_empty_schedule_still_carries_finished_ids() -> None:
     sched = make_scheduler()
     sched.add(make_request("a", max_tokens=1))
     step(sched)
-    out = sched.schedule()
-    assert out == SchedulerOutput([], [], {}, 0, ["a"])
-    assert sched.schedule() == SchedulerOutput([], [], {}, 0, [])
+    assert schedule(sched).scheduled == SchedulerOutput([], [], {}, 0, ["a"])
+    assert sched.schedule() is None  # nothing for the workers: no step
 
 
-def test_stats_count_steps_with_work_and_preemptions() -> None:
+def test_stats_count_every_step_made_and_preemptions() -> None:
     sched = make_scheduler(num_blocks=4, block_size=2)
     sched.add(make_request("old", prompt_len=4, max_tokens=2))
     sched.add(make_request("new", prompt_len=4, max_tokens=2))
@@ -459,11 +473,12 @@ def test_stats_count_steps_with_work_and_preemptions() -> None:
     assert (stats.num_running, stats.num_waiting, stats.num_free_blocks) == (2, 1, 0)
     while sched.has_unfinished():
         step(sched)
-    sched.schedule()  # nothing to do: not a step
+    assert schedule(sched).scheduled == SchedulerOutput([], [], {}, 0, ["queued"])  # a step with no tokens
+    assert sched.schedule() is None  # nothing to do: not a step
     stats = sched.stats()
     assert stats.num_preemptions == 1
     assert stats.num_total_blocks == stats.num_free_blocks == 4
-    assert stats.num_steps == 4
+    assert stats.num_steps == 5
     sched.check_invariants()
 
 
@@ -482,16 +497,16 @@ def test_constructor_rejects_bad_sizes(name: str, value: int) -> None:
 def test_a_step_planned_ahead_computes_the_token_still_in_flight() -> None:
     sched = make_scheduler(block_size=4)
     sched.add(make_request("a", prompt_len=3, max_tokens=10))
-    first = sched.schedule()  # prefill: samples token 4
-    second = sched.schedule()  # planned before the first returns: computes token 4
-    assert first.num_scheduled_tokens == {"a": 3} and second.num_scheduled_tokens == {"a": 1}
-    (cached,) = second.cached_requests
+    first = schedule(sched)  # prefill: samples token 4
+    second = schedule(sched)  # planned before the first returns: computes token 4
+    assert first.scheduled.num_scheduled_tokens == {"a": 3} and second.scheduled.num_scheduled_tokens == {"a": 1}
+    (cached,) = second.scheduled.cached_requests
     assert cached.num_computed_tokens == 3 and cached.new_block_ids == []
     assert sched.get_request("a").num_pending == 2
-    sched.check_invariants()
+    sched.check_invariants([first, second])
     assert sched.postprocess(first, RunnerOutput(["a"], [42])) == [TokenOutput("a", [42])]
-    third = sched.schedule()
-    assert third.num_scheduled_tokens == {"a": 1} and len(third.cached_requests[0].new_block_ids) == 1
+    third = schedule(sched)
+    assert third.scheduled.num_scheduled_tokens == {"a": 1} and len(third.scheduled.cached_requests[0].new_block_ids) == 1
     assert sched.postprocess(second, RunnerOutput(["a"], [43])) == [TokenOutput("a", [43])]
     assert sched.postprocess(third, RunnerOutput(["a"], [44])) == [TokenOutput("a", [44])]
     assert sched.get_request("a").output_token_ids == [42, 43, 44]
@@ -502,11 +517,11 @@ def test_a_step_planned_ahead_computes_the_token_still_in_flight() -> None:
 def test_the_token_planned_after_a_stop_is_dropped_and_its_blocks_are_free() -> None:
     sched = make_scheduler()
     sched.add(make_request("a", prompt_len=4, max_tokens=10))
-    first, second = sched.schedule(), sched.schedule()
+    first, second = schedule(sched), schedule(sched)
     assert sched.postprocess(first, RunnerOutput(["a"], [EOS])) == [TokenOutput("a", [EOS], "stop")]
     assert sched.block_manager.num_free_blocks == 16 and not sched.has_unfinished()
     assert sched.postprocess(second, RunnerOutput(["a"], [7])) == []  # computed, then dropped
-    assert sched.schedule().finished_req_ids == ["a"]
+    assert schedule(sched).scheduled.finished_req_ids == ["a"]
     sched.check_invariants()
 
 
@@ -514,34 +529,37 @@ def test_a_request_is_not_planned_past_its_max_tokens() -> None:
     sched = make_scheduler()
     sched.add(make_request("a", prompt_len=4, max_tokens=1))
     sched.add(make_request("b", prompt_len=4, max_tokens=2))
-    first, second = sched.schedule(), sched.schedule()
-    assert second.num_scheduled_tokens == {"b": 1}  # a's token in flight is its last
+    first, second = schedule(sched), schedule(sched)
+    assert second.scheduled.num_scheduled_tokens == {"b": 1}  # a's token in flight is its last
     outputs = sched.postprocess(first, RunnerOutput(["a", "b"], [5, 6]))
     assert outputs == [TokenOutput("a", [5], "length"), TokenOutput("b", [6])]
-    assert sched.schedule().num_scheduled_tokens == {}  # b's token in flight is its last
+    third = schedule(sched)  # b's token in flight is its last: only "forget a" is left to do
+    assert third.scheduled.num_scheduled_tokens == {} and third.scheduled.finished_req_ids == ["a"]
     assert sched.postprocess(second, RunnerOutput(["b"], [7])) == [TokenOutput("b", [7], "length")]
+    assert sched.postprocess(third, RunnerOutput([], [])) == []
 
 
-def test_outputs_must_be_postprocessed_in_the_order_their_steps_were_scheduled() -> None:
+def test_steps_are_numbered_in_the_order_they_are_made() -> None:
     sched = make_scheduler()
     sched.add(make_request("a", max_tokens=10))
-    first, second = sched.schedule(), sched.schedule()
-    with pytest.raises(RuntimeError, match="not the oldest step in flight"):
-        sched.postprocess(second, RunnerOutput(["a"], [5]))
-    assert sched.postprocess(first, RunnerOutput(["a"], [5])) == [TokenOutput("a", [5])]
+    first, second = schedule(sched), schedule(sched)
+    assert (first.number, second.number) == (1, 2)
+    assert first.samplers == second.samplers == (sched.get_request("a"),)
+    sched.postprocess(first, RunnerOutput(["a"], [5]))
+    assert schedule(sched).number == 3 and sched.stats().num_steps == 3
 
 
 def test_a_request_preempted_while_a_step_samples_for_it_keeps_that_token() -> None:
     sched = make_scheduler(num_blocks=2, block_size=2, max_num_batched_tokens=8)
     sched.add(make_request("old", prompt_len=2, max_tokens=4))
     sched.add(make_request("new", prompt_len=1, max_tokens=4))
-    first = sched.schedule()  # both prefill, a block each; both sample
-    second = sched.schedule()  # "old" needs a second block: "new" is preempted
-    assert second.num_scheduled_tokens == {"old": 1}
-    assert second.finished_req_ids == ["new"]
+    first = schedule(sched)  # both prefill, a block each; both sample
+    second = schedule(sched)  # "old" needs a second block: "new" is preempted
+    assert second.scheduled.num_scheduled_tokens == {"old": 1}
+    assert second.scheduled.finished_req_ids == ["new"]
     new = sched.get_request("new")
     assert new.status is RequestStatus.WAITING and new.num_pending == 1
-    sched.check_invariants()
+    sched.check_invariants([first, second])
     outputs = sched.postprocess(first, RunnerOutput(["old", "new"], [5, 6]))
     assert outputs == [TokenOutput("old", [5]), TokenOutput("new", [6])]
     assert new.output_token_ids == [6] and new.num_pending == 0
@@ -552,12 +570,12 @@ def test_a_request_preempted_while_a_step_samples_for_it_keeps_that_token() -> N
 def test_a_token_in_flight_for_an_aborted_request_never_reaches_a_new_one_with_its_id() -> None:
     sched = make_scheduler()
     sched.add(make_request("x", prompt_len=3, max_tokens=10))
-    first = sched.schedule()  # samples for the old "x"
+    first = schedule(sched)  # samples for the old "x"
     sched.abort(["x"])
     sched.add(make_request("x", prompt_len=4, max_tokens=10))  # the id is free again
-    second = sched.schedule()
-    assert second.finished_req_ids == ["x"] and [r.req_id for r in second.new_requests] == ["x"]
+    second = schedule(sched)
+    assert second.scheduled.finished_req_ids == ["x"] and [r.req_id for r in second.scheduled.new_requests] == ["x"]
     assert sched.postprocess(first, RunnerOutput(["x"], [99])) == []  # the old request's token
     assert sched.get_request("x").output_token_ids == []
-    sched.check_invariants()
+    sched.check_invariants([second])
     assert sched.postprocess(second, RunnerOutput(["x"], [5])) == [TokenOutput("x", [5])]

@@ -3,6 +3,8 @@ third-party ``websockets`` client (run in threads)."""
 
 from __future__ import annotations
 
+import functools
+
 import json
 import socket
 import threading
@@ -21,32 +23,20 @@ import trio
 from websockets.exceptions import ConnectionClosed, InvalidStatus
 from websockets.sync.client import ClientConnection, connect
 
-from trioserve import EngineConfig, FakeRunnerConfig, SamplingParams
+from helpers.fakes import EOS
+
+from trioserve import EngineConfig, SamplingParams
 from trioserve.errors import EngineDeadError
 from trioserve.server import Server, ServerConfig
 
-EOS = 2
 
 
 # --- helpers ---------------------------------------------------------------------
 
 
 @pytest.fixture
-def fake_config(tiny_model_dir) -> Callable[..., EngineConfig]:
-    def make(*, num_kv_blocks: int = 256, **fake_options: Any) -> EngineConfig:
-        fake_options.setdefault("step_delay_s", 0.002)
-        engine_options = {k: fake_options.pop(k) for k in list(fake_options) if k in EngineConfig.__dataclass_fields__}
-        return EngineConfig(
-            model=str(tiny_model_dir("llama")),
-            runner="fake",
-            block_size=4,
-            num_kv_blocks=num_kv_blocks,
-            shutdown_grace_s=2.0,
-            fake=FakeRunnerConfig(eos_token_id=EOS, num_kv_blocks=num_kv_blocks, **fake_options),
-            **engine_options,
-        )
-
-    return make
+def fake_config(fake_config) -> Callable[..., EngineConfig]:
+    return functools.partial(fake_config, num_kv_blocks=256, step_delay_s=0.002)
 
 
 @asynccontextmanager

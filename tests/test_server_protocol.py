@@ -79,13 +79,16 @@ def test_missing_type_is_an_invalid_field():
         ({"type": "cancel", "id": ["a"]}, "id"),
         ({"type": "generate", "id": "a"}, "prompt"),
         ({"type": "generate", "id": "a", "prompt": "x", "prompt_token_ids": [1]}, "prompt"),
-        ({"type": "generate", "id": "a", "prompt": ""}, "prompt"),
         ({"type": "generate", "id": "a", "prompt": 5}, "prompt"),
-        ({"type": "generate", "id": "a", "prompt_token_ids": []}, "prompt_token_ids"),
-        ({"type": "generate", "id": "a", "prompt_token_ids": [1, -2]}, "prompt_token_ids"),
-        ({"type": "generate", "id": "a", "prompt_token_ids": [1, 2.5]}, "prompt_token_ids"),
-        ({"type": "generate", "id": "a", "prompt_token_ids": [True]}, "prompt_token_ids"),
         ({"type": "generate", "id": "a", "prompt_token_ids": "1 2"}, "prompt_token_ids"),
+        ({"type": "generate", "id": "a", "prompt_token_ids": {"0": 1}}, "prompt_token_ids"),
+        ({"type": "generate", "id": "a", "prompt": ["x"]}, "prompt"),
+        ({"type": "generate", "id": "a", "prompt": "x", "params": {"max_tokens": 2**64}}, "params.max_tokens"),
+        ({"type": "generate", "id": "a", "prompt": "x", "params": {"top_k": 10**20}}, "params.top_k"),
+        ({"type": "generate", "id": "a", "prompt": "x", "params": {"stop_token_ids": [2**64]}}, "params.stop_token_ids"),
+        ({"type": "generate", "id": "a", "prompt": "x", "params": {"stop": ["a"] * 65}}, "params.stop"),
+        ({"type": "generate", "id": "a", "prompt": "x", "params": {"stop": ["a" * 4097]}}, "params.stop"),
+        ({"type": "generate", "id": "a", "prompt": "x", "params": {"temperature": 1e300}}, "params.temperature"),
         ({"type": "generate", "id": "a", "prompt": "x", "params": [1]}, "params"),
         ({"type": "generate", "id": "a", "prompt": "x", "params": {"max_tokens": 0}}, "params.max_tokens"),
         ({"type": "generate", "id": "a", "prompt": "x", "params": {"max_tokens": "3"}}, "params.max_tokens"),
@@ -112,36 +115,28 @@ def test_error_messages_carry_the_field_only_when_there_is_one():
     assert json.loads(protocol.encode(parse_error("{").to_message())) == {
         "type": "error", "id": None, "code": "invalid_json", "message": parse_error("{").message,
     }
-    err = parse_error(json.dumps({"type": "generate", "id": "a", "prompt": ""}))
+    err = parse_error(json.dumps({"type": "generate", "id": "a", "prompt": 5}))
     assert json.loads(protocol.encode(err.to_message()))["field"] == "prompt"
 
 
-def generate(**fields) -> Generate:
-    return Generate(id="a", prompt=fields.get("prompt"), prompt_token_ids=fields.get("prompt_token_ids"),
-                    params=SamplingParams())
+def test_deep_nesting_is_invalid_json_not_a_crash():
+    err = parse_error("[" * 100_000 + "]" * 100_000)
+    assert (err.code, err.message) == (protocol.INVALID_JSON, "malformed JSON: nested too deeply")
+    err = parse_error(json.dumps({"type": "generate", "id": "a", "prompt": "x", "junk": [[[[[[1]]]]]]}))
+    assert err.field == "junk"
 
 
-def test_check_prompt_accepts_a_prompt_that_leaves_room_for_one_token():
-    assert protocol.check_prompt(generate(prompt="x"), [1] * 9, vocab_size=10, max_model_len=10) is None
+def test_a_lone_surrogate_is_an_invalid_string_not_truncated_input():
+    err = parse_error('{"type": "generate", "id": "a", "prompt": "x\\ud800y"}')
+    assert err.code == protocol.INVALID_JSON
+    assert "lone UTF-16 surrogate" in err.message and "truncated" not in err.message
 
 
-def test_check_prompt_rejects_a_prompt_longer_than_the_context():
-    err = protocol.check_prompt(generate(prompt="x"), [1] * 10, vocab_size=10, max_model_len=10)
-    assert err is not None
-    assert (err.code, err.field, err.id) == (protocol.PROMPT_TOO_LONG, "prompt", "a")
-    assert err.message.startswith("prompt: 10 tokens")
-
-
-def test_check_prompt_names_prompt_token_ids_for_ids_outside_the_vocabulary():
-    err = protocol.check_prompt(generate(prompt_token_ids=[1, 10]), [1, 10], vocab_size=10, max_model_len=100)
-    assert err is not None
-    assert (err.code, err.field) == (protocol.INVALID_FIELD, "prompt_token_ids")
-    assert "10" in err.message
-
-
-def test_check_prompt_rejects_a_prompt_with_no_tokens():
-    err = protocol.check_prompt(generate(prompt=" "), [], vocab_size=10, max_model_len=100)
-    assert err is not None and err.code == protocol.INVALID_FIELD
+def test_echoed_client_values_are_cut_short():
+    err = parse_error(json.dumps({"type": "x" * 100_000, "id": "a"}))
+    assert err.code == protocol.UNKNOWN_TYPE and len(err.message) < 200
+    err = parse_error(json.dumps({"type": "cancel", "id": "a", "k" * 100_000: 1}))
+    assert err.field is not None and len(err.field) < 100
 
 
 def test_server_messages_encode_as_documented():

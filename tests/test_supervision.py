@@ -4,6 +4,8 @@ torch-free fake runner."""
 
 from __future__ import annotations
 
+import functools
+
 import json
 import os
 import signal
@@ -18,40 +20,17 @@ import pytest
 import trio
 
 import trioserve
-from trioserve import EngineConfig, FakeRunnerConfig, SamplingParams
+from helpers.fakes import EOS, children, wait_no_children
+
+from trioserve import EngineConfig, SamplingParams
 from trioserve.errors import EngineDeadError
 
-EOS = 2
 REPO = Path(__file__).resolve().parent.parent
 
 
 @pytest.fixture
-def fake_config(tiny_model_dir):
-    def make(**options: Any) -> EngineConfig:
-        engine_options = {k: options.pop(k) for k in list(options) if k in EngineConfig.__dataclass_fields__}
-        engine_options.setdefault("restart_backoff_s", 0.05)
-        engine_options.setdefault("shutdown_grace_s", 2.0)
-        return EngineConfig(
-            model=str(tiny_model_dir("llama")),
-            runner="fake",
-            block_size=4,
-            num_kv_blocks=64,
-            fake=FakeRunnerConfig(eos_token_id=EOS, num_kv_blocks=64, **options),
-            **engine_options,
-        )
-
-    return make
-
-
-def descendants() -> list[psutil.Process]:
-    return [p for p in psutil.Process().children(recursive=True) if p.status() != psutil.STATUS_ZOMBIE]
-
-
-async def wait_no_descendants(timeout: float = 2.0) -> list[psutil.Process]:
-    with trio.move_on_after(timeout):
-        while psutil.Process().children(recursive=True):
-            await trio.sleep(0.05)
-    return psutil.Process().children(recursive=True)
+def fake_config(fake_config):
+    return functools.partial(fake_config, restart_backoff_s=0.05, num_kv_blocks=64)
 
 
 async def assert_idle_and_clean(engine: trioserve.Engine) -> None:
@@ -123,9 +102,9 @@ async def test_kill_9_under_load_ends_every_request_within_a_second_then_the_res
             assert engine.info.engine_pid != old.engine_pid
             assert not set(engine.info.worker_pids) & set(old.worker_pids)
             # Only the new engine's processes are left.
-            assert {p.pid for p in descendants()} == {engine.info.engine_pid, *engine.info.worker_pids}
+            assert {p.pid for p in children()} == {engine.info.engine_pid, *engine.info.worker_pids}
             await assert_idle_and_clean(engine)
-        assert await wait_no_descendants() == []
+        assert await wait_no_children() == []
 
 
 async def test_a_hung_worker_fails_its_step_at_the_deadline_and_the_engine_restarts(fake_config):
@@ -140,7 +119,7 @@ async def test_a_hung_worker_fails_its_step_at_the_deadline_and_the_engine_resta
             out = await engine.generate([1, 2, 3], SamplingParams(max_tokens=2))
             assert len(out.token_ids) == 2
             assert engine.num_restarts == 1
-        assert await wait_no_descendants() == []
+        assert await wait_no_children() == []
 
 
 async def test_out_of_restarts_every_request_fails_at_once_and_wait_failed_returns(fake_config):
@@ -157,8 +136,8 @@ async def test_out_of_restarts_every_request_fails_at_once_and_wait_failed_retur
             assert engine.num_restarts == 2
             with pytest.raises(EngineDeadError, match="max_restarts=2"):
                 await engine.generate([1, 2, 3], SamplingParams(max_tokens=5))
-            assert await wait_no_descendants() == []  # a failed engine holds no process
-        assert await wait_no_descendants() == []
+            assert await wait_no_children() == []  # a failed engine holds no process
+        assert await wait_no_children() == []
 
 
 async def test_a_new_request_waits_a_bounded_time_for_a_restarting_engine(fake_config):
@@ -172,7 +151,7 @@ async def test_a_new_request_waits_a_bounded_time_for_a_restarting_engine(fake_c
             with pytest.raises(EngineDeadError, match="restart_wait_s=0.3"):
                 await engine.generate([1, 2, 3], SamplingParams(max_tokens=5))
             assert 0.25 < time.monotonic() - started < 2
-        assert await wait_no_descendants() == []
+        assert await wait_no_children() == []
 
 
 async def test_shutdown_while_restarting_leaves_no_process(fake_config):
@@ -182,12 +161,12 @@ async def test_shutdown_while_restarting_leaves_no_process(fake_config):
             old = {engine.info.engine_pid, *engine.info.worker_pids}
             with pytest.raises(EngineDeadError):
                 await engine.generate([1, 2, 3], SamplingParams(max_tokens=5))
-            while not {p.pid for p in descendants()} - old:  # the new engine core is starting
+            while not {p.pid for p in children()} - old:  # the new engine core is starting
                 await trio.sleep(0.01)
             assert engine.health == "restarting"
             exit_started = time.monotonic()
         assert time.monotonic() - exit_started < 2 * config.shutdown_grace_s
-        assert await wait_no_descendants() == []
+        assert await wait_no_children() == []
         assert engine.health == "stopped"
 
 

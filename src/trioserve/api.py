@@ -10,22 +10,21 @@ from __future__ import annotations
 import contextlib
 import itertools
 import secrets
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator
 from types import TracebackType
 from typing import Any
 
 import trio
 
 from trioserve.config import EngineConfig
-from trioserve.errors import EngineDeadError
+from trioserve.errors import EngineDeadError, EngineStartupError, InvalidRequestError, collapse
 from trioserve.frontend.client import EngineCoreClient
 from trioserve.frontend.outputs import RequestOutput
+from trioserve.frontend.prompt import Prompt, PromptChecker
 from trioserve.frontend.request_state import RequestState
 from trioserve.frontend.supervisor import EngineSupervisor, Health
 from trioserve.frontend.tokenizer import Tokenizer
 from trioserve.messages import EngineInfo, EngineStats, SamplingParams
-
-Prompt = str | Sequence[int]
 
 
 @contextlib.asynccontextmanager
@@ -53,7 +52,7 @@ async def open_engine(
         config = EngineConfig(model=model, **options)
     elif model is not None or options:
         raise ValueError("config: give either config=... or model and options, not both")
-    tokenizer = await trio.to_thread.run_sync(Tokenizer.from_dir, config.model)
+    tokenizer = await trio.to_thread.run_sync(_load_tokenizer, config.model)
     try:
         async with trio.open_nursery() as nursery:
             supervisor = EngineSupervisor(config)
@@ -63,26 +62,16 @@ async def open_engine(
             finally:
                 nursery.cancel_scope.cancel()
     except BaseExceptionGroup as group:
-        raise _collapse(group) from None
+        raise collapse(group) from None
 
 
-def _collapse(group: BaseExceptionGroup) -> BaseException:
-    """The single exception a caller should see for ``group``."""
-    leaves = list(_leaves(group))
-    meaningful = [e for e in leaves if not isinstance(e, trio.Cancelled)]
-    if len(meaningful) == 1:
-        return meaningful[0]
-    if not meaningful:
-        return leaves[0]
-    return group
-
-
-def _leaves(exc: BaseException) -> Any:
-    if isinstance(exc, BaseExceptionGroup):
-        for inner in exc.exceptions:
-            yield from _leaves(inner)
-    else:
-        yield exc
+def _load_tokenizer(model: str) -> Tokenizer:
+    """The model directory's tokenizer; a missing or broken directory is a
+    start-up error naming the path."""
+    try:
+        return Tokenizer.from_dir(model)
+    except (OSError, ValueError) as exc:
+        raise EngineStartupError(f"cannot use model directory {model!r}: {exc}", stage="tokenizer") from None
 
 
 class Engine:
@@ -91,6 +80,7 @@ class Engine:
     def __init__(self, supervisor: EngineSupervisor, tokenizer: Tokenizer) -> None:
         self._supervisor = supervisor
         self.tokenizer = tokenizer
+        self._prompts = PromptChecker(tokenizer, self.info)
         self._ids = itertools.count()
         self._id_prefix = secrets.token_hex(3)
 
@@ -128,19 +118,28 @@ class Engine:
         if self.health != "ready":
             await self._supervisor.ready_client()  # raises the reason
 
-    def stream(self, prompt: Prompt, params: SamplingParams | None = None) -> RequestStream:
+    def stream(self, prompt: Prompt, params: SamplingParams | None = None, *, client_id: str = "") -> RequestStream:
         """A request whose outputs arrive as they are produced.
 
         Use as ``async with engine.stream(prompt, params) as stream: async for
-        out in stream: ...``. Invalid input raises ``ValueError`` naming the
-        field, here, before anything is sent. Leaving the block before the
+        out in stream: ...``. ``prompt`` is text or a list of token ids.
+        Invalid input raises ``InvalidRequestError`` (a ``ValueError``)
+        naming the field, before anything is sent: here, or, for a text long
+        enough to be tokenized in a thread (``frontend/prompt.py``), when the
+        block is entered. A prompt that does not fit the context raises
+        ``PromptTooLongError`` (one of those). Waiting requests of different
+        ``client_id``s are admitted in turn. Leaving the block before the
         request finished, or being cancelled, aborts it in the engine and
         frees its KV blocks.
         """
-        params = params if params is not None else SamplingParams()
-        prompt_token_ids = self._prompt_token_ids(prompt)
+        params = SamplingParams() if params is None else params
+        if not isinstance(params, SamplingParams):
+            raise InvalidRequestError("params", f"must be a SamplingParams (got {type(params).__name__})")
+        if not isinstance(client_id, str):
+            raise InvalidRequestError("client_id", f"must be a string (got {type(client_id).__name__})")
+        token_ids = None if self._prompts.needs_thread(prompt) else self._prompts.check(prompt)
         request_id = f"{self._id_prefix}-{next(self._ids)}"
-        return RequestStream(self._supervisor, RequestState(request_id, prompt_token_ids, params, self.tokenizer))
+        return RequestStream(self, request_id, prompt, token_ids, params, client_id)
 
     async def generate(self, prompt: Prompt, params: SamplingParams | None = None) -> RequestOutput:
         """Run a request to the end: one output holding all its text and tokens.
@@ -168,24 +167,13 @@ class Engine:
         client = self._supervisor.client
         return 0 if client is None else len(client.requests)
 
-    def _prompt_token_ids(self, prompt: Prompt) -> list[int]:
-        if isinstance(prompt, str):
-            if prompt == "":
-                raise ValueError("prompt: must not be empty")
-            token_ids = self.tokenizer.encode(prompt)
-        else:
-            token_ids = list(prompt)
-            bad = [t for t in token_ids if not isinstance(t, int) or not 0 <= t < self.info.vocab_size]
-            if bad:
-                raise ValueError(f"prompt: token ids must be integers in [0, {self.info.vocab_size}) (got {bad[0]!r})")
-        if not token_ids:
-            raise ValueError("prompt: must not be empty")
-        if len(token_ids) >= self.info.max_model_len:
-            raise ValueError(
-                f"prompt: {len(token_ids)} tokens does not fit the context of {self.info.max_model_len} "
-                "tokens (max_model_len), which must also hold at least one output token"
-            )
-        return token_ids
+    async def _submit(self, state: RequestState) -> EngineCoreClient:
+        """Submit a checked request (waiting for a restarting engine at most
+        ``restart_wait_s``); the client it went to. If cancelled, it was not
+        submitted."""
+        client = await self._supervisor.ready_client()
+        await client.submit(state)
+        return client
 
 
 class RequestStream:
@@ -193,29 +181,46 @@ class RequestStream:
     ``RequestOutput`` deltas. Iteration ends after the output whose
     ``finish_reason`` is set."""
 
-    def __init__(self, supervisor: EngineSupervisor, state: RequestState) -> None:
-        self._supervisor = supervisor
+    def __init__(
+        self,
+        engine: Engine,
+        request_id: str,
+        prompt: Prompt,
+        token_ids: list[int] | None,
+        params: SamplingParams,
+        client_id: str,
+    ) -> None:
+        self._engine = engine
+        self.request_id = request_id
+        self._prompt = prompt
+        self._token_ids = token_ids  # None until a long text prompt is tokenized
+        self._params = params
+        self._client_id = client_id
         self._client: EngineCoreClient | None = None
-        self._state = state
+        self._state: RequestState | None = None
         self._done = False
 
     @property
-    def request_id(self) -> str:
-        return self._state.request_id
+    def num_prompt_tokens(self) -> int:
+        """The prompt's length in tokens (known once the block is entered)."""
+        return 0 if self._token_ids is None else len(self._token_ids)
 
     async def __aenter__(self) -> RequestStream:
-        """Submit the request (waiting for a restarting engine at most
-        ``restart_wait_s``). If cancelled, it was not submitted."""
-        client = await self._supervisor.ready_client()
-        await client.submit(self._state)
-        self._client = client
+        """Check the prompt, if that is still to do, and submit the request.
+        If cancelled, it was not submitted."""
+        if self._token_ids is None:
+            self._token_ids = await self._engine._prompts.check_async(self._prompt)
+        self._state = RequestState(
+            self.request_id, self._token_ids, self._params, self._engine.tokenizer, client_id=self._client_id
+        )
+        self._client = await self._engine._submit(self._state)
         return self
 
     async def __aexit__(
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None:
         if not self._done and self._client is not None:
-            self._client.abort(self._state.request_id)
+            self._client.abort(self.request_id)
 
     def __aiter__(self) -> RequestStream:
         return self
@@ -224,6 +229,8 @@ class RequestStream:
         """The next delta. If cancelled, nothing is lost: it stays for the next call."""
         if self._done:
             raise StopAsyncIteration
+        if self._state is None:
+            raise RuntimeError("iterate a RequestStream inside its async with block")
         try:
             output = await self._state.collector.get()
         except Exception:  # EngineDeadError, RequestError: the request is over

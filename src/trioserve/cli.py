@@ -290,7 +290,8 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
     os.environ.setdefault("TRIOSERVE_LOG_LEVEL", args.log_level.upper())
     try:
-        return args.func(args)
+        code: int = args.func(args)
+        return code
     except ValueError as exc:
         print(f"trioserve: invalid input: {exc}", file=sys.stderr)
         return EXIT_USAGE

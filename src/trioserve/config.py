@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal
 
 
 def _check(condition: bool, name: str, message: str) -> None:
@@ -79,6 +79,9 @@ class EngineConfig:
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
     max_model_len: int | None = None  # default: the model's own context length
+    # Requests in flight beyond max_num_seqs + this are refused at once with
+    # EngineOverloadedError, so that a flood cannot queue without bound.
+    max_waiting_requests: int = 1024
     # Steps sent to the workers before the oldest one's tokens are back: with 2
     # the next step is planned and sent while the workers run the current one,
     # so they never wait on the engine core; 1 runs one step at a time.
@@ -120,6 +123,7 @@ class EngineConfig:
         _check(self.num_kv_blocks is None or self.num_kv_blocks >= 1, "num_kv_blocks", "must be >= 1")
         _check(self.max_num_seqs >= 1, "max_num_seqs", "must be >= 1")
         _check(self.max_num_batched_tokens >= 1, "max_num_batched_tokens", "must be >= 1")
+        _check(self.max_waiting_requests >= 0, "max_waiting_requests", "must be >= 0")
         _check(self.max_steps_in_flight in (1, 2), "max_steps_in_flight", "must be 1 or 2")
         _check(self.max_model_len is None or self.max_model_len >= 2, "max_model_len", "must be >= 2")
         _check(self.tensor_parallel_size >= 1, "tensor_parallel_size", "must be >= 1")
@@ -136,6 +140,6 @@ class EngineConfig:
         for name in ("restart_backoff_s", "restart_backoff_max_s", "restart_wait_s"):
             _check(getattr(self, name) >= 0, name, "must be >= 0")
 
-    def replace(self, **changes: object) -> EngineConfig:
+    def replace(self, **changes: Any) -> EngineConfig:
         """A copy with some fields changed (validated again)."""
         return dataclasses.replace(self, **changes)

@@ -1,11 +1,22 @@
-"""The exceptions trioserve raises at its public boundary.
+"""The exceptions trioserve raises at its public boundary, and the one
+place that flattens exception groups.
 
 Inside the project, nurseries are strict and failures travel as exception
-groups; they are collapsed into these types in one place, where they reach
-the caller.
+groups. ``leaves``, ``describe`` and ``collapse`` are the only code that
+takes groups apart: the engine core uses them to report a failure, the
+public boundaries (``open_engine``, ``Server.run``) to raise the one
+exception a caller should see.
 """
 
 from __future__ import annotations
+
+import traceback
+from typing import Literal, TypeVar
+
+# Where an engine start-up failed: the front-end loading the tokenizer, a
+# process being spawned, the engine core's handshake, the workers loading the
+# model, the KV cache being allocated.
+StartupStage = Literal["tokenizer", "spawn", "handshake", "model-load", "kv-cache"]
 
 
 class TrioserveError(Exception):
@@ -13,14 +24,13 @@ class TrioserveError(Exception):
 
 
 class EngineStartupError(TrioserveError):
-    """The engine could not start. ``stage`` names the start-up step that failed
-    (``spawn``, ``handshake``, ``model-load``, ``kv-cache``), ``process`` the
-    process, and ``exit_code`` its exit status when it exited (negative: the
-    signal that killed it)."""
+    """The engine could not start. ``stage`` names the start-up step that
+    failed, ``process`` the process, and ``exit_code`` its exit status when
+    it exited (negative: the signal that killed it)."""
 
-    def __init__(self, message: str, *, stage: str, process: str = "", exit_code: int | None = None):
+    def __init__(self, message: str, *, stage: StartupStage, process: str = "", exit_code: int | None = None):
         super().__init__(message)
-        self.stage = stage
+        self.stage: StartupStage = stage
         self.process = process
         self.exit_code = exit_code
 
@@ -32,3 +42,62 @@ class EngineDeadError(TrioserveError):
 class RequestError(TrioserveError):
     """A request failed for a reason of its own (not bad input: that is
     ``ValueError``)."""
+
+
+class EngineOverloadedError(RequestError):
+    """The engine holds as many waiting requests as it may
+    (``EngineConfig.max_waiting_requests``): the request was not taken.
+    Retry later."""
+
+
+class InvalidRequestError(ValueError):
+    """A request that can never run, named by its ``field`` (``prompt``,
+    ``params.max_tokens``...). The message starts with the field's name."""
+
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(f"{field}: {message}")
+        self.field = field
+
+
+class PromptTooLongError(InvalidRequestError):
+    """The prompt does not fit the context, which must also hold at least
+    one output token."""
+
+
+_E = TypeVar("_E", bound=BaseException)
+
+
+def leaves(exc: BaseException) -> list[BaseException]:
+    """The exceptions inside ``exc`` (itself, if it is not a group), depth first."""
+    if isinstance(exc, BaseExceptionGroup):
+        return [leaf for inner in exc.exceptions for leaf in leaves(inner)]
+    return [exc]
+
+
+def meaningful_leaves(exc: BaseException) -> list[BaseException]:
+    """The leaves of ``exc`` that are not a cancellation's ``Cancelled``."""
+    import trio  # the core layers import this module too; only callers under Trio reach here
+
+    return [leaf for leaf in leaves(exc) if not isinstance(leaf, trio.Cancelled)]
+
+
+def first_leaf(exc: BaseException, kind: type[_E]) -> _E | None:
+    """The first leaf of ``exc`` that is a ``kind``, or None."""
+    return next((leaf for leaf in leaves(exc) if isinstance(leaf, kind)), None)
+
+
+def describe(exc: BaseException) -> str:
+    """One line per meaningful leaf (``Type: message``), joined with "; "."""
+    return "; ".join("".join(traceback.format_exception_only(leaf)).strip() for leaf in meaningful_leaves(exc))
+
+
+def collapse(exc: BaseException) -> BaseException:
+    """The single exception a caller should see for ``exc``: its one
+    meaningful leaf; a ``Cancelled`` when it holds nothing else; the group
+    itself when several things went wrong."""
+    meaningful = meaningful_leaves(exc)
+    if len(meaningful) == 1:
+        return meaningful[0]
+    if not meaningful:
+        return leaves(exc)[0]
+    return exc

@@ -7,7 +7,7 @@ traffic carries only changes: new requests, new tokens, new block ids.
 Channels:
 - front-end <-> engine core handshake (ZMQ ROUTER/DEALER): ``Hello``,
   ``HandshakeInit``, ``Ready`` or ``StartupFailed``.
-- front-end -> engine core (ZMQ ROUTER -> DEALER): ``EngineRequest``.
+- front-end -> engine core (ZMQ PUSH -> PULL): ``EngineRequest``.
 - engine core -> front-end (ZMQ PUSH -> PULL): ``EngineResponse``.
 - engine core <-> worker (length-prefixed frames on a socketpair):
   ``ToWorker`` and ``FromWorker``.
@@ -20,17 +20,33 @@ from typing import Literal, Union
 import msgspec
 
 from trioserve.config import EngineConfig
+from trioserve.errors import InvalidRequestError, StartupStage
 
 FinishReason = Literal["stop", "length", "abort", "error"]
 
 
-class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
-    """How to pick tokens for one request. Invalid values raise ``ValueError``
-    naming the field, at construction.
+# Bounds on what a request may ask for: each keeps a value inside what the
+# engine and msgpack can carry, and the per-request cost of stop strings small.
+MAX_INT32 = 2**31 - 1
+MAX_STOP_STRINGS = 64  # entries in ``stop``
+MAX_STOP_CHARS = 4096  # characters in all of ``stop`` together
+MAX_STOP_TOKEN_IDS = 64  # entries in ``stop_token_ids``
+MAX_LOGPROBS = 20
+MAX_TEMPERATURE = 100.0
+
+
+class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True, frozen=True):
+    """How to pick tokens for one request. Invalid values raise
+    ``InvalidRequestError`` (a ``ValueError``) naming the field, at
+    construction: every field is checked for its type and range, and the
+    struct is frozen, so a ``SamplingParams`` that exists can always cross a
+    process boundary.
 
     ``temperature == 0`` means greedy. ``top_k == 0`` and ``top_p == 1`` turn
     those filters off. With ``seed`` set, the tokens depend only on the seed,
-    the prompt and the model: not on what else shares the batch.
+    the prompt and the model: not on what else shares the batch. ``stop``
+    holds at most ``MAX_STOP_STRINGS`` strings of ``MAX_STOP_CHARS``
+    characters in all; ``stop_token_ids`` at most ``MAX_STOP_TOKEN_IDS`` ids.
     """
 
     max_tokens: int = 16
@@ -48,49 +64,113 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
     logprobs: int | None = None  # number of top alternatives to return per token
 
     def __post_init__(self) -> None:
-        def bad(name: str, message: str) -> ValueError:
-            return ValueError(f"{name}: {message} (got {getattr(self, name)!r})")
-
-        if not isinstance(self.max_tokens, int) or self.max_tokens <= 0:
-            raise bad("max_tokens", "must be a positive integer")
-        if not self.temperature >= 0:  # also rejects NaN
-            raise bad("temperature", "must be >= 0")
-        if not 0 < self.top_p <= 1:
-            raise bad("top_p", "must be in (0, 1]")
-        if self.top_k < 0:
-            raise bad("top_k", "must be >= 0 (0 turns it off)")
-        if not 0 <= self.min_p <= 1:
-            raise bad("min_p", "must be in [0, 1]")
-        if self.seed is not None and not 0 <= self.seed < 2**63:
-            raise bad("seed", "must be in [0, 2**63)")
-        if not -2 <= self.presence_penalty <= 2:
-            raise bad("presence_penalty", "must be in [-2, 2]")
-        if not -2 <= self.frequency_penalty <= 2:
-            raise bad("frequency_penalty", "must be in [-2, 2]")
-        if not 0 < self.repetition_penalty <= 10:
-            raise bad("repetition_penalty", "must be in (0, 10]")
-        if any(not isinstance(s, str) or s == "" for s in self.stop):
-            raise bad("stop", "must be non-empty strings")
-        if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
-            raise bad("stop_token_ids", "must be non-negative token ids")
-        if self.logprobs is not None and not 0 <= self.logprobs <= 20:
-            raise bad("logprobs", "must be in [0, 20]")
+        _check_int(self, "max_tokens", 1, MAX_INT32)
+        _check_float(self, "temperature", 0.0, MAX_TEMPERATURE)
+        _check_float(self, "top_p", 0.0, 1.0, low_open=True)
+        _check_int(self, "top_k", 0, MAX_INT32, note="0 turns it off")
+        _check_float(self, "min_p", 0.0, 1.0)
+        if self.seed is not None:
+            _check_int(self, "seed", 0, 2**63 - 1)
+        _check_float(self, "presence_penalty", -2.0, 2.0)
+        _check_float(self, "frequency_penalty", -2.0, 2.0)
+        _check_float(self, "repetition_penalty", 0.0, 10.0, low_open=True)
+        _check_stop(self.stop)
+        _check_stop_token_ids(self.stop_token_ids)
+        if not isinstance(self.ignore_eos, bool):
+            raise _bad("ignore_eos", "must be true or false", self.ignore_eos)
+        if self.logprobs is not None:
+            _check_int(self, "logprobs", 0, MAX_LOGPROBS)
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
 
 
-class EngineInfo(msgspec.Struct, frozen=True):
-    """What the engine learned at start-up."""
+def _bad(name: str, message: str, value: object) -> InvalidRequestError:
+    return InvalidRequestError(name, f"{message} (got {_short_repr(value)})")
 
+
+def _short_repr(value: object, limit: int = 60) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _check_int(params: SamplingParams, name: str, low: int, high: int, note: str = "") -> None:
+    value = getattr(params, name)
+    if not _is_int(value) or not low <= value <= high:
+        extra = f"; {note}" if note else ""
+        raise _bad(name, f"must be an integer in [{low}, {high}]{extra}", value)
+
+
+def _check_float(params: SamplingParams, name: str, low: float, high: float, *, low_open: bool = False) -> None:
+    value = getattr(params, name)
+    ok = (_is_int(value) or isinstance(value, float)) and (low < value <= high if low_open else low <= value <= high)
+    if not ok:  # NaN fails every comparison
+        interval = f"({low:g}, {high:g}]" if low_open else f"[{low:g}, {high:g}]"
+        raise _bad(name, f"must be a number in {interval}", value)
+
+
+def _check_stop(stop: object) -> None:
+    if not isinstance(stop, list) or not all(isinstance(s, str) and s for s in stop):
+        raise _bad("stop", "must be a list of non-empty strings", stop)
+    if len(stop) > MAX_STOP_STRINGS:
+        raise _bad("stop", f"at most {MAX_STOP_STRINGS} stop strings", f"{len(stop)} strings")
+    total = sum(len(s) for s in stop)
+    if total > MAX_STOP_CHARS:
+        raise _bad("stop", f"at most {MAX_STOP_CHARS} characters in all", f"{total} characters")
+    for s in stop:
+        if not is_valid_text(s):
+            raise _bad("stop", "invalid string: it holds a lone UTF-16 surrogate", s)
+
+
+def _check_stop_token_ids(ids: object) -> None:
+    if not isinstance(ids, list) or not all(_is_int(t) and 0 <= t <= MAX_INT32 for t in ids):
+        raise _bad("stop_token_ids", f"must be a list of token ids in [0, {MAX_INT32}]", ids)
+    if len(ids) > MAX_STOP_TOKEN_IDS:
+        raise _bad("stop_token_ids", f"at most {MAX_STOP_TOKEN_IDS} ids", f"{len(ids)} ids")
+
+
+def is_valid_text(text: str) -> bool:
+    """True when ``text`` can be encoded as UTF-8 (it holds no lone surrogate)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+class ModelInfo(msgspec.Struct, frozen=True):
+    """What a worker learns about its model when it loads it: the one type
+    these facts travel in (``WorkerLoaded``, then ``EngineInfo``)."""
+
+    vocab_size: int
+    max_model_len: int  # the model's context length (capped by the config)
+    eos_token_ids: list[int]
+
+
+class EngineInfo(msgspec.Struct, frozen=True):
+    """What the engine learned at start-up. ``max_model_len`` is the context
+    a request may fill: the model's, capped by what the KV cache holds (so a
+    request alone always fits)."""
+
+    model: ModelInfo
     num_kv_blocks: int
     block_size: int
     max_model_len: int
-    vocab_size: int
-    eos_token_ids: list[int]
     engine_pid: int
     worker_pids: list[int]
+
+    @property
+    def vocab_size(self) -> int:
+        return self.model.vocab_size
+
+    @property
+    def eos_token_ids(self) -> list[int]:
+        return self.model.eos_token_ids
 
 
 class EngineStats(msgspec.Struct, frozen=True):
@@ -133,7 +213,7 @@ class StartupFailed(msgspec.Struct, tag=True):
     process that failed (the engine core itself or one of its workers) with
     its exit status when it exited (negative: the signal)."""
 
-    stage: str
+    stage: StartupStage
     message: str
     process: str = ""
     exit_code: int | None = None
@@ -149,6 +229,7 @@ class AddRequest(msgspec.Struct, tag=True):
     request_id: str
     prompt_token_ids: list[int]
     params: SamplingParams
+    client_id: str = ""  # waiting requests of different clients are admitted in turn
 
 
 class AbortRequests(msgspec.Struct, tag=True):
@@ -239,12 +320,10 @@ class WorkerInit(msgspec.Struct, tag=True):
 
 
 class WorkerLoaded(msgspec.Struct, tag=True):
-    """The model is loaded; how many KV blocks this worker could hold."""
+    """The model is loaded: what it is, and how many KV blocks this worker could hold."""
 
+    model: ModelInfo
     max_num_kv_blocks: int
-    max_model_len: int
-    vocab_size: int
-    eos_token_ids: list[int]
 
 
 class InitKVCache(msgspec.Struct, tag=True):
@@ -263,10 +342,13 @@ class RunnerOutput(msgspec.Struct, tag=True):
     logprobs: list[SampleLogprobs | None] | None = None
 
 
+WorkerStage = Literal["model-load", "kv-cache", "step"]
+
+
 class WorkerFailed(msgspec.Struct, tag=True):
     """A worker's last word: what went wrong, before it exits non-zero."""
 
-    stage: str
+    stage: WorkerStage
     message: str
 
 

@@ -65,13 +65,13 @@ from hypothesis.stateful import (
 )
 
 import trioserve
+from helpers.fakes import EOS, VOCAB, fake_tokens
+
 from trioserve import EngineConfig, FakeRunnerConfig, SamplingParams
 from trioserve.errors import EngineDeadError, RequestError
 from trioserve.frontend.outputs import RequestOutput
 from trioserve.transport.zmq_trio import zmq_context
 
-VOCAB = 259  # the tiny test tokenizer's vocabulary: 256 bytes + 3 specials
-EOS = 2
 NUM_KV_BLOCKS = 32
 BLOCK_SIZE = 4  # 128 token slots: a few concurrent requests preempt each other
 SHUTDOWN_GRACE_S = 0.5
@@ -86,15 +86,6 @@ CALL_BOUND_S = 60.0
 MIN_REQUESTS_BEFORE_SHUTDOWN = 4  # a shutdown ends an engine's life: let it see some traffic first  # any one call into the Trio thread (a rule's or invariant's work)
 
 T = TypeVar("T")
-
-
-def expected_tokens(prompt: list[int], n: int) -> list[int]:
-    """What the fake runner produces after ``prompt``, computed independently of it."""
-    tokens = list(prompt)
-    for _ in range(n):
-        t = (tokens[-1] * 31 + 7) % VOCAB
-        tokens.append(t + 1 if t == EOS else t)
-    return tokens[len(prompt) :]
 
 
 def engine_config(model: str, tensor_parallel_size: int) -> EngineConfig:
@@ -245,7 +236,7 @@ class Req:
         found = [f"{self!r}: {p}" for p in self.problems]
         if len(self.terminals) > 1:
             found.append(f"{self!r}: {len(self.terminals)} terminal events: {self.terminals}")
-        if self.token_ids != expected_tokens(self.prompt, len(self.token_ids)):
+        if self.token_ids != fake_tokens(self.prompt, len(self.token_ids)):
             found.append(f"{self!r}: tokens {self.token_ids} are not the fake runner's for prompt {self.prompt}")
         if not self.terminals:
             return found

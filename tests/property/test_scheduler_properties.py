@@ -30,6 +30,7 @@ from hypothesis.stateful import (
 
 from trioserve.core.request import Request
 from trioserve.core.scheduler import Scheduler
+from trioserve.core.step import Step
 from trioserve.messages import FinishReason, RunnerOutput, SamplingParams, SchedulerOutput
 
 VOCAB = 16
@@ -129,7 +130,7 @@ class Harness:
 
     def __init__(self, depth: int = 1, **sizes: int) -> None:
         self.depth = depth  # steps scheduled before the oldest is postprocessed
-        self.in_flight: list[tuple[SchedulerOutput, RunnerOutput]] = []
+        self.in_flight: list[tuple[Step, RunnerOutput]] = []
         self.sched = Scheduler(**sizes)
         self.sizes = sizes
         self.runner = MirrorRunner(sizes["num_blocks"], sizes["block_size"])
@@ -166,19 +167,23 @@ class Harness:
         self.mid_step = True
         scheduled = False
         if len(self.in_flight) < self.depth and self.sched.has_unfinished():
-            out = self.sched.schedule()
-            assert out.total_num_scheduled_tokens <= self.sizes["max_num_batched_tokens"]
+            planned = self.sched.schedule()
             assert self.sched.num_running <= self.sizes["max_num_seqs"]
-            if out.total_num_scheduled_tokens or out.finished_req_ids:
-                self.in_flight.append((out, self.runner.execute(out)))
+            if planned is not None:
+                out = planned.scheduled
+                assert out.total_num_scheduled_tokens <= self.sizes["max_num_batched_tokens"]
+                assert out.total_num_scheduled_tokens or out.finished_req_ids, "a step with nothing to do"
+                if self.in_flight:
+                    assert planned.number == self.in_flight[-1][0].number + 1
+                self.in_flight.append((planned, self.runner.execute(out)))
                 self._check_mirror(out)
                 scheduled = True
         if self.in_flight and (len(self.in_flight) == self.depth or not scheduled):
             self._postprocess(*self.in_flight.pop(0))
         self.mid_step = False
 
-    def _postprocess(self, out: SchedulerOutput, runner_output: RunnerOutput) -> None:
-        for output in self.sched.postprocess(out, runner_output):
+    def _postprocess(self, planned: Step, runner_output: RunnerOutput) -> None:
+        for output in self.sched.postprocess(planned, runner_output):
             req_id = output.request_id
             assert req_id not in self.finish_reasons, f"{req_id!r} got a token after finishing"
             self.received[req_id] += output.new_token_ids
@@ -203,7 +208,10 @@ class Harness:
             self.step()
         else:
             raise AssertionError("the scheduler did not drain: livelock")
-        self.runner.execute(self.sched.schedule())  # deliver the last finished ids
+        last = self.sched.schedule()  # deliver the last finished ids
+        if last is not None:
+            assert last.num_tokens == 0
+            self.runner.execute(last.scheduled)
         assert self.runner.requests == {}, "workers still hold requests"
         assert self.sched.block_manager.num_free_blocks == self.sched.block_manager.num_blocks
         for req_id, (tokens, reason) in self.expected.items():
@@ -262,7 +270,7 @@ class SchedulerMachine(RuleBasedStateMachine):
 
     @invariant()
     def scheduler_invariants_hold(self) -> None:
-        self.harness.sched.check_invariants()
+        self.harness.sched.check_invariants(step for step, _ in self.harness.in_flight)
 
     def teardown(self) -> None:
         if self.harness.mid_step:
@@ -291,6 +299,6 @@ def test_heavy_workload_preempts_and_still_matches_solo_outputs(seed: int, depth
         assert harness.add(f"r{i}", prompt, params, [EOS])
         if i % 3 == 2:
             harness.step()
-            harness.sched.check_invariants()
+            harness.sched.check_invariants(step for step, _ in harness.in_flight)
     harness.drain_and_check()
     assert harness.sched.stats().num_preemptions > 0

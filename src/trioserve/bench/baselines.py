@@ -72,23 +72,29 @@ class _ModelOnly:
             block_size=c.block_size,
             max_num_seqs=c.max_num_seqs,
             max_num_batched_tokens=c.max_num_batched_tokens,
-            max_model_len=min(self.loaded.max_model_len, self.loaded.max_num_kv_blocks * c.block_size),
+            max_model_len=min(self.loaded.model.max_model_len, self.loaded.max_num_kv_blocks * c.block_size),
         )
         queue = deque(requests)
         limit = concurrency or len(requests)
-        in_flight, steps, itls, clock, last = 0, [], [], 0.0, {}
+        in_flight, clock = 0, 0.0
+        steps: list[tuple[int, int, float]] = []
+        itls: list[float] = []
+        last: dict[str, float] = {}  # request id -> when its last token came (model clock)
         while queue or sched.has_unfinished():
             while queue and in_flight < limit:
                 r = queue.popleft()
                 sched.add(Request(f"r{r.index}", r.prompt_token_ids, _params(r.max_tokens), []))
                 in_flight += 1
-            out = sched.schedule()
+            step = sched.schedule()
+            if step is None:
+                continue
+            out = step.scheduled
             started = time.perf_counter()
             result = self.runner.execute(out)
             seconds = time.perf_counter() - started
             clock += seconds
             steps.append((out.total_num_scheduled_tokens, len(out.num_scheduled_tokens), seconds))
-            for o in sched.postprocess(out, result):
+            for o in sched.postprocess(step, result):
                 if o.new_token_ids:
                     if o.request_id in last:
                         n = len(o.new_token_ids)

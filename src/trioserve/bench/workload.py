@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import random
 from dataclasses import asdict, dataclass
+from typing import Any
 
 FIRST_PROMPT_ID = 3
 
@@ -52,11 +53,11 @@ class WorkloadSpec:
         if self.request_rate is not None and not self.request_rate > 0:
             raise ValueError("request_rate: must be > 0")
 
-    def to_dict(self) -> dict:
+    def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 
     @classmethod
-    def from_dict(cls, data: dict) -> WorkloadSpec:
+    def from_dict(cls, data: dict[str, Any]) -> WorkloadSpec:
         data = dict(data)
         data["prompt_len"] = tuple(data["prompt_len"])
         data["output_len"] = tuple(data["output_len"])

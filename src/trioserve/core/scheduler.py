@@ -8,7 +8,10 @@ token in a step exactly when its slice reaches the end of its tokens.
 
 Steps may be planned ahead: ``schedule()`` can be called again before the
 previous step's ``postprocess()`` (the engine core keeps the workers busy
-with the next step while it handles the last one's output). A token still
+with the next step while it handles the last one's output). Each
+``schedule()`` returns a ``Step`` (``core/step.py``), the one record of that
+step; the caller keeps the steps in flight and hands each back to
+``postprocess()``, in the order they were made. A token still
 being sampled counts as one of the request's tokens (``num_pending``): the
 next step computes it, and the workers fill it in, since they append every
 token they sample to their copy of the request. Outputs must then be
@@ -37,7 +40,7 @@ Invariants (``check_invariants`` raises ``RuntimeError`` naming the one broken):
 - a request the workers have seen and that stops running (finished, aborted,
   preempted) is named in the next output's ``finished_req_ids``, exactly once;
 - ``num_pending`` of every request is the number of steps in flight that
-  sample for it.
+  sample for it (``check_invariants`` is given the steps in flight).
 
 A request can never hold more than the whole KV cache, so it also stops with
 ``"length"`` once it has ``num_blocks * block_size + 1`` tokens (the last
@@ -54,6 +57,7 @@ from dataclasses import dataclass, field
 
 from trioserve.core.block_manager import BlockManager, cdiv
 from trioserve.core.request import Request, RequestStatus
+from trioserve.core.step import Step
 from trioserve.messages import (
     CachedRequestData,
     EngineStats,
@@ -109,10 +113,9 @@ class Scheduler:
         self.running: list[Request] = []  # oldest first
         self._requests: dict[str, Request] = {}  # every unfinished request
         self._on_workers: set[str] = set()  # requests whose state the workers hold
-        self._in_flight: deque[tuple[SchedulerOutput, list[Request]]] = deque()  # steps and their samplers
         self._finished_req_ids: list[str] = []  # for the next output
         self.num_preemptions = 0
-        self.num_steps = 0
+        self.num_steps = 0  # steps made by schedule(); the last one's number
 
     # --- requests in and out -------------------------------------------------
 
@@ -169,16 +172,22 @@ class Scheduler:
 
     # --- one step --------------------------------------------------------------
 
-    def schedule(self) -> SchedulerOutput:
-        """Plan one step. Each scheduled request's ``num_computed_tokens`` moves
-        past its slice at once: the workers are trusted to compute it. A step
-        that schedules tokens must be handed to ``postprocess`` later, after
-        every step scheduled before it."""
+    def schedule(self) -> Step | None:
+        """Plan the next step, or None when there is nothing for the workers
+        (no token to compute, no request to forget).
+
+        Each scheduled request's ``num_computed_tokens`` moves past its slice
+        at once: the workers are trusted to compute it. Every step returned
+        must be sent to the workers and later handed to ``postprocess``, after
+        every step made before it.
+        """
         plan = _StepPlan(budget=self.max_num_batched_tokens)
         preempted = self._schedule_running(plan)
         if not preempted:
             self._schedule_waiting(plan)
         output = self._make_output(plan)
+        if not output.total_num_scheduled_tokens and not output.finished_req_ids:
+            return None
         samplers = []
         for req_id, num_tokens in plan.num_scheduled.items():
             req = self._requests[req_id]
@@ -186,39 +195,28 @@ class Scheduler:
             if req.num_computed_tokens == req.num_tokens + req.num_pending:
                 req.num_pending += 1
                 samplers.append(req)
-        if output.total_num_scheduled_tokens > 0:
-            self.num_steps += 1
-            self._in_flight.append((output, samplers))
-        return output
+        self.num_steps += 1
+        return Step(self.num_steps, output, tuple(samplers))
 
-    def postprocess(
-        self, scheduler_output: SchedulerOutput, runner_output: RunnerOutput
-    ) -> list[TokenOutput]:
-        """Append the sampled tokens of the oldest step in flight (which must
-        be ``scheduler_output``; one that scheduled no tokens is not a step,
-        and gives nothing), finish the requests that must stop, and return
+    def postprocess(self, step: Step, runner_output: RunnerOutput) -> list[TokenOutput]:
+        """Append the tokens ``step`` sampled (it must be the oldest step not
+        yet postprocessed), finish the requests that must stop, and return
         one output per request that got a token.
 
-        Tokens for requests that finished since the step was scheduled
-        (aborted, or stopped in an earlier step) are dropped; a request
-        preempted since keeps its token. Raises ``RuntimeError`` if the
-        outputs come out of order, or if the runner left out a request that
-        had to sample.
+        Tokens for requests that finished since the step was made (aborted,
+        or stopped in an earlier step) are dropped; a request preempted since
+        keeps its token. Raises ``RuntimeError`` if the runner left out a
+        request that had to sample.
         """
-        if scheduler_output.total_num_scheduled_tokens == 0:
-            return []  # not a step: nothing was sampled
-        if not self._in_flight or self._in_flight[0][0] is not scheduler_output:
-            raise RuntimeError("postprocess: not the oldest step in flight")
-        _, samplers = self._in_flight.popleft()
         sampled = _sampled_tokens(runner_output)
         outputs = []
         any_finished = False
-        for req in samplers:
+        for req in step.samplers:
             req_id = req.request_id
             if self._requests.get(req_id) is not req:
                 continue  # finished since it was scheduled (its id may even be in use again)
             if req_id not in sampled:
-                raise RuntimeError(f"the runner sampled no token for request {req_id!r}")
+                raise RuntimeError(f"the runner sampled no token for request {req_id!r} in step {step.number}")
             req.num_pending -= 1
             token_id, logprobs = sampled[req_id]
             req.append_output_token(token_id)
@@ -359,8 +357,9 @@ class Scheduler:
 
     # --- checks ----------------------------------------------------------------
 
-    def check_invariants(self) -> None:
-        """Raise ``RuntimeError`` naming the first broken invariant."""
+    def check_invariants(self, steps_in_flight: Iterable[Step] = ()) -> None:
+        """Raise ``RuntimeError`` naming the first broken invariant.
+        ``steps_in_flight``: the steps made and not yet postprocessed."""
         self.block_manager.check_invariants()
         running = {r.request_id for r in self.running}
         waiting = {r.request_id for r in self.waiting}
@@ -371,8 +370,8 @@ class Scheduler:
         _check(len(self.running) <= self.max_num_seqs, "more running requests than max_num_seqs")
         _check(self._on_workers == running, "workers hold requests other than the running")
         pending: dict[str, int] = {}
-        for _, samplers in self._in_flight:
-            for sampler in samplers:
+        for step in steps_in_flight:
+            for sampler in step.samplers:
                 if self._requests.get(sampler.request_id) is sampler:
                     pending[sampler.request_id] = pending.get(sampler.request_id, 0) + 1
         for req in self._requests.values():

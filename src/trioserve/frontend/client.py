@@ -28,7 +28,14 @@ import trio
 import zmq
 
 from trioserve.config import EngineConfig
-from trioserve.errors import EngineDeadError, EngineStartupError, RequestError
+from trioserve.errors import (
+    EngineDeadError,
+    EngineOverloadedError,
+    EngineStartupError,
+    InvalidRequestError,
+    RequestError,
+    StartupStage,
+)
 from trioserve.frontend.request_state import RequestState
 from trioserve.messages import (
     AbortRequests,
@@ -70,11 +77,13 @@ class EngineCoreClient:
         self.info: EngineInfo | None = None
         self.process: ChildProcess | None = None
         self.requests: dict[str, RequestState] = {}
-        self._to_engine_send, self._to_engine_receive = trio.open_memory_channel[Any](TO_ENGINE_SIZE)
+        # Encoded messages for the input socket: a request is encoded when it is
+        # submitted, so that one the wire cannot carry fails alone, there.
+        self._to_engine_send, self._to_engine_receive = trio.open_memory_channel[bytes](TO_ENGINE_SIZE)
         self._overflow_aborts: list[str] = []
         self._stats_calls: dict[int, tuple[trio.Event, list[EngineStats]]] = {}
         self._call_ids = itertools.count()
-        self._stage = "spawn"
+        self._stage: StartupStage = "spawn"
         self._startup_failed: StartupFailed | None = None
         self._dead: EngineDeadError | None = None
 
@@ -90,7 +99,7 @@ class EngineCoreClient:
         try:
             with private_ipc_dir() as ipc_dir:
                 async with trio.open_nursery() as nursery:
-                    self.info = await self._start(nursery, ipc_dir)
+                    self.info = await self._start(nursery, str(ipc_dir))
                     task_status.started(self.info)
         except* ProcessExited as group:
             exited = group.exceptions[0]
@@ -203,13 +212,27 @@ class EngineCoreClient:
     async def submit(self, state: RequestState) -> None:
         """Register the request and queue it for the engine core.
 
-        Atomic with respect to cancellation: if cancelled, the request was
-        neither registered nor sent.
+        Raises ``EngineOverloadedError`` at once when ``max_num_seqs +
+        max_waiting_requests`` requests are already in flight here. Atomic
+        with respect to cancellation: if cancelled, the request was neither
+        registered nor sent.
         """
         self.check_alive()
+        limit = self.config.max_num_seqs + self.config.max_waiting_requests
+        if len(self.requests) >= limit:
+            raise EngineOverloadedError(
+                f"{self.name} has {len(self.requests)} requests in flight, as many as it takes "
+                f"(max_num_seqs + max_waiting_requests = {limit}); retry later"
+            )
+        try:
+            payload = _encode(state.add_request())
+        except (OverflowError, msgspec.EncodeError, UnicodeEncodeError) as exc:
+            raise InvalidRequestError("request", f"cannot be encoded for the engine: {exc}") from None
+        if state.request_id in self.requests:
+            raise InvalidRequestError("request_id", f"{state.request_id!r} is already in flight")
         self.requests[state.request_id] = state
         try:
-            await self._to_engine_send.send(state.add_request())
+            await self._to_engine_send.send(payload)
         except BaseException:
             del self.requests[state.request_id]
             raise
@@ -222,7 +245,7 @@ class EngineCoreClient:
 
     def _send_abort(self, request_id: str) -> None:
         try:
-            self._to_engine_send.send_nowait(AbortRequests(request_ids=[request_id]))
+            self._to_engine_send.send_nowait(_encode(AbortRequests(request_ids=[request_id])))
         except trio.WouldBlock:
             # The channel is full, so the sender will wake for at least one
             # more message, and it flushes these after every message.
@@ -232,10 +255,10 @@ class EngineCoreClient:
         """Ask the engine core for its statistics. If cancelled, the reply is dropped."""
         self.check_alive()
         call_id = next(self._call_ids)
-        event, result = trio.Event(), []
+        event, result = trio.Event(), list[EngineStats]()
         self._stats_calls[call_id] = (event, result)
         try:
-            await self._to_engine_send.send(GetStats(call_id=call_id))
+            await self._to_engine_send.send(_encode(GetStats(call_id=call_id)))
             await event.wait()
         finally:
             del self._stats_calls[call_id]
@@ -246,8 +269,8 @@ class EngineCoreClient:
 
     async def _input_sender(self, sock: TrioZmqSocket) -> None:
         with sock:
-            async for msg in self._to_engine_receive:
-                await sock.send(_encode(msg))
+            async for payload in self._to_engine_receive:
+                await sock.send(payload)
                 if self._overflow_aborts:
                     aborts, self._overflow_aborts = self._overflow_aborts, []
                     await sock.send(_encode(AbortRequests(request_ids=aborts)))

@@ -10,9 +10,16 @@ from trioserve.messages import AddRequest, SamplingParams, TokenOutput
 
 class RequestState:
     def __init__(
-        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, tokenizer: Tokenizer
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        tokenizer: Tokenizer,
+        *,
+        client_id: str = "",
     ) -> None:
         self.request_id = request_id
+        self.client_id = client_id
         self.prompt_token_ids = prompt_token_ids
         self.params = params
         self.detokenizer = IncrementalDetokenizer(tokenizer, prompt_token_ids, stop=params.stop)
@@ -21,7 +28,12 @@ class RequestState:
         self.finished = False
 
     def add_request(self) -> AddRequest:
-        return AddRequest(request_id=self.request_id, prompt_token_ids=self.prompt_token_ids, params=self.params)
+        return AddRequest(
+            request_id=self.request_id,
+            prompt_token_ids=self.prompt_token_ids,
+            params=self.params,
+            client_id=self.client_id,
+        )
 
     def process(self, output: TokenOutput) -> bool:
         """Turn an engine output into a delta for the consumer. Returns True when
@@ -29,7 +41,8 @@ class RequestState:
         self.num_output_tokens += len(output.new_token_ids)
         update = self.detokenizer.update(output.new_token_ids)
         text = update.text_delta
-        finish_reason, stop_reason = output.finish_reason, None
+        finish_reason = output.finish_reason
+        stop_reason: str | int | None = None
         if update.stop_string is not None:
             finish_reason, stop_reason = "stop", update.stop_string
         elif finish_reason is not None:

@@ -26,22 +26,33 @@ from __future__ import annotations
 
 import logging
 from collections import deque
+from collections.abc import Callable
 from typing import Literal
 
 import trio
 
 from trioserve.config import EngineConfig
-from trioserve.errors import EngineDeadError, EngineStartupError
+from trioserve.errors import EngineDeadError, EngineStartupError, leaves
 from trioserve.frontend.client import EngineCoreClient
 from trioserve.messages import EngineInfo
 
-Health = Literal["starting", "ready", "restarting", "failed", "stopped"]
+Health = Literal["starting", "ready", "stalled", "restarting", "failed", "stopped"]
+# Makes the client of one engine-core life: (config, engine index, on_dead).
+# Tests give a fake one to drive the supervisor on a virtual clock.
+ClientFactory = Callable[[EngineConfig, int, Callable[[EngineCoreClient], None]], EngineCoreClient]
+
+
+def _new_client(
+    config: EngineConfig, engine_index: int, on_dead: Callable[[EngineCoreClient], None]
+) -> EngineCoreClient:
+    return EngineCoreClient(config, engine_index, on_dead=on_dead)
 log = logging.getLogger("trioserve.supervisor")
 
 
 class EngineSupervisor:
-    def __init__(self, config: EngineConfig, engine_index: int = 0) -> None:
+    def __init__(self, config: EngineConfig, engine_index: int = 0, *, client_factory: ClientFactory = _new_client) -> None:
         self.config = config
+        self._client_factory = client_factory
         self.engine_index = engine_index
         self.name = f"engine-core-{engine_index}"
         self.health: Health = "starting"
@@ -50,6 +61,7 @@ class EngineSupervisor:
         self.num_restarts = 0
         self.failure: EngineDeadError | None = None
         self._deaths: deque[float] = deque()
+        self._last_reason = "unknown"  # why the latest engine core died
         self._changed = trio.Event()
 
     # --- life cycle ---------------------------------------------------------
@@ -82,6 +94,7 @@ class EngineSupervisor:
             started = True
             task_status.started(info)
 
+
         try:
             await self._run_generation(ready)
         except BaseExceptionGroup as group:
@@ -106,9 +119,9 @@ class EngineSupervisor:
             log.error("%s: restart %d failed: %s", self.name, self.num_restarts, error)
             self._last_reason = str(error)
 
-    async def _run_generation(self, on_ready: object) -> None:
+    async def _run_generation(self, on_ready: Callable[[EngineInfo], None]) -> None:
         """Start one engine core, mark it ready, and return when it died."""
-        client = EngineCoreClient(self.config, self.engine_index, on_dead=self._on_dead)
+        client = self._client_factory(self.config, self.engine_index, self._on_dead)
         self._last_reason = "unknown"
         async with trio.open_nursery() as nursery:
 
@@ -120,7 +133,7 @@ class EngineSupervisor:
             info: EngineInfo = await nursery.start(run_client)
             self.client, self.info = client, info
             self._set_health("ready")
-            on_ready(info)  # type: ignore[operator]
+            on_ready(info)
             nursery.start_soon(self._stop_when_dead_but_running, client, nursery.cancel_scope)
         # client.run returned: its engine core died, and was reaped.
         self._last_reason = str(client.dead) if client.dead is not None else "it exited"
@@ -157,7 +170,7 @@ class EngineSupervisor:
 
     def _backoff(self) -> float:
         exponent = max(len(self._deaths) - 1, 0)
-        return min(self.config.restart_backoff_s * 2**exponent, self.config.restart_backoff_max_s)
+        return min(self.config.restart_backoff_s * 2.0**exponent, self.config.restart_backoff_max_s)
 
     def _set_health(self, health: Health) -> None:
         if health != self.health:
@@ -199,14 +212,11 @@ class EngineSupervisor:
             await self._changed.wait()
 
 
-def _startup_error(group: BaseExceptionGroup) -> EngineStartupError | None:
-    """The ``EngineStartupError`` that ``group`` is about, if that is all it holds."""
-    matched, rest = group.split(EngineStartupError)
-    if matched is None or rest is not None:  # something else too, a cancellation perhaps: not ours
-        return None
-    first: BaseException = matched
-    while isinstance(first, BaseExceptionGroup):
-        first = first.exceptions[0]
-    assert isinstance(first, EngineStartupError)
-    return first
-
+def _startup_error(group: BaseExceptionGroup[BaseException]) -> EngineStartupError | None:
+    """The ``EngineStartupError`` that ``group`` is about, if that is all it
+    holds (a cancellation beside it means the start was not what failed)."""
+    found = leaves(group)
+    first = found[0]
+    if isinstance(first, EngineStartupError) and all(isinstance(leaf, EngineStartupError) for leaf in found):
+        return first
+    return None

@@ -17,7 +17,9 @@ and drives the ``tokenizers`` library directly:
   (an int or a list of ints), and ``bos_token_id`` when tokenizer_config.json
   does not say ``bos_token``.
 
-Invariants: ``eos_token_ids`` has no duplicates and keeps that order of
+Invariants: ``max_token_chars`` bounds the characters of text any one token
+encodes (so a text of ``n`` characters has at least ``n / max_token_chars``
+tokens, up to normalization); ``eos_token_ids`` has no duplicates and keeps that order of
 preference (generation_config.json, config.json, tokenizer_config.json);
 ``all_special_ids`` holds BOS, every EOS, PAD, UNK and each token that
 ``decode(..., skip_special_tokens=True)`` skips.
@@ -62,6 +64,9 @@ class Tokenizer:
         self.vocab_size: int = max(
             backend.get_vocab_size(with_added_tokens=True), max(added, default=-1) + 1
         )
+        # The longest vocabulary entry, in characters: no token stands for more
+        # text than this (byte-level entries spell each byte as one character).
+        self.max_token_chars: int = max(map(len, backend.get_vocab(with_added_tokens=True)), default=1)
         self.bos_token_id: int | None = bos_token_id
         self.eos_token_ids: list[int] = list(dict.fromkeys(eos_token_ids))
         self.all_special_ids: set[int] = {i for i, tok in added.items() if tok.special}

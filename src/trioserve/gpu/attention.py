@@ -25,6 +25,7 @@ table covers its whole context.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
@@ -72,7 +73,7 @@ class PagedAttentionMetadata:
     slot_mapping: torch.Tensor  # [T] long: flat cache slot of each packed token
     decodes: list[DecodeGroup]
     prefills: list[PrefillSeq]
-    _masks: dict[tuple, torch.Tensor] = field(default_factory=dict)  # built by the first layer
+    _masks: dict[tuple[str, int, int | None], torch.Tensor] = field(default_factory=dict)  # built by the first layer
 
     def decode_mask(self, index: int, window: int | None) -> torch.Tensor:
         """``[B, 1, 1, L]`` bool: True where a token of decode group ``index`` may attend."""
@@ -241,8 +242,16 @@ def _gather(cache: torch.Tensor, tables: torch.Tensor) -> torch.Tensor:
     return blocks.view(b, nb * bs, kvh, d).transpose(1, 2)
 
 
+class AttentionModule(Protocol):
+    """What the attention function reads of the transformers attention
+    module that calls it."""
+
+    layer_idx: int
+    scaling: float
+
+
 def paged_attention_forward(
-    module: torch.nn.Module,
+    module: AttentionModule,
     query: torch.Tensor,
     key: torch.Tensor,
     value: torch.Tensor,

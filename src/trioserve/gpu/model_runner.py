@@ -1,10 +1,12 @@
 """The model runner: one transformers model, a paged KV cache, one packed
 model call per scheduler step.
 
-The runner keeps, per request, only what the scheduler has told it: the
-token list (prompt, then every output token the scheduler has sent back),
-the block table, and how many tokens are in the cache. It never appends its
-own sampled tokens: they come back in the next step's ``CachedRequestData``.
+The runner keeps, per request, what the scheduler has told it (the prompt,
+and every output token so far when a request is sent again after a
+preemption), the block table, and how many tokens are in the cache; and it
+appends every token it samples to the request's token list, so that the
+next step can compute it before the engine core has seen it
+(``CachedRequestData`` carries no tokens).
 
 Invariants: a request is in ``requests`` from its ``NewRequestData`` until its
 id appears in ``finished_req_ids``; every scheduled range lies inside the
@@ -16,6 +18,7 @@ from __future__ import annotations
 import os
 import time
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -26,12 +29,16 @@ from trioserve.gpu.host_memory import keep_freed_memory
 from trioserve.gpu.sampler import SamplingBatch, sample
 from trioserve.messages import (
     CachedRequestData,
+    ModelInfo,
     NewRequestData,
     RunnerOutput,
     SamplingParams,
     SchedulerOutput,
     WorkerLoaded,
 )
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -127,18 +134,16 @@ class ModelRunner:
         model = AutoModelForCausalLM.from_pretrained(
             self.config.model, attn_implementation=ATTENTION_NAME, dtype=self.dtype
         )
-        self.model = model.to(self.device).eval().requires_grad_(False)
+        self.model = torch.nn.Module.to(model, self.device).eval().requires_grad_(False)
         text = model.config.get_text_config()
         self.vocab_size = text.vocab_size
         self.num_layers = text.num_hidden_layers
         self.num_kv_heads = getattr(text, "num_key_value_heads", None) or text.num_attention_heads
         self.head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
         max_model_len = self.config.max_model_len or text.max_position_embeddings
+        info = ModelInfo(vocab_size=self.vocab_size, max_model_len=max_model_len, eos_token_ids=_eos_token_ids(model))
         return WorkerLoaded(
-            max_num_kv_blocks=self.config.num_kv_blocks or self._blocks_for_budget(max_model_len),
-            max_model_len=max_model_len,
-            vocab_size=self.vocab_size,
-            eos_token_ids=_eos_token_ids(model),
+            model=info, max_num_kv_blocks=self.config.num_kv_blocks or self._blocks_for_budget(max_model_len)
         )
 
     def _blocks_for_budget(self, max_model_len: int) -> int:
@@ -180,7 +185,8 @@ class ModelRunner:
             started, time.perf_counter(), sched.total_num_scheduled_tokens,
             len(sched.num_scheduled_tokens), len(out.req_ids), first,
         )  # fmt: skip
-        self._step_log.write(format_step(record))
+        if self._step_log is not None:
+            self._step_log.write(format_step(record))
 
     @torch.inference_mode()
     def _execute(self, sched: SchedulerOutput) -> RunnerOutput:
@@ -271,7 +277,7 @@ def _check_range(what: str, ids: list[int], upper: int) -> None:
         raise ValueError(f"{what}: must be in [0, {upper})")
 
 
-def _eos_token_ids(model: torch.nn.Module) -> list[int]:
+def _eos_token_ids(model: PreTrainedModel) -> list[int]:
     """EOS ids from the generation config, then the model config (int or list)."""
     ids: list[int] = []
     for source in (getattr(model, "generation_config", None), model.config.get_text_config()):

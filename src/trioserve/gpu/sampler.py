@@ -61,7 +61,7 @@ class SamplerOutput:
     logprobs: list[SampleLogprobs | None] | None  # None when no row asked for logprobs
 
 
-def _column(values: list[float | int], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+def _column(values: Sequence[float], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     return torch.tensor(values, dtype=dtype, device=device)[:, None]  # [B, 1]
 
 
@@ -143,8 +143,9 @@ def compute_logprobs(
     raw_logprobs = raw_logits.log_softmax(dim=1)  # [B, V]
     chosen = raw_logprobs.gather(1, sampled[:, None])[:, 0].tolist()  # [B]
     top_n = max(n for n in wanted if n is not None)
-    top_values, top_ids = raw_logprobs.topk(top_n, dim=1)  # [B, top_n]
-    top_values, top_ids = top_values.tolist(), top_ids.tolist()
+    top = raw_logprobs.topk(top_n, dim=1)  # [B, top_n]
+    top_values: list[list[float]] = top.values.tolist()
+    top_ids: list[list[int]] = top.indices.tolist()
     return [
         None if n is None else SampleLogprobs(chosen[i], top_ids[i][:n], top_values[i][:n])
         for i, n in enumerate(wanted)

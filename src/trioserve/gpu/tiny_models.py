@@ -18,6 +18,7 @@ import pathlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    import torch
     from transformers import PretrainedConfig, PreTrainedTokenizerFast
 
 PAD_ID, BOS_ID, EOS_ID = 0, 1, 2
@@ -111,7 +112,7 @@ def tiny_config(arch: str = "llama", **config_overrides: Any) -> PretrainedConfi
     return AutoConfig.for_model(arch, **{**_COMMON, **ARCHITECTURES[arch], **config_overrides})
 
 
-def _randomize(model, seed: int, std: float) -> None:
+def _randomize(model: torch.nn.Module, seed: int, std: float) -> None:
     """Overwrite every parameter from one seeded generator, in name order.
 
     Matrices and biases get N(0, std); norm weights keep their constant

@@ -27,9 +27,7 @@ from __future__ import annotations
 import logging
 import math
 import os
-import traceback
 from collections import deque
-from typing import Any
 
 import msgspec
 import trio
@@ -37,7 +35,8 @@ import zmq
 
 from trioserve.core.request import Request
 from trioserve.core.scheduler import Scheduler
-from trioserve.errors import EngineStartupError
+from trioserve.core.step import Step
+from trioserve.errors import EngineStartupError, describe, meaningful_leaves
 from trioserve.messages import (
     AbortRequests,
     AddRequest,
@@ -51,12 +50,11 @@ from trioserve.messages import (
     HandshakeMessage,
     Hello,
     Ready,
-    SchedulerOutput,
     StartupFailed,
     StatsReply,
     TokenOutput,
 )
-from trioserve.nurseries.executor import Executor, ExecutorInfo
+from trioserve.nurseries.executor import Executor, ExecutorStage, WorkerError
 from trioserve.transport.zmq_trio import TrioZmqSocket
 
 HANDSHAKE_ADDRESS_ENV = "TRIOSERVE_HANDSHAKE_ADDRESS"
@@ -73,83 +71,108 @@ _encode = msgspec.msgpack.Encoder().encode
 
 
 class EngineCore:
-    """The step loop's state: a scheduler fed from an inbox, results to an outbox."""
+    """The step loop: a scheduler fed from an inbox, its steps run by the
+    executor, the outputs sent to an outbox. It owns ``in_flight``, the one
+    queue of steps sent to the workers and not yet postprocessed."""
 
-    def __init__(self, scheduler: Scheduler, executor: Executor, info: EngineInfo) -> None:
+    def __init__(
+        self, scheduler: Scheduler, executor: Executor, info: EngineInfo, in_flight: deque[Step] | None = None
+    ) -> None:
         self.scheduler = scheduler
         self.executor = executor
         self.info = info
-        self._unsent: list[TokenOutput] = []  # the last step's outputs, not yet in the outbox
+        self.in_flight: deque[Step] = deque() if in_flight is None else in_flight
+        self.depth = executor.config.max_steps_in_flight
+        self._unsent: list[TokenOutput] = []  # outputs of the last step postprocessed, not yet in the outbox
+        self._replies: list[EngineResponse] = []  # answers to front-end messages, not yet in the outbox
 
-    def apply(self, msg: Any, outputs: list[Any]) -> None:
-        """Apply one front-end message; replies are appended to ``outputs``."""
+    async def step_loop(
+        self, inbox: trio.MemoryReceiveChannel[EngineRequest], outbox: trio.MemorySendChannel[EngineResponse]
+    ) -> None:
+        """Run steps while there is work; sleep on the inbox when there is none.
+
+        Each turn: take what the front-end sent; plan and send the next step
+        (up to ``max_steps_in_flight`` are with the workers at once, so they
+        go from one step straight to the next); send the last step's outputs
+        to the front-end, once the step after it is on its way; then wait
+        for the oldest step and postprocess it. If cancelled, steps still in
+        flight are dropped with the workers.
+        """
+        while True:
+            await self._wait_for_work(inbox, outbox)
+            self._take_messages(inbox)
+            sent = await self._plan_and_send()
+            await self._send_outputs(outbox)
+            if self.in_flight and (len(self.in_flight) == self.depth or not sent):
+                await self._collect_oldest()
+            elif not self.in_flight:
+                await trio.lowlevel.checkpoint()
+
+    async def _wait_for_work(
+        self, inbox: trio.MemoryReceiveChannel[EngineRequest], outbox: trio.MemorySendChannel[EngineResponse]
+    ) -> None:
+        """When nothing is in flight or unfinished, flush the outputs and sleep on the inbox."""
+        if not self.in_flight and not self.scheduler.has_unfinished():
+            await self._send_outputs(outbox)
+            self.apply(await inbox.receive())
+
+    def _take_messages(self, inbox: trio.MemoryReceiveChannel[EngineRequest]) -> None:
+        while True:
+            try:
+                self.apply(inbox.receive_nowait())
+            except trio.WouldBlock:
+                return
+
+    async def _plan_and_send(self) -> bool:
+        """Plan the next step and send it to the workers, if there is room in
+        flight and work to do. True when a step was sent."""
+        if len(self.in_flight) >= self.depth or not self.scheduler.has_unfinished():
+            return False
+        step = self.scheduler.schedule()
+        if step is None:
+            return False
+        await self.executor.dispatch(step)
+        self.in_flight.append(step)
+        return True
+
+    async def _collect_oldest(self) -> None:
+        step = self.in_flight[0]
+        runner_output = await self.executor.collect(step)
+        self.in_flight.popleft()
+        self._unsent += self.scheduler.postprocess(step, runner_output)
+
+    async def _send_outputs(self, outbox: trio.MemorySendChannel[EngineResponse]) -> None:
+        replies, self._replies = self._replies, []
+        for reply in replies:
+            await outbox.send(reply)
+        if self._unsent:
+            outputs, self._unsent = self._unsent, []
+            await outbox.send(EngineOutputs(outputs=outputs))
+
+    def apply(self, msg: EngineRequest) -> None:
+        """Apply one front-end message; its reply, if any, goes out with the next outputs."""
         if isinstance(msg, AddRequest):
-            self._add(msg, outputs)
+            self._add(msg)
         elif isinstance(msg, AbortRequests):
             self.scheduler.abort(msg.request_ids)
         elif isinstance(msg, GetStats):
-            outputs.append(StatsReply(call_id=msg.call_id, stats=self.scheduler.stats()))
+            self._replies.append(StatsReply(call_id=msg.call_id, stats=self.scheduler.stats()))
 
-    def _add(self, msg: AddRequest, outputs: list[Any]) -> None:
+    def _add(self, msg: AddRequest) -> None:
         try:
             request = Request(msg.request_id, msg.prompt_token_ids, msg.params, self.info.eos_token_ids)
             self.scheduler.add(request)
         except ValueError as exc:
             # The front-end validates first; this guards against any other sender.
             error = TokenOutput(msg.request_id, [], finish_reason="error", error=str(exc))
-            outputs.append(EngineOutputs(outputs=[error]))
-
-    async def step_loop(
-        self, inbox: trio.MemoryReceiveChannel[Any], outbox: trio.MemorySendChannel[Any]
-    ) -> None:
-        """Run steps while there is work; sleep on the inbox when there is none.
-
-        Up to ``max_steps_in_flight`` steps are with the workers at once: the
-        next step is planned and sent before the current one's output is
-        taken, so the workers go from one step straight to the next. A step's
-        outputs go to the front-end once the step after it is on its way.
-        """
-        in_flight: deque[SchedulerOutput] = deque()
-        depth = self.executor.config.max_steps_in_flight
-        while True:
-            replies: list[Any] = []
-            if not in_flight and not self.scheduler.has_unfinished():
-                await self._send_outputs(outbox)
-                self.apply(await inbox.receive(), replies)
-            while True:
-                try:
-                    self.apply(inbox.receive_nowait(), replies)
-                except trio.WouldBlock:
-                    break
-            for reply in replies:
-                await outbox.send(reply)
-            sent = False
-            if len(in_flight) < depth and self.scheduler.has_unfinished():
-                scheduler_output = self.scheduler.schedule()
-                # An empty step that names finished requests still goes: the
-                # workers must forget them.
-                if scheduler_output.total_num_scheduled_tokens or scheduler_output.finished_req_ids:
-                    await self.executor.dispatch(scheduler_output)
-                    in_flight.append(scheduler_output)
-                    sent = True
-            await self._send_outputs(outbox)
-            if in_flight and (len(in_flight) == depth or not sent):
-                await self._take_output(in_flight.popleft())
-            elif not in_flight:
-                await trio.lowlevel.checkpoint()
-
-    async def _take_output(self, scheduler_output: SchedulerOutput) -> None:
-        runner_output = await self.executor.collect()
-        self._unsent += self.scheduler.postprocess(scheduler_output, runner_output)
-
-    async def _send_outputs(self, outbox: trio.MemorySendChannel[Any]) -> None:
-        if self._unsent:
-            outputs, self._unsent = self._unsent, []
-            await outbox.send(EngineOutputs(outputs=outputs))
+            self._replies.append(EngineOutputs(outputs=[error]))
 
 
 async def input_socket_actor(
-    address: str, inbox: trio.MemorySendChannel[Any], *, task_status: Any = trio.TASK_STATUS_IGNORED
+    address: str,
+    inbox: trio.MemorySendChannel[EngineRequest],
+    *,
+    task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """Own the input socket: decode each message and pass it to the step loop.
 
@@ -171,7 +194,10 @@ async def input_socket_actor(
 
 
 async def output_socket_actor(
-    address: str, outbox: trio.MemoryReceiveChannel[Any], *, task_status: Any = trio.TASK_STATUS_IGNORED
+    address: str,
+    outbox: trio.MemoryReceiveChannel[EngineResponse],
+    *,
+    task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """Own the output socket: send every message from the outbox, in order."""
     with TrioZmqSocket.connect(zmq.PUSH, address, linger=1000) as sock:
@@ -199,29 +225,28 @@ def handshake_timeout_s() -> float:
     except ValueError:
         value = math.nan
     if not 0 < value < math.inf:
-        log.warning("%s=%r is not a positive number of seconds: using %ss", HANDSHAKE_TIMEOUT_ENV, raw, DEFAULT_HANDSHAKE_TIMEOUT_S)
+        log.warning(
+            "%s=%r is not a positive number of seconds: using %ss", HANDSHAKE_TIMEOUT_ENV, raw, DEFAULT_HANDSHAKE_TIMEOUT_S
+        )
         return DEFAULT_HANDSHAKE_TIMEOUT_S
     return value
 
 
-def _startup_failure(exc: BaseException, stage: str) -> StartupFailed:
+def _startup_failure(exc: BaseException, stage: ExecutorStage) -> StartupFailed:
     """``StartupFailed`` for a start-up that raised ``exc``, while the
     executor was at ``stage``: the stage, process and exit code come from
-    the first error that names them (``WorkerError``, ``EngineStartupError``)."""
-    leaves = [leaf for leaf in _leaves(exc) if not isinstance(leaf, trio.Cancelled)]
-    named = next((leaf for leaf in leaves if getattr(leaf, "process", "")), None)
-    return StartupFailed(
-        stage=getattr(named, "stage", stage),
-        message=_describe(exc),
-        process=getattr(named, "process", ""),
-        exit_code=getattr(named, "exit_code", None),
+    the first error that names its process (``WorkerError``, ``EngineStartupError``)."""
+    named = next(
+        (leaf for leaf in meaningful_leaves(exc) if isinstance(leaf, (WorkerError, EngineStartupError)) and leaf.process),
+        None,
     )
-
-
-def _leaves(exc: BaseException) -> list[BaseException]:
-    if isinstance(exc, BaseExceptionGroup):
-        return [leaf for inner in exc.exceptions for leaf in _leaves(inner)]
-    return [exc]
+    failed_stage = named.stage if named is not None else stage
+    return StartupFailed(
+        stage="kv-cache" if failed_stage == "step" else failed_stage,
+        message=describe(exc),
+        process=named.process if named is not None else "",
+        exit_code=named.exit_code if named is not None else None,
+    )
 
 
 async def engine_core_main() -> None:
@@ -238,7 +263,7 @@ async def engine_core_main() -> None:
                 stage="handshake",
                 process=f"engine-core-{engine_index}",
             )
-        outbox_send, outbox_receive = trio.open_memory_channel[Any](OUTBOX_SIZE)
+        outbox_send, outbox_receive = trio.open_memory_channel[EngineResponse](OUTBOX_SIZE)
         async with trio.open_nursery() as outer:
             # The output socket outlives the rest, so that a failure can be reported.
             await outer.start(output_socket_actor, init.output_address, outbox_receive)
@@ -251,17 +276,19 @@ async def engine_core_main() -> None:
                 outer.cancel_scope.cancel()
 
 
-async def _serve(init: HandshakeInit, handshake: TrioZmqSocket, outbox: trio.MemorySendChannel[Any]) -> None:
+async def _serve(
+    init: HandshakeInit, handshake: TrioZmqSocket, outbox: trio.MemorySendChannel[EngineResponse]
+) -> None:
     config = init.config
     async with trio.open_nursery() as nursery:
-        executor = Executor(config)
+        in_flight: deque[Step] = deque()
+        executor = Executor(config, in_flight)
         try:
-            executor_info: ExecutorInfo = await nursery.start(executor.run)
+            info: EngineInfo = await nursery.start(executor.run)
         except BaseException as exc:
             with trio.CancelScope(shield=True), trio.move_on_after(1):
                 await handshake.send(_encode(_startup_failure(exc, executor.stage)))
             raise
-        info = _engine_info(config.block_size, executor_info)
         scheduler = Scheduler(
             num_blocks=info.num_kv_blocks,
             block_size=info.block_size,
@@ -269,38 +296,14 @@ async def _serve(init: HandshakeInit, handshake: TrioZmqSocket, outbox: trio.Mem
             max_num_batched_tokens=config.max_num_batched_tokens,
             max_model_len=info.max_model_len,
         )
-        inbox_send, inbox_receive = trio.open_memory_channel[Any](INBOX_SIZE)
+        inbox_send, inbox_receive = trio.open_memory_channel[EngineRequest](INBOX_SIZE)
         await nursery.start(input_socket_actor, init.input_address, inbox_send)
         await handshake.send(_encode(Ready(info=info)))
-        await EngineCore(scheduler, executor, info).step_loop(inbox_receive, outbox)
+        await EngineCore(scheduler, executor, info, in_flight).step_loop(inbox_receive, outbox)
 
 
-def _engine_info(block_size: int, ex: ExecutorInfo) -> EngineInfo:
-    # A request alone must always fit in the cache, or preemption could loop:
-    # the context length is capped by the cache's size.
-    max_model_len = min(ex.max_model_len, ex.num_kv_blocks * block_size)
-    return EngineInfo(
-        num_kv_blocks=ex.num_kv_blocks,
-        block_size=block_size,
-        max_model_len=max_model_len,
-        vocab_size=ex.vocab_size,
-        eos_token_ids=list(ex.eos_token_ids),
-        engine_pid=os.getpid(),
-        worker_pids=list(ex.worker_pids),
-    )
-
-
-def _describe(exc: BaseException) -> str:
-    leaves = exc.exceptions if isinstance(exc, BaseExceptionGroup) else [exc]
-    return "; ".join(
-        _describe(leaf) if isinstance(leaf, BaseExceptionGroup) else "".join(traceback.format_exception_only(leaf)).strip()
-        for leaf in leaves
-        if not isinstance(leaf, trio.Cancelled)
-    )
-
-
-async def _report_death(outbox: trio.MemorySendChannel[Any], exc: BaseException) -> None:
-    reason = _describe(exc)
+async def _report_death(outbox: trio.MemorySendChannel[EngineResponse], exc: BaseException) -> None:
+    reason = describe(exc)
     log.error("engine core failed: %s", reason)
     with trio.CancelScope(shield=True), trio.move_on_after(1):
         await outbox.send(EngineDead(reason=reason))

@@ -10,6 +10,11 @@ signal cancels the engine core.
 Deadlines: spawning and loading are bounded by ``model_load_timeout_s``, each
 step by ``step_timeout_s``. Past one, the error names the workers that did
 not answer; cancelling the executor then stops and reaps them.
+
+The executor keeps no record of steps: the step loop owns the queue of steps
+in flight (``core.step.Step``) and hands each to ``dispatch`` and ``collect``;
+the executor reads that queue (never changes it) to name the step a dead
+worker was running.
 """
 
 from __future__ import annotations
@@ -17,34 +22,39 @@ from __future__ import annotations
 import math
 import os
 import sys
-from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from functools import partial
-from typing import Any, NoReturn
+from typing import Literal, NoReturn, TypeVar
 
 import trio
 
 from trioserve.config import EngineConfig
-from trioserve.errors import EngineStartupError
+from trioserve.core.step import Step
+from trioserve.errors import EngineStartupError, StartupStage
 from trioserve.messages import (
+    EngineInfo,
     FromWorker,
     InitKVCache,
     KVCacheReady,
     RunnerOutput,
-    SchedulerOutput,
+    ToWorker,
     WorkerFailed,
     WorkerInit,
     WorkerLoaded,
 )
-from trioserve.transport.framing import MessageBridge, socketpair_for_child
 from trioserve.nurseries.process import ChildProcess, ProcessExited, supervise_process
 from trioserve.nurseries.worker import WORKER_FD_ENV
+from trioserve.transport.framing import MessageBridge, socketpair_for_child
 
 OUTPUT_RANK = 0
 # How long a worker that reported a failure, or closed its stream, gets to
 # exit, so that the error can name its exit code. It exits at once after its
 # last word; this only bounds a worker that does not.
 EXIT_WAIT_S = 0.5
+
+ExecutorStage = StartupStage | Literal["step"]
+_Reply = TypeVar("_Reply", WorkerLoaded, KVCacheReady, RunnerOutput)
 
 
 class WorkerError(RuntimeError):
@@ -53,7 +63,9 @@ class WorkerError(RuntimeError):
     ``model-load``, ``kv-cache``, ``step``), ``process`` the worker's name,
     ``exit_code`` its exit status if it exited (negative: the signal)."""
 
-    def __init__(self, message: str, *, stage: str, process: str = "", exit_code: int | None = None) -> None:
+    def __init__(
+        self, message: str, *, stage: ExecutorStage, process: str = "", exit_code: int | None = None
+    ) -> None:
         super().__init__(message)
         self.stage = stage
         self.process = process
@@ -64,15 +76,6 @@ class StepTimeout(WorkerError):
     """Workers did not answer a step within ``step_timeout_s``."""
 
 
-@dataclass(frozen=True)
-class ExecutorInfo:
-    num_kv_blocks: int
-    max_model_len: int
-    vocab_size: int
-    eos_token_ids: list[int]
-    worker_pids: list[int]
-
-
 @dataclass(eq=False)
 class _Worker:
     """One worker as the executor sees it; filled in as it starts."""
@@ -81,8 +84,8 @@ class _Worker:
     exited: trio.Event = field(default_factory=trio.Event)  # set once it is reaped
     stream_closed: trio.Event = field(default_factory=trio.Event)  # set once its bridge ended
     process: ChildProcess | None = None
-    outbox: trio.MemorySendChannel[Any] | None = None
-    inbox: trio.MemoryReceiveChannel[Any] | None = None
+    outbox: trio.MemorySendChannel[ToWorker] | None = None
+    inbox: trio.MemoryReceiveChannel[FromWorker] | None = None
 
     @property
     def name(self) -> str:
@@ -112,20 +115,22 @@ class _Worker:
 
 
 class Executor:
-    def __init__(self, config: EngineConfig) -> None:
+    """The engine core's workers. ``steps_in_flight`` is the step loop's own
+    queue of the steps sent and not yet collected, oldest first (read only)."""
+
+    def __init__(self, config: EngineConfig, steps_in_flight: Sequence[Step] = ()) -> None:
         self.config = config
+        self._steps_in_flight = steps_in_flight
         self._workers: list[_Worker] = []
-        self.stage = "spawn"  # then "model-load", "kv-cache", "step"
-        self.num_steps = 0  # steps sent to the workers; the first is 1
-        self._steps_in_flight: deque[int] = deque()  # sent, reply not yet collected
+        self.stage: ExecutorStage = "spawn"  # then "model-load", "kv-cache", "step"
         self._collecting = False  # a collect() is taking replies
         self._last_words: dict[int, str] = {}  # rank -> its WorkerFailed message
         self._answered: set[int] = set()  # ranks whose reply the current call has taken
 
-    async def run(self, *, task_status: trio.TaskStatus[ExecutorInfo] = trio.TASK_STATUS_IGNORED) -> None:
+    async def run(self, *, task_status: trio.TaskStatus[EngineInfo] = trio.TASK_STATUS_IGNORED) -> None:
         """Start the workers, load the model, size the KV cache, then supervise.
 
-        Reports ``ExecutorInfo`` once every worker is ready. From the first
+        Reports the ``EngineInfo`` once every worker is ready. From the first
         ``WorkerInit`` (sent as soon as the workers are spawned) to the last
         ``KVCacheReady`` the wait is bounded by ``model_load_timeout_s``; past
         it ``EngineStartupError`` names the stage and the workers that did not
@@ -155,12 +160,16 @@ class Executor:
             raise EngineStartupError(f"could not start {worker.name}: {exc}", stage="spawn", process=worker.name)
         finally:
             child_end.close()
-        bridge = MessageBridge(parent_end, receive_type=FromWorker, name=worker.name)
+        bridge: MessageBridge[ToWorker, FromWorker] = MessageBridge(parent_end, receive_type=FromWorker, name=worker.name)
         worker.outbox, worker.inbox = await nursery.start(self._bridge, bridge, worker)
         return worker
 
     async def _bridge(
-        self, bridge: MessageBridge, worker: _Worker, *, task_status: trio.TaskStatus[Any] = trio.TASK_STATUS_IGNORED
+        self,
+        bridge: MessageBridge[ToWorker, FromWorker],
+        worker: _Worker,
+        *,
+        task_status: trio.TaskStatus[tuple[trio.MemorySendChannel[ToWorker], trio.MemoryReceiveChannel[FromWorker]]],
     ) -> None:
         try:
             await bridge.run(task_status=task_status)
@@ -210,17 +219,16 @@ class Executor:
             return self.stage
         steps = self._steps_in_flight
         if not steps:
-            return f"step {self.num_steps}"
+            return "step (between steps)"
         answered = num_replies + (1 if worker is not None and self._collecting and worker.rank in self._answered else 0)
-        return f"step {steps[min(answered, len(steps) - 1)]}"
+        return f"step {steps[min(answered, len(steps) - 1)].number}"
 
-    async def _initialize(self) -> ExecutorInfo:
+    async def _initialize(self) -> EngineInfo:
         world = len(self._workers)
         self.stage = "model-load"
         with trio.move_on_after(self.config.model_load_timeout_s) as scope:
-            loaded: list[WorkerLoaded] = await self._call_all(
-                [WorkerInit(config=self.config, rank=w.rank, world_size=world) for w in self._workers], WorkerLoaded
-            )
+            inits: list[ToWorker] = [WorkerInit(config=self.config, rank=w.rank, world_size=world) for w in self._workers]
+            loaded = await self._call_all(inits, WorkerLoaded)
             num_blocks = min(w.max_num_kv_blocks for w in loaded)
             self.stage = "kv-cache"
             await self._call_all([InitKVCache(num_blocks=num_blocks)] * world, KVCacheReady)
@@ -231,21 +239,24 @@ class Executor:
                 process=", ".join(w.name for w in self._late_workers()),
             )
         self.stage = "step"
-        first = loaded[OUTPUT_RANK]
-        return ExecutorInfo(
+        model = loaded[OUTPUT_RANK].model
+        block_size = self.config.block_size
+        return EngineInfo(
+            model=model,
             num_kv_blocks=num_blocks,
-            max_model_len=first.max_model_len,
-            vocab_size=first.vocab_size,
-            eos_token_ids=first.eos_token_ids,
+            block_size=block_size,
+            # A request alone must always fit in the cache, or preemption could loop.
+            max_model_len=min(model.max_model_len, num_blocks * block_size),
+            engine_pid=os.getpid(),
             worker_pids=[w.pid for w in self._workers if w.pid is not None],
         )
 
-    async def _call_all(self, messages: list[Any], reply_type: type) -> list[Any]:
+    async def _call_all(self, messages: list[ToWorker], reply_type: type[_Reply]) -> list[_Reply]:
         """Send each worker its message, then take one reply from each."""
         await self._send_all(messages)
         return await self._receive_all(reply_type)
 
-    async def _send_all(self, messages: list[Any]) -> None:
+    async def _send_all(self, messages: Sequence[ToWorker]) -> None:
         """Send each worker its message. A worker whose stream is already
         closed (it is exiting) fails as in ``_receive_all``."""
         for worker, msg in zip(self._workers, messages):
@@ -255,14 +266,14 @@ class Executor:
             except (trio.BrokenResourceError, trio.ClosedResourceError):
                 await self._fail(worker, "closed its stream")
 
-    async def _receive_all(self, reply_type: type) -> list[Any]:
+    async def _receive_all(self, reply_type: type[_Reply]) -> list[_Reply]:
         """Take one reply from each worker, in rank order. A worker that
         reports a failure or closes its stream gets ``EXIT_WAIT_S`` to exit,
         so that the monitor's error (with its exit code) is the one raised.
         If cancelled, replies not yet taken stay in the workers' inboxes
         (``_late_workers`` looks there)."""
         self._answered = set()
-        replies = []
+        replies: list[_Reply] = []
         for worker in self._workers:
             assert worker.inbox is not None
             try:
@@ -301,16 +312,14 @@ class Executor:
         names = " and ".join(f"{w.name} (pid {w.pid})" for w in late) or "the workers"
         return f"{names} did not finish {self._stage_label()} within {deadline}"
 
-    async def dispatch(self, scheduler_output: SchedulerOutput) -> None:
-        """Send one step to every worker. Up to a few steps may be in flight:
+    async def dispatch(self, step: Step) -> None:
+        """Send ``step`` to every worker. Up to a few steps may be in flight:
         workers run them in order, and ``collect`` takes their outputs in the
         same order."""
-        self.num_steps += 1
-        self._steps_in_flight.append(self.num_steps)
-        await self._send_all([scheduler_output] * len(self._workers))
+        await self._send_all([step.scheduled] * len(self._workers))
 
-    async def collect(self) -> RunnerOutput:
-        """The output rank's sampled tokens for the oldest step in flight.
+    async def collect(self, step: Step) -> RunnerOutput:
+        """The output rank's sampled tokens for ``step``, the oldest step in flight.
 
         Past ``step_timeout_s`` (counted from this call: the step before has
         just been collected, so the workers are on this one) raises
@@ -345,5 +354,4 @@ class Executor:
                     stage="step",
                     process=worker.name,
                 )
-        self._steps_in_flight.popleft()
         return first

@@ -35,6 +35,7 @@ from trioserve.messages import (
     ToWorker,
     WorkerFailed,
     WorkerInit,
+    WorkerStage,
 )
 from trioserve.runners import Runner
 from trioserve.transport.framing import BlockingFrames, socket_from_fd
@@ -86,7 +87,7 @@ def serve(sock: socket.socket) -> None:
     a thread). On a failure, report ``WorkerFailed`` naming the stage, then
     raise."""
     talk = _Conversation(sock)
-    stage = "model-load"
+    stage: WorkerStage = "model-load"
     try:
         init: WorkerInit = talk.expect(WorkerInit)
         runner = make_runner(init.config, init.rank, init.world_size)

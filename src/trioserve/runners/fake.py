@@ -20,7 +20,7 @@ from types import FrameType
 import trio
 
 from trioserve.config import EngineConfig
-from trioserve.messages import RunnerOutput, SchedulerOutput, WorkerLoaded
+from trioserve.messages import ModelInfo, RunnerOutput, SchedulerOutput, WorkerLoaded
 
 FAULT_SIGNAL = signal.SIGUSR1
 
@@ -89,12 +89,8 @@ class FakeRunner:
         max_model_len = self.fake.max_model_len
         if self.config.max_model_len is not None:
             max_model_len = min(max_model_len, self.config.max_model_len)
-        return WorkerLoaded(
-            max_num_kv_blocks=self.config.num_kv_blocks or self.fake.num_kv_blocks,
-            max_model_len=max_model_len,
-            vocab_size=self.vocab_size,
-            eos_token_ids=[self.fake.eos_token_id],
-        )
+        model = ModelInfo(vocab_size=self.vocab_size, max_model_len=max_model_len, eos_token_ids=[self.fake.eos_token_id])
+        return WorkerLoaded(model=model, max_num_kv_blocks=self.config.num_kv_blocks or self.fake.num_kv_blocks)
 
     def init_kv_cache(self, num_blocks: int) -> None:
         self.num_blocks = num_blocks

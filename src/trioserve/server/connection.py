@@ -20,20 +20,26 @@ Invariants:
 from __future__ import annotations
 
 import logging
+import secrets
 from dataclasses import dataclass, field
 
 import trio
 from trio_websocket import ConnectionClosed, WebSocketConnection
 
 from trioserve.api import Engine, RequestStream
-from trioserve.errors import EngineDeadError, RequestError
+from trioserve.errors import (
+    EngineDeadError,
+    EngineOverloadedError,
+    InvalidRequestError,
+    PromptTooLongError,
+    RequestError,
+)
 from trioserve.server import protocol
 from trioserve.server.config import ServerConfig
 from trioserve.server.protocol import Cancel, Delta, Generate, ProtocolError, ServerMessage
 from trioserve.server.state import ServerState, wait_any
 
 log = logging.getLogger("trioserve.server")
-LONG_PROMPT_CHARS = 4096  # longer text prompts are tokenized in a thread
 
 
 @dataclass(frozen=True)
@@ -59,6 +65,7 @@ class Connection:
     def __init__(self, ws: WebSocketConnection, engine: Engine, state: ServerState, config: ServerConfig) -> None:
         self._ws = ws
         self._engine = engine
+        self._client_id = f"ws-{secrets.token_hex(4)}"  # the engine admits waiting requests by client in turn
         self._state = state
         self._config = config
         self._flights: dict[str, _Flight] = {}
@@ -205,22 +212,16 @@ class Connection:
         return protocol.error(request_id, flight.end_code, "the server is shutting down; the request was ended")
 
     async def _generate(self, flight: _Flight) -> ServerMessage:
-        """Validate the prompt, then stream the request. Returns its terminal
-        message. If cancelled, the request is aborted in the engine."""
+        """Run the request through the engine, which checks it. Returns its
+        terminal message. If cancelled, the request is aborted in the engine."""
         request = flight.request
         try:
-            token_ids = await self._prompt_token_ids(request)
-            flight.prompt_tokens = len(token_ids)
-            problem = protocol.check_prompt(
-                request, token_ids, vocab_size=self._engine.info.vocab_size,
-                max_model_len=self._engine.info.max_model_len,
-            )
-            if problem is not None:
-                return problem.to_message()
-            stream = self._engine.stream(token_ids, request.params)
+            stream = self._engine.stream(request.the_prompt, request.params, client_id=self._client_id)
             return await self._stream(flight, stream)
-        except ValueError as exc:  # the engine's own checks: "field: message"
-            return protocol.error(request.id, protocol.INVALID_FIELD, str(exc))
+        except InvalidRequestError as exc:  # the engine's checks: "field: message"
+            return _invalid_request(request, exc).to_message()
+        except EngineOverloadedError as exc:
+            return protocol.error(request.id, protocol.OVERLOADED, str(exc))
         except EngineDeadError as exc:  # the engine restarts (the server watches for it failing for good)
             return protocol.error(request.id, protocol.ENGINE_DEAD, str(exc))
         except RequestError as exc:
@@ -229,20 +230,12 @@ class Connection:
             log.exception("request %r failed", request.id)
             return protocol.error(request.id, protocol.INTERNAL, "internal server error (see the server's log)")
 
-    async def _prompt_token_ids(self, request: Generate) -> list[int]:
-        """The prompt as token ids. If cancelled, nothing is left behind."""
-        if request.prompt is None:
-            assert request.prompt_token_ids is not None
-            return request.prompt_token_ids
-        if len(request.prompt) > LONG_PROMPT_CHARS:
-            return await trio.to_thread.run_sync(self._engine.tokenizer.encode, request.prompt)
-        return self._engine.tokenizer.encode(request.prompt)
-
     async def _stream(self, flight: _Flight, stream: RequestStream) -> ServerMessage:
         """Forward the request's deltas to the outbox until it finishes. Leaving
         early (slow consumer, cancellation) aborts it in the engine."""
         request_id = flight.request.id
         async with stream:
+            flight.prompt_tokens = stream.num_prompt_tokens
             async for out in stream:
                 flight.completion_tokens = out.num_output_tokens
                 if out.text or out.token_ids:
@@ -268,3 +261,14 @@ class Connection:
             return True
         return False
 
+
+
+def _invalid_request(request: Generate, exc: InvalidRequestError) -> ProtocolError:
+    """The protocol's error for the engine's: the engine names the field
+    ``prompt`` whichever way it was given; the client gets its own name."""
+    field, message = exc.field, str(exc)
+    if field == "prompt":
+        field = request.prompt_field
+        message = field + message.removeprefix("prompt")
+    code = protocol.PROMPT_TOO_LONG if isinstance(exc, PromptTooLongError) else protocol.INVALID_FIELD
+    return ProtocolError(code, message, id=request.id, field=field)

@@ -7,12 +7,18 @@ failure becomes one ``ProtocolError`` whose ``message`` starts with the name
 of the offending field (when there is one); every request ends with exactly
 one terminal message (``done`` or ``error``), the server's side of which is
 kept by ``server/connection.py``.
+
+This layer checks the shape of the JSON only: which fields exist and their
+JSON types. What the values mean (a prompt that fits the context, token ids
+in the vocabulary, sampling parameters in range) is checked once, by the
+engine (``Engine.stream`` and ``SamplingParams``); the server maps the
+engine's ``InvalidRequestError`` to this protocol's error.
 """
 
 from __future__ import annotations
 
+import json
 import re
-from collections.abc import Sequence
 from typing import Any, Literal
 
 import msgspec
@@ -20,6 +26,7 @@ import msgspec
 from trioserve.messages import SampleLogprobs, SamplingParams
 
 MAX_ID_LENGTH = 256
+MAX_FIELD_NAME = 64  # an unknown field's name is echoed in the error at most this long
 
 # Error codes (the table in docs/websocket-protocol.md).
 INVALID_JSON = "invalid_json"
@@ -28,6 +35,7 @@ INVALID_FIELD = "invalid_field"
 DUPLICATE_ID = "duplicate_id"
 PROMPT_TOO_LONG = "prompt_too_long"
 TOO_MANY_REQUESTS = "too_many_requests"
+OVERLOADED = "overloaded"
 SLOW_CONSUMER = "slow_consumer"
 SHUTDOWN = "shutdown"
 ENGINE_DEAD = "engine_dead"
@@ -43,16 +51,24 @@ _CANCEL_FIELDS = frozenset({"type", "id"})
 
 
 class Generate(msgspec.Struct, frozen=True):
-    """Start a request. Exactly one of ``prompt`` and ``prompt_token_ids`` is set."""
+    """Start a request. Exactly one of ``prompt`` (a string) and
+    ``prompt_token_ids`` (an array, whose items the engine checks) is set."""
 
     id: str
     prompt: str | None
-    prompt_token_ids: list[int] | None
+    prompt_token_ids: list[Any] | None
     params: SamplingParams
 
     @property
     def prompt_field(self) -> str:
         return "prompt" if self.prompt is not None else "prompt_token_ids"
+
+    @property
+    def the_prompt(self) -> str | list[Any]:
+        if self.prompt is not None:
+            return self.prompt
+        assert self.prompt_token_ids is not None  # exactly one is set
+        return self.prompt_token_ids
 
 
 class Cancel(msgspec.Struct, frozen=True):
@@ -119,11 +135,7 @@ def parse_client_message(frame: str | bytes) -> Generate | Cancel:
     not a valid ``generate`` or ``cancel`` message."""
     if isinstance(frame, bytes):
         raise ProtocolError(INVALID_JSON, "messages are JSON text frames; got a binary frame")
-    try:
-        raw = msgspec.json.decode(frame)
-    except msgspec.DecodeError as exc:
-        detail = str(exc).removeprefix("JSON is malformed: ")
-        raise ProtocolError(INVALID_JSON, f"malformed JSON: {detail}") from None
+    raw = _decode_json(frame)
     if not isinstance(raw, dict):
         raise ProtocolError(INVALID_JSON, f"a message is a JSON object, got {_json_type(raw)}")
     request_id = raw.get("id") if isinstance(raw.get("id"), str) else None
@@ -136,8 +148,35 @@ def parse_client_message(frame: str | bytes) -> Generate | Cancel:
     if "type" not in raw:
         raise ProtocolError(INVALID_FIELD, "type: missing", id=request_id, field="type")
     raise ProtocolError(
-        UNKNOWN_TYPE, f"type: unknown message type {kind!r} (expected 'generate' or 'cancel')", id=request_id
+        UNKNOWN_TYPE, f"type: unknown message type {kind!r:.60} (expected 'generate' or 'cancel')", id=request_id
     )
+
+
+def _decode_json(frame: str) -> Any:
+    """The JSON value of ``frame``. Raises ``ProtocolError`` (``invalid_json``)
+    for malformed JSON, for nesting too deep to decode, and for a string that
+    holds a lone UTF-16 surrogate (which msgspec reports as truncated input)."""
+    try:
+        return msgspec.json.decode(frame)
+    except RecursionError:
+        raise ProtocolError(INVALID_JSON, "malformed JSON: nested too deeply") from None
+    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+        detail = str(exc).removeprefix("JSON is malformed: ")
+        if _is_valid_json_with_a_lone_surrogate(frame):
+            detail = "invalid string: a \\u escape encodes a lone UTF-16 surrogate"
+        raise ProtocolError(INVALID_JSON, f"malformed JSON: {detail}") from None
+
+
+def _is_valid_json_with_a_lone_surrogate(frame: str) -> bool:
+    """True when ``frame`` is JSON that Python's parser (which allows lone
+    surrogates, unlike msgspec) accepts. Only called after msgspec failed."""
+    if "\\u" not in frame:
+        return False
+    try:
+        json.loads(frame)
+    except (ValueError, RecursionError):
+        return False
+    return True
 
 
 def _parse_generate(raw: dict[str, Any]) -> Generate:
@@ -148,10 +187,10 @@ def _parse_generate(raw: dict[str, Any]) -> Generate:
         raise ProtocolError(
             INVALID_FIELD, "prompt: give exactly one of prompt and prompt_token_ids", id=request_id, field="prompt"
         )
-    if prompt is not None and (not isinstance(prompt, str) or prompt == ""):
-        raise _invalid(request_id, "prompt", "must be a non-empty string")
-    if token_ids is not None and not _is_token_list(token_ids):
-        raise _invalid(request_id, "prompt_token_ids", "must be a non-empty list of non-negative integers")
+    if prompt is not None and not isinstance(prompt, str):
+        raise _invalid(request_id, "prompt", f"must be a string, got {_json_type(prompt)}")
+    if token_ids is not None and not isinstance(token_ids, list):
+        raise _invalid(request_id, "prompt_token_ids", f"must be an array of token ids, got {_json_type(token_ids)}")
     return Generate(id=request_id, prompt=prompt, prompt_token_ids=token_ids, params=_parse_params(raw, request_id))
 
 
@@ -196,15 +235,8 @@ def _split_validation_error(text: str) -> tuple[str, str]:
 def _check_fields(raw: dict[str, Any], known: frozenset[str], prefix: str, request_id: str | None) -> None:
     unknown = sorted(set(raw) - known)
     if unknown:
-        raise _invalid(request_id, f"{prefix}{unknown[0]}", "unknown field")
-
-
-def _is_token_list(value: object) -> bool:
-    return (
-        isinstance(value, list)
-        and len(value) > 0
-        and all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in value)
-    )
+        name = unknown[0] if len(unknown[0]) <= MAX_FIELD_NAME else unknown[0][:MAX_FIELD_NAME] + "..."
+        raise _invalid(request_id, f"{prefix}{name}", "unknown field")
 
 
 def _invalid(request_id: str | None, field: str, message: str) -> ProtocolError:
@@ -212,30 +244,8 @@ def _invalid(request_id: str | None, field: str, message: str) -> ProtocolError:
 
 
 def _json_type(value: object) -> str:
-    names = {list: "an array", str: "a string", bool: "a boolean", int: "a number", float: "a number"}
+    names = {list: "an array", dict: "an object", str: "a string", bool: "a boolean", int: "a number", float: "a number"}
     return "null" if value is None else names.get(type(value), type(value).__name__)
-
-
-def check_prompt(
-    request: Generate, token_ids: Sequence[int], *, vocab_size: int, max_model_len: int
-) -> ProtocolError | None:
-    """The error for a prompt the engine cannot take, or None. The context
-    must hold the prompt and at least one output token."""
-    field = request.prompt_field
-    if not token_ids:
-        return _invalid(request.id, field, "the prompt encodes to no tokens")
-    bad = next((t for t in token_ids if t >= vocab_size), None)
-    if bad is not None:
-        return _invalid(request.id, field, f"token id {bad} is outside the vocabulary [0, {vocab_size})")
-    if len(token_ids) >= max_model_len:
-        return ProtocolError(
-            PROMPT_TOO_LONG,
-            f"{field}: {len(token_ids)} tokens do not fit the context of {max_model_len} tokens "
-            "(which must also hold at least one output token)",
-            id=request.id,
-            field=field,
-        )
-    return None
 
 
 def error(request_id: str | None, code: str, message: str) -> Error:

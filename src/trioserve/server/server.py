@@ -33,7 +33,7 @@ from trio_websocket import wrap_server_stream
 
 from trioserve.api import Engine, open_engine
 from trioserve.config import EngineConfig
-from trioserve.errors import EngineDeadError
+from trioserve.errors import EngineDeadError, collapse
 from trioserve.server import http
 from trioserve.server.config import ServerConfig
 from trioserve.server.connection import Connection
@@ -108,7 +108,7 @@ class Server:
                 finally:
                     nursery.cancel_scope.cancel()
         except BaseExceptionGroup as group:
-            raise _single(group) from None
+            raise collapse(group) from None
         if self.state.phase == "dead":
             raise self._engine_failure or EngineDeadError("the engine died; the server stopped")
 
@@ -221,21 +221,3 @@ class Server:
         self._websockets.discard(scope)
         if not self._websockets:
             self._no_websockets.set()
-
-
-def _single(group: BaseExceptionGroup) -> BaseException:
-    """The one exception that matters in ``group`` (the group itself if several do)."""
-    leaves: list[BaseException] = []
-
-    def collect(exc: BaseException) -> None:
-        if isinstance(exc, BaseExceptionGroup):
-            for inner in exc.exceptions:
-                collect(inner)
-        else:
-            leaves.append(exc)
-
-    collect(group)
-    meaningful = [e for e in leaves if not isinstance(e, trio.Cancelled)]
-    if len(meaningful) == 1:
-        return meaningful[0]
-    return group if meaningful else leaves[0]

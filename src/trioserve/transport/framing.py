@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import logging
 import socket
-from typing import Any
+from typing import Any, Generic, TypeVar
 
 import msgspec
 import trio
@@ -142,7 +142,11 @@ def socketpair_for_child() -> tuple[trio.SocketStream, socket.socket]:
     return trio.SocketStream(trio.socket.from_stdlib_socket(parent_end)), child_end
 
 
-class MessageBridge:
+SendT = TypeVar("SendT", bound=msgspec.Struct)
+ReceiveT = TypeVar("ReceiveT")
+
+
+class MessageBridge(Generic[SendT, ReceiveT]):
     """Bridges a byte stream to a pair of memory channels of typed messages.
 
     Outgoing messages (``msgspec.Struct``s) are encoded as msgpack, one per
@@ -157,17 +161,27 @@ class MessageBridge:
     ``trio.BrokenResourceError``.
     """
 
-    def __init__(self, stream: trio.abc.Stream, *, receive_type: Any, capacity: int = 16, name: str = "") -> None:
+    def __init__(
+        self, stream: trio.abc.Stream, *, receive_type: Any, capacity: int = 16, name: str = ""
+    ) -> None:
+        """``receive_type``: the type (often a tagged ``Union``) incoming
+        frames decode to, that is ``ReceiveT``."""
         self._stream = stream
         self._reader = FrameReader(stream)
         self._encoder = msgspec.msgpack.Encoder()
-        self._decoder: msgspec.msgpack.Decoder[Any] = msgspec.msgpack.Decoder(receive_type)
+        self._decoder: msgspec.msgpack.Decoder[ReceiveT] = msgspec.msgpack.Decoder(receive_type)
         self._capacity = capacity
         self.name = name or "bridge"
         self._failure: BaseException | None = None
         self.writer_done = trio.Event()  # set when the writing half stops, however it stops
 
-    async def run(self, *, task_status: trio.TaskStatus[Any] = trio.TASK_STATUS_IGNORED) -> None:
+    async def run(
+        self,
+        *,
+        task_status: trio.TaskStatus[
+            tuple[trio.MemorySendChannel[SendT], trio.MemoryReceiveChannel[ReceiveT]]
+        ] = trio.TASK_STATUS_IGNORED,
+    ) -> None:
         """Move messages until the peer closes its end.
 
         Reports ``(outbox_send, inbox_receive)`` through ``task_status``.
@@ -178,8 +192,8 @@ class MessageBridge:
         directions stop where they are; a frame being written is finished
         first, a partly read frame is dropped with the stream.
         """
-        outbox_send, outbox_receive = trio.open_memory_channel[msgspec.Struct](self._capacity)
-        inbox_send, inbox_receive = trio.open_memory_channel[Any](self._capacity)
+        outbox_send, outbox_receive = trio.open_memory_channel[SendT](self._capacity)
+        inbox_send, inbox_receive = trio.open_memory_channel[ReceiveT](self._capacity)
         try:
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(self._write_loop, outbox_receive, nursery.cancel_scope)
@@ -191,7 +205,7 @@ class MessageBridge:
         if self._failure is not None:
             raise self._failure
 
-    async def _read_loop(self, inbox: trio.MemorySendChannel[Any]) -> None:
+    async def _read_loop(self, inbox: trio.MemorySendChannel[ReceiveT]) -> None:
         """Frames -> messages -> inbox, until EOF or a bad frame (kept in
         ``_failure``). Closes the inbox however it ends."""
         async with inbox:
@@ -213,7 +227,7 @@ class MessageBridge:
                     return
                 await inbox.send(message)
 
-    async def _write_loop(self, outbox: trio.MemoryReceiveChannel[Any], scope: trio.CancelScope) -> None:
+    async def _write_loop(self, outbox: trio.MemoryReceiveChannel[SendT], scope: trio.CancelScope) -> None:
         """Outbox -> frames, until the outbox closes (then half-close the
         stream) or the peer stops reading. Closes the outbox however it ends;
         if cancelled mid-frame, that frame is still written whole."""

@@ -24,7 +24,7 @@ import os
 import shutil
 import tempfile
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from types import TracebackType
 from typing import Any
@@ -69,8 +69,8 @@ class TrioZmqSocket:
 
     def __init__(self, sock: zmq.Socket[Any]) -> None:
         self._sock = sock
-        self._kind = zmq.SocketType(sock.type).name
-        self._fd: int = sock.getsockopt(zmq.FD)
+        self._kind = zmq.SocketType(_int_option(sock, zmq.TYPE)).name
+        self._fd = _int_option(sock, zmq.FD)
         self._busy = False
         self._closed = False
 
@@ -176,7 +176,7 @@ class TrioZmqSocket:
         while True:
             if self._closed:
                 raise trio.ClosedResourceError("the zmq socket was closed")
-            if self._sock.getsockopt(zmq.EVENTS) & flag:
+            if _int_option(self._sock, zmq.EVENTS) & flag:
                 return
             await trio.lowlevel.wait_readable(self._fd)
 
@@ -225,8 +225,14 @@ class TrioZmqSocket:
         return f"<TrioZmqSocket {self._kind} {state}>"
 
 
-def _new_socket(socket_type: int, opts: dict[str, Any], attach: Any) -> zmq.Socket[Any]:
-    sock = zmq_context().socket(socket_type)
+def _int_option(sock: zmq.Socket[Any], option: int) -> int:
+    value = sock.getsockopt(option)
+    assert isinstance(value, int)  # FD, TYPE and EVENTS are integer options
+    return value
+
+
+def _new_socket(socket_type: int, opts: dict[str, Any], attach: Callable[[zmq.Socket[Any]], object]) -> zmq.Socket[Any]:
+    sock: zmq.Socket[Any] = zmq_context().socket(socket_type)
     try:
         sock.setsockopt(zmq.LINGER, opts.pop("linger", 0))
         for name, value in opts.items():

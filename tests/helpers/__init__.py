@@ -1,0 +1,1 @@
+"""Helpers shared by the tests (programs for child processes live here too)."""
