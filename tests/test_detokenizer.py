@@ -367,3 +367,19 @@ def test_stop_strings_do_not_depend_on_how_tokens_are_split(
     assert emitted == expected_text
     assert found == ([] if expected_stop is None else [expected_stop])
     assert detok.stop_string == expected_stop
+
+
+def test_thousands_of_overlapping_stop_strings_cut_at_the_first(byte_tok: Tokenizer) -> None:
+    stops = [f"{n:04d}" for n in range(10_000) if n != 1234] + ["234", "x1234"]
+    detok = IncrementalDetokenizer(byte_tok, [], stop=stops)
+    updates = stream(detok, one_by_one(utf8_ids("ab x12345 y")))
+    # "234" and "x1234" are complete first, together ("2345" only after them).
+    assert "".join(deltas(updates)) == "ab "
+    assert detok.stop_string == "x1234"
+
+
+def test_text_after_flush_does_not_complete_a_stop_string_begun_before(byte_tok: Tokenizer) -> None:
+    detok = IncrementalDetokenizer(byte_tok, [], stop=["ab"])
+    assert detok.update([ord("a")]) == DetokenizerUpdate("")
+    assert detok.flush() == "a"
+    assert detok.update([ord("b")]) == DetokenizerUpdate("b")

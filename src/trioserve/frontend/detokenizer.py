@@ -8,6 +8,13 @@ Two things are held back from a delta until they are settled:
   with the token that completes it.
 - A tail that could be the start of a stop string. It comes out as soon as it
   can no longer begin one, or is cut off with the stop string when it does.
+  The decoded text is fed once to a ``StopStringMatcher`` (an Aho–Corasick
+  automaton built per request, in time proportional to the total length of
+  the stop strings), which finds stop strings across token boundaries and
+  says how long that tail is: an update costs its new text, however many
+  stop strings there are, and never rescans what came before. The tail is
+  shorter than the longest stop string and is kept as the pieces it came in,
+  so releasing it costs what comes out.
 
 Each update decodes a bounded window, not the whole output: the tokens of the
 previous delta (``prefix_offset:read_offset``, context for decoders whose
@@ -15,21 +22,25 @@ output depends on the token before, such as SentencePiece's leading space)
 and the pending tokens after them. The first window reaches a few tokens into
 the prompt for the same reason.
 
-Invariants: ``prefix_offset <= read_offset <= len(all token ids)``; the
-emitted text never contains a stop string; once a stop string is found no
-further text comes out; the deltas do not depend on how the token ids were
-split into updates. Without a stop string, the deltas and ``flush()``
-together equal ``tokenizer.decode(token_ids)`` less any U+FFFD at its end,
-wherever more tokens cannot change the text of those before them (always
-for byte-level BPE; for SentencePiece byte fallback, on valid UTF-8, since it
-turns a whole run of byte tokens into U+FFFD when one byte is invalid).
+Invariants: ``prefix_offset <= read_offset <= len(all token ids)``; until a
+stop string is found, the decoded text is the emitted text and then the
+held-back text, as long as the matcher's ``held_back``; the emitted text
+never contains a stop string; once a stop string is found no further text
+comes out; the deltas do not depend on how the token ids were split into
+updates. Without a stop string, the deltas and ``flush()`` together equal
+``tokenizer.decode(token_ids)`` less any U+FFFD at its end, wherever more
+tokens cannot change the text of those before them (always for byte-level
+BPE; for SentencePiece byte fallback, on valid UTF-8, since it turns a whole
+run of byte tokens into U+FFFD when one byte is invalid).
 """
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from trioserve.frontend.stop_strings import StopStringMatcher
 from trioserve.frontend.tokenizer import Tokenizer
 
 # Prompt tokens decoded as context before the first output token.
@@ -75,17 +86,15 @@ class IncrementalDetokenizer:
         stop: Sequence[str] = (),
         skip_special_tokens: bool = True,
     ) -> None:
-        if any(not isinstance(s, str) or not s for s in stop):
-            raise ValueError(f"stop: must be non-empty strings (got {list(stop)!r})")
+        self._matcher = StopStringMatcher(stop)  # ValueError on an empty stop string
         self._tokenizer = tokenizer
         self._skip_special_tokens = skip_special_tokens
-        self._stop = tuple(dict.fromkeys(stop))
         context = list(prompt_token_ids[-PROMPT_CONTEXT_TOKENS:])
         self._ids: list[int] = context  # window context, then output ids
         self._num_context = len(context)
         self._prefix_offset = 0
         self._read_offset = len(context)
-        self._held = ""  # decoded text that may begin a stop string
+        self._held = _HeldText()  # decoded text that may begin a stop string
         self._chunks: list[str] = []  # emitted text, joined lazily by ``text``
         self.stop_string: str | None = None
 
@@ -179,46 +188,57 @@ class IncrementalDetokenizer:
     # --- stop strings --------------------------------------------------------
 
     def _emit(self, new_text: str, *, final: bool) -> DetokenizerUpdate:
-        """Appends ``new_text`` to the held-back tail, cuts at the first stop
-        string, and emits all but what may still begin one (unless ``final``)."""
-        text = self._held + new_text
-        found = self._find_stop(text)
-        if found is not None:
-            start, stop = found
-            self.stop_string = stop
-            self._held = ""
-            return self._append(text[:start], stop)
-        keep = 0 if final else self._held_back_length(text)
-        self._held = text[len(text) - keep :]
-        return self._append(text[: len(text) - keep], None)
-
-    def _find_stop(self, text: str) -> tuple[int, str] | None:
-        """The start of the stop string that ends first in ``text`` (the
-        longest of those ending together), and which one it is."""
-        best: tuple[int, int, str] | None = None
-        for stop in self._stop:
-            start = text.find(stop)
-            if start < 0:
-                continue
-            candidate = (start + len(stop), start, stop)
-            if best is None or candidate < best:
-                best = candidate
-        return None if best is None else (best[1], best[2])
-
-    def _held_back_length(self, text: str) -> int:
-        """The length of the longest tail of ``text`` that begins a stop string
-        (shorter than it: ``text`` holds no whole stop string)."""
-        longest = 0
-        for stop in self._stop:
-            start = text.find(stop[0], max(0, len(text) - len(stop) + 1))
-            while start >= 0 and len(text) - start > longest:
-                if text.startswith(stop[: len(text) - start], start):
-                    longest = len(text) - start
-                    break
-                start = text.find(stop[0], start + 1)
-        return longest
+        """Feeds ``new_text`` to the matcher behind the held-back tail, cuts at
+        the first stop string, and emits all but what may still begin one
+        (unless ``final``, which also forgets the tail for the matcher)."""
+        if not self._matcher.stops:  # nothing to find, nothing to hold back
+            return self._append(new_text, None)
+        held_start = self._matcher.num_fed - self._held.length  # stream offset
+        match = self._matcher.feed(new_text)
+        self._held.push(new_text)
+        if match is not None:
+            self.stop_string = match.stop
+            delta = self._held.pop(match.start - held_start)
+            self._held = _HeldText()
+            return self._append(delta, match.stop)
+        keep = 0 if final else self._matcher.held_back
+        if final:
+            self._matcher.reset()
+        return self._append(self._held.pop(self._held.length - keep), None)
 
     def _append(self, delta: str, stop: str | None) -> DetokenizerUpdate:
         if delta:
             self._chunks.append(delta)
         return DetokenizerUpdate(delta, stop)
+
+
+class _HeldText:
+    """Text waiting to come out, first in first out, as the pieces it came in:
+    ``push`` and ``pop`` cost the characters they move, not those held."""
+
+    def __init__(self) -> None:
+        self._pieces: deque[str] = deque()
+        self._skip = 0  # characters of the first piece already popped
+        self.length = 0
+
+    def push(self, text: str) -> None:
+        if text:
+            self._pieces.append(text)
+            self.length += len(text)
+
+    def pop(self, count: int) -> str:
+        """Removes and returns the first ``count`` characters (at most
+        ``length``)."""
+        self.length -= count
+        parts: list[str] = []
+        while count:
+            first = self._pieces[0]
+            end = min(len(first), self._skip + count)
+            parts.append(first[self._skip : end])
+            count -= end - self._skip
+            if end == len(first):
+                self._pieces.popleft()
+                self._skip = 0
+            else:
+                self._skip = end
+        return "".join(parts)
