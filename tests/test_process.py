@@ -356,15 +356,20 @@ async def test_the_fallback_of_a_child_stuck_in_sync_code_kills_its_stopped_gran
 
 
 async def test_a_group_leader_killed_directly_takes_its_stopped_grandchild_along(reports: Reports) -> None:
+    # When the leader dies, the kernel sends SIGHUP then SIGCONT to the stopped members of its newly
+    # orphaned group: this grandchild ignores SIGHUP and is stuck in sync code, so only our group kill ends it.
     with trio.fail_after(10):
         with exited(-signal.SIGKILL):
             async with trio.open_nursery() as nursery:
-                child = await start_helper(nursery, reports, "chain", "0", "sleep", new_process_group=True)
+                child = await start_helper(
+                    nursery, reports, "chain", "0", "stuck",
+                    new_process_group=True, TRIOSERVE_HARD_EXIT_S="30", TRIOSERVE_TEST_IGNORE_SIGHUP="1",
+                )  # fmt: skip
                 roles = dict([await reports.next() for _ in range(2)])
-                assert os.getpgid(roles["sleep"]) == child.pid
-                await sigstop(roles["sleep"])
+                assert os.getpgid(roles["stuck"]) == child.pid
+                await sigstop(roles["stuck"])
                 os.kill(child.pid, signal.SIGKILL)
-        await wait_until_gone([roles["sleep"]], timeout=1)
+        await wait_until_gone([roles["stuck"]], timeout=1)
 
 
 async def test_escalation_kills_the_group_of_a_stopped_group_leader(reports: Reports) -> None:

@@ -36,6 +36,7 @@ from trioserve.nurseries.process import remove_if_parent_dies, run_child_main, s
 REPORT_FD_ENV = "TRIOSERVE_TEST_REPORT_FD"
 SOCKET_FD_ENV = "TRIOSERVE_TEST_SOCKET_FD"
 CHAIN_GRACE_ENV = "TRIOSERVE_TEST_CHAIN_GRACE"
+IGNORE_SIGHUP_ENV = "TRIOSERVE_TEST_IGNORE_SIGHUP"  # any value: ignore SIGHUP (every mode)
 
 
 def report(role: str) -> None:
@@ -105,6 +106,8 @@ def plain(ignore_term: bool) -> None:
 
 
 def main(mode: str, *args: str) -> None:
+    if IGNORE_SIGHUP_ENV in os.environ:
+        signal.signal(signal.SIGHUP, signal.SIG_IGN)
     mains = {"sleep": sleep_main, "stuck": stuck_main, "fail": fail_main, "return": return_main, "echo": echo_main}
     if mode in ("chain", "chain-stuck"):
         depth, leaf = int(args[0]), list(args[1:])
