@@ -355,36 +355,43 @@ async def test_the_fallback_of_a_child_stuck_in_sync_code_kills_its_stopped_gran
     assert not running(roles["sleep"])
 
 
+async def start_group_with_a_stopped_grandchild(
+    nursery: trio.Nursery, reports: Reports, grace_s: float = GRACE
+) -> tuple[ChildProcess, int]:
+    """test -> child (a group leader) -> SIGSTOPped grandchild, its pid returned. When the leader
+    dies, the kernel sends SIGHUP then SIGCONT to the stopped members of its newly orphaned
+    group: this grandchild ignores SIGHUP and is stuck in sync code (fallback after 30 s), so
+    only our group kill ends it soon."""
+    child = await start_helper(
+        nursery, reports, "chain", "0", "stuck",
+        grace_s=grace_s, new_process_group=True, TRIOSERVE_HARD_EXIT_S="30", TRIOSERVE_TEST_IGNORE_SIGHUP="1",
+    )  # fmt: skip
+    roles = dict([await reports.next() for _ in range(2)])
+    assert os.getpgid(roles["stuck"]) == child.pid
+    await sigstop(roles["stuck"])
+    return child, roles["stuck"]
+
+
 async def test_a_group_leader_killed_directly_takes_its_stopped_grandchild_along(reports: Reports) -> None:
-    # When the leader dies, the kernel sends SIGHUP then SIGCONT to the stopped members of its newly
-    # orphaned group: this grandchild ignores SIGHUP and is stuck in sync code, so only our group kill ends it.
     with trio.fail_after(10):
         with exited(-signal.SIGKILL):
             async with trio.open_nursery() as nursery:
-                child = await start_helper(
-                    nursery, reports, "chain", "0", "stuck",
-                    new_process_group=True, TRIOSERVE_HARD_EXIT_S="30", TRIOSERVE_TEST_IGNORE_SIGHUP="1",
-                )  # fmt: skip
-                roles = dict([await reports.next() for _ in range(2)])
-                assert os.getpgid(roles["stuck"]) == child.pid
-                await sigstop(roles["stuck"])
+                child, grandchild = await start_group_with_a_stopped_grandchild(nursery, reports)
                 os.kill(child.pid, signal.SIGKILL)
-        await wait_until_gone([roles["stuck"]], timeout=1)
+        await wait_until_gone([grandchild], timeout=1)
 
 
 async def test_escalation_kills_the_group_of_a_stopped_group_leader(reports: Reports) -> None:
     with trio.fail_after(10):
         async with trio.open_nursery() as nursery:
-            child = await start_helper(nursery, reports, "chain", "0", "sleep", new_process_group=True)
-            roles = dict([await reports.next() for _ in range(2)])
-            await sigstop(roles["sleep"])
+            child, grandchild = await start_group_with_a_stopped_grandchild(nursery, reports)
             await sigstop(child.pid)
             started = trio.current_time()
             child.stop()
         elapsed = trio.current_time() - started
     assert child.returncode == -signal.SIGKILL
     assert 2 * GRACE - 0.05 < elapsed < 2 * GRACE + 1
-    await wait_until_gone([roles["sleep"]], timeout=1)
+    await wait_until_gone([grandchild], timeout=1)
 
 
 # --- hung children --------------------------------------------------------------
@@ -408,13 +415,14 @@ async def test_a_child_declared_hung_is_killed_and_reaped_at_once(reports: Repor
 async def test_declaring_a_group_leader_hung_kills_its_group(reports: Reports) -> None:
     with trio.fail_after(10):
         async with trio.open_nursery() as nursery:
-            child = await start_helper(nursery, reports, "chain", "0", "sleep", grace_s=5, new_process_group=True)
-            roles = dict([await reports.next() for _ in range(2)])
-            await sigstop(roles["sleep"])
+            child, grandchild = await start_group_with_a_stopped_grandchild(nursery, reports, grace_s=5)
             await sigstop(child.pid)
+            started = trio.current_time()
             child.declare_hung()
+        elapsed = trio.current_time() - started
     assert child.killed_as_hung
-    await wait_until_gone([roles["sleep"]], timeout=1)
+    assert elapsed < 0.5
+    await wait_until_gone([grandchild], timeout=1)
 
 
 async def test_a_stopped_child_was_not_killed_as_hung(reports: Reports) -> None:
