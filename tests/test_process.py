@@ -20,7 +20,7 @@ import pytest
 import trio
 
 from trioserve.transport.framing import MessageBridge, socketpair_for_child
-from trioserve.nurseries.process import ChildProcess, ProcessExited, supervise_process
+from trioserve.nurseries.process import SECRET_ENV_NAMES, ChildProcess, ProcessExited, supervise_process
 
 HELPER = Path(__file__).parent / "helpers" / "child.py"
 REPORT_FD_ENV = "TRIOSERVE_TEST_REPORT_FD"
@@ -90,7 +90,12 @@ def helper(*args: str) -> list[str]:
 
 
 async def start_helper(
-    nursery: trio.Nursery, reports: Reports, *args: str, grace_s: float = GRACE, **env: str
+    nursery: trio.Nursery,
+    reports: Reports,
+    *args: str,
+    grace_s: float = GRACE,
+    new_process_group: bool = False,
+    **env: str,
 ) -> ChildProcess:
     child: ChildProcess = await nursery.start(
         partial(
@@ -100,9 +105,18 @@ async def start_helper(
             pass_fds=[reports.write_fd],
             env=reports.env(**env),
             grace_s=grace_s,
+            new_process_group=new_process_group,
         )
     )
     return child
+
+
+async def sigstop(pid: int) -> None:
+    """SIGSTOP ``pid`` and wait until it is stopped."""
+    os.kill(pid, signal.SIGSTOP)
+    with trio.fail_after(2):
+        while psutil.Process(pid).status() != psutil.STATUS_STOPPED:
+            await trio.sleep(0.01)
 
 
 async def wait_until_gone(pids: list[int], timeout: float) -> None:
@@ -284,3 +298,201 @@ async def test_sigterm_makes_a_child_exit_0(reports: Reports) -> None:
             process.kill()
             with trio.CancelScope(shield=True):
                 await process.wait()
+
+
+# --- no orphan, ever ----------------------------------------------------------
+
+
+async def test_a_stopped_child_kills_its_stopped_grandchild_before_its_parents_sigterm(reports: Reports) -> None:
+    # test -> child (chain0, whose own grace for its leaf is 30 s) -> SIGSTOPped leaf
+    with trio.fail_after(10):
+        async with trio.open_nursery() as nursery:
+            child = await start_helper(
+                nursery, reports, "chain", "0", "sleep",
+                grace_s=2, TRIOSERVE_HARD_EXIT_S="0.3", TRIOSERVE_TEST_CHAIN_GRACE="30",
+            )  # fmt: skip
+            roles = dict([await reports.next() for _ in range(2)])
+            await sigstop(roles["sleep"])
+            started = trio.current_time()
+            child.stop()
+        elapsed = trio.current_time() - started
+    assert child.returncode == 1  # its own fallback: not our SIGTERM (at 2 s), nor our SIGKILL (at 4 s)
+    assert elapsed < 2
+    assert not running(roles["sleep"])
+
+
+async def test_sigterm_during_a_stop_makes_a_child_kill_its_stopped_grandchild_first(reports: Reports) -> None:
+    # The child's fallback comes too late (30 s): our SIGTERM, one grace after the stop, ends it.
+    with trio.fail_after(10):
+        async with trio.open_nursery() as nursery:
+            child = await start_helper(
+                nursery, reports, "chain", "0", "sleep",
+                grace_s=0.5, TRIOSERVE_HARD_EXIT_S="30", TRIOSERVE_TEST_CHAIN_GRACE="30",
+            )  # fmt: skip
+            roles = dict([await reports.next() for _ in range(2)])
+            await sigstop(roles["sleep"])
+            started = trio.current_time()
+            child.stop()
+        elapsed = trio.current_time() - started
+    assert child.returncode == 128 + signal.SIGTERM  # not our SIGKILL, one grace later
+    assert 0.5 - 0.05 < elapsed < 1.0
+    assert not running(roles["sleep"])
+
+
+async def test_the_fallback_of_a_child_stuck_in_sync_code_kills_its_stopped_grandchild(reports: Reports) -> None:
+    with trio.fail_after(10):
+        async with trio.open_nursery() as nursery:
+            child = await start_helper(
+                nursery, reports, "chain-stuck", "0", "sleep", grace_s=2, TRIOSERVE_HARD_EXIT_S="0.3"
+            )
+            roles = dict([await reports.next() for _ in range(2)])
+            await sigstop(roles["sleep"])
+            started = trio.current_time()
+            child.stop()
+        elapsed = trio.current_time() - started
+    assert child.returncode == 1
+    assert 0.3 - 0.05 < elapsed < 2
+    assert not running(roles["sleep"])
+
+
+async def start_group_with_a_stopped_grandchild(
+    nursery: trio.Nursery, reports: Reports, grace_s: float = GRACE
+) -> tuple[ChildProcess, int]:
+    """test -> child (a group leader) -> SIGSTOPped grandchild, its pid returned. When the leader
+    dies, the kernel sends SIGHUP then SIGCONT to the stopped members of its newly orphaned
+    group: this grandchild ignores SIGHUP and is stuck in sync code (fallback after 30 s), so
+    only our group kill ends it soon."""
+    child = await start_helper(
+        nursery, reports, "chain", "0", "stuck",
+        grace_s=grace_s, new_process_group=True, TRIOSERVE_HARD_EXIT_S="30", TRIOSERVE_TEST_IGNORE_SIGHUP="1",
+    )  # fmt: skip
+    roles = dict([await reports.next() for _ in range(2)])
+    assert os.getpgid(roles["stuck"]) == child.pid
+    await sigstop(roles["stuck"])
+    return child, roles["stuck"]
+
+
+async def test_a_group_leader_killed_directly_takes_its_stopped_grandchild_along(reports: Reports) -> None:
+    with trio.fail_after(10):
+        with exited(-signal.SIGKILL):
+            async with trio.open_nursery() as nursery:
+                child, grandchild = await start_group_with_a_stopped_grandchild(nursery, reports)
+                os.kill(child.pid, signal.SIGKILL)
+        await wait_until_gone([grandchild], timeout=1)
+
+
+async def test_escalation_kills_the_group_of_a_stopped_group_leader(reports: Reports) -> None:
+    with trio.fail_after(10):
+        async with trio.open_nursery() as nursery:
+            child, grandchild = await start_group_with_a_stopped_grandchild(nursery, reports)
+            await sigstop(child.pid)
+            started = trio.current_time()
+            child.stop()
+        elapsed = trio.current_time() - started
+    assert child.returncode == -signal.SIGKILL
+    assert 2 * GRACE - 0.05 < elapsed < 2 * GRACE + 1
+    await wait_until_gone([grandchild], timeout=1)
+
+
+# --- hung children --------------------------------------------------------------
+
+
+async def test_a_child_declared_hung_is_killed_and_reaped_at_once(reports: Reports) -> None:
+    with trio.fail_after(10):
+        async with trio.open_nursery() as nursery:
+            child = await start_helper(nursery, reports, "sleep", grace_s=5)
+            await reports.next()
+            await sigstop(child.pid)
+            started = trio.current_time()
+            child.declare_hung()
+        elapsed = trio.current_time() - started
+    assert elapsed < 0.5  # no grace: a stopped process cannot use one
+    assert child.killed_as_hung
+    assert child.returncode == -signal.SIGKILL
+    assert not psutil.pid_exists(child.pid)
+
+
+async def test_declaring_a_group_leader_hung_kills_its_group(reports: Reports) -> None:
+    with trio.fail_after(10):
+        async with trio.open_nursery() as nursery:
+            child, grandchild = await start_group_with_a_stopped_grandchild(nursery, reports, grace_s=5)
+            await sigstop(child.pid)
+            started = trio.current_time()
+            child.declare_hung()
+        elapsed = trio.current_time() - started
+    assert child.killed_as_hung
+    assert elapsed < 0.5
+    await wait_until_gone([grandchild], timeout=1)
+
+
+async def test_a_stopped_child_was_not_killed_as_hung(reports: Reports) -> None:
+    with trio.fail_after(10):
+        async with trio.open_nursery() as nursery:
+            child = await start_helper(nursery, reports, "sleep")
+            await reports.next()
+            child.stop()
+        child.declare_hung()  # once reaped: nothing to do
+    assert not child.killed_as_hung
+    assert child.returncode == 0
+
+
+# --- cleanup when the parent is gone ----------------------------------------------
+
+
+@pytest.mark.parametrize(("mode", "hard_exit_s"), [("cleanup", "30"), ("cleanup-stuck", "0.3")])
+async def test_a_child_removes_its_paths_when_its_parent_is_killed(
+    reports: Reports, tmp_path: Path, mode: str, hard_exit_s: str
+) -> None:
+    # test -> parent (chain0, killed) -> child that registered ipc/; stuck: its fallback removes it
+    ipc = tmp_path / "ipc"
+    ipc.mkdir()
+    (ipc / "socket").touch()
+    with trio.fail_after(10):
+        with exited(-signal.SIGKILL):
+            async with trio.open_nursery() as nursery:
+                parent = await start_helper(
+                    nursery, reports, "chain", "0", mode, str(ipc), TRIOSERVE_HARD_EXIT_S=hard_exit_s
+                )
+                roles = dict([await reports.next() for _ in range(2)])
+                parent.kill()
+        with trio.fail_after(2):
+            while ipc.exists():
+                await trio.sleep(0.02)
+        await wait_until_gone([roles["cleanup"]], timeout=2)
+
+
+@pytest.mark.parametrize(("mode", "returncode"), [("cleanup", 0), ("cleanup-stuck", 1)])
+async def test_a_child_asked_to_stop_keeps_its_paths(
+    reports: Reports, tmp_path: Path, mode: str, returncode: int
+) -> None:
+    ipc = tmp_path / "ipc"
+    ipc.mkdir()
+    with trio.fail_after(10):
+        async with trio.open_nursery() as nursery:
+            child = await start_helper(nursery, reports, mode, str(ipc), grace_s=2, TRIOSERVE_HARD_EXIT_S="0.3")
+            await reports.next()
+            child.stop()
+    assert child.returncode == returncode  # stuck: its fallback ended it
+    assert ipc.is_dir()
+
+
+# --- secrets ---------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("name", "seen"), [("TRIOSERVE_API_KEY", "unset"), ("TRIOSERVE_TEST_MARKER", "set")])
+@pytest.mark.parametrize("explicit_env", [True, False])
+async def test_secrets_never_reach_a_child_environment(
+    reports: Reports, monkeypatch: pytest.MonkeyPatch, name: str, seen: str, explicit_env: bool
+) -> None:
+    assert "TRIOSERVE_API_KEY" in SECRET_ENV_NAMES
+    monkeypatch.setenv(name, "secret")
+    monkeypatch.setenv(REPORT_FD_ENV, str(reports.write_fd))
+    argv = helper("env", name)
+    env = dict(os.environ) if explicit_env else None
+    with trio.fail_after(10):
+        async with trio.open_nursery() as nursery:
+            child = await nursery.start(
+                partial(supervise_process, argv, name="env", pass_fds=[reports.write_fd], env=env, grace_s=GRACE)
+            )
+            assert await reports.next() == (seen, child.pid)
+            child.stop()

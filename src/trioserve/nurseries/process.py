@@ -1,42 +1,87 @@
 """A child process is a task.
 
 ``supervise_process`` starts a child under a nursery and stays with it until
-it is reaped; ``run_child_main`` is the other half, the entry point of every
-child program. Between them runs a *parent-watch pipe*: the child inherits
-its read end, the parent keeps the write end and never writes. The end of
-that pipe (EOF) means "stop": either the parent asked (``stop()`` closes the
-write end) or the parent is gone (the kernel closed it).
+it is reaped; ``run_child_main`` (``child_main.py``) is the other half, the
+entry point of every child program. Between them runs a *parent-watch pipe*:
+the child inherits its read end, the parent keeps the write end. ``stop()``
+writes one byte on it and closes it; EOF without that byte means the parent
+is gone (the kernel closed its end).
 
 Invariants:
 - the supervising task never returns or raises before the child is reaped;
+  until then the child is in this process's registry of live children, and
+  whatever ends this process (under ``run_child_main``) first SIGKILLs them;
 - a child nobody asked to stop that exits (with any code) raises
-  ``ProcessExited`` into the supervising nursery;
+  ``ProcessExited``; ``stop()`` and ``declare_hung()`` both ask;
 - after a stop, a child gets ``grace_s`` to exit, then SIGTERM, then after
-  another ``grace_s`` SIGKILL;
-- a child whose parent dies sees EOF at once and cancels its ``trio.run``;
-  if it is stuck in sync code, a fallback thread ends it with ``os._exit(1)``
-  ``TRIOSERVE_HARD_EXIT_S`` seconds (default 1.5) after the EOF.
+  another ``grace_s`` SIGKILL, of its whole process group if it leads one;
+  ``declare_hung()`` skips the graces: SIGKILL (group too) at once;
+- a child started with ``new_process_group`` leads a group that its own
+  children join; once the leader is dead, and before it is reaped, the group
+  gets SIGKILL, so even a SIGSTOPped grandchild dies with it;
+- no child gets a variable named in ``SECRET_ENV_NAMES``.
+
+Timing of a stop. P stops its child C (P's ``grace_s`` = G); C's trio.run is
+cancelled and stops C's children W with C's own grace. Whatever C's Trio side
+is doing, C's fallback thread, H = ``TRIOSERVE_HARD_EXIT_S`` (1.5 s) after
+the pipe ended, SIGKILLs every W, reaps them (at most ``REAP_WAIT_S``, 0.5 s)
+and exits 1: C and its children are gone by H + REAP_WAIT_S, and a W gets at
+most H of C's grace. With H + REAP_WAIT_S < G (defaults 2 s < 5 s; a warning
+says when a child's H breaks it), C is done with its children before P's
+SIGTERM at G, let alone its SIGKILL at 2G: the chains nest. Each W's own
+fallback (same H, inherited) fires at about the same time as C's; either way
+W is gone. If H is too long, P's SIGTERM at G finds C's trio receiver closed
+(its stop is under way): C then SIGKILLs and reaps its children and exits
+143, still before 2G. If C cannot run at all (SIGSTOPped, or stuck in C code
+holding the GIL), P's SIGKILL at 2G reaches W only through C's group.
+
+Process groups and pid reuse. A group's id is its leader's pid, and the
+kernel hands out no pid that a process still uses as its pid or group id.
+While the leader is unreaped (a zombie keeps its pid) the group id is ours,
+so we SIGKILL the group only then: we wait for the death with a pidfd (or
+``waitid(WNOWAIT)``), neither of which reaps, kill the group, then reap.
+After the reap the id is held only by the members still alive; if none
+were, an unrelated process may get that pid and lead a group with it, so we
+never kill the group after the reap. Nothing here reads trio's
+``Process.returncode`` (which reaps) before that; ``ChildProcess.returncode``
+is our own record, set when we reap. A member that made its own group
+(setsid, setpgid) escapes the group kill.
 """
 
 from __future__ import annotations
 
 import logging
 import os
-import select
 import signal
-import sys
-import threading
-import time
-import traceback
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 
 import trio
 
-__all__ = ["ChildProcess", "ProcessExited", "run_child_main", "supervise_process"]
+from trioserve.nurseries.child_main import (
+    DEFAULT_HARD_EXIT_S,
+    HARD_EXIT_ENV,
+    PARENT_FD_ENV,
+    PARENT_PID_ENV,
+    REAP_WAIT_S,
+    STOP_BYTE,
+    remove_if_parent_dies,
+    run_child_main,
+    signal_child,
+    this_process,
+)
 
-PARENT_FD_ENV = "TRIOSERVE_PARENT_FD"
-HARD_EXIT_ENV = "TRIOSERVE_HARD_EXIT_S"
-DEFAULT_HARD_EXIT_S = 1.5
+__all__ = [
+    "SECRET_ENV_NAMES",
+    "ChildProcess",
+    "ProcessExited",
+    "remove_if_parent_dies",
+    "run_child_main",
+    "supervise_process",
+]
+
+# Environment variables that never reach a child process, whatever ``env``
+# supervise_process is given: secrets that only the front-end needs.
+SECRET_ENV_NAMES: frozenset[str] = frozenset({"TRIOSERVE_API_KEY"})
 
 log = logging.getLogger("trioserve.process")
 
@@ -68,11 +113,14 @@ class ProcessExited(Exception):
 class ChildProcess:
     """The handle ``supervise_process`` reports once the child is started."""
 
-    def __init__(self, name: str, process: trio.Process, watch_fd: int) -> None:
+    def __init__(self, name: str, process: trio.Process, watch_fd: int, *, leads_group: bool = False) -> None:
         self.name = name
+        self.leads_group = leads_group  # started as the leader of a new process group
         self._process = process
         self._watch_fd: int | None = watch_fd
         self._wait_scope = trio.CancelScope()
+        self._returncode: int | None = None  # set when the supervising task reaps it
+        self._killed_as_hung = False
         self.stop_requested_at: float | None = None  # trio.current_time() of the first stop()
 
     @property
@@ -81,33 +129,57 @@ class ChildProcess:
 
     @property
     def returncode(self) -> int | None:
-        """``None`` while it runs; negative: killed by that signal."""
-        return self._process.returncode
+        """``None`` until it is reaped; negative: killed by that signal."""
+        return self._returncode
 
     @property
     def stop_requested(self) -> bool:
         return self.stop_requested_at is not None
 
+    @property
+    def killed_as_hung(self) -> bool:
+        """``declare_hung()`` SIGKILLed it (its exit code is then -SIGKILL)."""
+        return self._killed_as_hung
+
     def stop(self) -> None:
-        """Ask the child to exit: close the parent-watch pipe (the child sees
-        EOF and cancels its ``trio.run``). If it is still running ``grace_s``
-        later it gets SIGTERM, and SIGKILL ``grace_s`` after that.
-        Idempotent; call it from the Trio thread."""
+        """Ask the child to exit: write the stop byte on the parent-watch pipe
+        and close it (the child cancels its ``trio.run``). If it is still
+        running ``grace_s`` later it gets SIGTERM, and SIGKILL ``grace_s``
+        after that. Idempotent; call it from the Trio thread."""
         if self.stop_requested_at is None:
             self.stop_requested_at = trio.current_time()
             log.debug("%s (pid %d): asked to stop", self.name, self.pid)
-        self._close_watch()
+        self._close_watch(STOP_BYTE)
         self._wait_scope.cancel()
+
+    def declare_hung(self) -> None:
+        """The child is hung (e.g. SIGSTOPped) and cannot use a grace: SIGKILL
+        it now, its whole group if it leads one. The supervising task reaps it
+        at once and, as after ``stop()``, raises nothing; ``killed_as_hung``
+        tells the two apart. No-op once it is reaped. Call it from the Trio thread."""
+        if self._returncode is not None:
+            return
+        log.warning("%s (pid %d) declared hung: SIGKILL", self.name, self.pid)
+        self._killed_as_hung = True
+        self.stop()
+        signal_child(self.pid, signal.SIGKILL, group=self.leads_group)
 
     def kill(self) -> None:
         """SIGKILL now (tests, last resort). Without ``stop()`` first, the
         supervisor treats the death as unexpected and raises ``ProcessExited``."""
-        if self._process.returncode is None:
-            self._process.kill()
+        if self._returncode is None:
+            signal_child(self.pid, signal.SIGKILL, group=False)
 
-    def _close_watch(self) -> None:
-        if self._watch_fd is not None:
-            fd, self._watch_fd = self._watch_fd, None
+    def _close_watch(self, last_byte: bytes = b"") -> None:
+        if self._watch_fd is None:
+            return
+        fd, self._watch_fd = self._watch_fd, None
+        try:
+            if last_byte:
+                os.write(fd, last_byte)  # an empty pipe: never blocks
+        except BrokenPipeError:
+            pass  # the child is gone already
+        finally:
             os.close(fd)
 
     def __repr__(self) -> str:
@@ -122,173 +194,143 @@ async def supervise_process(
     pass_fds: Sequence[int] = (),
     env: Mapping[str, str] | None = None,
     grace_s: float = 5.0,
+    new_process_group: bool = False,
     task_status: trio.TaskStatus[ChildProcess] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """Start ``argv`` as a child process and stay with it until it is reaped.
 
     Use as ``child = await nursery.start(supervise_process, argv, name=...)``.
-    ``env`` (default: this process's environment) gets ``TRIOSERVE_PARENT_FD``
-    added: the child's end of the parent-watch pipe, passed with ``pass_fds``.
+    ``env`` (default: this process's environment), less ``SECRET_ENV_NAMES``,
+    gets ``TRIOSERVE_PARENT_FD`` (the child's end of the parent-watch pipe,
+    passed with ``pass_fds``) and ``TRIOSERVE_PARENT_PID``. With
+    ``new_process_group`` the child leads a new process group (see the module
+    docstring for when the group is killed).
 
-    Returns once the child exits after ``child.stop()``. Raises
-    ``ProcessExited`` if it exits without being asked, whatever the code.
-    If cancelled, it stops the child (same escalation, shielded), reaps it,
-    then lets the cancellation go on: nothing is left running.
+    Returns once the child exits after ``child.stop()`` or
+    ``child.declare_hung()``. Raises ``ProcessExited`` if it exits without
+    being asked, whatever the code. If cancelled, it stops the child (same
+    escalation, shielded), reaps it, then lets the cancellation go on:
+    nothing is left running.
     """
-    read_fd, write_fd = os.pipe()  # both non-inheritable: only pass_fds hands read_fd on
-    try:
-        child_env = dict(os.environ if env is None else env)
-        child_env[PARENT_FD_ENV] = str(read_fd)
-        process = await trio.lowlevel.open_process(argv, pass_fds=(*pass_fds, read_fd), env=child_env)
-    except BaseException:
-        os.close(write_fd)
-        raise
-    finally:
-        os.close(read_fd)
-    child = ChildProcess(name, process, write_fd)
+    child = await _start(argv, name, pass_fds, env, grace_s, new_process_group)
     log.info("%s (pid %d) started: %s", name, child.pid, " ".join(argv))
     try:
         task_status.started(child)
         with child._wait_scope:
-            await process.wait()
-        if process.returncode is None:  # stop() was called
-            await _stop_and_reap(child, grace_s)
+            await _wait_until_dead(child.pid)
+        if child.stop_requested:
+            await _stop_and_wait(child, grace_s)
     except BaseException:
         with trio.CancelScope(shield=True):
             child.stop()
-            await _stop_and_reap(child, grace_s)
+            await _stop_and_wait(child, grace_s)
         raise
     finally:
-        child._close_watch()
+        with trio.CancelScope(shield=True):
+            await _reap(child)
     _log_exit(child)
     if not child.stop_requested:
         raise ProcessExited(name, child.pid, child.returncode or 0)
 
 
-async def _stop_and_reap(child: ChildProcess, grace_s: float) -> None:
-    """Wait for a stopped child, escalating to SIGTERM then SIGKILL; deadlines
-    count from the first ``stop()``. If cancelled, the child may still run:
-    callers shield this (or call it again shielded)."""
-    process = child._process
+async def _start(
+    argv: list[str],
+    name: str,
+    pass_fds: Sequence[int],
+    env: Mapping[str, str] | None,
+    grace_s: float,
+    new_process_group: bool,
+) -> ChildProcess:
+    """Open the parent-watch pipe, start the child, register it as live."""
+    read_fd, write_fd = os.pipe()  # both non-inheritable: only pass_fds hands read_fd on
+    try:
+        child_env = {k: v for k, v in (os.environ if env is None else env).items() if k not in SECRET_ENV_NAMES}
+        child_env[PARENT_FD_ENV] = str(read_fd)
+        child_env[PARENT_PID_ENV] = str(os.getpid())
+        _check_nesting(name, child_env, grace_s)
+        process = await trio.lowlevel.open_process(
+            argv, pass_fds=(*pass_fds, read_fd), env=child_env, process_group=0 if new_process_group else None
+        )
+    except BaseException:
+        os.close(write_fd)
+        raise
+    finally:
+        os.close(read_fd)
+    this_process.add_child(process.pid, leads_group=new_process_group)
+    return ChildProcess(name, process, write_fd, leads_group=new_process_group)
+
+
+def _check_nesting(name: str, child_env: Mapping[str, str], grace_s: float) -> None:
+    hard_exit_s = float(child_env.get(HARD_EXIT_ENV, DEFAULT_HARD_EXIT_S))
+    if hard_exit_s + REAP_WAIT_S >= grace_s:
+        log.warning(
+            "%s: grace_s %.2fs is not above its hard exit (%.2fs) + %.2fs: after a stop, it may get SIGTERM "
+            "while it still waits on its own children",
+            name, grace_s, hard_exit_s, REAP_WAIT_S,
+        )
+
+
+async def _wait_until_dead(pid: int) -> None:
+    """Return once the child ``pid`` has exited, leaving it unreaped (so its
+    pid, and the group id if it leads a group, stay ours). If cancelled, the
+    child may still run."""
+    try:
+        pidfd = os.pidfd_open(pid)
+    except (AttributeError, OSError):  # no pidfd_open (not Linux >= 5.3), or reaped already: poll waitid
+        while True:
+            try:
+                if os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is not None:
+                    return
+            except ChildProcessError:  # reaped already: by this process's ending, which we cannot outlive
+                return
+            await trio.sleep(0.01)
+    try:
+        await trio.lowlevel.wait_readable(pidfd)
+    finally:
+        os.close(pidfd)
+
+
+async def _stop_and_wait(child: ChildProcess, grace_s: float) -> None:
+    """Wait for a stopped child to die, escalating to SIGTERM then SIGKILL
+    (of its group, if it leads one); deadlines count from the first
+    ``stop()``. Does not reap. If cancelled, the child may still run: callers
+    shield this (or call it again shielded)."""
     stopped_at = child.stop_requested_at
     assert stopped_at is not None
     with trio.move_on_at(stopped_at + grace_s):
-        await process.wait()
-    if process.returncode is None:
-        log.warning("%s (pid %d) did not exit %.1fs after stop: SIGTERM", child.name, child.pid, grace_s)
-        process.terminate()
-        with trio.move_on_at(stopped_at + 2 * grace_s):
-            await process.wait()
-    if process.returncode is None:
-        log.warning("%s (pid %d) ignored SIGTERM for %.1fs: SIGKILL", child.name, child.pid, grace_s)
-        process.kill()
-        await process.wait()
+        await _wait_until_dead(child.pid)
+        return
+    log.warning("%s (pid %d) did not exit %.1fs after stop: SIGTERM", child.name, child.pid, grace_s)
+    signal_child(child.pid, signal.SIGTERM, group=False)
+    with trio.move_on_at(stopped_at + 2 * grace_s):
+        await _wait_until_dead(child.pid)
+        return
+    what = "its process group" if child.leads_group else "it"
+    log.warning("%s (pid %d) ignored SIGTERM for %.1fs: SIGKILL %s", child.name, child.pid, grace_s, what)
+    signal_child(child.pid, signal.SIGKILL, group=child.leads_group)
+    await _wait_until_dead(child.pid)
+
+
+async def _reap(child: ChildProcess) -> None:
+    """Reap a dead child; first, while its pid (its group id) is still ours,
+    SIGKILL the group it leads. Sets ``child.returncode``."""
+    if child.leads_group:
+        signal_child(child.pid, signal.SIGKILL, group=True)
+    code = this_process.reap_child(child.pid, child._process.poll)
+    if code is None:  # still alive: only if waiting for its death failed above
+        signal_child(child.pid, signal.SIGKILL, group=child.leads_group)
+        code = await child._process.wait()
+        this_process.reap_child(child.pid, child._process.poll)
+    child._returncode = code
+    child._close_watch()
 
 
 def _log_exit(child: ChildProcess) -> None:
     code = child.returncode
     assert code is not None
-    if child.stop_requested:
+    if child.killed_as_hung:
+        log.info("%s (pid %d) %s after it was declared hung", child.name, child.pid, describe_exit(code))
+    elif child.stop_requested:
         log.info("%s (pid %d) %s after stop", child.name, child.pid, describe_exit(code))
     else:
         log.warning("%s (pid %d) %s unexpectedly", child.name, child.pid, describe_exit(code))
-
-
-# --- the child's side -------------------------------------------------------
-
-
-def run_child_main(async_main: Callable[[], Awaitable[None]], *, name: str) -> None:
-    """Run ``async_main`` as a supervised child: call it from ``__main__``.
-
-    Ignores SIGINT (the parent decides when to stop). Under one nursery it
-    runs ``async_main`` beside a task that cancels everything when the
-    parent-watch pipe ends (stop, or parent gone) and one that does the same
-    on SIGTERM. A daemon thread ends the process with ``os._exit(1)`` if it
-    is still alive ``TRIOSERVE_HARD_EXIT_S`` seconds after the pipe ended.
-    Exits the process with ``os._exit`` (no interpreter teardown): 0 after
-    ``async_main`` returns or a stop, 1 (with the traceback on stderr) after
-    an exception.
-    """
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    _set_process_title(name)
-    parent_fd = _take_parent_fd()
-    if parent_fd is None:
-        log.warning("%s: no %s in the environment: not watching a parent", name, PARENT_FD_ENV)
-    else:
-        hard_exit_s = float(os.environ.get(HARD_EXIT_ENV, DEFAULT_HARD_EXIT_S))
-        threading.Thread(
-            target=_exit_soon_after_parent, args=(parent_fd, hard_exit_s), name="parent-watch-fallback", daemon=True
-        ).start()
-    code = 0
-    try:
-        trio.run(_child_root, async_main, parent_fd)
-    except BaseException:
-        sys.stderr.write(f"{name} (pid {os.getpid()}) failed:\n")
-        traceback.print_exc()
-        code = 1
-    # Skip the interpreter's teardown: with torch loaded it can take seconds,
-    # and a child holds nothing that the kernel does not release.
-    logging.shutdown()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
-
-
-def _take_parent_fd() -> int | None:
-    raw = os.environ.pop(PARENT_FD_ENV, None)  # not for our own children
-    if raw is None:
-        return None
-    fd = int(raw)
-    os.set_inheritable(fd, False)
-    return fd
-
-
-async def _child_root(async_main: Callable[[], Awaitable[None]], parent_fd: int | None) -> None:
-    """``async_main`` beside the stop watchers; returns when it returns or a
-    stop cancels it."""
-    async with trio.open_nursery() as nursery:
-        await nursery.start(_cancel_on_sigterm, nursery.cancel_scope)
-        if parent_fd is not None:
-            nursery.start_soon(_cancel_when_parent_pipe_ends, parent_fd, nursery.cancel_scope)
-        await async_main()
-        nursery.cancel_scope.cancel()
-
-
-async def _cancel_on_sigterm(scope: trio.CancelScope, *, task_status: trio.TaskStatus[None]) -> None:
-    """Cancel ``scope`` at the first SIGTERM. Cancelling this removes the handler."""
-    with trio.open_signal_receiver(signal.SIGTERM) as signals:
-        task_status.started()
-        async for _ in signals:
-            log.info("SIGTERM: stopping")
-            scope.cancel()
-            return
-
-
-async def _cancel_when_parent_pipe_ends(fd: int, scope: trio.CancelScope) -> None:
-    """Cancel ``scope`` once the parent-watch pipe is readable, which, as the
-    parent never writes, means EOF. Cancelling this leaves the fd open."""
-    await trio.lowlevel.wait_readable(fd)
-    log.info("the parent closed the watch pipe: stopping")
-    scope.cancel()
-
-
-def _exit_soon_after_parent(fd: int, hard_exit_s: float) -> None:
-    """Thread body: block until the pipe ends, give the Trio side
-    ``hard_exit_s`` to finish, then end the process however it is doing."""
-    poller = select.poll()
-    poller.register(fd, select.POLLIN | select.POLLHUP)
-    while not poller.poll():
-        pass
-    deadline = time.monotonic() + hard_exit_s
-    while (left := deadline - time.monotonic()) > 0:
-        time.sleep(left)
-    os.write(2, f"pid {os.getpid()}: still alive {hard_exit_s}s after the parent-watch pipe ended: exiting\n".encode())
-    os._exit(1)
-
-
-def _set_process_title(name: str) -> None:
-    try:
-        import setproctitle  # optional
-    except ImportError:
-        return
-    setproctitle.setproctitle(name)
