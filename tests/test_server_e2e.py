@@ -7,23 +7,20 @@ from __future__ import annotations
 import json
 import os
 import signal
-import subprocess
 import sys
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 import psutil
 import pytest
 import trio
-from test_server import Received, collect, generate, generate_into, in_thread, open_ws, serving, stream_requests
+from helpers.serving import REPO, serve_argv, spawned, wait_for_url, wait_gone
 from websockets.exceptions import ConnectionClosed
 
+from test_server import Received, collect, generate, generate_into, in_thread, open_ws, serving, stream_requests
 from trioserve import EngineConfig
 
-REPO = Path(__file__).parent.parent
 EXAMPLE = REPO / "examples" / "stream_client.py"
 
 
@@ -59,44 +56,6 @@ async def test_real_model_greedy_streams_equal_generate_on_one_and_on_16_connect
 # --- the command in a subprocess ---------------------------------------------------------
 
 
-def serve_argv(*options: str) -> list[str]:
-    return [sys.executable, "-m", "trioserve.cli", "serve", "--port", "0", *options]
-
-
-@contextmanager
-def spawned(argv: list[str], env: dict[str, str] | None = None) -> Iterator[subprocess.Popen[str]]:
-    """Run ``argv``; on the way out, kill whatever of its process tree is left."""
-    proc = subprocess.Popen(
-        argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO, env=env or dict(os.environ)
-    )
-    try:
-        yield proc
-    finally:
-        try:
-            leftovers = psutil.Process(proc.pid).children(recursive=True)
-        except psutil.NoSuchProcess:
-            leftovers = []
-        for p in [*leftovers]:
-            p.kill()
-        proc.kill()
-        proc.communicate(timeout=10)
-
-
-def wait_for_url(proc: subprocess.Popen[str], timeout: float) -> str:
-    """The ws:// URL from the "serving on" line."""
-    assert proc.stdout is not None
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        line = proc.stdout.readline()
-        if not line:
-            raise AssertionError(f"exited with {proc.wait()}: {proc.stderr.read() if proc.stderr else ''}")
-        if line.startswith("trioserve: serving on "):
-            url = line.split()[3]
-            assert url.startswith("ws://127.0.0.1:") and "health: http://127.0.0.1:" in line, line
-            return url
-    raise AssertionError("no 'serving on' line")
-
-
 def stream_until_closed(url: str, started: Any, n: int) -> tuple[dict[str, Received], int | None]:
     """Send ``n`` long requests; return each one's messages (all of them, up to
     its terminal message) and the close code that follows."""
@@ -111,22 +70,6 @@ def stream_until_closed(url: str, started: Any, n: int) -> tuple[dict[str, Recei
         with pytest.raises(ConnectionClosed) as info:
             ws.recv(timeout=10)
     return received, info.value.rcvd.code if info.value.rcvd else None
-
-
-def wait_gone(pids: list[int], since: float, limit: float) -> float:
-    """Seconds from ``since`` until none of ``pids`` runs (zombies count as gone)."""
-    while time.monotonic() < since + limit:
-        if not any(_running(pid) for pid in pids):
-            break
-        time.sleep(0.02)
-    return time.monotonic() - since
-
-
-def _running(pid: int) -> bool:
-    try:
-        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
-    except psutil.NoSuchProcess:
-        return False
 
 
 @pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])

@@ -97,8 +97,10 @@ class Engine:
 
     @property
     def health(self) -> Health:
-        """``ready``, ``restarting`` (the engine core died and is being
-        restarted), ``failed`` (out of restarts: for good) or ``stopped``."""
+        """``starting``, ``ready``, ``stalled`` (ready, but a hang is suspected:
+        see ``EngineConfig.heartbeat_timeout_s``), ``restarting`` (the engine
+        core died, or was declared hung and killed, and is being restarted),
+        ``failed`` (out of restarts: for good) or ``stopped``."""
         return self._supervisor.health
 
     @property

@@ -76,7 +76,22 @@ def _add_engine_options(parser: argparse.ArgumentParser) -> None:
     )
     group.add_argument(
         "--step-timeout", type=float, default=defaults.step_timeout_s, metavar="SECONDS",
-        help="a model step taking longer counts as a hung worker; 0 for no limit (default: %(default)s)",
+        help="a model step taking longer counts as a hung worker, whatever was measured before; "
+        "0 for no fixed limit (default: %(default)s)",
+    )
+    group.add_argument(
+        "--step-hang-min", type=float, default=defaults.step_hang_min_s, metavar="SECONDS",
+        help=f"a step running {defaults.step_hang_factor:g} times longer than the slowest of its size so far, "
+        "and longer than this, counts as hung (default: %(default)s)",
+    )
+    group.add_argument(
+        "--heartbeat-interval", type=float, default=defaults.heartbeat_interval_s, metavar="SECONDS",
+        help="how often each process tells its parent it is alive (default: %(default)s)",
+    )
+    group.add_argument(
+        "--heartbeat-timeout", type=float, default=defaults.heartbeat_timeout_s, metavar="SECONDS",
+        help="an engine core or worker silent this long (stopped, or stuck) is killed and restarted; "
+        "/health says 'stalled' from two missed heartbeats (default: %(default)s)",
     )
 
 
@@ -115,6 +130,9 @@ def _engine_config(args: argparse.Namespace) -> EngineConfig:
         startup_timeout_s=args.startup_timeout,
         model_load_timeout_s=args.model_load_timeout,
         step_timeout_s=args.step_timeout or None,
+        step_hang_min_s=args.step_hang_min,
+        heartbeat_interval_s=args.heartbeat_interval,
+        heartbeat_timeout_s=args.heartbeat_timeout,
         fake=_fake_options(args.fake_options),
     )
 

@@ -97,6 +97,18 @@ class EngineConfig:
     step_timeout_s: float | None = 300.0  # one model step; past it the worker counts as hung (None: no limit)
     shutdown_grace_s: float = 5.0  # asked to stop -> SIGTERM -> SIGKILL
 
+    # Hangs. Every process sends its parent a heartbeat each
+    # heartbeat_interval_s (an engine core to the front-end, a worker to its
+    # engine core), from a task or thread that runs whatever the model does;
+    # one that is silent for heartbeat_timeout_s is hung (stopped, or stuck)
+    # and is killed. A step that runs step_hang_factor times longer than the
+    # slowest step of its size so far (and at least step_hang_min_s) is hung
+    # too; so is one past step_timeout_s, whatever was measured.
+    heartbeat_interval_s: float = 1.0
+    heartbeat_timeout_s: float = 5.0
+    step_hang_factor: float = 50.0
+    step_hang_min_s: float = 20.0
+
     # Supervision: an engine core that dies is restarted (with its workers),
     # after a backoff that doubles from restart_backoff_s up to
     # restart_backoff_max_s, at most max_restarts times within
@@ -133,8 +145,17 @@ class EngineConfig:
             "the transformers runner does not shard models yet; use 1",
         )
         _check(self.torch_threads is None or self.torch_threads >= 1, "torch_threads", "must be >= 1")
-        for name in ("startup_timeout_s", "model_load_timeout_s", "shutdown_grace_s", "restart_window_s"):
+        for name in (
+            "startup_timeout_s", "model_load_timeout_s", "shutdown_grace_s", "restart_window_s",
+            "heartbeat_interval_s", "step_hang_min_s",
+        ):  # fmt: skip
             _check(getattr(self, name) > 0, name, "must be > 0")
+        _check(
+            self.heartbeat_timeout_s >= 2 * self.heartbeat_interval_s,
+            "heartbeat_timeout_s",
+            "must be at least twice heartbeat_interval_s",
+        )
+        _check(self.step_hang_factor >= 2, "step_hang_factor", "must be >= 2")
         _check(self.step_timeout_s is None or self.step_timeout_s > 0, "step_timeout_s", "must be > 0 (or None)")
         _check(self.max_restarts >= 0, "max_restarts", "must be >= 0")
         for name in ("restart_backoff_s", "restart_backoff_max_s", "restart_wait_s"):

@@ -6,7 +6,8 @@ traffic carries only changes: new requests, new tokens, new block ids.
 
 Channels:
 - front-end <-> engine core handshake (ZMQ ROUTER/DEALER): ``Hello``,
-  ``HandshakeInit``, ``Ready`` or ``StartupFailed``.
+  ``HandshakeInit``, ``Heartbeat``s while the workers load, ``Ready`` or
+  ``StartupFailed``.
 - front-end -> engine core (ZMQ PUSH -> PULL): ``EngineRequest``.
 - engine core -> front-end (ZMQ PUSH -> PULL): ``EngineResponse``.
 - engine core <-> worker (length-prefixed frames on a socketpair):
@@ -219,7 +220,16 @@ class StartupFailed(msgspec.Struct, tag=True):
     exit_code: int | None = None
 
 
-HandshakeMessage = Union[Hello, HandshakeInit, Ready, StartupFailed]
+class Heartbeat(msgspec.Struct, tag=True):
+    """The engine core is alive: sent every ``heartbeat_interval_s``, during
+    start-up (on the handshake socket) and after (on the output socket).
+    ``stalled`` says why a hang is suspected (a worker late with its own
+    heartbeat, a step running far longer than usual); empty when all is well."""
+
+    stalled: str = ""
+
+
+HandshakeMessage = Union[Hello, HandshakeInit, Heartbeat, Ready, StartupFailed]
 
 
 # --- front-end -> engine core ----------------------------------------------
@@ -269,7 +279,7 @@ class EngineDead(msgspec.Struct, tag=True):
     reason: str
 
 
-EngineResponse = Union[EngineOutputs, StatsReply, EngineDead]
+EngineResponse = Union[EngineOutputs, StatsReply, Heartbeat, EngineDead]
 
 
 # --- engine core <-> worker ------------------------------------------------
@@ -352,5 +362,10 @@ class WorkerFailed(msgspec.Struct, tag=True):
     message: str
 
 
+class WorkerHeartbeat(msgspec.Struct, tag=True):
+    """The worker process is alive (sent by its own thread every
+    ``heartbeat_interval_s``, whatever its model is doing)."""
+
+
 ToWorker = Union[WorkerInit, InitKVCache, SchedulerOutput]
-FromWorker = Union[WorkerLoaded, KVCacheReady, RunnerOutput, WorkerFailed]
+FromWorker = Union[WorkerLoaded, KVCacheReady, RunnerOutput, WorkerFailed, WorkerHeartbeat]

@@ -20,7 +20,6 @@ import logging
 import os
 import sys
 from collections.abc import Callable
-from functools import partial
 from typing import Any
 
 import msgspec
@@ -47,6 +46,7 @@ from trioserve.messages import (
     GetStats,
     HandshakeInit,
     HandshakeMessage,
+    Heartbeat,
     Hello,
     Ready,
     StartupFailed,
@@ -59,6 +59,7 @@ from trioserve.transport.zmq_trio import TrioZmqSocket, private_ipc_dir
 TO_ENGINE_SIZE = 1024  # messages queued for the input socket
 log = logging.getLogger("trioserve.client")
 _encode = msgspec.msgpack.Encoder().encode
+_decode_handshake: Callable[[bytes], HandshakeMessage] = msgspec.msgpack.Decoder(HandshakeMessage).decode
 
 
 class EngineCoreClient:
@@ -86,6 +87,8 @@ class EngineCoreClient:
         self._stage: StartupStage = "spawn"
         self._startup_failed: StartupFailed | None = None
         self._dead: EngineDeadError | None = None
+        self._last_heard = trio.current_time()  # any message from the engine core
+        self._engine_stalled = ""  # what its last heartbeat said
 
     # --- life cycle ---------------------------------------------------------
 
@@ -119,20 +122,69 @@ class EngineCoreClient:
                 ENGINE_INDEX_ENV: str(self.engine_index),
                 HANDSHAKE_TIMEOUT_ENV: str(self.config.startup_timeout_s),
             }
-            argv = [sys.executable, "-m", "trioserve.nurseries.entry", "engine-core"]
-            self.process = await nursery.start(
-                partial(supervise_process, argv, name=self.name, env=env, grace_s=self.config.shutdown_grace_s)
-            )
+            self.process = await nursery.start(self._supervise, env, nursery.cancel_scope)
             info = await self._handshake(handshake, ipc_dir)
+        self._last_heard = trio.current_time()
         nursery.start_soon(self._input_sender, input_sock)
         nursery.start_soon(self._output_handler, output_sock)
+        nursery.start_soon(self._watchdog)
         return info
+
+    async def _supervise(
+        self,
+        env: dict[str, str],
+        scope: trio.CancelScope,
+        *,
+        task_status: trio.TaskStatus[ChildProcess] = trio.TASK_STATUS_IGNORED,
+    ) -> None:
+        """The engine-core process, leading a process group of its own (its
+        workers join it, so a kill of the group leaves none behind). Its
+        unexpected exit raises ``ProcessExited``; once it was killed as hung
+        and reaped, the client is done: ``scope`` is cancelled."""
+        argv = [sys.executable, "-m", "trioserve.nurseries.entry", "engine-core"]
+        await supervise_process(
+            argv,
+            name=self.name,
+            env=env,
+            grace_s=self.config.shutdown_grace_s,
+            new_process_group=True,
+            task_status=task_status,
+        )
+        scope.cancel()
+
+    async def _watchdog(self) -> None:
+        """Declare the engine core hung when it sends nothing, not even a
+        heartbeat, for ``heartbeat_timeout_s``: its requests fail at once,
+        then it (and its process group) is killed. Cancelling this leaves
+        nothing behind."""
+        timeout = self.config.heartbeat_timeout_s
+        while self._silent_for() <= timeout:
+            await trio.sleep(self.config.heartbeat_interval_s / 2)
+        pid = self.process.pid if self.process is not None else "?"
+        self._die(
+            f"{self.name} (pid {pid}) sent nothing for {self._silent_for():.1f}s "
+            f"(heartbeat_timeout_s={timeout}s): hung (stopped, or stuck), killed"
+        )
+        if self.process is not None:
+            self.process.declare_hung()
+
+    def _silent_for(self) -> float:
+        return trio.current_time() - self._last_heard
+
+    @property
+    def stalled(self) -> str:
+        """Why a hang is suspected (the engine core said so in its last
+        heartbeat, or it has been silent for two), or ``""``."""
+        silent = self._silent_for()
+        if self.info is not None and self._dead is None and silent > 2 * self.config.heartbeat_interval_s:
+            return f"{self.name} silent for {silent:.1f}s"
+        return self._engine_stalled
 
     async def _handshake(self, sock: TrioZmqSocket, ipc_dir: str) -> EngineInfo:
         self._stage = "handshake"
         with trio.fail_after(self.config.startup_timeout_s):
             identity, raw = await sock.recv_multipart()
-            hello = msgspec.msgpack.decode(raw, type=HandshakeMessage)
+            hello = _decode_handshake(raw)
             if not isinstance(hello, Hello) or hello.engine_index != self.engine_index:
                 raise EngineStartupError(f"unexpected handshake message {hello!r}", stage="handshake", process=self.name)
             init = HandshakeInit(
@@ -142,11 +194,7 @@ class EngineCoreClient:
             )
             await sock.send_multipart([identity, _encode(init)])
         self._stage = "model-load"
-        # The engine core's own deadline for its workers comes first, with a
-        # more precise error; this one guards against an engine core that hangs.
-        with trio.fail_after(self.config.model_load_timeout_s + self.config.startup_timeout_s):
-            _, raw = await sock.recv_multipart()
-        reply = msgspec.msgpack.decode(raw, type=HandshakeMessage)
+        reply = await self._wait_ready(sock)
         if isinstance(reply, StartupFailed):
             self._startup_failed = reply
             self._stage = reply.stage
@@ -156,6 +204,32 @@ class EngineCoreClient:
         if not isinstance(reply, Ready):
             raise EngineStartupError(f"unexpected handshake message {reply!r}", stage="handshake", process=self.name)
         return reply.info
+
+    async def _wait_ready(self, sock: TrioZmqSocket) -> HandshakeMessage:
+        """The engine core's answer once its workers are loaded (``Ready`` or
+        ``StartupFailed``), reading past its heartbeats. An engine core that
+        sends nothing for ``heartbeat_timeout_s`` is killed as hung; the
+        overall bound (the engine core's own deadline for its workers comes
+        first, with a more precise error) guards against one that beats but
+        never answers."""
+        deadline = trio.current_time() + self.config.model_load_timeout_s + self.config.startup_timeout_s
+        while True:
+            silent_until = trio.current_time() + self.config.heartbeat_timeout_s
+            with trio.move_on_at(min(deadline, silent_until)) as wait:
+                _, raw = await sock.recv_multipart()
+            if wait.cancelled_caught:
+                if self.process is not None:
+                    self.process.declare_hung()
+                hung = trio.current_time() >= silent_until
+                why = f"sent nothing for {self.config.heartbeat_timeout_s}s: hung (stopped, or stuck), killed"
+                raise EngineStartupError(
+                    f"{self.name} {why if hung else 'was not ready within model_load_timeout_s + startup_timeout_s'}",
+                    stage="model-load",
+                    process=self.name,
+                )
+            reply = _decode_handshake(raw)
+            if not isinstance(reply, Heartbeat):
+                return reply
 
     def _startup_message(self, exited: ProcessExited | None = None) -> str:
         parts = [f"{self.name} failed to start during {self._stage}"]
@@ -280,6 +354,7 @@ class EngineCoreClient:
         with sock:
             while True:
                 msg = decoder.decode(await sock.recv())
+                self._last_heard = trio.current_time()
                 if isinstance(msg, EngineOutputs):
                     self._dispatch(msg)
                 elif isinstance(msg, StatsReply):
@@ -287,6 +362,8 @@ class EngineCoreClient:
                     if call is not None:
                         call[1].append(msg.stats)
                         call[0].set()
+                elif isinstance(msg, Heartbeat):
+                    self._engine_stalled = msg.stalled
                 elif isinstance(msg, EngineDead):
                     self._die(msg.reason)
 

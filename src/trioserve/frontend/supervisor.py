@@ -7,7 +7,9 @@ Task tree (inside the caller's ``trio.run``)::
         ├── EngineCoreClient.run   the engine-core process, its sockets, its requests
         └── death watch            a dead engine core that does not exit is stopped
 
-Health moves ``starting`` -> ``ready``; when the engine core dies, every
+Health moves ``starting`` -> ``ready`` (shown as ``stalled`` while a hang is
+suspected: the engine core or a worker late with its heartbeat, or a step far
+slower than usual); when the engine core dies (or is declared hung and killed), every
 request in flight fails with ``EngineDeadError`` at once (its client does
 that) and health turns ``restarting``; after a backoff a new engine core
 (with new workers) is started, and health is ``ready`` again. A death that
@@ -55,7 +57,7 @@ class EngineSupervisor:
         self._client_factory = client_factory
         self.engine_index = engine_index
         self.name = f"engine-core-{engine_index}"
-        self.health: Health = "starting"
+        self._health: Health = "starting"
         self.client: EngineCoreClient | None = None  # the live engine core's, while ready
         self.info: EngineInfo | None = None  # the latest engine core's
         self.num_restarts = 0
@@ -63,6 +65,21 @@ class EngineSupervisor:
         self._deaths: deque[float] = deque()
         self._last_reason = "unknown"  # why the latest engine core died
         self._changed = trio.Event()
+
+    @property
+    def health(self) -> Health:
+        """The engine's state; ``stalled`` while it is ready but a hang is
+        suspected (see ``EngineCoreClient.stalled``)."""
+        client = self.client
+        if self._health == "ready" and client is not None and client.stalled:
+            return "stalled"
+        return self._health
+
+    @property
+    def stalled(self) -> str:
+        """Why a hang is suspected, or ``""``."""
+        client = self.client
+        return client.stalled if client is not None and self._health == "ready" else ""
 
     # --- life cycle ---------------------------------------------------------
 
@@ -81,7 +98,7 @@ class EngineSupervisor:
                 await self._restart()
         finally:
             self.client = None
-            if self.health != "failed":
+            if self._health != "failed":
                 self._set_health("stopped")
 
     async def _start_first(self, task_status: trio.TaskStatus[EngineInfo]) -> None:
@@ -173,9 +190,9 @@ class EngineSupervisor:
         return min(self.config.restart_backoff_s * 2.0**exponent, self.config.restart_backoff_max_s)
 
     def _set_health(self, health: Health) -> None:
-        if health != self.health:
-            log.info("%s: %s -> %s", self.name, self.health, health)
-        self.health = health
+        if health != self._health:
+            log.info("%s: %s -> %s", self.name, self._health, health)
+        self._health = health
         self._changed.set()
         self._changed = trio.Event()
 
@@ -190,10 +207,10 @@ class EngineSupervisor:
                 client = self.client
                 if client is not None and client.dead is None:
                     return client
-                if self.health == "failed":
+                if self._health == "failed":
                     assert self.failure is not None
                     raise self.failure
-                if self.health == "stopped":
+                if self._health == "stopped":
                     raise EngineDeadError(f"{self.name} is stopped")
                 await self._changed.wait()
         raise EngineDeadError(
@@ -208,7 +225,7 @@ class EngineSupervisor:
 
     async def wait_health(self, *wanted: Health) -> None:
         """Wait until health is one of ``wanted``."""
-        while self.health not in wanted:
+        while self._health not in wanted:
             await self._changed.wait()
 
 

@@ -39,6 +39,8 @@ from typing import NoReturn
 
 import trio
 
+from trioserve.errors import leaves
+
 __all__ = ["remove_if_parent_dies", "run_child_main"]
 
 PARENT_FD_ENV = "TRIOSERVE_PARENT_FD"  # the child's end of the parent-watch pipe
@@ -188,6 +190,22 @@ def _end_process(code: int) -> NoReturn:
     os._exit(code)
 
 
+class ChildFailed(Exception):
+    """Raised out of a child's main once it has reported its own failure
+    (logged it, told its parent): the process exits 1 with this one line on
+    stderr, not a traceback."""
+
+
+def _failure_line(exc: BaseException) -> str | None:
+    """The one line for a failure that is only ``ChildFailed`` (and
+    cancellations), or None when a traceback is due."""
+    found = leaves(exc)
+    failed = [leaf for leaf in found if isinstance(leaf, ChildFailed)]
+    if failed and all(isinstance(leaf, (ChildFailed, trio.Cancelled)) for leaf in found):
+        return str(failed[0])
+    return None
+
+
 def run_child_main(async_main: Callable[[], Awaitable[None]], *, name: str) -> None:
     """Run ``async_main`` as a supervised child: call it from ``__main__``.
 
@@ -200,7 +218,8 @@ def run_child_main(async_main: Callable[[], Awaitable[None]], *, name: str) -> N
     ends the process (children first, exit code 1) if it is still alive
     ``TRIOSERVE_HARD_EXIT_S`` seconds after the pipe ended. Exits with
     ``os._exit`` (no interpreter teardown): 0 after ``async_main`` returns or
-    a stop, 1 (with the traceback on stderr) after an exception.
+    a stop, 1 after an exception: with its traceback on stderr, or one line
+    for a ``ChildFailed`` (a failure the child has reported itself).
     """
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, _on_late_sigterm)  # trio's receiver restores this when it closes
@@ -216,9 +235,13 @@ def run_child_main(async_main: Callable[[], Awaitable[None]], *, name: str) -> N
     code = 0
     try:
         trio.run(_child_root, async_main, watch)
-    except BaseException:
-        sys.stderr.write(f"{name} (pid {os.getpid()}) failed:\n")
-        traceback.print_exc()
+    except BaseException as exc:
+        line = _failure_line(exc)
+        if line is not None:
+            sys.stderr.write(f"{name} (pid {os.getpid()}) failed: {line}\n")
+        else:
+            sys.stderr.write(f"{name} (pid {os.getpid()}) failed:\n")
+            traceback.print_exc()
         code = 1
     # Skip the interpreter's teardown: with torch loaded it can take seconds,
     # and a child holds nothing that the kernel does not release.

@@ -28,6 +28,7 @@ import logging
 import math
 import os
 from collections import deque
+from collections.abc import Awaitable, Callable
 
 import msgspec
 import trio
@@ -48,12 +49,14 @@ from trioserve.messages import (
     GetStats,
     HandshakeInit,
     HandshakeMessage,
+    Heartbeat,
     Hello,
     Ready,
     StartupFailed,
     StatsReply,
     TokenOutput,
 )
+from trioserve.nurseries.child_main import ChildFailed, remove_if_parent_dies
 from trioserve.nurseries.executor import Executor, ExecutorStage, WorkerError
 from trioserve.transport.zmq_trio import TrioZmqSocket
 
@@ -196,14 +199,19 @@ async def input_socket_actor(
 async def output_socket_actor(
     address: str,
     outbox: trio.MemoryReceiveChannel[EngineResponse],
+    death: DeathReport | None = None,
     *,
     task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
 ) -> None:
-    """Own the output socket: send every message from the outbox, in order."""
+    """Own the output socket: send every message from the outbox, in order;
+    a death report that found the outbox full goes right after the message
+    being sent."""
     with TrioZmqSocket.connect(zmq.PUSH, address, linger=1000) as sock:
         task_status.started()
         async for msg in outbox:
             await sock.send(_encode(msg))
+            if death is not None and (dead := death.take_unsent()) is not None:
+                await sock.send(_encode(dead))
 
 
 async def _handshake(sock: TrioZmqSocket, engine_index: int) -> HandshakeInit:
@@ -249,9 +257,43 @@ def _startup_failure(exc: BaseException, stage: ExecutorStage) -> StartupFailed:
     )
 
 
+class DeathReport:
+    """``EngineDead``, sent once, the moment the engine core knows it is
+    failing: before its workers are stopped and reaped, so that clients hear
+    at once. ``report`` is synchronous (the executor calls it where it finds
+    the failure); the message goes through the outbox, after the outputs
+    already there, or, when the outbox is full, straight after the message
+    the output socket actor is sending."""
+
+    def __init__(self, outbox: trio.MemorySendChannel[EngineResponse]) -> None:
+        self._outbox = outbox
+        self.reason: str | None = None
+        self._unsent: EngineDead | None = None
+
+    def report(self, reason: str) -> None:
+        if self.reason is not None:
+            return
+        self.reason = reason
+        log.error("engine core failed: %s", reason)
+        try:
+            self._outbox.send_nowait(EngineDead(reason=reason))
+        except trio.WouldBlock:
+            self._unsent = EngineDead(reason=reason)
+        except (trio.BrokenResourceError, trio.ClosedResourceError):
+            pass  # the output socket is gone: nobody to tell
+
+    def take_unsent(self) -> EngineDead | None:
+        unsent, self._unsent = self._unsent, None
+        return unsent
+
+
 async def engine_core_main() -> None:
     engine_index = int(os.environ.get(ENGINE_INDEX_ENV, "0"))
-    handshake = TrioZmqSocket.connect(zmq.DEALER, os.environ[HANDSHAKE_ADDRESS_ENV], linger=1000)
+    handshake_address = os.environ[HANDSHAKE_ADDRESS_ENV]
+    if handshake_address.startswith("ipc://"):
+        # The front-end's private directory: if the front-end dies (kill -9), nobody else removes it.
+        remove_if_parent_dies(os.path.dirname(handshake_address.removeprefix("ipc://")))
+    handshake = TrioZmqSocket.connect(zmq.DEALER, handshake_address, linger=1000)
     with handshake:
         timeout = handshake_timeout_s()
         with trio.move_on_after(timeout) as scope:
@@ -264,31 +306,32 @@ async def engine_core_main() -> None:
                 process=f"engine-core-{engine_index}",
             )
         outbox_send, outbox_receive = trio.open_memory_channel[EngineResponse](OUTBOX_SIZE)
+        death = DeathReport(outbox_send)
         async with trio.open_nursery() as outer:
             # The output socket outlives the rest, so that a failure can be reported.
-            await outer.start(output_socket_actor, init.output_address, outbox_receive)
+            await outer.start(output_socket_actor, init.output_address, outbox_receive, death)
             try:
-                await _serve(init, handshake, outbox_send)
+                await _serve(init, handshake, outbox_send, death)
             except Exception as exc:
-                await _report_death(outbox_send, exc)
-                raise
+                death.report(describe(exc))
+                with trio.CancelScope(shield=True):
+                    await trio.sleep(0.05)  # let the output socket hand it to ZMQ
+                raise ChildFailed(death.reason or "failed") from exc
             finally:
                 outer.cancel_scope.cancel()
 
 
 async def _serve(
-    init: HandshakeInit, handshake: TrioZmqSocket, outbox: trio.MemorySendChannel[EngineResponse]
+    init: HandshakeInit,
+    handshake: TrioZmqSocket,
+    outbox: trio.MemorySendChannel[EngineResponse],
+    death: DeathReport,
 ) -> None:
     config = init.config
     async with trio.open_nursery() as nursery:
         in_flight: deque[Step] = deque()
-        executor = Executor(config, in_flight)
-        try:
-            info: EngineInfo = await nursery.start(executor.run)
-        except BaseException as exc:
-            with trio.CancelScope(shield=True), trio.move_on_after(1):
-                await handshake.send(_encode(_startup_failure(exc, executor.stage)))
-            raise
+        executor = Executor(config, in_flight, on_failure=death.report)
+        info = await _start_executor(nursery, executor, handshake)
         scheduler = Scheduler(
             num_blocks=info.num_kv_blocks,
             block_size=info.block_size,
@@ -299,12 +342,34 @@ async def _serve(
         inbox_send, inbox_receive = trio.open_memory_channel[EngineRequest](INBOX_SIZE)
         await nursery.start(input_socket_actor, init.input_address, inbox_send)
         await handshake.send(_encode(Ready(info=info)))
+        nursery.start_soon(_heartbeats, outbox.send, executor)
         await EngineCore(scheduler, executor, info, in_flight).step_loop(inbox_receive, outbox)
 
 
-async def _report_death(outbox: trio.MemorySendChannel[EngineResponse], exc: BaseException) -> None:
-    reason = describe(exc)
-    log.error("engine core failed: %s", reason)
-    with trio.CancelScope(shield=True), trio.move_on_after(1):
-        await outbox.send(EngineDead(reason=reason))
-        await trio.sleep(0.05)  # let the output socket hand it to ZMQ
+async def _start_executor(nursery: trio.Nursery, executor: Executor, handshake: TrioZmqSocket) -> EngineInfo:
+    """Start the workers, with heartbeats on the handshake socket while they
+    load; on a failure, tell the front-end ``StartupFailed`` and raise."""
+
+    async def send(msg: Heartbeat) -> None:
+        await handshake.send(_encode(msg))
+
+    try:
+        async with trio.open_nursery() as beats:
+            beats.start_soon(_heartbeats, send, executor)
+            try:
+                info: EngineInfo = await nursery.start(executor.run)
+            finally:
+                beats.cancel_scope.cancel()
+    except BaseException as exc:
+        with trio.CancelScope(shield=True), trio.move_on_after(1):
+            await handshake.send(_encode(_startup_failure(exc, executor.stage)))
+        raise
+    return info
+
+
+async def _heartbeats(send: Callable[[Heartbeat], Awaitable[None]], executor: Executor) -> None:
+    """Send a ``Heartbeat`` every ``heartbeat_interval_s``, saying whether a
+    hang is suspected. Cancelling it leaves nothing half-sent."""
+    while True:
+        await send(Heartbeat(stalled=executor.suspicion()))
+        await trio.sleep(executor.config.heartbeat_interval_s)

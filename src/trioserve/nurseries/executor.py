@@ -22,7 +22,7 @@ from __future__ import annotations
 import math
 import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from functools import partial
 from typing import Literal, NoReturn, TypeVar
@@ -31,6 +31,7 @@ import trio
 
 from trioserve.config import EngineConfig
 from trioserve.core.step import Step
+from trioserve.core.step_timing import StepTiming
 from trioserve.errors import EngineStartupError, StartupStage
 from trioserve.messages import (
     EngineInfo,
@@ -40,6 +41,7 @@ from trioserve.messages import (
     RunnerOutput,
     ToWorker,
     WorkerFailed,
+    WorkerHeartbeat,
     WorkerInit,
     WorkerLoaded,
 )
@@ -73,7 +75,11 @@ class WorkerError(RuntimeError):
 
 
 class StepTimeout(WorkerError):
-    """Workers did not answer a step within ``step_timeout_s``."""
+    """Workers did not answer a step within its deadline (``core.step_timing``)."""
+
+
+class WorkerHung(WorkerError):
+    """A worker sent nothing, not even a heartbeat, for ``heartbeat_timeout_s``."""
 
 
 @dataclass(eq=False)
@@ -84,8 +90,18 @@ class _Worker:
     exited: trio.Event = field(default_factory=trio.Event)  # set once it is reaped
     stream_closed: trio.Event = field(default_factory=trio.Event)  # set once its bridge ended
     process: ChildProcess | None = None
+    bridge: MessageBridge[ToWorker, FromWorker] | None = None
     outbox: trio.MemorySendChannel[ToWorker] | None = None
     inbox: trio.MemoryReceiveChannel[FromWorker] | None = None
+    @property
+    def heard(self) -> bool:
+        """A message (a heartbeat at least) came from it since it started."""
+        return self.bridge is not None and self.bridge.num_received > 0
+
+    def silent_for(self) -> float:
+        """Seconds since it last sent anything (heartbeats included)."""
+        started = trio.current_time() if self.bridge is None else self.bridge.last_received_at
+        return trio.current_time() - started
 
     @property
     def name(self) -> str:
@@ -116,11 +132,25 @@ class _Worker:
 
 class Executor:
     """The engine core's workers. ``steps_in_flight`` is the step loop's own
-    queue of the steps sent and not yet collected, oldest first (read only)."""
+    queue of the steps sent and not yet collected, oldest first (read only).
+    ``on_failure`` is told the reason the moment the workers fail once they
+    serve steps, before anything is stopped or reaped, so that the engine
+    core can say so at once."""
 
-    def __init__(self, config: EngineConfig, steps_in_flight: Sequence[Step] = ()) -> None:
+    def __init__(
+        self,
+        config: EngineConfig,
+        steps_in_flight: Sequence[Step] = (),
+        on_failure: Callable[[str], None] | None = None,
+    ) -> None:
         self.config = config
         self._steps_in_flight = steps_in_flight
+        self._on_failure = on_failure
+        self._reported = False
+        self._timing = StepTiming(
+            factor=config.step_hang_factor, min_s=config.step_hang_min_s, limit_s=config.step_timeout_s
+        )
+        self._collect_started_at: float | None = None  # when the running collect() began
         self._workers: list[_Worker] = []
         self.stage: ExecutorStage = "spawn"  # then "model-load", "kv-cache", "step"
         self._collecting = False  # a collect() is taking replies
@@ -142,9 +172,56 @@ class Executor:
         async with trio.open_nursery() as nursery:
             for rank in range(self.config.tensor_parallel_size):
                 self._workers.append(await self._start_worker(nursery, rank))
+            nursery.start_soon(self._watch_heartbeats)
             info = await self._initialize()
             task_status.started(info)
             await trio.sleep_forever()
+
+    # --- failures ---------------------------------------------------------------
+
+    def _report(self, error: WorkerError) -> WorkerError:
+        """Tell ``on_failure`` (once, and only once steps are served); return ``error``."""
+        if self.stage == "step" and not self._reported and self._on_failure is not None:
+            self._reported = True
+            self._on_failure(str(error))
+        return error
+
+    async def _watch_heartbeats(self) -> None:
+        """Declare hung a worker silent for ``heartbeat_timeout_s`` (before it
+        was first heard from: ``startup_timeout_s``, which covers its start)."""
+        while True:
+            await trio.sleep(self.config.heartbeat_interval_s / 2)
+            for worker in self._workers:
+                limit = self.config.heartbeat_timeout_s if worker.heard else self.config.startup_timeout_s
+                if worker.silent_for() > limit and worker.process is not None and worker.process.returncode is None:
+                    self._kill_hung([worker])
+                    raise self._report(
+                        WorkerHung(
+                            f"{worker.name} (pid {worker.pid}) sent nothing for {worker.silent_for():.1f}s "
+                            f"(heartbeat_timeout_s={limit}s) during {self._stage_label(worker)}: "
+                            "hung (stopped, or stuck), killed",
+                            stage=self.stage,
+                            process=worker.name,
+                        )
+                    )
+
+    def _kill_hung(self, workers: list[_Worker]) -> None:
+        for worker in workers:
+            if worker.process is not None:
+                worker.process.declare_hung()
+
+    def suspicion(self) -> str:
+        """Why a hang is suspected now (a worker silent for two heartbeats, a
+        step past half its deadline), or ``""``."""
+        late = [w for w in self._workers if w.heard and w.silent_for() > 2 * self.config.heartbeat_interval_s]
+        if late:
+            return "; ".join(f"{w.name} silent for {w.silent_for():.1f}s" for w in late)
+        if self._collect_started_at is not None and self._steps_in_flight:
+            step = self._steps_in_flight[0]
+            running = trio.current_time() - self._collect_started_at
+            if running > self._timing.deadline(step.num_tokens) / 2:
+                return f"step {step.number} has run {running:.1f}s; it may run {self._timing.describe(step.num_tokens)}"
+        return ""
 
     async def _start_worker(self, nursery: trio.Nursery, rank: int) -> _Worker:
         worker = _Worker(rank)
@@ -160,8 +237,8 @@ class Executor:
             raise EngineStartupError(f"could not start {worker.name}: {exc}", stage="spawn", process=worker.name)
         finally:
             child_end.close()
-        bridge: MessageBridge[ToWorker, FromWorker] = MessageBridge(parent_end, receive_type=FromWorker, name=worker.name)
-        worker.outbox, worker.inbox = await nursery.start(self._bridge, bridge, worker)
+        worker.bridge = MessageBridge(parent_end, receive_type=FromWorker, name=worker.name, drop=(WorkerHeartbeat,))
+        worker.outbox, worker.inbox = await nursery.start(self._bridge, worker.bridge, worker)
         return worker
 
     async def _bridge(
@@ -206,7 +283,9 @@ class Executor:
             last_words = self._last_words.get(worker.rank) or failure
             stage = self._stage_label(worker, num_replies)
             message = f"{exc} during {stage}" + (f": {last_words}" if last_words else "")
-            raise WorkerError(message, stage=self.stage, process=worker.name, exit_code=exc.exit_code) from None
+            raise self._report(
+                WorkerError(message, stage=self.stage, process=worker.name, exit_code=exc.exit_code)
+            ) from None
         finally:
             worker.exited.set()
 
@@ -295,11 +374,13 @@ class Executor:
         with trio.move_on_after(EXIT_WAIT_S):
             await worker.exited.wait()
             await trio.sleep_forever()  # the monitor's WorkerError cancels this
-        raise WorkerError(
-            f"{worker.name} (pid {worker.pid}) {what} during {self._stage_label()}",
-            stage=self.stage,
-            process=worker.name,
-            exit_code=None if worker.process is None else worker.process.returncode,
+        raise self._report(
+            WorkerError(
+                f"{worker.name} (pid {worker.pid}) {what} during {self._stage_label()}",
+                stage=self.stage,
+                process=worker.name,
+                exit_code=None if worker.process is None else worker.process.returncode,
+            )
         )
 
     def _late_workers(self) -> list[_Worker]:
@@ -321,37 +402,44 @@ class Executor:
     async def collect(self, step: Step) -> RunnerOutput:
         """The output rank's sampled tokens for ``step``, the oldest step in flight.
 
-        Past ``step_timeout_s`` (counted from this call: the step before has
-        just been collected, so the workers are on this one) raises
-        ``StepTimeout`` naming the workers that did not answer, the step and
-        the deadline. Must not be called concurrently (the step loop is its
-        one caller). If cancelled mid-step, workers may still be running
+        The step may run as long as ``core.step_timing`` allows for its size
+        (counted from this call: the step before has just been collected, so
+        the workers are on this one); past that, the workers that did not
+        answer are killed as hung and ``StepTimeout`` names them, the step
+        and the deadline. Must not be called concurrently (the step loop is
+        its one caller). If cancelled mid-step, workers may still be running
         that step: the engine core is going down anyway, and cancellation
         stops them.
         """
-        timeout = self.config.step_timeout_s
+        deadline = self._timing.deadline(step.num_tokens)
         self._collecting = True
+        self._collect_started_at = started = trio.current_time()
         try:
-            with trio.move_on_after(math.inf if timeout is None else timeout) as scope:
+            with trio.move_on_after(deadline) as scope:
                 replies = await self._receive_all(RunnerOutput)
         finally:
             self._collecting = False
+            self._collect_started_at = None
         if scope.cancelled_caught:
             late = self._late_workers()
-            raise StepTimeout(
-                self._late_message(f"step_timeout_s={timeout}s"),
-                stage="step",
-                process=", ".join(w.name for w in late),
+            self._kill_hung(late)
+            raise self._report(
+                StepTimeout(
+                    self._late_message(self._timing.describe(step.num_tokens)) + ": hung, killed",
+                    stage="step",
+                    process=", ".join(w.name for w in late),
+                )
             )
+        self._timing.observe(step.num_tokens, trio.current_time() - started)
         first = replies[OUTPUT_RANK]
         for worker, reply in zip(self._workers, replies):
             # Each rank appends what it samples to its own copy of the requests:
             # ranks that disagree would drift apart silently.
             if reply is not first and (reply.req_ids, reply.sampled_token_ids) != (first.req_ids, first.sampled_token_ids):
-                raise WorkerError(
+                raise self._report(WorkerError(
                     f"{worker.name} (pid {worker.pid}) sampled other tokens than rank {OUTPUT_RANK} "
                     f"in {self._stage_label()}",
                     stage="step",
                     process=worker.name,
-                )
+                ))
         return first

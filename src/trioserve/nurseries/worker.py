@@ -4,7 +4,9 @@ The engine core starts it with ``python -m trioserve.nurseries.entry worker``; t
 stream's socket arrives as an inherited fd (``TRIOSERVE_WORKER_FD``). The
 worker answers, in order: ``WorkerInit`` -> ``WorkerLoaded``, ``InitKVCache``
 -> ``KVCacheReady``, then one ``RunnerOutput`` for each ``SchedulerOutput``,
-until the engine core closes the stream.
+until the engine core closes the stream. From ``WorkerInit`` on, a thread of
+its own also sends ``WorkerHeartbeat`` every ``heartbeat_interval_s``, so the
+engine core tells a busy worker from a stopped one.
 
 The whole conversation runs in one thread with blocking reads and writes on
 the socket (``BlockingFrames``): a step's reply goes out, and the next step
@@ -21,6 +23,7 @@ import contextlib
 import logging
 import os
 import socket
+import threading
 import traceback
 from typing import Any
 
@@ -34,6 +37,7 @@ from trioserve.messages import (
     SchedulerOutput,
     ToWorker,
     WorkerFailed,
+    WorkerHeartbeat,
     WorkerInit,
     WorkerStage,
 )
@@ -59,12 +63,15 @@ def make_runner(config: EngineConfig, rank: int, world_size: int) -> Runner:
 
 
 class _Conversation:
-    """The worker's side of the stream, in blocking calls (one thread)."""
+    """The worker's side of the stream, in blocking calls: one thread reads
+    and answers; the heartbeat thread writes too, so writes take a lock (a
+    frame is never interleaved with another)."""
 
     def __init__(self, sock: socket.socket) -> None:
         self.frames = BlockingFrames(sock)
         self._decode = msgspec.msgpack.Decoder(ToWorker).decode
         self._encode = msgspec.msgpack.Encoder().encode
+        self._write_lock = threading.Lock()
 
     def receive(self) -> Any:
         """The next message, or ``None`` once the engine core closed the stream."""
@@ -79,7 +86,27 @@ class _Conversation:
         return msg
 
     def send(self, msg: msgspec.Struct) -> None:
-        self.frames.write(self._encode(msg))
+        payload = self._encode(msg)
+        with self._write_lock:
+            self.frames.write(payload)
+
+    def start_heartbeats(self, interval_s: float) -> threading.Event:
+        """Send ``WorkerHeartbeat`` every ``interval_s`` from a daemon thread
+        until the returned event is set or the stream breaks. It runs whatever
+        the model does (torch releases the GIL in its kernels; Python code
+        yields it every few milliseconds), so only a stopped or wedged process
+        falls silent."""
+        stop = threading.Event()
+
+        def beat() -> None:
+            while not stop.wait(interval_s):
+                try:
+                    self.send(WorkerHeartbeat())
+                except OSError:
+                    return  # the engine core is gone: the parent watch ends this process
+
+        threading.Thread(target=beat, name="worker-heartbeat", daemon=True).start()
+        return stop
 
 
 def serve(sock: socket.socket) -> None:
@@ -88,8 +115,10 @@ def serve(sock: socket.socket) -> None:
     raise."""
     talk = _Conversation(sock)
     stage: WorkerStage = "model-load"
+    heartbeats = None
     try:
         init: WorkerInit = talk.expect(WorkerInit)
+        heartbeats = talk.start_heartbeats(init.config.heartbeat_interval_s)
         runner = make_runner(init.config, init.rank, init.world_size)
         talk.send(runner.load())
         stage = "kv-cache"
@@ -114,6 +143,9 @@ def serve(sock: socket.socket) -> None:
         except OSError as write_error:  # the engine core is gone or not reading
             log.debug("could not report the failure: %s", write_error)
         raise
+    finally:
+        if heartbeats is not None:
+            heartbeats.set()
 
 
 async def worker_main() -> None:

@@ -162,10 +162,22 @@ class MessageBridge(Generic[SendT, ReceiveT]):
     """
 
     def __init__(
-        self, stream: trio.abc.Stream, *, receive_type: Any, capacity: int = 16, name: str = ""
+        self,
+        stream: trio.abc.Stream,
+        *,
+        receive_type: Any,
+        capacity: int = 16,
+        name: str = "",
+        drop: tuple[type, ...] = (),
     ) -> None:
         """``receive_type``: the type (often a tagged ``Union``) incoming
-        frames decode to, that is ``ReceiveT``."""
+        frames decode to, that is ``ReceiveT``. Messages of the ``drop``
+        types (heartbeats) only count as signs of life: they are not queued.
+        ``last_received_at`` is the ``trio.current_time()`` of the last frame
+        (or of the start), whatever it held."""
+        self._drop = drop
+        self.last_received_at = trio.current_time()
+        self.num_received = 0  # frames read so far
         self._stream = stream
         self._reader = FrameReader(stream)
         self._encoder = msgspec.msgpack.Encoder()
@@ -220,12 +232,15 @@ class MessageBridge(Generic[SendT, ReceiveT]):
                 if payload is None:
                     log.debug("%s: the peer closed its end", self.name)
                     return
+                self.last_received_at = trio.current_time()
+                self.num_received += 1
                 try:
                     message = self._decoder.decode(payload)
                 except (msgspec.DecodeError, msgspec.ValidationError) as exc:
                     self._failure = FrameError(f"{self.name}: undecodable frame: {exc}")
                     return
-                await inbox.send(message)
+                if not isinstance(message, self._drop):
+                    await inbox.send(message)
 
     async def _write_loop(self, outbox: trio.MemoryReceiveChannel[SendT], scope: trio.CancelScope) -> None:
         """Outbox -> frames, until the outbox closes (then half-close the
