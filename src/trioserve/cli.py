@@ -18,6 +18,7 @@ from trioserve.config import EngineConfig, FakeRunnerConfig
 from trioserve.errors import EngineDeadError, EngineStartupError, TrioserveError
 from trioserve.messages import SamplingParams
 from trioserve.server import Server, ServerConfig
+from trioserve.server.listener import fds_needed, raise_fd_limit
 
 # Exit statuses (docs/supervision.md).
 EXIT_OK = 0  # done, or shut down cleanly (SIGINT / SIGTERM)
@@ -195,11 +196,30 @@ def _add_server_options(parser: argparse.ArgumentParser) -> None:
         "--host", default=defaults.host,
         help="address to listen on (default: %(default)s, this machine only; 0.0.0.0 for every interface)",
     )
-    group.add_argument("--port", type=int, default=defaults.port, help="TCP port; 0 picks a free one (default: %(default)s)")
+    group.add_argument(
+        "--port", type=int, default=defaults.port, help="TCP port; 0 picks a free one (default: %(default)s)"
+    )
     group.add_argument(
         "--api-key", default=os.environ.get("TRIOSERVE_API_KEY"), metavar="KEY",
         help="require 'Authorization: Bearer KEY' on every WebSocket handshake "
         "(default: $TRIOSERVE_API_KEY, else no key)",
+    )
+    group.add_argument(
+        "--max-connections", type=int, default=defaults.max_connections, metavar="N",
+        help="TCP connections served at once; more get HTTP 503 with Retry-After, while GET /health still answers "
+        "(default: %(default)s: far more than a GPU serves at once, since one connection carries many requests, "
+        "yet a bounded fd and memory budget; the open-files limit is raised to fit when the hard limit allows)",
+    )
+    group.add_argument(
+        "--idle-timeout", type=float, default=defaults.idle_timeout_s, metavar="SECONDS",
+        help="close a WebSocket with code 4408 after this long with no request in flight and no message from the "
+        "client; pings do not count; inf: never (default: %(default)s, to free the slots of clients that vanished "
+        "without closing, while a client between two requests rarely waits that long)",
+    )
+    group.add_argument(
+        "--handshake-timeout", type=float, default=defaults.handshake_timeout_s, metavar="SECONDS",
+        help="drop a connection that has not sent its HTTP request head and finished the WebSocket handshake this "
+        "long after it was accepted (default: %(default)s, ample for a slow link, short for a silent client)",
     )
     group.add_argument(
         "--max-requests-per-connection", type=int, default=defaults.max_requests_per_connection, metavar="N",
@@ -224,6 +244,9 @@ def _server_config(args: argparse.Namespace) -> ServerConfig:
         host=args.host,
         port=args.port,
         api_key=args.api_key or None,
+        max_connections=args.max_connections,
+        idle_timeout_s=args.idle_timeout,
+        handshake_timeout_s=args.handshake_timeout,
         max_requests_per_connection=args.max_requests_per_connection,
         max_message_bytes=args.max_message_bytes,
         slow_consumer_timeout_s=args.slow_consumer_timeout,
@@ -264,6 +287,7 @@ async def _serve(server: Server) -> None:
 
 def cmd_serve(args: argparse.Namespace) -> int:
     server = Server(_engine_config(args), _server_config(args))
+    raise_fd_limit(fds_needed(server.config.max_connections))  # the process is ours
     try:
         trio.run(_serve, server)
     except OSError as exc:  # the address is taken, or not ours

@@ -15,18 +15,21 @@ class ServerConfig:
     """How ``trioserve serve`` listens and how much it lets each client hold.
 
     ``host`` is loopback unless told otherwise. ``port`` 0 picks a free port.
-    Sizes and times are per connection unless said otherwise.
+    Sizes and times are per connection unless said otherwise. The defaults
+    and their reasons: docs/websocket-protocol.md, "Limits".
     """
 
     host: str = "127.0.0.1"
     port: int = 8000
     api_key: str | None = None  # required as "Authorization: Bearer <key>" when set
+    max_connections: int = 1000  # TCP connections served at once, server-wide; more get 503 (/health still answers)
+    idle_timeout_s: float = 120.0  # no request in flight and no client message this long: close with 4408 (inf: never)
     max_requests_per_connection: int = 64  # requests in flight on one connection
     max_message_bytes: int = 1024 * 1024  # a larger client message closes the connection with 1009
     outbox_size: int = 64  # server messages queued for one connection's sender
     slow_consumer_timeout_s: float = 10.0  # a request waiting this long to queue a delta ends (slow_consumer)
     socket_send_buffer_bytes: int | None = None  # SO_SNDBUF per client socket (None: the OS's default)
-    handshake_timeout_s: float = 10.0  # to receive the HTTP request head and finish the handshake
+    handshake_timeout_s: float = 10.0  # from accept: to receive the HTTP request head and finish the handshake
     shutdown_grace_s: float = 10.0  # in-flight requests may finish within this after SIGINT/SIGTERM
     close_timeout_s: float = 1.0  # after the grace: to flush terminal messages and close each connection
 
@@ -34,7 +37,10 @@ class ServerConfig:
         _check(isinstance(self.host, str) and self.host != "", "host", "must be an address or host name")
         _check(0 <= self.port <= 65535, "port", "must be in [0, 65535]")
         _check(self.api_key is None or self.api_key.strip() != "", "api_key", "must not be empty")
-        _check(self.api_key is None or self.api_key == self.api_key.strip(), "api_key", "must not have spaces around it")
+        _check(
+            self.api_key is None or self.api_key == self.api_key.strip(), "api_key", "must not have spaces around it"
+        )
+        _check(self.max_connections >= 1, "max_connections", "must be >= 1")
         _check(self.max_requests_per_connection >= 1, "max_requests_per_connection", "must be >= 1")
         _check(self.max_message_bytes >= 1024, "max_message_bytes", "must be >= 1024")
         _check(self.outbox_size >= 1, "outbox_size", "must be >= 1")
@@ -43,6 +49,6 @@ class ServerConfig:
             "socket_send_buffer_bytes",
             "must be >= 1024",
         )
-        for name in ("slow_consumer_timeout_s", "handshake_timeout_s", "close_timeout_s"):
+        for name in ("slow_consumer_timeout_s", "handshake_timeout_s", "close_timeout_s", "idle_timeout_s"):
             _check(getattr(self, name) > 0, name, "must be > 0")
         _check(self.shutdown_grace_s >= 0, "shutdown_grace_s", "must be >= 0")

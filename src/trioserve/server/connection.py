@@ -15,6 +15,13 @@ Invariants:
 - While a request waits for room in the outbox, its deltas merge in its
   ``RequestStream``, so the engine never waits for a client. A request that
   waits ``slow_consumer_timeout_s`` ends with ``slow_consumer`` and is aborted.
+- The connection is idle while no request is in flight (from the end of the
+  last one) and no client message came (pings do not count). Once idle for
+  ``idle_timeout_s`` it is closed with ``IDLE_CLOSE_CODE``; the deadline of
+  ``_idle_timer`` is always "last activity + idle_timeout_s", or infinite
+  while a request is in flight.
+- Once the close frame is queued (``_closing``), client messages are ignored:
+  the close frame answers them.
 """
 
 from __future__ import annotations
@@ -40,6 +47,7 @@ from trioserve.server.protocol import Cancel, Delta, Generate, ProtocolError, Se
 from trioserve.server.state import ServerState, wait_any
 
 log = logging.getLogger("trioserve.server")
+IDLE_CLOSE_CODE = 4408  # application range (4000-4999); 408 as in HTTP's Request Timeout
 
 
 @dataclass(frozen=True)
@@ -73,6 +81,7 @@ class Connection:
         self._idle = trio.Event()
         self._idle.set()
         self._closing = False
+        self._idle_timer = trio.CancelScope(deadline=trio.current_time() + config.idle_timeout_s)
         self._sender_done = trio.Event()
         self._outbox_send, self._outbox_receive = trio.open_memory_channel[str | _Close](config.outbox_size)
 
@@ -86,6 +95,7 @@ class Connection:
         async with trio.open_nursery() as nursery:
             nursery.start_soon(self._send_loop, nursery)
             nursery.start_soon(self._drain_on_stop, nursery)
+            nursery.start_soon(self._close_when_idle, nursery)
             await self._read_loop(nursery)
             if not self._closing:  # the client left (or broke the protocol): abort everything
                 nursery.cancel_scope.cancel()
@@ -101,11 +111,15 @@ class Connection:
                 frame = await self._ws.get_message()
             except ConnectionClosed:
                 return
+            if self._num_slots == 0:
+                self._idle_timer.deadline = trio.current_time() + self._config.idle_timeout_s
             reply = self._handle(frame, nursery)
             if reply is not None:
                 await self._outbox_send.send(protocol.encode(reply))
 
     def _handle(self, frame: str | bytes, nursery: trio.Nursery) -> ServerMessage | None:
+        if self._closing:
+            return None
         try:
             message = protocol.parse_client_message(frame)
         except ProtocolError as exc:
@@ -139,6 +153,7 @@ class Connection:
         self._flights[request.id] = flight
         if self._num_slots == 0:
             self._idle = trio.Event()
+            self._idle_timer.deadline = float("inf")
         self._num_slots += 1
         nursery.start_soon(self._run_request, flight)
         return None
@@ -173,10 +188,31 @@ class Connection:
             flight.scope.cancel()
         with trio.move_on_after(self._config.close_timeout_s):
             await self._idle.wait()
-            self._closing = True
-            await self._outbox_send.send(_Close(self._state.close_code, self._state.close_reason))
-            await self._sender_done.wait()
+            await self._send_close(self._state.close_code, self._state.close_reason)
         nursery.cancel_scope.cancel()
+
+    async def _close_when_idle(self, nursery: trio.Nursery) -> None:
+        """Once the connection has been idle for ``idle_timeout_s``, close it
+        with ``IDLE_CLOSE_CODE`` (after the frames already queued), then end
+        it; a client that does not take the close frame within
+        ``close_timeout_s`` is dropped. If the server stops first, the close
+        is ``_drain_on_stop``'s. Cancelling leaves nothing behind."""
+        with self._idle_timer:
+            await self._state.stopping.wait()
+        if not self._idle_timer.cancelled_caught:
+            return
+        log.debug("closing a connection idle for %gs", self._config.idle_timeout_s)
+        with trio.move_on_after(self._config.close_timeout_s):
+            await self._send_close(IDLE_CLOSE_CODE, f"idle for {self._config.idle_timeout_s:g}s")
+        nursery.cancel_scope.cancel()
+
+    async def _send_close(self, code: int, reason: str) -> None:
+        """Queue the close frame (once) and wait until the sender has sent it.
+        If cancelled, the close frame may not have been sent."""
+        if not self._closing:
+            self._closing = True
+            await self._outbox_send.send(_Close(code, reason))
+        await self._sender_done.wait()
 
     # --- one request --------------------------------------------------------
 
@@ -197,6 +233,7 @@ class Connection:
             self._num_slots -= 1
             if self._num_slots == 0:
                 self._idle.set()
+                self._idle_timer.deadline = trio.current_time() + self._config.idle_timeout_s
             log.debug("request %r ended", request_id)
 
     def _forget(self, flight: _Flight) -> None:

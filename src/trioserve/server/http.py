@@ -4,7 +4,8 @@ Every connection starts with an HTTP/1.1 request head. The server reads it
 itself (at most ``MAX_HEAD_BYTES``), answers ``GET /health`` and anything
 that is not a WebSocket upgrade, checks the API key, and hands WebSocket
 upgrades to trio-websocket with the bytes already read replayed in front of
-the stream (``ReplayStream``). Parsing and response building are plain
+the stream (``ReplayStream``). Over the connection cap, ``route_over_capacity``
+answers instead of ``route``. Parsing and response building are plain
 functions.
 """
 
@@ -15,6 +16,8 @@ import json
 from dataclasses import dataclass
 
 import trio
+
+from trioserve.server.admission import RETRY_AFTER_S
 
 MAX_HEAD_BYTES = 16 * 1024
 _REASONS = {200: "OK", 400: "Bad Request", 401: "Unauthorized", 405: "Method Not Allowed", 426: "Upgrade Required",
@@ -88,10 +91,7 @@ def route(head: RequestHead, *, phase: str, api_key: str | None, health: str | N
     WebSocket handshake. ``GET /health`` needs no API key; it reports
     ``health`` (default: ``phase``), 200 when that is ``ready``."""
     if head.path == HEALTH_PATH:
-        if head.method not in ("GET", "HEAD"):
-            return Reply(405, {"error": "use GET /health"}, (("Allow", "GET, HEAD"),))
-        status = health if health is not None else phase
-        return Reply(200 if status == "ready" else 503, {"status": status})
+        return _health_reply(head, health if health is not None else phase)
     if not head.is_websocket_upgrade:
         return Reply(426, {"error": "this is a WebSocket server: connect with a WebSocket, or GET /health"},
                      (("Upgrade", "websocket"),))
@@ -103,6 +103,30 @@ def route(head: RequestHead, *, phase: str, api_key: str | None, health: str | N
     if phase != "ready":
         return Reply(503, {"error": _NOT_READY.get(phase, phase)})
     return None
+
+
+def route_over_capacity(head: RequestHead, *, health: str, max_connections: int) -> Reply:
+    """What to answer when the connection cap is full: ``/health`` as usual
+    (it is cheap, and a full server is not an unhealthy one), anything else
+    503 with ``Retry-After``."""
+    if head.path == HEALTH_PATH:
+        return _health_reply(head, health)
+    return at_capacity(max_connections)
+
+
+def at_capacity(max_connections: int) -> Reply:
+    """The 503 for a connection over the cap (``max_connections``)."""
+    body: dict[str, object] = {
+        "error": f"too many connections: the server is at its limit of {max_connections}; retry later",
+        "max_connections": max_connections,
+    }
+    return Reply(503, body, (("Retry-After", str(RETRY_AFTER_S)),))
+
+
+def _health_reply(head: RequestHead, status: str) -> Reply:
+    if head.method not in ("GET", "HEAD"):
+        return Reply(405, {"error": "use GET /health"}, (("Allow", "GET, HEAD"),))
+    return Reply(200 if status == "ready" else 503, {"status": status})
 
 
 def response(status: int, body: dict[str, object], *, extra_headers: tuple[tuple[str, str], ...] = (),

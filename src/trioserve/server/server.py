@@ -3,15 +3,22 @@
 Task tree::
 
     Server.run                      nursery; cancelling it drops everything
-    ├── listener                    trio.serve_listeners: one handler task per TCP connection
-    │   └── handler                 HTTP head -> /health | rejection | WebSocket Connection.run
+    ├── accept loop (per listener)  listener.accept_loop: admits each connection (admission.py)
+    ├── handler (per connection)    HTTP head -> /health | rejection | WebSocket Connection.run;
+    │                               over the cap: /health or 503, within OVER_CAP_TIMEOUT_S
     └── engine block                open_engine; leaves only after every WebSocket ended
         ├── engine watch            the engine failing for good (out of restarts) stops the server
         └── grace timer             ends the shutdown grace at its deadline
 
 The listener starts before the engine, so ``/health`` answers 503 while the
-model loads. Graceful shutdown (``Server.shutdown``): health turns 503, new
-WebSockets are refused (503) and new requests get ``error`` ``shutdown``;
+model loads. At most ``max_connections`` TCP connections are served at once;
+beyond that, a small reserve answers ``/health`` as usual and anything else
+with 503 (``admission.py``). A connection must finish its HTTP head and
+handshake within ``handshake_timeout_s`` of being accepted; a WebSocket idle
+for ``idle_timeout_s`` is closed with 4408 (``connection.py``).
+
+Graceful shutdown (``Server.shutdown``): health turns 503, new WebSockets
+are refused (503) and new requests get ``error`` ``shutdown``;
 requests in flight have ``shutdown_grace_s`` to finish, then end with
 ``error`` ``shutdown``; each connection is flushed and closed with 1001 (at
 most ``close_timeout_s`` more); then the engine stops and its processes are
@@ -26,7 +33,7 @@ from __future__ import annotations
 
 import logging
 import socket
-from functools import partial
+from collections.abc import Callable
 
 import trio
 from trio_websocket import wrap_server_stream
@@ -35,12 +42,15 @@ from trioserve.api import Engine, open_engine
 from trioserve.config import EngineConfig
 from trioserve.errors import EngineDeadError, collapse
 from trioserve.server import http
+from trioserve.server.admission import OVER_CAP_TIMEOUT_S, Admission, Slot
 from trioserve.server.config import ServerConfig
 from trioserve.server.connection import Connection
+from trioserve.server.listener import accept_loop, fd_limit, fds_needed
 from trioserve.server.state import ServerState, wait_any
 
 log = logging.getLogger("trioserve.server")
 INCOMING_MESSAGE_QUEUE = 4  # client messages trio-websocket buffers before we read them
+DROP_WRITE_TIMEOUT_S = 0.1  # to write the 503 to a connection dropped for a full reserve
 
 
 class Server:
@@ -52,6 +62,7 @@ class Server:
         self.engine_config = engine_config
         self.config = config if config is not None else ServerConfig()
         self.state = ServerState()
+        self.admission = Admission(self.config.max_connections)  # connections open, by kind of slot
         self.port: int | None = None
         self._startup_scope = trio.CancelScope()
         self._websockets: set[trio.CancelScope] = set()
@@ -62,6 +73,11 @@ class Server:
     @property
     def engine(self) -> Engine | None:
         return self.state.engine
+
+    @property
+    def num_connections(self) -> int:
+        """TCP connections served now (at most ``config.max_connections``)."""
+        return self.admission.num_served
 
     @property
     def url(self) -> str:
@@ -97,11 +113,13 @@ class Server:
         it dies. If cancelled, every connection is dropped, every request
         aborted, and every engine process stopped and reaped.
         """
+        self._check_fd_limit()
         listeners = await trio.open_tcp_listeners(self.config.port, host=self.config.host)
         self.port = listeners[0].socket.getsockname()[1]
         try:
             async with trio.open_nursery() as nursery:
-                nursery.start_soon(partial(trio.serve_listeners, self._handle_tcp, listeners))
+                for listener in listeners:
+                    nursery.start_soon(accept_loop, listener, self._admit_to(nursery), self._num_open)
                 task_status.started(self)
                 try:
                     await self._run_engine()
@@ -154,37 +172,80 @@ class Server:
             return engine.health
         return self.state.phase
 
+    def _check_fd_limit(self) -> None:
+        """Warn when the open-files limit is too low for ``max_connections`` (the CLI raises it first)."""
+        limit, needed = fd_limit(), fds_needed(self.config.max_connections)
+        if limit is not None and limit < needed:
+            log.warning(
+                "the open-files limit (RLIMIT_NOFILE) is %d, below the ~%d that max_connections=%d needs: "
+                "accept will fail (EMFILE) before the cap is reached; raise 'ulimit -n' or lower --max-connections",
+                limit, needed, self.config.max_connections,
+            )
+
     # --- one TCP connection ---------------------------------------------------
 
-    async def _handle_tcp(self, stream: trio.SocketStream) -> None:
-        """Serve one TCP connection: ``/health``, an HTTP rejection, or a
-        WebSocket. If cancelled, the connection is closed at once and its
-        requests are aborted in the engine."""
-        if self.config.socket_send_buffer_bytes is not None:
-            stream.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, self.config.socket_send_buffer_bytes)
+    def _num_open(self) -> int:
+        return self.admission.num_open
+
+    def _admit_to(self, nursery: trio.Nursery) -> Callable[[trio.SocketStream], None]:
+        def admit(stream: trio.SocketStream) -> None:
+            nursery.start_soon(self._handle_tcp, stream, self.admission.admit())
+
+        return admit
+
+    async def _handle_tcp(self, stream: trio.SocketStream, slot: Slot) -> None:
+        """Serve one TCP connection in its ``slot``: ``/health``, an HTTP
+        rejection, or a WebSocket; over the cap, ``/health`` or 503. If
+        cancelled, the connection is closed at once, its requests are aborted
+        in the engine, and its slot is given back."""
         try:
-            replay = await self._answer_http(stream)
-            if replay is not None:
-                await self._serve_websocket(replay)
+            if slot is Slot.SERVE:
+                await self._serve_tcp(stream)
+            elif slot is Slot.OVER_CAP:
+                await self._answer_http(stream, trio.current_time() + OVER_CAP_TIMEOUT_S, over_cap=True)
+            else:
+                with trio.move_on_after(DROP_WRITE_TIMEOUT_S):
+                    reply = http.at_capacity(self.config.max_connections)
+                    await stream.send_all(http.response(reply.status, reply.body, extra_headers=reply.headers))
         except (trio.BrokenResourceError, trio.ClosedResourceError):
             pass  # the client went away
         except Exception:  # a bug serving one client must not stop the others
             log.exception("a connection failed")
         finally:
+            self.admission.release(slot)
             await trio.aclose_forcefully(stream)
 
-    async def _answer_http(self, stream: trio.SocketStream) -> http.ReplayStream | None:
-        """Read the request head and answer it, unless it is a WebSocket
-        handshake to go on with: then return the stream with the head replayed.
-        If cancelled, the connection is to be closed."""
-        with trio.move_on_after(self.config.handshake_timeout_s):
+    async def _serve_tcp(self, stream: trio.SocketStream) -> None:
+        """Answer the HTTP request, or serve the WebSocket it opens; both must
+        be under way within ``handshake_timeout_s`` of the accept. If
+        cancelled, the connection's requests are aborted in the engine."""
+        if self.config.socket_send_buffer_bytes is not None:
+            stream.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, self.config.socket_send_buffer_bytes)
+        handshake_deadline = trio.current_time() + self.config.handshake_timeout_s
+        replay = await self._answer_http(stream, handshake_deadline, over_cap=False)
+        if replay is not None:
+            await self._serve_websocket(replay, handshake_deadline)
+
+    async def _answer_http(
+        self, stream: trio.SocketStream, deadline: float, *, over_cap: bool
+    ) -> http.ReplayStream | None:
+        """Read the request head and answer it by ``deadline`` (else drop it),
+        unless it is a WebSocket handshake to go on with: then return the
+        stream with the head replayed (never when ``over_cap``). If
+        cancelled, the connection is to be closed."""
+        with trio.move_on_at(deadline):
             try:
                 head, rest = await http.read_request_head(stream)
                 request = http.parse_request_head(head)
             except http.BadRequest as exc:
                 await stream.send_all(http.response(exc.status, {"error": str(exc)}))
                 return None
-            reply = http.route(request, phase=self.state.phase, api_key=self.config.api_key, health=self._health())
+            if over_cap:
+                reply = http.route_over_capacity(request, health=self._health(),
+                                                 max_connections=self.config.max_connections)
+            else:
+                reply = http.route(request, phase=self.state.phase, api_key=self.config.api_key,
+                                   health=self._health())
             if reply is None:
                 return http.ReplayStream(stream, head + rest)
             data = http.response(reply.status, reply.body, extra_headers=reply.headers,
@@ -192,16 +253,17 @@ class Server:
             await stream.send_all(data)
         return None
 
-    async def _serve_websocket(self, stream: http.ReplayStream) -> None:
-        """Finish the WebSocket handshake and serve the connection. If
-        cancelled, its requests are aborted in the engine."""
+    async def _serve_websocket(self, stream: http.ReplayStream, handshake_deadline: float) -> None:
+        """Finish the WebSocket handshake (by ``handshake_deadline``, else drop
+        it) and serve the connection. If cancelled, its requests are aborted
+        in the engine."""
         engine = self.state.engine
         assert engine is not None  # route() lets WebSockets through only when ready
         with trio.CancelScope() as scope:
             self._track(scope)
             try:
                 async with trio.open_nursery() as nursery:  # trio-websocket's reader task
-                    with trio.move_on_after(self.config.handshake_timeout_s) as handshake:
+                    with trio.move_on_at(handshake_deadline) as handshake:
                         ws_request = await wrap_server_stream(
                             nursery, stream, message_queue_size=INCOMING_MESSAGE_QUEUE,
                             max_message_size=self.config.max_message_bytes,
