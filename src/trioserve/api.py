@@ -19,6 +19,7 @@ import trio
 from trioserve.config import EngineConfig
 from trioserve.errors import EngineDeadError, EngineStartupError, InvalidRequestError, collapse
 from trioserve.frontend.client import EngineCoreClient
+from trioserve.frontend.model_dir import load_model_dir
 from trioserve.frontend.outputs import RequestOutput
 from trioserve.frontend.prompt import Prompt, PromptChecker
 from trioserve.frontend.request_state import RequestState
@@ -52,7 +53,7 @@ async def open_engine(
         config = EngineConfig(model=model, **options)
     elif model is not None or options:
         raise ValueError("config: give either config=... or model and options, not both")
-    tokenizer = await trio.to_thread.run_sync(_load_tokenizer, config.model)
+    tokenizer = await trio.to_thread.run_sync(_load_tokenizer, config)
     try:
         async with trio.open_nursery() as nursery:
             supervisor = EngineSupervisor(config)
@@ -65,13 +66,13 @@ async def open_engine(
         raise collapse(group) from None
 
 
-def _load_tokenizer(model: str) -> Tokenizer:
-    """The model directory's tokenizer; a missing or broken directory is a
-    start-up error naming the path."""
+def _load_tokenizer(config: EngineConfig) -> Tokenizer:
+    """The model directory's tokenizer, once the directory is checked; a
+    missing or broken one is a start-up error naming the path."""
     try:
-        return Tokenizer.from_dir(model)
-    except (OSError, ValueError) as exc:
-        raise EngineStartupError(f"cannot use model directory {model!r}: {exc}", stage="tokenizer") from None
+        return load_model_dir(config.model, needs_weights=config.runner == "hf")
+    except (OSError, ValueError) as exc:  # each names the directory or the file
+        raise EngineStartupError(str(exc), stage="tokenizer") from None
 
 
 class Engine:

@@ -9,6 +9,7 @@ import os
 import signal
 import sys
 import time
+from pathlib import Path
 
 import trio
 
@@ -19,6 +20,8 @@ from trioserve.errors import EngineDeadError, EngineStartupError, TrioserveError
 from trioserve.messages import SamplingParams
 from trioserve.server import Server, ServerConfig
 from trioserve.server.listener import fds_needed, raise_fd_limit
+
+API_KEY_ENV = "TRIOSERVE_API_KEY"  # never passed on to a child process (nurseries.process.SECRET_ENV_NAMES)
 
 # Exit statuses (docs/supervision.md).
 EXIT_OK = 0  # done, or shut down cleanly (SIGINT / SIGTERM)
@@ -199,10 +202,15 @@ def _add_server_options(parser: argparse.ArgumentParser) -> None:
     group.add_argument(
         "--port", type=int, default=defaults.port, help="TCP port; 0 picks a free one (default: %(default)s)"
     )
-    group.add_argument(
-        "--api-key", default=os.environ.get("TRIOSERVE_API_KEY"), metavar="KEY",
-        help="require 'Authorization: Bearer KEY' on every WebSocket handshake "
-        "(default: $TRIOSERVE_API_KEY, else no key)",
+    keys = group.add_mutually_exclusive_group()
+    keys.add_argument(
+        "--api-key", metavar="KEY",
+        help="require 'Authorization: Bearer KEY' on every WebSocket handshake. A key on the command line shows "
+        "in ps: prefer --api-key-file or $TRIOSERVE_API_KEY (default: $TRIOSERVE_API_KEY, else no key)",
+    )
+    keys.add_argument(
+        "--api-key-file", metavar="FILE",
+        help="read the API key from FILE (its first line; keep the file readable by you alone)",
     )
     group.add_argument(
         "--max-connections", type=int, default=defaults.max_connections, metavar="N",
@@ -243,7 +251,7 @@ def _server_config(args: argparse.Namespace) -> ServerConfig:
     return ServerConfig(
         host=args.host,
         port=args.port,
-        api_key=args.api_key or None,
+        api_key=_api_key(args),
         max_connections=args.max_connections,
         idle_timeout_s=args.idle_timeout,
         handshake_timeout_s=args.handshake_timeout,
@@ -252,6 +260,26 @@ def _server_config(args: argparse.Namespace) -> ServerConfig:
         slow_consumer_timeout_s=args.slow_consumer_timeout,
         shutdown_grace_s=args.shutdown_grace,
     )
+
+
+def _api_key(args: argparse.Namespace) -> str | None:
+    """The key from ``--api-key``, ``--api-key-file`` or ``$TRIOSERVE_API_KEY``,
+    in that order; None when none is given. An empty key is an error, not "no
+    key": ``--api-key "$KEY"`` with ``KEY`` unset must not turn authentication off."""
+    if args.api_key is not None:
+        key, source = args.api_key, "--api-key"
+    elif args.api_key_file is not None:
+        try:
+            key, source = Path(args.api_key_file).read_text().partition("\n")[0].strip(), "--api-key-file"
+        except OSError as exc:
+            raise ValueError(f"--api-key-file: cannot read {args.api_key_file!r}: {exc.strerror or exc}") from None
+    elif API_KEY_ENV in os.environ:
+        key, source = os.environ[API_KEY_ENV], f"${API_KEY_ENV}"
+    else:
+        return None
+    if key.strip() == "":
+        raise ValueError(f"{source}: the API key is empty (unset the option to serve without a key)")
+    return key
 
 
 async def _serve(server: Server) -> None:
@@ -286,7 +314,8 @@ async def _serve(server: Server) -> None:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    server = Server(_engine_config(args), _server_config(args))
+    server_config = _server_config(args)  # its errors come before any model is built
+    server = Server(_engine_config(args), server_config)
     raise_fd_limit(fds_needed(server.config.max_connections))  # the process is ours
     try:
         trio.run(_serve, server)

@@ -87,8 +87,15 @@ def first_leaf(exc: BaseException, kind: type[_E]) -> _E | None:
 
 
 def describe(exc: BaseException) -> str:
-    """One line per meaningful leaf (``Type: message``), joined with "; "."""
-    return "; ".join("".join(traceback.format_exception_only(leaf)).strip() for leaf in meaningful_leaves(exc))
+    """One line per meaningful leaf, joined with "; ": our own errors by their
+    message (it names what failed), others as ``Type: message``."""
+    return "; ".join(_describe_one(leaf) for leaf in meaningful_leaves(exc))
+
+
+def _describe_one(exc: BaseException) -> str:
+    if type(exc).__module__.startswith("trioserve.") and str(exc):
+        return str(exc)
+    return "".join(traceback.format_exception_only(exc)).strip()
 
 
 def collapse(exc: BaseException) -> BaseException:

@@ -191,9 +191,9 @@ def _end_process(code: int) -> NoReturn:
 
 
 class ChildFailed(Exception):
-    """Raised out of a child's main once it has reported its own failure
-    (logged it, told its parent): the process exits 1 with this one line on
-    stderr, not a traceback."""
+    """Raised out of a child's main once it has told its parent why it
+    fails: the process exits 1 with one line on stderr (its name, pid and
+    this message), not a traceback."""
 
 
 def _failure_line(exc: BaseException) -> str | None:

@@ -273,8 +273,7 @@ class DeathReport:
     def report(self, reason: str) -> None:
         if self.reason is not None:
             return
-        self.reason = reason
-        log.error("engine core failed: %s", reason)
+        self.reason = reason  # the process's one exit line says it (ChildFailed)
         try:
             self._outbox.send_nowait(EngineDead(reason=reason))
         except trio.WouldBlock:

@@ -41,6 +41,7 @@ from trioserve.messages import (
     WorkerInit,
     WorkerStage,
 )
+from trioserve.nurseries.child_main import ChildFailed
 from trioserve.runners import Runner
 from trioserve.transport.framing import BlockingFrames, socket_from_fd
 
@@ -154,6 +155,8 @@ async def worker_main() -> None:
         # If cancelled (the parent is gone), the thread is abandoned and the
         # process exits without waiting for the model step to finish.
         await trio.to_thread.run_sync(serve, sock, abandon_on_cancel=True)
+    except Exception as exc:  # serve() reported it to the engine core: one line here, no traceback
+        raise ChildFailed("".join(traceback.format_exception_only(exc)).strip()) from exc
     finally:
         with contextlib.suppress(OSError):
             sock.shutdown(socket.SHUT_RDWR)  # wakes an abandoned thread blocked on it

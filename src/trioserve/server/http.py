@@ -173,7 +173,7 @@ class ReplayStream(trio.abc.Stream):
             data, self._replay = self._replay[:size], self._replay[size:]
             await trio.lowlevel.checkpoint()
             return data
-        return await self._inner.receive_some(max_bytes)
+        return bytes(await self._inner.receive_some(max_bytes))
 
     async def send_all(self, data: bytes | bytearray | memoryview) -> None:
         """As the inner stream's: if cancelled, part of ``data`` may have been sent."""

@@ -240,6 +240,7 @@ class Server:
             except http.BadRequest as exc:
                 await stream.send_all(http.response(exc.status, {"error": str(exc)}))
                 return None
+            reply: http.Reply | None
             if over_cap:
                 reply = http.route_over_capacity(request, health=self._health(),
                                                  max_connections=self.config.max_connections)

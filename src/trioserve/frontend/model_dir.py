@@ -1,0 +1,41 @@
+"""A model directory, checked in the front-end before any process starts,
+so that a wrong path is one line naming it, not a worker's traceback.
+
+What a directory must hold: ``tokenizer.json`` (the front-end reads it,
+``frontend/tokenizer.py``); for the transformers runner also ``config.json``
+naming a ``model_type``, and weights (``*.safetensors`` or
+``pytorch_model*.bin``). The fake runner reads only the first two.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from trioserve.frontend.tokenizer import Tokenizer
+
+WEIGHT_PATTERNS = ("*.safetensors", "pytorch_model*.bin")
+
+
+def load_model_dir(model: str, *, needs_weights: bool) -> Tokenizer:
+    """The directory's tokenizer, once the directory is checked. Raises
+    ``ValueError`` (or ``OSError``) with one line naming the path and what is
+    wrong."""
+    directory = Path(model)
+    tokenizer = Tokenizer.from_dir(directory)  # names a missing directory or tokenizer.json
+    if needs_weights:
+        _check_config(directory / "config.json")
+        if not any(next(directory.glob(pattern), None) for pattern in WEIGHT_PATTERNS):
+            raise ValueError(f"no weights in {str(directory)!r} (expected *.safetensors or pytorch_model*.bin)")
+    return tokenizer
+
+
+def _check_config(path: Path) -> None:
+    try:
+        config = json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise ValueError(f"config.json not found in {str(path.parent)!r}") from None
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"{path}: not a readable JSON file: {exc}") from None
+    if not isinstance(config, dict) or not isinstance(config.get("model_type"), str):
+        raise ValueError(f"{path}: names no model_type (it is not a transformers model's config)")
