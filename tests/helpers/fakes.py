@@ -30,11 +30,11 @@ def fake_tokens(prompt: list[int], n: int) -> list[int]:
 def make_fake_config(model: str, **options: Any) -> EngineConfig:
     """An engine on the fake runner: ``options`` are ``EngineConfig`` fields
     and ``FakeRunnerConfig`` fields, told apart by name. Defaults suit
-    tests: blocks of 4 tokens, a 2 s shutdown grace, EOS ``EOS``."""
+    tests: blocks of 4 tokens, a 2.5 s shutdown grace, EOS ``EOS``."""
     engine_fields = EngineConfig.__dataclass_fields__
     engine_options = {k: options.pop(k) for k in list(options) if k in engine_fields}
     engine_options.setdefault("block_size", 4)
-    engine_options.setdefault("shutdown_grace_s", 2.0)
+    engine_options.setdefault("shutdown_grace_s", 2.5)  # above a child's hard exit (1.5 s) + its reaping (0.5 s)
     options.setdefault("eos_token_id", EOS)
     return EngineConfig(model=model, runner="fake", fake=FakeRunnerConfig(**options), **engine_options)
 

@@ -1,0 +1,209 @@
+"""What a hostile client found, each as it was reproduced, and what it gets
+now: a clear error naming what was wrong, and nothing else lost. (Hangs,
+orphans and kill -9 of the front-end are in test_hangs.py; connection caps,
+idle timeouts and fd exhaustion in test_server_admission.py and
+test_server_listener.py.)"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+
+import psutil
+import pytest
+import trio
+from helpers.serving import REPO, serve_argv, spawned, tree_of, wait_for_url
+from test_server import Received, collect, expect_error, generate, in_thread, open_ws, serving, wait_blocks_free
+from websockets.exceptions import InvalidStatus
+
+import trioserve
+from trioserve import SamplingParams
+from trioserve.errors import InvalidRequestError, PromptTooLongError
+from trioserve.frontend.prompt import PromptChecker
+from trioserve.messages import EngineInfo, ModelInfo
+
+HUGE = 18446744073709551616  # 2**64: msgpack cannot carry it
+
+
+@pytest.mark.parametrize(
+    ("params", "field"),
+    [({"max_tokens": HUGE}, "params.max_tokens"), ({"stop_token_ids": [HUGE]}, "params.stop_token_ids"),
+     ({"top_k": 10**20}, "params.top_k"), ({"seed": HUGE}, "params.seed")],
+)  # fmt: skip
+async def test_integers_the_wire_cannot_carry_are_an_error_and_the_server_serves_on(fake_config, params, field):
+    with trio.fail_after(30):
+        async with serving(fake_config(step_delay_s=0.005)) as server:
+
+            def client() -> dict[str, Received]:
+                with open_ws(server.url) as ws:
+                    running = {"beside": Received()}
+                    ws.send(generate("beside", "carry on", max_tokens=40))
+                    ws.send(json.dumps({"type": "generate", "id": "a", "prompt": "Hi", "params": params}))
+                    assert expect_error(ws, "invalid_field", "a", running)["field"] == field
+                    ws.send(generate("after", "and after", max_tokens=5))
+                    return collect(ws, {"beside", "after"}, received=running)[0]
+
+            received = await in_thread(client)
+            assert received["beside"].terminal["type"] == received["after"].terminal["type"] == "done"  # type: ignore[index]
+
+
+async def test_integers_the_wire_cannot_carry_raise_value_error_when_embedded(fake_config):
+    with trio.fail_after(30):
+        async with trioserve.open_engine(config=fake_config()) as engine:
+            with pytest.raises(ValueError, match=r"^max_tokens: must be an integer in \[1, 2147483647\]"):
+                await engine.generate("x", SamplingParams(max_tokens=HUGE))
+            with pytest.raises(ValueError, match=r"^prompt: token ids must be integers in \[0, 259\)"):
+                await engine.generate([1, HUGE])
+            assert len((await engine.generate("x", SamplingParams(max_tokens=3))).token_ids) == 3
+
+
+async def test_a_frame_of_a_thousand_nested_arrays_is_invalid_json_and_the_connection_carries_on(fake_config):
+    with trio.fail_after(30):
+        async with serving(fake_config(step_delay_s=0.005)) as server:
+
+            def client() -> dict[str, Received]:
+                with open_ws(server.url) as ws:
+                    running = {"beside": Received()}
+                    ws.send(generate("beside", "carry on", max_tokens=40))
+                    ws.send("[" * 1000 + "]" * 1000)
+                    assert expect_error(ws, "invalid_json", None, running)["message"].startswith("malformed JSON")
+                    ws.send(json.dumps({"type": "generate", "id": "n", "prompt": "x", "junk": [[[[[[[[1]]]]]]]]}))
+                    assert expect_error(ws, "invalid_field", "n", running)["field"] == "junk"
+                    ws.send(generate("after", "and after", max_tokens=5))
+                    return collect(ws, {"beside", "after"}, received=running)[0]
+
+            received = await in_thread(client)
+            assert received["beside"].terminal["type"] == received["after"].terminal["type"] == "done"  # type: ignore[index]
+
+
+def checker(max_model_len: int = 2048) -> PromptChecker:
+    from trioserve.frontend.tokenizer import Tokenizer
+
+    class CountingTokenizer(Tokenizer):
+        def __init__(self) -> None:
+            self.max_token_chars = 16
+            self.chars_encoded = 0
+
+        def encode(self, text: str) -> list[int]:
+            self.chars_encoded += len(text)
+            return [1] * len(text)
+
+    info = EngineInfo(ModelInfo(259, max_model_len, [2]), 1024, 16, max_model_len, 1, [2])
+    return PromptChecker(CountingTokenizer(), info)
+
+
+async def test_a_prompt_too_long_for_the_context_is_refused_before_it_is_tokenized():
+    prompts = checker(max_model_len=2048)
+    with pytest.raises(PromptTooLongError, match="^prompt: 1048576 characters cannot fit the context of 2048"):
+        await prompts.check_async("x" * 2**20)
+    assert prompts.tokenizer.chars_encoded == 0  # type: ignore[attr-defined]
+    # A text that may fit is tokenized (at most max_model_len x the longest token), then measured.
+    with pytest.raises(PromptTooLongError, match="^prompt: 5000 tokens"):
+        await prompts.check_async("x" * 5000)
+    assert prompts.tokenizer.chars_encoded == 5000  # type: ignore[attr-defined]
+    with pytest.raises(InvalidRequestError, match="^prompt: invalid string"):
+        prompts.check("a\ud800b")
+
+
+async def test_a_flood_of_mebibyte_prompts_is_refused_at_once_and_costs_the_front_end_no_memory(fake_config):
+    with trio.fail_after(60):
+        async with serving(fake_config(step_delay_s=0.005, max_model_len=512)) as server:
+            before = psutil.Process().memory_info().rss
+
+            def flood() -> list[dict]:
+                big = "word " * ((2**20 - 200) // 5)  # just under the 1 MiB message limit
+                with open_ws(server.url, max_size=None) as ws:
+                    running = {"beside": Received()}
+                    ws.send(generate("beside", "carry on", max_tokens=40))
+                    errors = []
+                    for i in range(24):
+                        ws.send(generate(f"big{i}", big))
+                    for i in range(24):
+                        errors.append(expect_error(ws, "prompt_too_long", f"big{i}", running))
+                    collect(ws, {"beside"}, received=running)
+                    assert running["beside"].terminal["type"] == "done"  # type: ignore[index]
+                    return errors
+
+            started = time.monotonic()
+            errors = await in_thread(flood)
+            assert time.monotonic() - started < 20
+            assert all(e["field"] == "prompt" and "characters cannot fit" in e["message"] for e in errors)
+            assert psutil.Process().memory_info().rss - before < 300 * 2**20  # it took 3.2 GB before
+
+
+async def test_thousands_of_stop_strings_are_refused_and_stall_nobody(fake_config):
+    with trio.fail_after(60):
+        async with serving(fake_config(step_delay_s=0.005)) as server:
+
+            def client() -> dict[str, Received]:
+                with open_ws(server.url) as ws:
+                    running = {"beside": Received()}
+                    ws.send(generate("beside", "carry on", max_tokens=60))
+                    for i in range(16):
+                        ws.send(generate(f"s{i}", "x", stop=[f"stop{j}" for j in range(30_000)]))
+                    for i in range(16):
+                        error = expect_error(ws, "invalid_field", f"s{i}", running)
+                        assert error["field"] == "params.stop" and "at most 64 stop strings" in error["message"]
+                    return collect(ws, {"beside"}, received=running)[0]
+
+            started = time.monotonic()
+            received = await in_thread(client)
+            assert received["beside"].terminal["type"] == "done"  # type: ignore[index]
+            assert time.monotonic() - started < 10  # it took 29 s of the front-end's CPU before
+            await wait_blocks_free(server)
+
+
+def run_trioserve(*argv: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "trioserve.cli", *argv], capture_output=True, text=True, cwd=REPO,
+        env=env or dict(os.environ), timeout=120, check=False,
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize("how", ["option", "environment"])
+async def test_an_empty_api_key_is_an_error_not_no_authentication(tiny_model_dir, how):
+    argv = ["serve", "--port", "0", "--model", str(tiny_model_dir("llama")), "--runner", "fake"]
+    env = dict(os.environ)
+    if how == "option":
+        argv += ["--api-key", ""]
+    else:
+        env["TRIOSERVE_API_KEY"] = ""
+    done = await trio.to_thread.run_sync(lambda: run_trioserve(*argv, env=env))
+    assert done.returncode == 2
+    assert "the API key is empty" in done.stderr and len(done.stderr.strip().splitlines()) == 1
+
+
+async def test_the_api_key_reaches_no_child_process_and_can_come_from_a_file(tiny_model_dir, tmp_path):
+    key_file = tmp_path / "key"
+    key_file.write_text("s3cret\n")
+    env = {**os.environ, "TRIOSERVE_API_KEY": "from-env"}
+    argv = serve_argv("--model", str(tiny_model_dir("llama")), "--runner", "fake", "--api-key-file", str(key_file))
+    with trio.fail_after(60), spawned(argv, env=env) as proc:
+        url = await trio.to_thread.run_sync(wait_for_url, proc, 30)
+        children = tree_of(proc.pid)
+        assert len(children) == 2
+        for pid in children:
+            environ = open(f"/proc/{pid}/environ", "rb").read()  # noqa: SIM115
+            assert b"TRIOSERVE_API_KEY" not in environ and b"s3cret" not in environ
+        for headers in ({}, {"Authorization": "Bearer from-env"}):  # the file's key wins over the environment
+            with pytest.raises(InvalidStatus):
+                await in_thread(open_ws, url, additional_headers=headers)
+
+        def authorized() -> dict:
+            with open_ws(url, additional_headers={"Authorization": "Bearer s3cret"}) as ws:
+                ws.send(generate("a", "hi", max_tokens=3))
+                return collect(ws, {"a"})[0]["a"].terminal  # type: ignore[return-value]
+
+        assert (await in_thread(authorized))["type"] == "done"
+
+
+@pytest.mark.parametrize("command", ["serve", "generate"])
+async def test_a_missing_model_directory_is_a_start_up_error_in_one_line_naming_it(command, tmp_path):
+    missing = str(tmp_path / "no-such-model")
+    argv = ["serve", "--port", "0", "--model", missing] if command == "serve" else ["generate", "--model", missing, "hi"]
+    done = await trio.to_thread.run_sync(lambda: run_trioserve(*argv))
+    assert done.returncode == 3
+    assert done.stderr.strip().splitlines() == [f"trioserve: the engine could not start: model directory not found: {missing!r}"]
