@@ -423,7 +423,8 @@ def _names_step_2(exc: Exception) -> bool:
 async def _expect_death_named_at_step_2(fake_config, body: Any) -> None:
     """Run ``body(executor)`` on a worker that dies in step 2; the executor
     must fail with the monitor's error naming step 2, and leave no process."""
-    from trioserve.nurseries.executor import Executor, WorkerError
+    from trioserve.nurseries.executor import Executor
+    from trioserve.nurseries.workers import WorkerError
 
     in_flight: deque[Any] = deque()  # as the step loop keeps it
     executor = Executor(fake_config(die_at_step=2), in_flight)

@@ -277,6 +277,7 @@ def _api_key(args: argparse.Namespace) -> str | None:
         key, source = os.environ[API_KEY_ENV], f"${API_KEY_ENV}"
     else:
         return None
+    key = str(key)
     if key.strip() == "":
         raise ValueError(f"{source}: the API key is empty (unset the option to serve without a key)")
     return key

@@ -57,7 +57,8 @@ from trioserve.messages import (
     TokenOutput,
 )
 from trioserve.nurseries.child_main import ChildFailed, remove_if_parent_dies
-from trioserve.nurseries.executor import Executor, ExecutorStage, WorkerError
+from trioserve.nurseries.executor import Executor
+from trioserve.nurseries.workers import ExecutorStage, WorkerError
 from trioserve.transport.zmq_trio import TrioZmqSocket
 
 HANDSHAKE_ADDRESS_ENV = "TRIOSERVE_HANDSHAKE_ADDRESS"

@@ -19,20 +19,18 @@ worker was running.
 
 from __future__ import annotations
 
-import math
 import os
 import sys
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
 from functools import partial
-from typing import Literal, NoReturn, TypeVar
+from typing import NoReturn, TypeVar
 
 import trio
 
 from trioserve.config import EngineConfig
 from trioserve.core.step import Step
 from trioserve.core.step_timing import StepTiming
-from trioserve.errors import EngineStartupError, StartupStage
+from trioserve.errors import EngineStartupError
 from trioserve.messages import (
     EngineInfo,
     FromWorker,
@@ -47,6 +45,7 @@ from trioserve.messages import (
 )
 from trioserve.nurseries.process import ChildProcess, ProcessExited, supervise_process
 from trioserve.nurseries.worker import WORKER_FD_ENV
+from trioserve.nurseries.workers import ExecutorStage, StepTimeout, WorkerError, WorkerHandle, WorkerHung
 from trioserve.transport.framing import MessageBridge, socketpair_for_child
 
 OUTPUT_RANK = 0
@@ -55,79 +54,7 @@ OUTPUT_RANK = 0
 # last word; this only bounds a worker that does not.
 EXIT_WAIT_S = 0.5
 
-ExecutorStage = StartupStage | Literal["step"]
 _Reply = TypeVar("_Reply", WorkerLoaded, KVCacheReady, RunnerOutput)
-
-
-class WorkerError(RuntimeError):
-    """A worker failed: it exited, reported a failure, closed its stream, or
-    did not answer in time. ``stage`` is the executor's stage (``spawn``,
-    ``model-load``, ``kv-cache``, ``step``), ``process`` the worker's name,
-    ``exit_code`` its exit status if it exited (negative: the signal)."""
-
-    def __init__(
-        self, message: str, *, stage: ExecutorStage, process: str = "", exit_code: int | None = None
-    ) -> None:
-        super().__init__(message)
-        self.stage = stage
-        self.process = process
-        self.exit_code = exit_code
-
-
-class StepTimeout(WorkerError):
-    """Workers did not answer a step within its deadline (``core.step_timing``)."""
-
-
-class WorkerHung(WorkerError):
-    """A worker sent nothing, not even a heartbeat, for ``heartbeat_timeout_s``."""
-
-
-@dataclass(eq=False)
-class _Worker:
-    """One worker as the executor sees it; filled in as it starts."""
-
-    rank: int
-    exited: trio.Event = field(default_factory=trio.Event)  # set once it is reaped
-    stream_closed: trio.Event = field(default_factory=trio.Event)  # set once its bridge ended
-    process: ChildProcess | None = None
-    bridge: MessageBridge[ToWorker, FromWorker] | None = None
-    outbox: trio.MemorySendChannel[ToWorker] | None = None
-    inbox: trio.MemoryReceiveChannel[FromWorker] | None = None
-    @property
-    def heard(self) -> bool:
-        """A message (a heartbeat at least) came from it since it started."""
-        return self.bridge is not None and self.bridge.num_received > 0
-
-    def silent_for(self) -> float:
-        """Seconds since it last sent anything (heartbeats included)."""
-        started = trio.current_time() if self.bridge is None else self.bridge.last_received_at
-        return trio.current_time() - started
-
-    @property
-    def name(self) -> str:
-        return f"worker-{self.rank}"
-
-    @property
-    def pid(self) -> int | None:
-        return None if self.process is None else self.process.pid
-
-    def has_reply(self) -> bool:
-        return self.inbox is not None and self.inbox.statistics().current_buffer_used > 0
-
-    def drain(self) -> tuple[int, str | None]:
-        """Empty its inbox (once it is dead): how many replies were still
-        waiting there, and the message of its ``WorkerFailed``, if any."""
-        num_replies, failure = 0, None
-        while self.inbox is not None:
-            try:
-                msg = self.inbox.receive_nowait()
-            except (trio.WouldBlock, trio.EndOfChannel, trio.ClosedResourceError):
-                break
-            if isinstance(msg, WorkerFailed):
-                failure = msg.message
-            else:
-                num_replies += 1
-        return num_replies, failure
 
 
 class Executor:
@@ -151,7 +78,7 @@ class Executor:
             factor=config.step_hang_factor, min_s=config.step_hang_min_s, limit_s=config.step_timeout_s
         )
         self._collect_started_at: float | None = None  # when the running collect() began
-        self._workers: list[_Worker] = []
+        self._workers: list[WorkerHandle] = []
         self.stage: ExecutorStage = "spawn"  # then "model-load", "kv-cache", "step"
         self._collecting = False  # a collect() is taking replies
         self._last_words: dict[int, str] = {}  # rank -> its WorkerFailed message
@@ -205,7 +132,7 @@ class Executor:
                         )
                     )
 
-    def _kill_hung(self, workers: list[_Worker]) -> None:
+    def _kill_hung(self, workers: list[WorkerHandle]) -> None:
         for worker in workers:
             if worker.process is not None:
                 worker.process.declare_hung()
@@ -223,8 +150,8 @@ class Executor:
                 return f"step {step.number} has run {running:.1f}s; it may run {self._timing.describe(step.num_tokens)}"
         return ""
 
-    async def _start_worker(self, nursery: trio.Nursery, rank: int) -> _Worker:
-        worker = _Worker(rank)
+    async def _start_worker(self, nursery: trio.Nursery, rank: int) -> WorkerHandle:
+        worker = WorkerHandle(rank)
         parent_end, child_end = socketpair_for_child()
         env = {**os.environ, WORKER_FD_ENV: str(child_end.fileno())}
         argv = [sys.executable, "-m", "trioserve.nurseries.entry", "worker"]
@@ -244,7 +171,7 @@ class Executor:
     async def _bridge(
         self,
         bridge: MessageBridge[ToWorker, FromWorker],
-        worker: _Worker,
+        worker: WorkerHandle,
         *,
         task_status: trio.TaskStatus[tuple[trio.MemorySendChannel[ToWorker], trio.MemoryReceiveChannel[FromWorker]]],
     ) -> None:
@@ -256,7 +183,7 @@ class Executor:
     async def _monitor(
         self,
         argv: list[str],
-        worker: _Worker,
+        worker: WorkerHandle,
         *,
         pass_fds: list[int],
         env: dict[str, str],
@@ -289,7 +216,7 @@ class Executor:
         finally:
             worker.exited.set()
 
-    def _stage_label(self, worker: _Worker | None = None, num_replies: int = 0) -> str:
+    def _stage_label(self, worker: WorkerHandle | None = None, num_replies: int = 0) -> str:
         """The stage; in the step stage, the step being run: the oldest step
         not yet collected or, for a ``worker`` that already answered some of
         the steps in flight (``num_replies`` still in its inbox, and maybe one
@@ -368,7 +295,7 @@ class Executor:
             self._answered.add(worker.rank)
         return replies
 
-    async def _fail(self, worker: _Worker, what: str) -> NoReturn:
+    async def _fail(self, worker: WorkerHandle, what: str) -> NoReturn:
         """Raise for a worker that went wrong in the middle of a call, after
         giving it ``EXIT_WAIT_S`` to exit (then the monitor raises instead)."""
         with trio.move_on_after(EXIT_WAIT_S):
@@ -383,7 +310,7 @@ class Executor:
             )
         )
 
-    def _late_workers(self) -> list[_Worker]:
+    def _late_workers(self) -> list[WorkerHandle]:
         """After a call timed out: the workers whose reply has not arrived
         (neither taken by ``_call_all`` nor waiting in their inbox)."""
         return [w for w in self._workers if w.rank not in self._answered and not w.has_reply()]
