@@ -10,7 +10,15 @@ Public names (the docs list the same; a test checks they agree)::
 
 from trioserve.api import Engine, RequestStream, open_engine
 from trioserve.config import EngineConfig, FakeRunnerConfig
-from trioserve.errors import EngineDeadError, EngineStartupError, RequestError, TrioserveError
+from trioserve.errors import (
+    EngineDeadError,
+    EngineOverloadedError,
+    EngineStartupError,
+    InvalidRequestError,
+    PromptTooLongError,
+    RequestError,
+    TrioserveError,
+)
 from trioserve.frontend.outputs import RequestOutput
 from trioserve.messages import EngineInfo, EngineStats, SamplingParams, SampleLogprobs
 
@@ -19,9 +27,12 @@ __all__ = [
     "EngineConfig",
     "EngineDeadError",
     "EngineInfo",
+    "EngineOverloadedError",
     "EngineStartupError",
     "EngineStats",
     "FakeRunnerConfig",
+    "InvalidRequestError",
+    "PromptTooLongError",
     "RequestError",
     "RequestOutput",
     "RequestStream",
