@@ -26,9 +26,9 @@ def make_scheduler(**overrides: int) -> Scheduler:
     return Scheduler(**kwargs)
 
 
-def make_request(req_id: str, prompt_len: int = 4, **params: object) -> Request:
+def make_request(req_id: str, prompt_len: int = 4, client_id: str = "", **params: object) -> Request:
     prompt = [10 + i for i in range(prompt_len)]
-    return Request(req_id, prompt, SamplingParams(**params), eos_token_ids=[EOS])
+    return Request(req_id, prompt, SamplingParams(**params), eos_token_ids=[EOS], client_id=client_id)
 
 
 def samplers(sched: Scheduler, out: SchedulerOutput) -> list[str]:
@@ -63,6 +63,42 @@ def schedule(sched: Scheduler) -> Step:
     planned = sched.schedule()
     assert planned is not None
     return planned
+
+
+class StepLoop:
+    """The engine core's step loop over ``sched``: up to ``depth`` steps in
+    flight, each run at once; every sampler gets token 7."""
+
+    def __init__(self, sched: Scheduler, depth: int) -> None:
+        self.sched, self.depth = sched, depth
+        self.in_flight: list[Step] = []
+
+    def turn(self) -> SchedulerOutput:
+        """Plan a step if fewer than ``depth`` are in flight; then postprocess
+        the oldest if ``depth`` are, or if none was planned. Returns what was planned."""
+        planned = self.sched.schedule() if len(self.in_flight) < self.depth else None
+        if planned is not None:
+            self.in_flight.append(planned)
+        if self.in_flight and (len(self.in_flight) == self.depth or planned is None):
+            oldest = self.in_flight.pop(0)
+            req_ids = [r.request_id for r in oldest.samplers]
+            self.sched.postprocess(oldest, RunnerOutput(req_ids, [7] * len(req_ids)))
+        self.sched.check_invariants(self.in_flight)
+        return NOTHING if planned is None else planned.scheduled
+
+    def until_admitted(self, req_id: str, max_turns: int) -> int:
+        """Turns until ``req_id`` is first scheduled (it must be within ``max_turns``)."""
+        for turn in range(1, max_turns + 1):
+            if req_id in new_ids(self.turn()):
+                return turn
+        raise AssertionError(f"{req_id!r} not admitted within {max_turns} turns")
+
+
+def running_by_client(sched: Scheduler) -> dict[str, list[str]]:
+    result: dict[str, list[str]] = {}
+    for req in sched.running:
+        result.setdefault(req.client_id, []).append(req.request_id)
+    return result
 
 
 def new_ids(out: SchedulerOutput) -> list[str]:
@@ -207,6 +243,167 @@ def test_waiting_queue_is_fifo_without_skipping_ahead() -> None:
     # "big" needs 3 blocks and only 2 are free; "small" would fit but must wait its turn.
     assert new_ids(out) == ["a"]
     assert [r.request_id for r in sched.waiting] == ["big", "small"]
+
+
+# --- fairness across clients ----------------------------------------------------------
+
+
+def test_waiting_requests_are_admitted_in_rotation_across_clients() -> None:
+    sched = make_scheduler(max_num_seqs=8)
+    for req_id in ("a1", "a2", "a3", "b1", "b2", "c1"):
+        sched.add(make_request(req_id, client_id=req_id[0]))
+    out, _ = step(sched)
+    assert new_ids(out) == ["a1", "b1", "c1", "a2", "b2", "a3"]
+
+
+def test_rotation_gives_the_next_free_slot_to_the_next_client() -> None:
+    sched = make_scheduler(max_num_seqs=1)
+    for req_id in ("a1", "a2", "b1", "c1"):
+        sched.add(make_request(req_id, client_id=req_id[0], max_tokens=1))
+    admitted = [new_ids(step(sched)[0]) for _ in range(4)]
+    assert admitted == [["a1"], ["b1"], ["c1"], ["a2"]]
+
+
+def test_a_clients_requests_keep_their_order_among_themselves() -> None:
+    sched = make_scheduler(num_blocks=4, block_size=4)
+    sched.add(make_request("a", prompt_len=8, client_id="x"))
+    sched.add(make_request("big", prompt_len=12, client_id="x", max_tokens=1))
+    sched.add(make_request("small", prompt_len=2, client_id="x"))
+    out, _ = step(sched)
+    assert new_ids(out) == ["a"]  # "big" does not fit, and "small" of the same client waits behind it
+    assert [r.request_id for r in sched.waiting] == ["big", "small"]
+
+
+@pytest.mark.parametrize("depth", [1, 2])
+def test_a_flood_of_one_client_does_not_delay_another_clients_request_once_a_slot_is_free(depth: int) -> None:
+    sched = make_scheduler(max_num_seqs=1)
+    for i in range(20):
+        sched.add(make_request(f"flood{i}", client_id="flood", max_tokens=3))
+    loop = StepLoop(sched, depth)
+    loop.turn()
+    sched.add(make_request("polite", client_id="polite", max_tokens=1))
+    # flood0 holds the only slot (it is nobody's to take): polite gets it in the first step planned after
+    # flood0's last token is back (two more turns of flood0, one more with a step in flight).
+    assert loop.until_admitted("polite", max_turns=10) == 2 + depth
+    assert [r.request_id for r in sched.waiting] == [f"flood{i}" for i in range(1, 20)]
+
+
+@pytest.mark.parametrize("depth", [1, 2])
+def test_a_flood_of_one_client_does_not_delay_another_clients_request_once_blocks_are_free(depth: int) -> None:
+    sched = make_scheduler(num_blocks=2, block_size=4, max_num_seqs=4)
+    for i in range(20):
+        sched.add(make_request(f"flood{i}", prompt_len=5, client_id="flood", max_tokens=3))
+    loop = StepLoop(sched, depth)
+    loop.turn()  # flood0 holds both blocks (and is nobody's to take)
+    sched.add(make_request("polite", prompt_len=4, client_id="polite", max_tokens=1))
+    assert loop.until_admitted("polite", max_turns=10) == 2 + depth
+    assert sched.get_request("flood1").status is RequestStatus.WAITING  # it came first, yet waits its turn
+
+
+@pytest.mark.parametrize("depth", [1, 2])
+def test_a_starved_client_gets_a_slot_by_a_fairness_preemption_within_one_step(depth: int) -> None:
+    sched = make_scheduler(max_num_seqs=4)
+    for i in range(8):
+        sched.add(make_request(f"f{i}", client_id="flood", max_tokens=50))
+    loop = StepLoop(sched, depth)
+    assert new_ids(loop.turn()) == ["f0", "f1", "f2", "f3"]
+    sched.add(make_request("p", client_id="polite", max_tokens=50))
+    out = loop.turn()
+    assert new_ids(out) == ["p"]
+    assert out.finished_req_ids == ["f3"]  # the flood's newest makes room
+    assert running_by_client(sched) == {"flood": ["f0", "f1", "f2"], "polite": ["p"]}
+    assert [r.request_id for r in sched.waiting][:2] == ["f3", "f4"]  # f3 resumes first among the flood's
+    stats = sched.stats()
+    assert (stats.num_fairness_preemptions, stats.num_preemptions) == (1, 0)
+
+
+def test_a_starved_client_gets_kv_blocks_by_a_fairness_preemption() -> None:
+    sched = make_scheduler(num_blocks=4, block_size=4, max_num_seqs=8)
+    for i in range(4):
+        sched.add(make_request(f"f{i}", prompt_len=3, client_id="flood", max_tokens=50))
+    step(sched)  # one block each: the cache is full
+    sched.add(make_request("p", prompt_len=4, client_id="polite", max_tokens=50))
+    out, _ = step(sched)
+    assert new_ids(out) == ["p"] and out.finished_req_ids == ["f3"]
+    assert out.num_scheduled_tokens == {"f0": 1, "f1": 1, "f2": 1, "p": 4}
+    assert sched.stats().num_fairness_preemptions == 1
+
+
+def test_a_starved_clients_request_is_prefilled_before_others_later_chunks() -> None:
+    sched = make_scheduler(max_num_batched_tokens=8, max_num_seqs=4)
+    for i in range(3):
+        sched.add(make_request(f"f{i}", prompt_len=40, client_id="flood", max_tokens=50))
+    step(sched)  # f0 takes the whole budget
+    sched.add(make_request("p", prompt_len=4, client_id="polite", max_tokens=1))
+    out, _ = step(sched)
+    # f0 comes first (nothing sorts before a client's oldest); p takes its place before the flood's younger ones.
+    assert out.num_scheduled_tokens == {"f0": 8} and new_ids(out) == []
+    sched.abort(["f0"])
+    out, outputs = step(sched)
+    assert new_ids(out) == ["p", "f1"] and out.num_scheduled_tokens == {"p": 4, "f1": 4}
+    assert [o.request_id for o in outputs] == ["p"]
+
+
+def test_fairness_preemptions_do_not_go_back_and_forth() -> None:
+    sched = make_scheduler(max_num_seqs=4)
+    for i in range(6):
+        sched.add(make_request(f"a{i}", client_id="a", max_tokens=20))
+    step(sched)
+    for i in range(6):
+        sched.add(make_request(f"b{i}", client_id="b", max_tokens=20))
+    out, _ = step(sched)
+    assert new_ids(out) == ["b0", "b1"] and out.finished_req_ids == ["a3", "a2"]
+    for _ in range(10):
+        out, _ = step(sched)
+        assert out.new_requests == [] and out.finished_req_ids == []
+    assert running_by_client(sched) == {"a": ["a0", "a1"], "b": ["b0", "b1"]}
+    assert sched.stats().num_fairness_preemptions == 2
+
+
+def test_a_client_within_one_of_another_takes_nothing_from_it() -> None:
+    sched = make_scheduler(max_num_seqs=3)
+    for i in range(4):
+        sched.add(make_request(f"a{i}", client_id="a", max_tokens=20))
+    step(sched)
+    sched.add(make_request("b0", client_id="b", max_tokens=20))
+    step(sched)  # b0 takes a2's slot: a holds 2, b 1
+    sched.add(make_request("b1", client_id="b", max_tokens=20))
+    for _ in range(5):
+        out, _ = step(sched)
+        assert out.new_requests == [] and out.finished_req_ids == []
+    assert sched.stats().num_fairness_preemptions == 1
+
+
+# --- decodes before prefill chunks ------------------------------------------------------
+
+
+@pytest.mark.parametrize("depth", [1, 2])
+def test_decodes_are_scheduled_before_prefill_chunks(depth: int) -> None:
+    sched = make_scheduler(max_num_batched_tokens=8)
+    sched.add(make_request("f0", prompt_len=2, client_id="flood", max_tokens=2))
+    sched.add(make_request("f1", prompt_len=60, client_id="flood", max_tokens=1))
+    loop = StepLoop(sched, depth)
+    loop.turn()
+    sched.add(make_request("p", prompt_len=2, client_id="polite", max_tokens=20))
+    assert loop.turn().num_scheduled_tokens == {"f0": 1, "p": 2, "f1": 5}  # p outranks f1: it goes first
+    for _ in range(4):
+        out = loop.turn()  # f0 is done: f1, admitted before p, now comes first in running order
+        assert [r.request_id for r in sched.running] == ["f1", "p"]
+        assert out.num_scheduled_tokens == {"p": 1, "f1": 7}
+
+
+def test_a_request_preempted_for_blocks_loses_the_decode_it_got_in_that_step() -> None:
+    sched = make_scheduler(num_blocks=5, block_size=4, max_num_batched_tokens=8)
+    sched.add(make_request("f0", prompt_len=2, client_id="flood", max_tokens=2))
+    sched.add(make_request("f1", prompt_len=19, client_id="flood", max_tokens=1))
+    step(sched)  # f0: 2 tokens, f1: 6 (2 blocks)
+    sched.add(make_request("p", prompt_len=3, client_id="polite", max_tokens=20))
+    step(sched)  # f0's last token; p admitted before f1's chunk of 4 (p: 1 block, f1: 3)
+    out, _ = step(sched)  # f0 is done: [f1, p]. p decodes; f1's chunk of 7 needs 2 more blocks, 1 is free
+    assert out.num_scheduled_tokens == {"f1": 7}
+    assert out.finished_req_ids == ["f0", "p"]
+    assert sched.get_request("p").status is RequestStatus.WAITING
+    sched.check_invariants()
 
 
 # --- preemption --------------------------------------------------------------------
@@ -506,7 +703,8 @@ def test_a_step_planned_ahead_computes_the_token_still_in_flight() -> None:
     sched.check_invariants([first, second])
     assert sched.postprocess(first, RunnerOutput(["a"], [42])) == [TokenOutput("a", [42])]
     third = schedule(sched)
-    assert third.scheduled.num_scheduled_tokens == {"a": 1} and len(third.scheduled.cached_requests[0].new_block_ids) == 1
+    assert third.scheduled.num_scheduled_tokens == {"a": 1}
+    assert len(third.scheduled.cached_requests[0].new_block_ids) == 1
     assert sched.postprocess(second, RunnerOutput(["a"], [43])) == [TokenOutput("a", [43])]
     assert sched.postprocess(third, RunnerOutput(["a"], [44])) == [TokenOutput("a", [44])]
     assert sched.get_request("a").output_token_ids == [42, 43, 44]

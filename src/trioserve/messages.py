@@ -179,8 +179,9 @@ class EngineStats(msgspec.Struct, frozen=True):
     num_waiting: int
     num_free_blocks: int
     num_total_blocks: int
-    num_preemptions: int  # since start
+    num_preemptions: int  # since start: running requests preempted for KV blocks
     num_steps: int  # since start
+    num_fairness_preemptions: int = 0  # since start: preempted to give another client its share
 
 
 class SampleLogprobs(msgspec.Struct, frozen=True, array_like=True):

@@ -9,6 +9,8 @@ must equal what it would produce alone, however often it was chunked,
 preempted or batched with others, and whether steps ran one at a time or
 were planned one ahead (``depth`` 2: the next step is scheduled, and run,
 before the previous one's output is postprocessed, as the engine core does).
+Requests come from a few clients; a flooding client must never hold another
+client's request behind its own.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import pytest
-from hypothesis import event, settings, target
+from hypothesis import event, given, settings, target
 from hypothesis import strategies as st
 from hypothesis.stateful import (
     RuleBasedStateMachine,
@@ -110,7 +112,7 @@ class MirrorRunner:
     def _compute(self, req_id: str, num_tokens: int) -> None:
         req = self.requests[req_id]
         start, end = req.num_computed_tokens, req.num_computed_tokens + num_tokens
-        assert 0 < num_tokens and end <= len(req.token_ids), "scheduled past the known tokens"
+        assert num_tokens > 0 and end <= len(req.token_ids), "scheduled past the known tokens"
         assert len(req.block_ids) * self.block_size >= end, "block table too short"
         for pos in range(start, end):
             self.kv[self._slot(req, pos)] = (req_id, pos, req.token_ids[pos])
@@ -139,13 +141,16 @@ class Harness:
         self.expected: dict[str, tuple[list[int], FinishReason]] = {}
         self.received: dict[str, list[int]] = {}
         self.finish_reasons: dict[str, FinishReason] = {}
+        self.admitted: list[list[str]] = []  # each step's new (or resumed) requests, in admission order
         self.mid_step = False  # a step raised: the end-state checks would only add noise
 
     def live(self) -> list[str]:
         return sorted(r for r in self.received if r not in self.finish_reasons)
 
-    def add(self, req_id: str, prompt: list[int], params: SamplingParams, eos: list[int]) -> bool:
-        request = Request(req_id, prompt, params, eos)
+    def add(
+        self, req_id: str, prompt: list[int], params: SamplingParams, eos: list[int], client_id: str = ""
+    ) -> bool:
+        request = Request(req_id, prompt, params, eos, client_id)
         if len(prompt) >= self.sizes["max_model_len"] or len(prompt) > self.capacity:
             with pytest.raises(ValueError, match="prompt"):
                 self.sched.add(request)
@@ -176,6 +181,7 @@ class Harness:
                 if self.in_flight:
                     assert planned.number == self.in_flight[-1][0].number + 1
                 self.in_flight.append((planned, self.runner.execute(out)))
+                self.admitted.append([r.req_id for r in out.new_requests])
                 self._check_mirror(out)
                 scheduled = True
         if self.in_flight and (len(self.in_flight) == self.depth or not scheduled):
@@ -222,6 +228,7 @@ class Harness:
                 assert (got, self.finish_reasons[req_id]) == (tokens, reason), req_id
 
 
+CLIENTS = ["", "a", "b"]
 requests = st.tuples(
     st.lists(st.integers(0, VOCAB - 1), min_size=1, max_size=10),  # prompt
     st.integers(1, 16),  # max_tokens
@@ -247,13 +254,13 @@ class SchedulerMachine(RuleBasedStateMachine):
         self.harness = Harness(depth, **sizes)
         self.next_id = 0
 
-    @rule(batch=st.lists(requests, min_size=1, max_size=3))
+    @rule(batch=st.lists(st.tuples(requests, st.sampled_from(CLIENTS)), min_size=1, max_size=3))
     def add(self, batch) -> None:
-        for prompt, max_tokens, ignore_eos, stop_token_ids in batch:
+        for (prompt, max_tokens, ignore_eos, stop_token_ids), client_id in batch:
             params = SamplingParams(
                 max_tokens=max_tokens, ignore_eos=ignore_eos, stop_token_ids=stop_token_ids
             )
-            added = self.harness.add(f"r{self.next_id}", prompt, params, [EOS])
+            added = self.harness.add(f"r{self.next_id}", prompt, params, [EOS], client_id)
             event("add: accepted" if added else "add: rejected (prompt)")
             self.next_id += 1
 
@@ -302,3 +309,45 @@ def test_heavy_workload_preempts_and_still_matches_solo_outputs(seed: int, depth
             harness.sched.check_invariants(step for step, _ in harness.in_flight)
     harness.drain_and_check()
     assert harness.sched.stats().num_preemptions > 0
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    depth=st.sampled_from([1, 2]),
+    num_blocks=st.integers(2, 10),
+    block_size=st.sampled_from([1, 2, 4]),
+    max_num_seqs=st.integers(1, 4),
+    max_num_batched_tokens=st.integers(1, 12),
+    max_model_len=st.integers(8, 40),
+    flood=st.lists(st.lists(st.integers(0, VOCAB - 1), min_size=1, max_size=10), min_size=1, max_size=40),
+    polite=st.lists(st.integers(0, VOCAB - 1), min_size=1, max_size=10),
+    warmup=st.integers(0, 20),
+)
+def test_a_flood_of_one_client_never_holds_another_clients_request_behind_it(
+    depth: int, flood: list[list[int]], polite: list[int], warmup: int, **sizes: int
+) -> None:
+    """Once a polite client's request waits, at most one request of the
+    flooding client (whose turn may come first) is admitted before it, and it
+    is admitted within a number of steps that does not grow with the flood."""
+    harness = Harness(depth, **sizes)
+    long = SamplingParams(max_tokens=sizes["max_model_len"], ignore_eos=True)
+    for i, prompt in enumerate(flood):
+        harness.add(f"flood{i}", prompt, long, [EOS], "flood")
+    for _ in range(warmup):
+        harness.step()
+    if not harness.add("polite", polite, SamplingParams(max_tokens=2), [EOS], "polite"):
+        return
+    max_steps = depth * (sizes["max_num_seqs"] + 1) * (harness.max_len + 1)
+    before = len(harness.admitted)
+    for num_steps in range(1, max_steps + 1):
+        harness.step()
+        admitted = [req_id for ids in harness.admitted[before:] for req_id in ids]
+        if "polite" in admitted:
+            admitted = admitted[: admitted.index("polite")]
+        assert len(admitted) <= 1, f"flood requests admitted while polite waited: {admitted}"
+        if harness.sched.get_request("polite") is None or harness.runner.requests.get("polite"):
+            event("polite admitted within 3 steps" if num_steps <= 3 else "polite admitted after more steps")
+            break
+    else:
+        raise AssertionError(f"polite not admitted within {max_steps} steps")
+    harness.drain_and_check()

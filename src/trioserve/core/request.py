@@ -22,6 +22,7 @@ from __future__ import annotations
 import enum
 from collections.abc import Sequence
 
+from trioserve.core.block_manager import cdiv
 from trioserve.messages import FinishReason, SamplingParams
 
 
@@ -40,8 +41,10 @@ class Request:
         prompt_token_ids: list[int],
         params: SamplingParams,
         eos_token_ids: Sequence[int],
+        client_id: str = "",
     ) -> None:
         self.request_id = request_id
+        self.client_id = client_id  # whose request: waiting requests are admitted by client in turn
         self.prompt_token_ids = list(prompt_token_ids)
         self.params = params
         self.eos_token_ids = frozenset(eos_token_ids)
@@ -78,6 +81,27 @@ class Request:
     @property
     def is_finished(self) -> bool:
         return self.status is RequestStatus.FINISHED
+
+    def check_can_run(self, max_model_len: int, num_blocks: int, block_size: int) -> None:
+        """Raise ``ValueError`` naming the field if this new request could never
+        run: it has run already, or its prompt is empty, holds a bad token id,
+        leaves no room to generate, or needs more than the whole KV cache."""
+        if self.status is not RequestStatus.WAITING or self.output_token_ids:
+            raise ValueError(f"request: {self.request_id!r} has already run")
+        num_prompt = self.num_prompt_tokens
+        if num_prompt == 0:
+            raise ValueError("prompt: must not be empty")
+        if any(not isinstance(t, int) or t < 0 for t in self.prompt_token_ids):
+            raise ValueError("prompt: token ids must be non-negative integers")
+        if num_prompt >= max_model_len:
+            raise ValueError(
+                f"prompt: {num_prompt} tokens leave no room to generate within max_model_len={max_model_len}"
+            )
+        if num_prompt > num_blocks * block_size:
+            raise ValueError(
+                f"prompt: {num_prompt} tokens need {cdiv(num_prompt, block_size)} KV blocks, "
+                f"but the cache holds only {num_blocks} (of {block_size} tokens)"
+            )
 
     def append_output_token(self, token_id: int) -> None:
         self.output_token_ids.append(token_id)

@@ -1,4 +1,4 @@
-"""Continuous batching: chunked prefill, decode, and preemption by recompute.
+"""Continuous batching: chunked prefill, decode, preemption by recompute, fair admission.
 
 There is no separate prefill phase. Every request has ``num_computed_tokens``,
 and each step hands it a slice of the tokens it has not computed yet: all of
@@ -20,18 +20,36 @@ into a step after its last token (it stops on EOS or a stop token at the
 step before) has that extra token dropped; one that will stop on a length
 limit is not planned further. With one step at a time, none of this shows.
 
+Running requests are kept in fair order, waiting requests in one queue per
+client (``core/fairness.py``): a running request's rank is the number of running
+requests of its client admitted before it, and the order is by rank, then by
+admission. With a single client this is the order of admission.
+
 Each ``schedule()``:
-1. running requests, oldest first, get their slices and the blocks to hold
-   them; when blocks run out the newest running request is preempted (its
-   blocks freed, ``num_computed_tokens`` reset to 0, sent to the front of the
-   waiting queue), and if that was the request being scheduled, this phase stops;
-2. only if nothing was preempted, waiting requests are admitted in FIFO order
-   while the budget, the sequence cap and the free blocks allow; the first
-   that does not fit, or that still has a token in flight (preempted while a
-   step sampled for it), stops the queue.
+1. decodes: every running request that needs exactly one token gets it, in
+   running order. When blocks run out the last running request is preempted
+   (its blocks freed, ``num_computed_tokens`` reset to 0, back to the front of
+   its client's queue); if that was the request being scheduled, this phase
+   stops (no request after it is left);
+2. prefills: the other running requests, in running order, get slices of what
+   is left of the budget, preempting in the same way (a request preempted
+   after it got a slice in this step loses it). Waiting requests are admitted
+   at the place they will take in that order, before the first running request
+   they outrank, else at the end: a starved client's request does not wait for
+   other clients' long prefills. One request per turn (``ClientQueues.next``:
+   the client with the fewest running requests, in rotation among equals);
+   admission stops for the step at the first request that does not fit or that
+   still has a token in flight (preempted while a step samples for it), with
+   no skipping ahead, and once any request was preempted for blocks. A request
+   that lacks a sequence slot or blocks first preempts running requests that it
+   outranks, last first, if that makes it fit (a fairness preemption).
+So a client with waiting requests is served before every client that holds
+more running requests, and takes a slot (and blocks) from any client holding
+at least two more (``core/fairness.py``: why this cannot go back and forth).
 
 Invariants (``check_invariants`` raises ``RuntimeError`` naming the one broken):
 - every unfinished request is either running (RUNNING) or waiting (WAITING);
+  the running are in fair order, the waiting in their client's queue;
 - a waiting request holds no blocks and has ``num_computed_tokens == 0``;
 - a running request's table holds exactly ``ceil(num_computed_tokens / block_size)``
   blocks, and the workers hold its state (it has been scheduled at least once);
@@ -45,43 +63,26 @@ Invariants (``check_invariants`` raises ``RuntimeError`` naming the one broken):
 A request can never hold more than the whole KV cache, so it also stops with
 ``"length"`` once it has ``num_blocks * block_size + 1`` tokens (the last
 sampled token needs no KV slot), as if that were its context length. With
-that, and the oldest running request never preempted for a newer one, the
-oldest request always makes progress: there is no livelock.
+that there is no livelock: the first running request, the earliest admitted,
+always finishes.
+- It is never preempted. A request preempts only requests after it (for
+  blocks), or of a rank above its own future rank (for fairness), and the
+  first has rank 0; no newcomer sorts before it. Alone, it fits in the cache.
+- Its decode comes first; its prefill chunk is the first chunk (nothing is
+  admitted before a rank-0 request). A step whose decodes take the whole
+  budget admits nothing and completes no prefill, so starts no new decode;
+  the decodes in progress each end or are preempted within bounded steps.
 """
 
 from __future__ import annotations
 
-from collections import deque
 from collections.abc import Iterable
-from dataclasses import dataclass, field
 
 from trioserve.core.block_manager import BlockManager, cdiv
+from trioserve.core.fairness import ClientQueues, RunningOrder
 from trioserve.core.request import Request, RequestStatus
-from trioserve.core.step import Step
-from trioserve.messages import (
-    CachedRequestData,
-    EngineStats,
-    FinishReason,
-    NewRequestData,
-    RunnerOutput,
-    SampleLogprobs,
-    SchedulerOutput,
-    TokenOutput,
-)
-
-
-@dataclass
-class _StepPlan:
-    """What one ``schedule()`` call has handed out so far."""
-
-    budget: int
-    num_scheduled: dict[str, int] = field(default_factory=dict)
-    new_block_ids: dict[str, list[int]] = field(default_factory=dict)
-
-    def take(self, req_id: str, num_tokens: int, new_block_ids: list[int]) -> None:
-        self.budget -= num_tokens
-        self.num_scheduled[req_id] = num_tokens
-        self.new_block_ids[req_id] = new_block_ids
+from trioserve.core.step import Step, StepPlan, sampled_tokens
+from trioserve.messages import EngineStats, FinishReason, RunnerOutput, TokenOutput
 
 
 class Scheduler:
@@ -109,21 +110,25 @@ class Scheduler:
         self.max_model_len = max_model_len
         # A request stops at this length: the context, or what the whole cache holds.
         self._max_len = min(max_model_len, num_blocks * block_size + 1)
-        self.waiting: deque[Request] = deque()
-        self.running: list[Request] = []  # oldest first
+        self.waiting = ClientQueues()
+        self.running = RunningOrder()
         self._requests: dict[str, Request] = {}  # every unfinished request
         self._on_workers: set[str] = set()  # requests whose state the workers hold
         self._finished_req_ids: list[str] = []  # for the next output
-        self.num_preemptions = 0
+        self.num_preemptions = 0  # for blocks
+        self.num_fairness_preemptions = 0
         self.num_steps = 0  # steps made by schedule(); the last one's number
 
     # --- requests in and out -------------------------------------------------
 
     def add(self, request: Request) -> None:
         """Queue a new request. Raises ``ValueError`` naming the field if it can never run."""
-        self._check_new_request(request)
+        if request.request_id in self._requests:
+            raise ValueError(f"request_id: {request.request_id!r} is already in use")
+        bm = self.block_manager
+        request.check_can_run(self.max_model_len, bm.num_blocks, bm.block_size)
         self._requests[request.request_id] = request
-        self.waiting.append(request)
+        self.waiting.add(request)
 
     def abort(self, request_ids: Iterable[str]) -> list[str]:
         """Finish these requests with reason ``"abort"`` and free their blocks now.
@@ -138,7 +143,7 @@ class Scheduler:
             if req is None:
                 continue
             if req.status is RequestStatus.RUNNING:
-                self.running.remove(req)
+                self.running.remove([req])
             else:
                 self.waiting.remove(req)
             self._finish(req, "abort")
@@ -168,6 +173,7 @@ class Scheduler:
             num_total_blocks=self.block_manager.num_blocks,
             num_preemptions=self.num_preemptions,
             num_steps=self.num_steps,
+            num_fairness_preemptions=self.num_fairness_preemptions,
         )
 
     # --- one step --------------------------------------------------------------
@@ -181,11 +187,11 @@ class Scheduler:
         must be sent to the workers and later handed to ``postprocess``, after
         every step made before it.
         """
-        plan = _StepPlan(budget=self.max_num_batched_tokens)
-        preempted = self._schedule_running(plan)
-        if not preempted:
-            self._schedule_waiting(plan)
-        output = self._make_output(plan)
+        plan = StepPlan(budget=self.max_num_batched_tokens)
+        self._schedule_decodes(plan)
+        self._schedule_prefills(plan)
+        finished, self._finished_req_ids = self._finished_req_ids, []
+        output = plan.output(self._requests, self._on_workers, self.block_manager.block_table, finished)
         if not output.total_num_scheduled_tokens and not output.finished_req_ids:
             return None
         samplers = []
@@ -208,9 +214,9 @@ class Scheduler:
         keeps its token. Raises ``RuntimeError`` if the runner left out a
         request that had to sample.
         """
-        sampled = _sampled_tokens(runner_output)
+        sampled = sampled_tokens(runner_output)
         outputs = []
-        any_finished = False
+        finished_running = []
         for req in step.samplers:
             req_id = req.request_id
             if self._requests.get(req_id) is not req:
@@ -224,123 +230,121 @@ class Scheduler:
             if reason is not None:
                 if req.status is RequestStatus.WAITING:
                     self.waiting.remove(req)  # preempted while this step ran
+                else:
+                    finished_running.append(req)
                 self._finish(req, reason)
-                any_finished = True
             new_logprobs = None if logprobs is None else [logprobs]
             outputs.append(TokenOutput(req_id, [token_id], reason, new_logprobs))
-        if any_finished:
-            self.running = [r for r in self.running if r.status is RequestStatus.RUNNING]
+        self.running.remove(finished_running)
         return outputs
 
     # --- internals -------------------------------------------------------------
 
-    def _check_new_request(self, request: Request) -> None:
-        if request.request_id in self._requests:
-            raise ValueError(f"request_id: {request.request_id!r} is already in use")
-        if request.status is not RequestStatus.WAITING or request.output_token_ids:
-            raise ValueError(f"request: {request.request_id!r} has already run")
-        num_prompt = request.num_prompt_tokens
-        if num_prompt == 0:
-            raise ValueError("prompt: must not be empty")
-        if any(not isinstance(t, int) or t < 0 for t in request.prompt_token_ids):
-            raise ValueError("prompt: token ids must be non-negative integers")
-        if num_prompt >= self.max_model_len:
-            raise ValueError(
-                f"prompt: {num_prompt} tokens leave no room to generate within "
-                f"max_model_len={self.max_model_len}"
-            )
-        bm = self.block_manager
-        if num_prompt > bm.num_blocks * bm.block_size:
-            raise ValueError(
-                f"prompt: {num_prompt} tokens need {cdiv(num_prompt, bm.block_size)} KV blocks, "
-                f"but the cache holds only {bm.num_blocks} (of {bm.block_size} tokens)"
-            )
+    def _schedule_decodes(self, plan: StepPlan) -> None:
+        """Give every running request that needs exactly one token its token, in running order."""
+        for req in self.running:
+            if plan.budget == 0:
+                return
+            decode = req.status is RequestStatus.RUNNING and self._num_needed(req) == 1
+            if decode and not self._schedule_slice(req, plan):
+                return  # it preempted itself: no request after it is left
 
-    def _schedule_running(self, plan: _StepPlan) -> bool:
-        """Give running requests their slices, oldest first. True if any was preempted."""
-        preemptions_before = self.num_preemptions
+    def _schedule_prefills(self, plan: StepPlan) -> None:
+        """Give the other running requests slices of what is left, in running
+        order, admitting waiting requests at their places in that order."""
         i = 0
-        while i < len(self.running) and plan.budget > 0:
-            req = self.running[i]
-            num_new = min(req.num_tokens + req.num_pending - req.num_computed_tokens, plan.budget)
-            if num_new > 0 and not self._stops_by_length(req):
-                if not self._make_room(req, req.num_computed_tokens + num_new):
-                    break
-                new_blocks = self.block_manager.allocate(
-                    req.request_id, req.num_computed_tokens + num_new
-                )
-                plan.take(req.request_id, num_new, new_blocks)
+        while plan.budget > 0:
+            req = self.running[i] if i < len(self.running) else None
+            if self._admit(plan, before=req):
+                continue  # the admitted request now sits at index i
+            if req is None:
+                return
+            if req.request_id not in plan.num_scheduled and not self._schedule_slice(req, plan):
+                return  # it preempted itself: no request after it is left
             i += 1
-        return self.num_preemptions > preemptions_before
+
+    def _num_needed(self, req: Request) -> int:
+        return req.num_tokens + req.num_pending - req.num_computed_tokens
+
+    def _schedule_slice(self, req: Request, plan: StepPlan) -> bool:
+        """Give running ``req`` what the budget allows of the tokens it needs.
+        False if it had to preempt itself for blocks."""
+        num_new = min(self._num_needed(req), plan.budget)
+        if num_new <= 0 or self._stops_by_length(req):
+            return True
+        num_tokens = req.num_computed_tokens + num_new
+        if not self._make_room(req, num_tokens, plan):
+            return False
+        plan.take(req.request_id, num_new, self.block_manager.allocate(req.request_id, num_tokens))
+        return True
 
     def _stops_by_length(self, req: Request) -> bool:
         """The tokens in flight will end ``req`` on a length limit: planning
         it further would only compute a token to drop."""
         return req.num_pending > 0 and req.reaches_length_limit(self._max_len, req.num_pending)
 
-    def _make_room(self, req: Request, num_tokens: int) -> bool:
-        """Preempt the newest running requests until ``req`` can hold ``num_tokens``.
+    def _make_room(self, req: Request, num_tokens: int, plan: StepPlan) -> bool:
+        """Preempt the last running requests until ``req`` can hold ``num_tokens``.
 
         False if ``req`` itself had to be preempted.
         """
         while not self.block_manager.can_allocate(req.request_id, num_tokens):
             victim = self.running.pop()
+            plan.drop(victim.request_id)
+            plan.admitting = False
             self._preempt(victim)
+            self.num_preemptions += 1
             if victim is req:
                 return False
         return True
 
-    def _schedule_waiting(self, plan: _StepPlan) -> None:
-        """Admit waiting requests in FIFO order while they fit; never skip ahead."""
-        while self.waiting and plan.budget > 0 and len(self.running) < self.max_num_seqs:
-            req = self.waiting[0]
-            if req.num_pending:
-                break  # preempted while a step samples for it: resume it with that token
-            num_new = min(req.num_tokens - req.num_computed_tokens, plan.budget)
-            if not self.block_manager.can_allocate(req.request_id, num_new):
-                break
-            self.waiting.popleft()
-            req.status = RequestStatus.RUNNING
-            self.running.append(req)
-            new_blocks = self.block_manager.allocate(req.request_id, num_new)
-            plan.take(req.request_id, num_new, new_blocks)
+    def _admit(self, plan: StepPlan, before: Request | None) -> bool:
+        """Admit the waiting request whose turn it is if it outranks running
+        ``before`` (None: the end of the order) and fits, or can be made to.
+        True if admitted. If it outranks ``before`` but cannot be admitted,
+        admission stops for the step."""
+        if not plan.admitting:
+            return False
+        req = self.waiting.next(self.running.num_running)
+        if req is None or (before is not None and not self.running.outranks(req, before)):
+            return False
+        num_new = min(req.num_tokens, plan.budget)
+        if req.num_pending or not self._make_room_for_newcomer(req, num_new, plan):
+            plan.admitting = False  # no skipping ahead; a token in flight: resume it with that token
+            return False
+        self.waiting.take(req)
+        req.status = RequestStatus.RUNNING
+        self.running.add(req)
+        plan.take(req.request_id, num_new, self.block_manager.allocate(req.request_id, num_new))
+        return True
 
-    def _make_output(self, plan: _StepPlan) -> SchedulerOutput:
-        new_requests, cached_requests = [], []
-        for req_id in plan.num_scheduled:
-            req = self._requests[req_id]
-            if req_id not in self._on_workers:
-                self._on_workers.add(req_id)
-                new_requests.append(
-                    NewRequestData(
-                        req_id,
-                        req.all_token_ids,
-                        req.params,
-                        self.block_manager.block_table(req_id),
-                        req.num_computed_tokens,
-                        req.num_prompt_tokens,
-                    )
-                )
-            else:
-                cached_requests.append(
-                    CachedRequestData(req_id, plan.new_block_ids[req_id], req.num_computed_tokens)
-                )
-        finished, self._finished_req_ids = self._finished_req_ids, []
-        return SchedulerOutput(
-            new_requests=new_requests,
-            cached_requests=cached_requests,
-            num_scheduled_tokens=plan.num_scheduled,
-            total_num_scheduled_tokens=self.max_num_batched_tokens - plan.budget,
-            finished_req_ids=finished,
+    def _make_room_for_newcomer(self, req: Request, num_tokens: int, plan: StepPlan) -> bool:
+        """Whether waiting ``req`` gets a sequence slot and the blocks for
+        ``num_tokens``, once the fewest of the running requests it outranks,
+        last first, are preempted for fairness. Preempts none unless that is enough."""
+        bm = self.block_manager
+        num_victims = self.running.num_to_preempt_for(
+            req,
+            num_seqs=len(self.running) + 1 - self.max_num_seqs,
+            num_blocks=bm.blocks_needed(req.request_id, num_tokens) - bm.num_free_blocks,
+            blocks_of=lambda victim: len(bm.block_table(victim.request_id)),
         )
+        if num_victims is None:
+            return False
+        for _ in range(num_victims):
+            victim = self.running.pop()
+            plan.drop(victim.request_id)
+            self._preempt(victim)
+            self.num_fairness_preemptions += 1
+        return True
 
     def _preempt(self, req: Request) -> None:
+        """Free the blocks of ``req``, taken off ``running``; it waits to be recomputed."""
         self.block_manager.free(req.request_id)
         req.status = RequestStatus.WAITING
         req.num_computed_tokens = 0
-        self.waiting.appendleft(req)
+        self.waiting.push_front(req)
         self._forget_on_workers(req.request_id)
-        self.num_preemptions += 1
 
     def _finish(self, req: Request, reason: FinishReason) -> None:
         """Mark finished, free its blocks, forget it. The caller unlinks it from
@@ -361,10 +365,10 @@ class Scheduler:
         """Raise ``RuntimeError`` naming the first broken invariant.
         ``steps_in_flight``: the steps made and not yet postprocessed."""
         self.block_manager.check_invariants()
+        self.running.check_invariants()
+        self.waiting.check_invariants()
         running = {r.request_id for r in self.running}
         waiting = {r.request_id for r in self.waiting}
-        _check(len(running) == len(self.running), "a request is in running twice")
-        _check(len(waiting) == len(self.waiting), "a request is in waiting twice")
         _check(not running & waiting, "a request is both running and waiting")
         _check(running | waiting == set(self._requests), "running + waiting != unfinished")
         _check(len(self.running) <= self.max_num_seqs, "more running requests than max_num_seqs")
@@ -386,21 +390,8 @@ class Scheduler:
                 f"{req!r} holds {num_blocks} blocks for its computed tokens",
             )
         for req in self.waiting:
-            _check(req.status is RequestStatus.WAITING, f"{req!r} is waiting but not WAITING")
             _check(req.num_computed_tokens == 0, f"{req!r} is waiting with computed tokens")
             _check(not self.block_manager.block_table(req.request_id), f"{req!r} waits holding blocks")
-
-
-def _sampled_tokens(
-    runner_output: RunnerOutput,
-) -> dict[str, tuple[int, SampleLogprobs | None]]:
-    req_ids, token_ids = runner_output.req_ids, runner_output.sampled_token_ids
-    logprobs = runner_output.logprobs
-    if logprobs is None:
-        logprobs = [None] * len(req_ids)
-    if not len(req_ids) == len(token_ids) == len(logprobs):
-        raise RuntimeError("runner output: req_ids, sampled_token_ids and logprobs differ in length")
-    return {req_id: (tok, lp) for req_id, tok, lp in zip(req_ids, token_ids, logprobs)}
 
 
 def _check(condition: bool, message: str) -> None:

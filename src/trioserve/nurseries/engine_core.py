@@ -164,7 +164,9 @@ class EngineCore:
 
     def _add(self, msg: AddRequest) -> None:
         try:
-            request = Request(msg.request_id, msg.prompt_token_ids, msg.params, self.info.eos_token_ids)
+            request = Request(
+                msg.request_id, msg.prompt_token_ids, msg.params, self.info.eos_token_ids, msg.client_id
+            )
             self.scheduler.add(request)
         except ValueError as exc:
             # The front-end validates first; this guards against any other sender.
@@ -235,7 +237,10 @@ def handshake_timeout_s() -> float:
         value = math.nan
     if not 0 < value < math.inf:
         log.warning(
-            "%s=%r is not a positive number of seconds: using %ss", HANDSHAKE_TIMEOUT_ENV, raw, DEFAULT_HANDSHAKE_TIMEOUT_S
+            "%s=%r is not a positive number of seconds: using %ss",
+            HANDSHAKE_TIMEOUT_ENV,
+            raw,
+            DEFAULT_HANDSHAKE_TIMEOUT_S,
         )
         return DEFAULT_HANDSHAKE_TIMEOUT_S
     return value
@@ -246,7 +251,11 @@ def _startup_failure(exc: BaseException, stage: ExecutorStage) -> StartupFailed:
     executor was at ``stage``: the stage, process and exit code come from
     the first error that names its process (``WorkerError``, ``EngineStartupError``)."""
     named = next(
-        (leaf for leaf in meaningful_leaves(exc) if isinstance(leaf, (WorkerError, EngineStartupError)) and leaf.process),
+        (
+            leaf
+            for leaf in meaningful_leaves(exc)
+            if isinstance(leaf, (WorkerError, EngineStartupError)) and leaf.process
+        ),
         None,
     )
     failed_stage = named.stage if named is not None else stage
