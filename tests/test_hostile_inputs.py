@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import subprocess
 import sys
 import time
@@ -207,3 +208,44 @@ async def test_a_missing_model_directory_is_a_start_up_error_in_one_line_naming_
     done = await trio.to_thread.run_sync(lambda: run_trioserve(*argv))
     assert done.returncode == 3
     assert done.stderr.strip().splitlines() == [f"trioserve: the engine could not start: model directory not found: {missing!r}"]
+
+
+@pytest.mark.parametrize("flood", ["long-outputs", "prompts-at-the-context-limit"])
+async def test_a_flood_that_never_reads_does_not_hold_back_a_polite_clients_request(fake_config, flood):
+    """10 connections x 64 requests that never read (long outputs, or prompts
+    that fill the context) beside one polite request of 8 tokens: it
+    completes within 2 s. Before, it took 60 s (45 s at the context limit)."""
+    config = fake_config(step_delay_s=0.005, max_num_seqs=16, max_model_len=2048, num_kv_blocks=1024)
+    prompt = [7] * (2000 if flood == "prompts-at-the-context-limit" else 16)
+    with trio.fail_after(60):
+        async with serving(config) as server:
+            flooding = [await in_thread(open_ws, server.url, ping_interval=None) for _ in range(10)]
+            try:
+
+                def flood_them() -> None:
+                    for c, ws in enumerate(flooding):
+                        for i in range(64):
+                            ws.send(generate(f"f{c}-{i}", prompt, max_tokens=40 if len(prompt) > 16 else 2000))
+
+                await in_thread(flood_them)
+                await trio.sleep(0.5)  # the flood is in the engine
+                stats = await server.engine.stats()  # type: ignore[union-attr]
+                # Every slot is taken (or, at the context limit, every KV block), and more wait.
+                assert stats.num_running == 16 or stats.num_free_blocks < 500
+                assert stats.num_waiting > 0
+
+                def polite() -> tuple[float, dict]:
+                    with open_ws(server.url) as ws:
+                        started = time.monotonic()
+                        ws.send(generate("p", "Hello", max_tokens=8, ignore_eos=True))
+                        received = collect(ws, {"p"})[0]["p"]
+                        return time.monotonic() - started, received.terminal  # type: ignore[return-value]
+
+                took, terminal = await in_thread(polite)
+                assert terminal["type"] == "done" and terminal["usage"]["completion_tokens"] == 8
+                assert took < 2.0, f"the polite request took {took:.2f}s"
+            finally:
+                for ws in flooding:  # the flooder vanishes: its requests are aborted, their blocks freed
+                    ws.socket.shutdown(socket.SHUT_RDWR)
+                    ws.socket.close()
+            await wait_blocks_free(server, timeout=15)
