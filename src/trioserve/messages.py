@@ -16,6 +16,7 @@ Channels:
 
 from __future__ import annotations
 
+import reprlib
 from typing import Literal, Union
 
 import msgspec
@@ -88,11 +89,23 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True, frozen=Tr
 
 
 def _bad(name: str, message: str, value: object) -> InvalidRequestError:
-    return InvalidRequestError(name, f"{message} (got {_short_repr(value)})")
+    return InvalidRequestError(name, f"{message} (got {short_repr(value)})")
 
 
-def _short_repr(value: object, limit: int = 60) -> str:
-    text = repr(value)
+_REPR = reprlib.Repr()  # bounded nesting and lengths: cheap whatever the value
+_REPR.maxlevel = 3
+_REPR.maxstring = _REPR.maxother = 60
+
+
+def short_repr(value: object, limit: int = 60) -> str:
+    """``repr(value)`` cut to ``limit`` characters, for an error message.
+    Never raises: a value nested too deeply, an int too long to print, or a
+    broken ``__repr__`` is described by its type."""
+    try:
+        text = _REPR.repr(value)
+    except Exception:  # RecursionError, ValueError (int to str), whatever __repr__ raises
+        size = f" of {value.bit_length()} bits" if isinstance(value, int) else ""
+        text = f"<{type(value).__name__}{size}>"
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 

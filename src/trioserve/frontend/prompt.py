@@ -19,7 +19,7 @@ import trio
 
 from trioserve.errors import InvalidRequestError, PromptTooLongError
 from trioserve.frontend.tokenizer import Tokenizer
-from trioserve.messages import EngineInfo, is_valid_text
+from trioserve.messages import EngineInfo, is_valid_text, short_repr
 
 Prompt = str | Sequence[int]
 
@@ -85,7 +85,7 @@ class PromptChecker:
         for t in token_ids:
             if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < self.vocab_size:
                 raise InvalidRequestError(
-                    "prompt", f"token ids must be integers in [0, {self.vocab_size}) (got {repr(t)[:40]})"
+                    "prompt", f"token ids must be integers in [0, {self.vocab_size}) (got {short_repr(t, 40)})"
                 )
         return token_ids
 
