@@ -159,10 +159,10 @@ async def test_bad_prompts_raise_value_error_and_the_engine_keeps_serving(fake_c
             assert (await engine.generate("ok", SamplingParams(max_tokens=3))).num_output_tokens == 3
 
 
-async def test_prompts_too_big_to_show_raise_value_error_naming_the_prompt(fake_config):
+async def test_prompts_too_big_to_show_or_measure_raise_value_error_naming_the_prompt(fake_config):
     with trio.fail_after(30):
         async with trioserve.open_engine(config=fake_config(max_model_len=64)) as engine:
-            for bad in ([nested_lists(5000)], [10**5000], [-(10**5000)]):
+            for bad in ([nested_lists(5000)], [10**5000], [-(10**5000)], range(2**64)):
                 with pytest.raises(ValueError, match=r"^prompt:"):
                     engine.stream(bad)
                 with pytest.raises(ValueError, match=r"^prompt:"):

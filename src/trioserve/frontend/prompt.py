@@ -13,6 +13,7 @@ Errors are ``InvalidRequestError`` (a ``ValueError``) naming the field
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Sequence
 
 import trio
@@ -79,8 +80,12 @@ class PromptChecker:
     def _token_ids(self, prompt: object) -> list[int]:
         if not isinstance(prompt, Sequence) or isinstance(prompt, (bytes, bytearray)):
             raise InvalidRequestError("prompt", f"must be a string or a list of token ids (got {type(prompt).__name__})")
-        if len(prompt) > self.max_model_len:
-            raise PromptTooLongError("prompt", self._too_long(len(prompt)))
+        try:
+            num_tokens = len(prompt)
+        except OverflowError:  # range(2**64): more than any context
+            raise PromptTooLongError("prompt", self._too_long(f"more than {sys.maxsize}")) from None
+        if num_tokens > self.max_model_len:
+            raise PromptTooLongError("prompt", self._too_long(num_tokens))
         token_ids = list(prompt)
         for t in token_ids:
             if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < self.vocab_size:
@@ -96,7 +101,7 @@ class PromptChecker:
             raise PromptTooLongError("prompt", self._too_long(len(token_ids)))
         return token_ids
 
-    def _too_long(self, num_tokens: int) -> str:
+    def _too_long(self, num_tokens: int | str) -> str:
         return (
             f"{num_tokens} tokens do not fit the context of {self.max_model_len} tokens "
             "(max_model_len), which must also hold at least one output token"
