@@ -20,7 +20,7 @@ import trio
 
 from trioserve.errors import InvalidRequestError, PromptTooLongError
 from trioserve.frontend.tokenizer import Tokenizer
-from trioserve.messages import EngineInfo, is_valid_text, short_repr
+from trioserve.messages import EngineInfo, is_plain_int, is_valid_text, short_repr
 
 Prompt = str | Sequence[int]
 
@@ -88,7 +88,7 @@ class PromptChecker:
             raise PromptTooLongError("prompt", self._too_long(num_tokens))
         token_ids = list(prompt)
         for t in token_ids:
-            if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < self.vocab_size:
+            if not is_plain_int(t) or not 0 <= t < self.vocab_size:
                 raise InvalidRequestError(
                     "prompt", f"token ids must be integers in [0, {self.vocab_size}) (got {short_repr(t, 40)})"
                 )
