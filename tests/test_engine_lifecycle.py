@@ -123,6 +123,59 @@ def test_invalid_sampling_params_raise_value_error_naming_the_field(params, fiel
         params()
 
 
+def nested_lists(depth: int) -> list:
+    value: list = []
+    for _ in range(depth - 1):
+        value = [value]
+    return value
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        ("max_tokens", 10**5000),  # too many digits for repr()
+        ("seed", -(10**5000)),
+        ("stop", nested_lists(5000)),  # too deep for repr()
+        ("stop", [nested_lists(5000)]),
+        ("stop_token_ids", [nested_lists(5000)]),
+    ],
+    ids=["max_tokens-huge", "seed-huge", "stop-deep", "stop-item-deep", "stop_token_ids-item-deep"],
+)
+def test_sampling_params_name_the_field_of_a_value_too_big_to_show(field, value):
+    with pytest.raises(ValueError, match=f"^{field}: .*\\(got .*\\)$"):
+        SamplingParams(**{field: value})
+
+
+class _Int(int):
+    pass
+
+
+class _Float(float):
+    pass
+
+
+class _Str(str):
+    pass
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        ("max_tokens", _Int(5)),
+        ("seed", _Int(1)),
+        ("temperature", _Float(0.5)),
+        ("top_p", _Int(1)),
+        ("stop", [_Str("x")]),
+        ("stop_token_ids", [_Int(3)]),
+    ],
+)
+def test_sampling_params_refuse_subclasses_that_cannot_cross_a_process_boundary(field, value):
+    """A ``SamplingParams`` that exists can be encoded for the engine core,
+    which cannot encode subclasses of int, float or str."""
+    with pytest.raises(ValueError, match=f"^{field}:"):
+        SamplingParams(**{field: value})
+
+
 async def test_bad_prompts_raise_value_error_and_the_engine_keeps_serving(fake_config):
     with trio.fail_after(30):
         async with trioserve.open_engine(config=fake_config(max_model_len=64)) as engine:
@@ -134,6 +187,18 @@ async def test_bad_prompts_raise_value_error_and_the_engine_keeps_serving(fake_c
                 outputs = [out async for out in running]
             assert sum(len(o.token_ids) for o in outputs) == 20
             assert (await engine.generate("ok", SamplingParams(max_tokens=3))).num_output_tokens == 3
+
+
+async def test_prompts_too_big_to_show_or_measure_or_send_raise_value_error_naming_the_prompt(fake_config):
+    with trio.fail_after(30):
+        async with trioserve.open_engine(config=fake_config(max_model_len=64)) as engine:
+            for bad in ([nested_lists(5000)], [10**5000], [-(10**5000)], range(2**64), [_Int(5)], (5, _Int(6))):
+                with pytest.raises(ValueError, match=r"^prompt:"):
+                    engine.stream(bad)
+                with pytest.raises(ValueError, match=r"^prompt:"):
+                    await engine.generate(bad)
+            assert (await engine.generate([5, 6], SamplingParams(max_tokens=3))).num_output_tokens == 3
+            assert engine.num_requests_in_flight() == 0
 
 
 async def test_stop_string_ends_the_request_and_is_not_in_the_text(fake_config):

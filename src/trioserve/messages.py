@@ -16,6 +16,7 @@ Channels:
 
 from __future__ import annotations
 
+import reprlib
 from typing import Literal, Union
 
 import msgspec
@@ -39,9 +40,10 @@ MAX_TEMPERATURE = 100.0
 class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True, frozen=True):
     """How to pick tokens for one request. Invalid values raise
     ``InvalidRequestError`` (a ``ValueError``) naming the field, at
-    construction: every field is checked for its type and range, and the
-    struct is frozen, so a ``SamplingParams`` that exists can always cross a
-    process boundary.
+    construction: every field is checked for its type and range (an int,
+    float or str of exactly that type: msgpack cannot encode a subclass),
+    and the struct is frozen, so a ``SamplingParams`` that exists can always
+    cross a process boundary.
 
     ``temperature == 0`` means greedy. ``top_k == 0`` and ``top_p == 1`` turn
     those filters off. With ``seed`` set, the tokens depend only on the seed,
@@ -88,35 +90,49 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True, frozen=Tr
 
 
 def _bad(name: str, message: str, value: object) -> InvalidRequestError:
-    return InvalidRequestError(name, f"{message} (got {_short_repr(value)})")
+    kind = "" if type(value).__module__ == "builtins" else f" of type {type(value).__name__}"
+    return InvalidRequestError(name, f"{message} (got {short_repr(value)}{kind})")
 
 
-def _short_repr(value: object, limit: int = 60) -> str:
-    text = repr(value)
+_REPR = reprlib.Repr()  # bounded nesting and lengths: cheap whatever the value
+_REPR.maxlevel = 3
+_REPR.maxstring = _REPR.maxother = 60
+
+
+def short_repr(value: object, limit: int = 60) -> str:
+    """``repr(value)`` cut to ``limit`` characters, for an error message.
+    Never raises: a value nested too deeply, an int too long to print, or a
+    broken ``__repr__`` is described by its type."""
+    try:
+        text = _REPR.repr(value)
+    except Exception:  # RecursionError, ValueError (int to str), whatever __repr__ raises
+        size = f" of {value.bit_length()} bits" if isinstance(value, int) else ""
+        text = f"<{type(value).__name__}{size}>"
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
-def _is_int(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
+def is_plain_int(value: object) -> bool:
+    """An ``int``: not a bool, nor another subclass (which msgpack cannot encode)."""
+    return type(value) is int
 
 
 def _check_int(params: SamplingParams, name: str, low: int, high: int, note: str = "") -> None:
     value = getattr(params, name)
-    if not _is_int(value) or not low <= value <= high:
+    if not is_plain_int(value) or not low <= value <= high:
         extra = f"; {note}" if note else ""
         raise _bad(name, f"must be an integer in [{low}, {high}]{extra}", value)
 
 
 def _check_float(params: SamplingParams, name: str, low: float, high: float, *, low_open: bool = False) -> None:
     value = getattr(params, name)
-    ok = (_is_int(value) or isinstance(value, float)) and (low < value <= high if low_open else low <= value <= high)
+    ok = type(value) in (int, float) and (low < value <= high if low_open else low <= value <= high)
     if not ok:  # NaN fails every comparison
         interval = f"({low:g}, {high:g}]" if low_open else f"[{low:g}, {high:g}]"
         raise _bad(name, f"must be a number in {interval}", value)
 
 
 def _check_stop(stop: object) -> None:
-    if not isinstance(stop, list) or not all(isinstance(s, str) and s for s in stop):
+    if not isinstance(stop, list) or not all(type(s) is str and s for s in stop):
         raise _bad("stop", "must be a list of non-empty strings", stop)
     if len(stop) > MAX_STOP_STRINGS:
         raise _bad("stop", f"at most {MAX_STOP_STRINGS} stop strings", f"{len(stop)} strings")
@@ -129,7 +145,7 @@ def _check_stop(stop: object) -> None:
 
 
 def _check_stop_token_ids(ids: object) -> None:
-    if not isinstance(ids, list) or not all(_is_int(t) and 0 <= t <= MAX_INT32 for t in ids):
+    if not isinstance(ids, list) or not all(is_plain_int(t) and 0 <= t <= MAX_INT32 for t in ids):
         raise _bad("stop_token_ids", f"must be a list of token ids in [0, {MAX_INT32}]", ids)
     if len(ids) > MAX_STOP_TOKEN_IDS:
         raise _bad("stop_token_ids", f"at most {MAX_STOP_TOKEN_IDS} ids", f"{len(ids)} ids")

@@ -13,13 +13,14 @@ Errors are ``InvalidRequestError`` (a ``ValueError``) naming the field
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Sequence
 
 import trio
 
 from trioserve.errors import InvalidRequestError, PromptTooLongError
 from trioserve.frontend.tokenizer import Tokenizer
-from trioserve.messages import EngineInfo, is_valid_text
+from trioserve.messages import EngineInfo, is_plain_int, is_valid_text, short_repr
 
 Prompt = str | Sequence[int]
 
@@ -79,13 +80,17 @@ class PromptChecker:
     def _token_ids(self, prompt: object) -> list[int]:
         if not isinstance(prompt, Sequence) or isinstance(prompt, (bytes, bytearray)):
             raise InvalidRequestError("prompt", f"must be a string or a list of token ids (got {type(prompt).__name__})")
-        if len(prompt) > self.max_model_len:
-            raise PromptTooLongError("prompt", self._too_long(len(prompt)))
+        try:
+            num_tokens = len(prompt)
+        except OverflowError:  # range(2**64): more than any context
+            raise PromptTooLongError("prompt", self._too_long(f"more than {sys.maxsize}")) from None
+        if num_tokens > self.max_model_len:
+            raise PromptTooLongError("prompt", self._too_long(num_tokens))
         token_ids = list(prompt)
         for t in token_ids:
-            if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < self.vocab_size:
+            if not is_plain_int(t) or not 0 <= t < self.vocab_size:
                 raise InvalidRequestError(
-                    "prompt", f"token ids must be integers in [0, {self.vocab_size}) (got {repr(t)[:40]})"
+                    "prompt", f"token ids must be integers in [0, {self.vocab_size}) (got {short_repr(t, 40)})"
                 )
         return token_ids
 
@@ -96,7 +101,7 @@ class PromptChecker:
             raise PromptTooLongError("prompt", self._too_long(len(token_ids)))
         return token_ids
 
-    def _too_long(self, num_tokens: int) -> str:
+    def _too_long(self, num_tokens: int | str) -> str:
         return (
             f"{num_tokens} tokens do not fit the context of {self.max_model_len} tokens "
             "(max_model_len), which must also hold at least one output token"
