@@ -208,3 +208,10 @@ def test_response_is_complete_http():
     assert json.loads(body) == {"status": "starting"}
     assert f"Content-Length: {len(body)}".encode() in headers
     assert http.response(200, {"a": 1}, head_only=True).endswith(b"\r\n\r\n")
+
+
+def test_an_id_that_is_not_a_valid_one_is_never_echoed():
+    err = parse_error(json.dumps({"type": "nope", "id": "i" * 100_000}))
+    assert err.code == protocol.UNKNOWN_TYPE and err.id is None
+    err = parse_error(json.dumps({"type": "cancel", "id": "i" * 257}))
+    assert err.field == "id" and err.id is None and len(err.message) < 200

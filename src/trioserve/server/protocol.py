@@ -23,7 +23,7 @@ from typing import Any, Literal
 
 import msgspec
 
-from trioserve.messages import SampleLogprobs, SamplingParams
+from trioserve.messages import SampleLogprobs, SamplingParams, short_repr
 
 MAX_ID_LENGTH = 256
 MAX_FIELD_NAME = 64  # an unknown field's name is echoed in the error at most this long
@@ -138,7 +138,7 @@ def parse_client_message(frame: str | bytes) -> Generate | Cancel:
     raw = _decode_json(frame)
     if not isinstance(raw, dict):
         raise ProtocolError(INVALID_JSON, f"a message is a JSON object, got {_json_type(raw)}")
-    request_id = raw.get("id") if isinstance(raw.get("id"), str) else None
+    request_id = raw.get("id") if _is_valid_id(raw.get("id")) else None  # echoed only when it is one
     kind = raw.get("type")
     if kind == "generate":
         return _parse_generate(raw)
@@ -148,7 +148,7 @@ def parse_client_message(frame: str | bytes) -> Generate | Cancel:
     if "type" not in raw:
         raise ProtocolError(INVALID_FIELD, "type: missing", id=request_id, field="type")
     raise ProtocolError(
-        UNKNOWN_TYPE, f"type: unknown message type {kind!r:.60} (expected 'generate' or 'cancel')", id=request_id
+        UNKNOWN_TYPE, f"type: unknown message type {short_repr(kind)} (expected 'generate' or 'cancel')", id=request_id
     )
 
 
@@ -194,13 +194,17 @@ def _parse_generate(raw: dict[str, Any]) -> Generate:
     return Generate(id=request_id, prompt=prompt, prompt_token_ids=token_ids, params=_parse_params(raw, request_id))
 
 
+def _is_valid_id(value: object) -> bool:
+    return isinstance(value, str) and 1 <= len(value) <= MAX_ID_LENGTH
+
+
 def _parse_id(raw: dict[str, Any]) -> str:
     value = raw.get("id")
     if "id" not in raw:
         raise ProtocolError(INVALID_FIELD, "id: missing", field="id")
-    if not isinstance(value, str) or not 1 <= len(value) <= MAX_ID_LENGTH:
+    if not _is_valid_id(value):
         raise ProtocolError(
-            INVALID_FIELD, f"id: must be a string of 1 to {MAX_ID_LENGTH} characters (got {value!r:.60})", field="id"
+            INVALID_FIELD, f"id: must be a string of 1 to {MAX_ID_LENGTH} characters (got {short_repr(value)})", field="id"
         )
     return value
 
