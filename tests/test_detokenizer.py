@@ -7,7 +7,6 @@ test can cut any character between tokens by feeding its UTF-8 bytes.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from pathlib import Path
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -43,9 +42,7 @@ except ImportError:
 R = "\ufffd"
 HEL = 257  # the byte-level merge "hel"
 MERGE_IDS = list(range(256, 256 + len(BYTE_MERGES)))
-SETTINGS = settings(
-    max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow]
-)
+SETTINGS = settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
 
 @pytest.fixture(scope="module")
@@ -63,9 +60,7 @@ def utf8_ids(text: str) -> list[int]:
     return list(text.encode())
 
 
-def stream(
-    detok: IncrementalDetokenizer, chunks: Sequence[Sequence[int]]
-) -> list[DetokenizerUpdate]:
+def stream(detok: IncrementalDetokenizer, chunks: Sequence[Sequence[int]]) -> list[DetokenizerUpdate]:
     return [detok.update(chunk) for chunk in chunks]
 
 
@@ -102,18 +97,14 @@ def deltas(updates: Sequence[DetokenizerUpdate]) -> list[str]:
 # Valid text, without U+FFFD itself: a model that writes one is held back like
 # an unfinished character (and a trailing one is dropped by flush).
 texts = st.text(
-    st.one_of(
-        st.sampled_from("hel o\nté🙂東京"), st.characters(codec="utf-8", exclude_characters=R)
-    ),
+    st.one_of(st.sampled_from("hel o\nté🙂東京"), st.characters(codec="utf-8", exclude_characters=R)),
     max_size=24,
 )
 chunk_sizes = st.lists(st.integers(1, 5), max_size=6)
 
 
 any_byte_level_ids = st.lists(
-    st.one_of(
-        st.integers(0, 255), st.sampled_from(MERGE_IDS), st.sampled_from([PAD, BOS, EOS])
-    ),
+    st.one_of(st.integers(0, 255), st.sampled_from(MERGE_IDS), st.sampled_from([PAD, BOS, EOS])),
     max_size=40,
 )
 
@@ -288,9 +279,7 @@ def test_stop_string_completing_a_cut_character(byte_tok: Tokenizer) -> None:
         (["xyz", "o"], "hell", "o"),
     ],
 )
-def test_the_stop_string_complete_first_wins(
-    byte_tok: Tokenizer, stops: list[str], text: str, stop: str
-) -> None:
+def test_the_stop_string_complete_first_wins(byte_tok: Tokenizer, stops: list[str], text: str, stop: str) -> None:
     ids = byte_tok.encode("hello world")[1:]
     for chunks in (one_by_one(ids), [ids]):
         detok = IncrementalDetokenizer(byte_tok, [], stop=stops)
@@ -352,12 +341,8 @@ def test_empty_stop_string_is_rejected(byte_tok: Tokenizer) -> None:
 def test_stop_strings_do_not_depend_on_how_tokens_are_split(
     byte_tok: Tokenizer, text: str, sizes: list[int], data: st.DataObject
 ) -> None:
-    substrings = st.tuples(st.integers(0, len(text)), st.integers(1, 4)).map(
-        lambda t: text[t[0] : t[0] + t[1]]
-    )
-    stops = data.draw(
-        st.lists(st.one_of(substrings, st.text(min_size=1, max_size=3)).filter(bool), max_size=4)
-    )
+    substrings = st.tuples(st.integers(0, len(text)), st.integers(1, 4)).map(lambda t: text[t[0] : t[0] + t[1]])
+    stops = data.draw(st.lists(st.one_of(substrings, st.text(min_size=1, max_size=3)).filter(bool), max_size=4))
     ids = data.draw(st.sampled_from([utf8_ids(text), byte_tok.encode(text)[1:]]))
     detok = IncrementalDetokenizer(byte_tok, [], stop=stops)
     updates = stream(detok, split(ids, sizes))

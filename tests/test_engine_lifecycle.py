@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from collections import deque
-
 import json
 import os
 import re
@@ -12,18 +10,17 @@ import subprocess
 import sys
 import textwrap
 import time
+from collections import deque
 from pathlib import Path
 from typing import Any
 
 import psutil
 import pytest
 import trio
+from helpers.fakes import EOS, VOCAB, children, fake_tokens, wait_no_children
 
 import trioserve
-from trioserve import EngineConfig, FakeRunnerConfig, SamplingParams
-
-from helpers.fakes import EOS, VOCAB, children, wait_no_children
-from helpers.fakes import fake_tokens as fake_tokens
+from trioserve import SamplingParams
 
 
 async def test_generate_returns_the_runner_tokens_in_order(fake_config):
@@ -68,7 +65,7 @@ async def test_steps_planned_ahead_keep_the_tokens_and_cost_one_dropped_step_per
     with trio.fail_after(30):
         async with trioserve.open_engine(config=config) as engine:
             out = await engine.generate([5, 6, 7], SamplingParams(max_tokens=100))
-            assert out.finish_reason == "stop" and out.token_ids == fake_tokens([5, 6, 7], 3) + [EOS]
+            assert out.finish_reason == "stop" and out.token_ids == [*fake_tokens([5, 6, 7], 3), EOS]
             stats = await engine.stats()
     assert stats.num_steps == 4 + (depth - 1)  # prefill, 3 decodes (+ the one planned past EOS)
     assert stats.num_free_blocks == stats.num_total_blocks and stats.num_running == 0
@@ -182,7 +179,7 @@ async def test_bad_prompts_raise_value_error_and_the_engine_keeps_serving(fake_c
             running = engine.stream([9, 9], SamplingParams(max_tokens=20))
             async with running:
                 for bad in ("", [], "x" * 100, [1] * 64, [VOCAB + 5], [-1]):
-                    with pytest.raises(ValueError, match="^prompt:"):
+                    with pytest.raises(ValueError, match=r"^prompt:"):
                         engine.stream(bad)
                 outputs = [out async for out in running]
             assert sum(len(o.token_ids) for o in outputs) == 20
@@ -265,7 +262,9 @@ async def test_no_child_process_remains_after_open_engine_exits(fake_config, how
 
 async def test_worker_death_fails_requests_with_engine_dead_error(fake_config):
     with trio.fail_after(30):
-        async with trioserve.open_engine(config=fake_config(die_at_step=5, step_delay_s=0.005, max_restarts=0)) as engine:
+        async with trioserve.open_engine(
+            config=fake_config(die_at_step=5, step_delay_s=0.005, max_restarts=0)
+        ) as engine:
             with pytest.raises(trioserve.EngineDeadError, match="worker-0"):
                 await engine.generate([1, 2, 3], SamplingParams(max_tokens=100))
             with pytest.raises(trioserve.EngineDeadError):
@@ -357,7 +356,8 @@ async def test_step_past_step_timeout_kills_the_engine_naming_worker_step_and_de
             pids = [engine.info.engine_pid, *engine.info.worker_pids]
             started = time.monotonic()
             with pytest.raises(
-                trioserve.EngineDeadError, match=r"worker-0 \(pid \d+\) did not finish step 3 within step_timeout_s=0.5s"
+                trioserve.EngineDeadError,
+                match=r"worker-0 \(pid \d+\) did not finish step 3 within step_timeout_s=0.5s",
             ):
                 await engine.generate([1, 2, 3], SamplingParams(max_tokens=10))
             assert time.monotonic() - started < 0.5 + 1.0
@@ -459,6 +459,7 @@ async def test_worker_that_cannot_be_spawned_fails_at_the_spawn_stage(fake_confi
     from trioserve.nurseries.executor import Executor
 
     monkeypatch.setattr(sys, "executable", "/nonexistent/python")
+
     def names_the_spawn(exc: EngineStartupError) -> bool:
         return exc.stage == "spawn" and exc.process == "worker-0" and "could not start worker-0" in str(exc)
 
@@ -537,7 +538,7 @@ async def test_engine_core_without_handshake_reply_exits_at_its_handshake_deadli
     with trio.fail_after(20), TrioZmqSocket.bind(zmq.ROUTER, address, linger=0) as front_end:
         proc = await trio.lowlevel.open_process(argv, env=env, stderr=subprocess.PIPE)
         try:
-            _, hello = await front_end.recv_multipart()  # ...and never answer
+            _, _hello = await front_end.recv_multipart()  # ...and never answer
             started = time.monotonic()
             stderr = b""
             while chunk := await proc.stderr.receive_some(65536):
@@ -549,12 +550,15 @@ async def test_engine_core_without_handshake_reply_exits_at_its_handshake_deadli
             await proc.wait()
     assert proc.returncode == 1
     assert re.search(
-        rb"engine-core-0 \(pid \d+\) got no HandshakeInit from the front-end within 0.5s \(TRIOSERVE_HANDSHAKE_TIMEOUT_S\)",
+        rb"engine-core-0 \(pid \d+\) got no HandshakeInit from the front-end "
+        rb"within 0.5s \(TRIOSERVE_HANDSHAKE_TIMEOUT_S\)",
         stderr,
     ), stderr.decode(errors="replace")
 
 
-@pytest.mark.parametrize(("raw", "expected"), [(None, 30.0), ("2.5", 2.5), ("0", 30.0), ("-1", 30.0), ("soon", 30.0), ("inf", 30.0)])
+@pytest.mark.parametrize(
+    ("raw", "expected"), [(None, 30.0), ("2.5", 2.5), ("0", 30.0), ("-1", 30.0), ("soon", 30.0), ("inf", 30.0)]
+)
 def test_handshake_timeout_comes_from_the_environment_with_a_default(monkeypatch, raw, expected):
     from trioserve.nurseries.engine_core import DEFAULT_HANDSHAKE_TIMEOUT_S, HANDSHAKE_TIMEOUT_ENV, handshake_timeout_s
 

@@ -42,7 +42,7 @@ def reference_greedy(model_dir, prompts: list[list[int]], max_tokens: int) -> li
             eos_token_id=None,
             pad_token_id=0,
         )
-        results.append(out[0, len(prompt):].tolist())
+        results.append(out[0, len(prompt) :].tolist())
     return results
 
 

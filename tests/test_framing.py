@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import socket
-from typing import Any, Union
+from typing import Any
 
 import msgspec
 import pytest
@@ -31,7 +31,7 @@ class Pong(msgspec.Struct, tag=True):
     text: str = ""
 
 
-Message = Union[Ping, Pong]
+Message = Ping | Pong
 
 
 def stream_pair() -> tuple[trio.SocketStream, trio.SocketStream]:

@@ -43,9 +43,9 @@ def run_steps(seqs, steps, scale, window, softcap, scale_from_module, num_blocks
     for counts in steps:
         active = [i for i, n in enumerate(counts) if n]
         rows = [slice(done[i], done[i] + counts[i]) for i in active]
-        q = torch.cat([seqs[i]["q"][:, r] for i, r in zip(active, rows)], dim=1)[None]  # [1, H, T, D]
-        k = torch.cat([seqs[i]["k"][:, r] for i, r in zip(active, rows)], dim=1)[None]  # [1, KVH, T, D]
-        v = torch.cat([seqs[i]["v"][:, r] for i, r in zip(active, rows)], dim=1)[None]
+        q = torch.cat([seqs[i]["q"][:, r] for i, r in zip(active, rows, strict=True)], dim=1)[None]  # [1, H, T, D]
+        k = torch.cat([seqs[i]["k"][:, r] for i, r in zip(active, rows, strict=True)], dim=1)[None]  # [1, KVH, T, D]
+        v = torch.cat([seqs[i]["v"][:, r] for i, r in zip(active, rows, strict=True)], dim=1)[None]
         meta = build_metadata(
             [counts[i] for i in active], [done[i] + counts[i] for i in active], [tables[i] for i in active],
             BLOCK, caches, torch.device("cpu"), decode_group_blocks,
@@ -89,7 +89,7 @@ def test_prefill_chunks_and_decodes_match_per_sequence_attention(window, softcap
     ] + [[1, 1, 1]] * decodes  # decodes at three different context lengths
     scale = 0.3
     got = run_steps(seqs, steps, scale, window, softcap, scale_from_module)
-    for seq, out in zip(seqs, got):
+    for seq, out in zip(seqs, got, strict=True):
         torch.testing.assert_close(out, reference(seq["q"], seq["k"], seq["v"], scale, window, softcap))
 
 
@@ -106,7 +106,7 @@ def test_decodes_in_groups_match_per_sequence_attention(decode_group_blocks):
     ]
     steps = [[n - decodes for n in lengths]] + [[1] * len(lengths)] * decodes
     got = run_steps(seqs, steps, 0.3, None, None, False, decode_group_blocks=decode_group_blocks)
-    for seq, out in zip(seqs, got):
+    for seq, out in zip(seqs, got, strict=True):
         torch.testing.assert_close(out, reference(seq["q"], seq["k"], seq["v"], 0.3))
 
 

@@ -3,6 +3,7 @@ transformers' own greedy generate() on the same weights."""
 
 from __future__ import annotations
 
+import itertools
 import random
 from dataclasses import dataclass, field
 
@@ -10,8 +11,8 @@ import pytest
 
 from trioserve.config import EngineConfig
 from trioserve.messages import (
-    ModelInfo,
     CachedRequestData,
+    ModelInfo,
     NewRequestData,
     RunnerOutput,
     SamplingParams,
@@ -87,14 +88,18 @@ class MiniScheduler:
             if seq.sent:
                 cached.append(CachedRequestData(req_id, seq.new_blocks, seq.num_computed))
             else:
-                new.append(NewRequestData(req_id, list(seq.tokens), seq.params, list(seq.blocks), seq.num_computed, seq.num_prompt))
+                new.append(
+                    NewRequestData(
+                        req_id, list(seq.tokens), seq.params, list(seq.blocks), seq.num_computed, seq.num_prompt
+                    )
+                )
             seq.sent, seq.new_blocks = True, []
         sched = SchedulerOutput(new, cached, scheduled, sum(scheduled.values()), self.dropped)
         self.dropped = []
         out = self.runner.execute(sched)
         for req_id, n in scheduled.items():
             self.seqs[req_id].num_computed += n
-        for req_id, token in zip(out.req_ids, out.sampled_token_ids):
+        for req_id, token in zip(out.req_ids, out.sampled_token_ids, strict=True):
             seq = self.seqs[req_id]
             seq.tokens.append(token)
             seq.outputs.append(token)  # the runner appended it to its own copy
@@ -210,7 +215,7 @@ def test_step_log_has_a_line_per_step(tiny_model_dir, tmp_path, monkeypatch):
         (2, 2, 2, 0),
     ]
     assert all(0 < s.seconds < 60 for s in steps)
-    assert all(a.end_s <= b.start_s for a, b in zip(steps, steps[1:]))
+    assert all(a.end_s <= b.start_s for a, b in itertools.pairwise(steps))
 
 
 def test_requests_added_while_others_decode_match_generate(tiny_model_dir):

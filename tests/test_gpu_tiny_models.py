@@ -42,7 +42,9 @@ def test_tokenizer_json_alone_prepends_bos(tiny_model_dir):
 
 
 def test_same_seed_gives_same_weight_bytes(tmp_path, tiny_model_dir):
-    weights = lambda d: (d / "model.safetensors").read_bytes()
+    def weights(d):
+        return (d / "model.safetensors").read_bytes()
+
     again = write_tiny_model(tmp_path / "again", "qwen2", seed=0)
     other = write_tiny_model(tmp_path / "other", "qwen2", seed=1)
     assert weights(again) == weights(tiny_model_dir("qwen2"))

@@ -16,11 +16,11 @@ from pathlib import Path
 import psutil
 import pytest
 import trio
-from helpers.fakes import children, wait_no_children
+from helpers.fakes import wait_no_children
 from helpers.serving import running, serve_argv, spawned, tree_of, wait_for_url, wait_gone
-from test_supervision import Outcome, assert_idle_and_clean, consume
 
 import trioserve
+from test_supervision import Outcome, assert_idle_and_clean, consume
 from trioserve import SamplingParams
 from trioserve.errors import EngineDeadError
 

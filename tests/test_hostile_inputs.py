@@ -17,10 +17,10 @@ import psutil
 import pytest
 import trio
 from helpers.serving import REPO, serve_argv, spawned, tree_of, wait_for_url
-from test_server import Received, collect, expect_error, generate, in_thread, open_ws, serving, wait_blocks_free
 from websockets.exceptions import InvalidStatus
 
 import trioserve
+from test_server import Received, collect, expect_error, generate, in_thread, open_ws, serving, wait_blocks_free
 from trioserve import SamplingParams
 from trioserve.errors import InvalidRequestError, PromptTooLongError
 from trioserve.frontend.prompt import PromptChecker
@@ -98,14 +98,14 @@ def checker(max_model_len: int = 2048) -> PromptChecker:
 
 async def test_a_prompt_too_long_for_the_context_is_refused_before_it_is_tokenized():
     prompts = checker(max_model_len=2048)
-    with pytest.raises(PromptTooLongError, match="^prompt: 1048576 characters cannot fit the context of 2048"):
+    with pytest.raises(PromptTooLongError, match=r"^prompt: 1048576 characters cannot fit the context of 2048"):
         await prompts.check_async("x" * 2**20)
     assert prompts.tokenizer.chars_encoded == 0  # type: ignore[attr-defined]
     # A text that may fit is tokenized (at most max_model_len x the longest token), then measured.
-    with pytest.raises(PromptTooLongError, match="^prompt: 5000 tokens"):
+    with pytest.raises(PromptTooLongError, match=r"^prompt: 5000 tokens"):
         await prompts.check_async("x" * 5000)
     assert prompts.tokenizer.chars_encoded == 5000  # type: ignore[attr-defined]
-    with pytest.raises(InvalidRequestError, match="^prompt: invalid string"):
+    with pytest.raises(InvalidRequestError, match=r"^prompt: invalid string"):
         prompts.check("a\ud800b")
 
 
@@ -204,10 +204,14 @@ async def test_the_api_key_reaches_no_child_process_and_can_come_from_a_file(tin
 @pytest.mark.parametrize("command", ["serve", "generate"])
 async def test_a_missing_model_directory_is_a_start_up_error_in_one_line_naming_it(command, tmp_path):
     missing = str(tmp_path / "no-such-model")
-    argv = ["serve", "--port", "0", "--model", missing] if command == "serve" else ["generate", "--model", missing, "hi"]
+    argv = (
+        ["serve", "--port", "0", "--model", missing] if command == "serve" else ["generate", "--model", missing, "hi"]
+    )
     done = await trio.to_thread.run_sync(lambda: run_trioserve(*argv))
     assert done.returncode == 3
-    assert done.stderr.strip().splitlines() == [f"trioserve: the engine could not start: model directory not found: {missing!r}"]
+    assert done.stderr.strip().splitlines() == [
+        f"trioserve: the engine could not start: model directory not found: {missing!r}"
+    ]
 
 
 @pytest.mark.parametrize("flood", ["long-outputs", "prompts-at-the-context-limit"])

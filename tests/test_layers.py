@@ -70,7 +70,7 @@ LAZY_GPU_IMPORTS = {
 
 
 def unit_of(relpath: str) -> str:
-    first = relpath.split("/")[0]
+    first = relpath.split("/", maxsplit=1)[0]
     return first.removesuffix(".py")
 
 
@@ -100,10 +100,10 @@ def violations(relpath: str, source: str) -> list[str]:
             if module_level and unit != "gpu" and relpath not in TORCH_AT_MODULE_LEVEL:
                 problems.append(f"{relpath} imports {name} at module level")
                 continue
-            if not module_level and unit != "gpu" and relpath not in TORCH_AT_MODULE_LEVEL:
-                if (relpath, name) not in LAZY_GPU_IMPORTS:
-                    problems.append(f"{relpath} imports {name} (torch belongs to worker and baseline processes)")
-                    continue
+            lazy_allowed = unit == "gpu" or relpath in TORCH_AT_MODULE_LEVEL or (relpath, name) in LAZY_GPU_IMPORTS
+            if not module_level and not lazy_allowed:
+                problems.append(f"{relpath} imports {name} (torch belongs to worker and baseline processes)")
+                continue
         if _is(name, "trioserve"):
             parts = name.split(".")
             target = parts[1] if len(parts) > 1 else "__init__"

@@ -19,8 +19,8 @@ import psutil
 import pytest
 import trio
 
-from trioserve.transport.framing import MessageBridge, socketpair_for_child
 from trioserve.nurseries.process import SECRET_ENV_NAMES, ChildProcess, ProcessExited, supervise_process
+from trioserve.transport.framing import MessageBridge, socketpair_for_child
 
 HELPER = Path(__file__).parent / "helpers" / "child.py"
 REPORT_FD_ENV = "TRIOSERVE_TEST_REPORT_FD"

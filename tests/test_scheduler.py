@@ -19,9 +19,7 @@ EOS = 2
 
 
 def make_scheduler(**overrides: int) -> Scheduler:
-    kwargs = dict(
-        num_blocks=16, block_size=4, max_num_seqs=4, max_num_batched_tokens=64, max_model_len=64
-    )
+    kwargs = dict(num_blocks=16, block_size=4, max_num_seqs=4, max_num_batched_tokens=64, max_model_len=64)
     kwargs.update(overrides)
     return Scheduler(**kwargs)
 
@@ -44,9 +42,7 @@ def samplers(sched: Scheduler, out: SchedulerOutput) -> list[str]:
 NOTHING = SchedulerOutput([], [], {}, 0, [])
 
 
-def step(
-    sched: Scheduler, token: int | dict[str, int] = 7
-) -> tuple[SchedulerOutput, list[TokenOutput]]:
+def step(sched: Scheduler, token: int | dict[str, int] = 7) -> tuple[SchedulerOutput, list[TokenOutput]]:
     """One schedule -> run -> postprocess round; every sampler gets ``token``.
     A round with nothing to do gives an empty ``SchedulerOutput``."""
     planned = sched.schedule()

@@ -4,8 +4,8 @@ torch-free fake runner."""
 
 from __future__ import annotations
 
+import contextlib
 import functools
-
 import json
 import os
 import signal
@@ -13,16 +13,14 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any
 
 import psutil
 import pytest
 import trio
+from helpers.fakes import children, wait_no_children
 
 import trioserve
-from helpers.fakes import EOS, children, wait_no_children
-
-from trioserve import EngineConfig, SamplingParams
+from trioserve import SamplingParams
 from trioserve.errors import EngineDeadError
 
 REPO = Path(__file__).resolve().parent.parent
@@ -148,7 +146,7 @@ async def test_a_new_request_waits_a_bounded_time_for_a_restarting_engine(fake_c
                 await engine.generate([1, 2, 3], SamplingParams(max_tokens=5))
             assert engine.health == "restarting"
             started = time.monotonic()
-            with pytest.raises(EngineDeadError, match="restart_wait_s=0.3"):
+            with pytest.raises(EngineDeadError, match=r"restart_wait_s=0\.3"):
                 await engine.generate([1, 2, 3], SamplingParams(max_tokens=5))
             assert 0.25 < time.monotonic() - started < 2
         assert await wait_no_children() == []
@@ -228,17 +226,18 @@ def run_cli(argv: list[str], timeout: float) -> tuple[int, str, list[int]]:
     """Run ``trioserve`` with ``argv``; its exit status, stderr, and the pids of
     every process it started that was still alive after it exited."""
     proc = subprocess.Popen(
-        [sys.executable, "-m", "trioserve.cli", *argv], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-        text=True, cwd=REPO,
+        [sys.executable, "-m", "trioserve.cli", *argv],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        cwd=REPO,
     )
     seen: set[int] = set()
     try:
         deadline = time.monotonic() + timeout
         while proc.poll() is None and time.monotonic() < deadline:
-            try:
+            with contextlib.suppress(psutil.NoSuchProcess):
                 seen.update(p.pid for p in psutil.Process(proc.pid).children(recursive=True))
-            except psutil.NoSuchProcess:
-                pass
             time.sleep(0.05)
         if proc.poll() is None:
             raise AssertionError(f"trioserve {' '.join(argv)} did not exit within {timeout}s")
@@ -262,8 +261,17 @@ def run_cli(argv: list[str], timeout: float) -> tuple[int, str, list[int]]:
 
 async def test_serve_with_a_model_load_that_hangs_exits_3_naming_the_stage(tiny_model_dir):
     argv = [
-        "serve", "--port", "0", "--model", str(tiny_model_dir("llama")), "--runner", "fake",
-        "--fake-options", json.dumps({"hang_at_load": True}), "--model-load-timeout", "1",
+        "serve",
+        "--port",
+        "0",
+        "--model",
+        str(tiny_model_dir("llama")),
+        "--runner",
+        "fake",
+        "--fake-options",
+        json.dumps({"hang_at_load": True}),
+        "--model-load-timeout",
+        "1",
     ]
     code, stderr, left = await trio.to_thread.run_sync(run_cli, argv, 30)
     assert code == 3, stderr
@@ -277,8 +285,20 @@ async def test_serve_out_of_restarts_exits_4_and_leaves_no_process(tiny_model_di
     from websockets.sync.client import connect
 
     argv = [
-        sys.executable, "-m", "trioserve.cli", "serve", "--port", "0", "--model", str(tiny_model_dir("llama")),
-        "--runner", "fake", "--fake-options", json.dumps({"raise_at_step": 2}), "--max-restarts", "1",
+        sys.executable,
+        "-m",
+        "trioserve.cli",
+        "serve",
+        "--port",
+        "0",
+        "--model",
+        str(tiny_model_dir("llama")),
+        "--runner",
+        "fake",
+        "--fake-options",
+        json.dumps({"raise_at_step": 2}),
+        "--max-restarts",
+        "1",
     ]
 
     def scenario() -> tuple[int, str, list[str], list[int]]:
@@ -292,8 +312,16 @@ async def test_serve_out_of_restarts_exits_4_and_leaves_no_process(tiny_model_di
             codes = []
             with connect(url, open_timeout=10) as ws:
                 for i in range(2):
-                    ws.send(json.dumps({"type": "generate", "id": f"r{i}", "prompt_token_ids": [1, 2, 3],
-                                        "params": {"max_tokens": 5}}))
+                    ws.send(
+                        json.dumps(
+                            {
+                                "type": "generate",
+                                "id": f"r{i}",
+                                "prompt_token_ids": [1, 2, 3],
+                                "params": {"max_tokens": 5},
+                            }
+                        )
+                    )
                     while True:
                         msg = json.loads(ws.recv(timeout=10))
                         if msg["type"] in ("done", "error"):

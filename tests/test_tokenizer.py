@@ -219,13 +219,13 @@ def test_missing_model_dir_names_it(tmp_path: Path) -> None:
 
 def test_missing_tokenizer_json_names_the_file(tmp_path: Path) -> None:
     (tmp_path / "config.json").write_text("{}")
-    with pytest.raises(FileNotFoundError, match="tokenizer.json not found"):
+    with pytest.raises(FileNotFoundError, match=r"tokenizer\.json not found"):
         Tokenizer.from_dir(tmp_path)
 
 
 def test_corrupt_tokenizer_json_is_a_value_error(tmp_path: Path) -> None:
     (tmp_path / "tokenizer.json").write_text('{"model": 3}')
-    with pytest.raises(ValueError, match="tokenizer.json: not a valid tokenizer file"):
+    with pytest.raises(ValueError, match=r"tokenizer\.json: not a valid tokenizer file"):
         Tokenizer.from_dir(tmp_path)
 
 
@@ -239,9 +239,7 @@ def test_corrupt_tokenizer_json_is_a_value_error(tmp_path: Path) -> None:
         ("tokenizer_config.json", '{"eos_token": 5}', r"tokenizer_config.json: eos_token"),
     ],
 )
-def test_bad_config_file_names_file_and_field(
-    tmp_path: Path, name: str, content: str, message: str
-) -> None:
+def test_bad_config_file_names_file_and_field(tmp_path: Path, name: str, content: str, message: str) -> None:
     write_model_dir(tmp_path, build_byte_level())
     (tmp_path / name).write_text(content)
     with pytest.raises(ValueError, match=message):
@@ -258,9 +256,7 @@ def test_encode_prepends_bos_from_post_processor(byte_tok: Tokenizer) -> None:
 
 
 @pytest.mark.parametrize("text", ["hello world", "naïve café", "🙂 東京", ""])
-def test_decode_of_encode_round_trips(
-    byte_tok: Tokenizer, llama_tok: Tokenizer, text: str
-) -> None:
+def test_decode_of_encode_round_trips(byte_tok: Tokenizer, llama_tok: Tokenizer, text: str) -> None:
     for tok in (byte_tok, llama_tok):
         assert tok.decode(tok.encode(text)) == text
 
@@ -305,9 +301,7 @@ def test_truncation_and_padding_saved_in_the_file_are_ignored(tmp_path: Path) ->
 
 
 @pytest.mark.parametrize("write", [write_byte_level_model, write_llama_style_model])
-def test_same_ids_and_text_as_transformers_auto_tokenizer(
-    tmp_path: Path, write: Callable[[Path], Path]
-) -> None:
+def test_same_ids_and_text_as_transformers_auto_tokenizer(tmp_path: Path, write: Callable[[Path], Path]) -> None:
     transformers = pytest.importorskip("transformers")
     model_dir = write(tmp_path)
     reference = transformers.AutoTokenizer.from_pretrained(str(model_dir))
@@ -320,9 +314,7 @@ def test_same_ids_and_text_as_transformers_auto_tokenizer(
         ids = tok.encode(text)
         assert ids == reference.encode(text)
         for skip in (True, False):
-            assert tok.decode(ids, skip_special_tokens=skip) == reference.decode(
-                ids, skip_special_tokens=skip
-            )
+            assert tok.decode(ids, skip_special_tokens=skip) == reference.decode(ids, skip_special_tokens=skip)
 
 
 def test_importing_tokenizer_does_not_import_torch_or_transformers() -> None:

@@ -20,7 +20,7 @@ from trioserve.errors import (
     TrioserveError,
 )
 from trioserve.frontend.outputs import RequestOutput
-from trioserve.messages import EngineInfo, EngineStats, SamplingParams, SampleLogprobs
+from trioserve.messages import EngineInfo, EngineStats, SampleLogprobs, SamplingParams
 
 __all__ = [
     "Engine",

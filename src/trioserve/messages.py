@@ -17,7 +17,7 @@ Channels:
 from __future__ import annotations
 
 import reprlib
-from typing import Literal, Union
+from typing import Literal
 
 import msgspec
 
@@ -246,7 +246,7 @@ class Heartbeat(msgspec.Struct, tag=True):
     stalled: str = ""
 
 
-HandshakeMessage = Union[Hello, HandshakeInit, Heartbeat, Ready, StartupFailed]
+HandshakeMessage = Hello | HandshakeInit | Heartbeat | Ready | StartupFailed
 
 
 # --- front-end -> engine core ----------------------------------------------
@@ -267,7 +267,7 @@ class GetStats(msgspec.Struct, tag=True):
     call_id: int
 
 
-EngineRequest = Union[AddRequest, AbortRequests, GetStats]
+EngineRequest = AddRequest | AbortRequests | GetStats
 
 
 # --- engine core -> front-end ----------------------------------------------
@@ -296,7 +296,7 @@ class EngineDead(msgspec.Struct, tag=True):
     reason: str
 
 
-EngineResponse = Union[EngineOutputs, StatsReply, Heartbeat, EngineDead]
+EngineResponse = EngineOutputs | StatsReply | Heartbeat | EngineDead
 
 
 # --- engine core <-> worker ------------------------------------------------
@@ -384,5 +384,5 @@ class WorkerHeartbeat(msgspec.Struct, tag=True):
     ``heartbeat_interval_s``, whatever its model is doing)."""
 
 
-ToWorker = Union[WorkerInit, InitKVCache, SchedulerOutput]
-FromWorker = Union[WorkerLoaded, KVCacheReady, RunnerOutput, WorkerFailed, WorkerHeartbeat]
+ToWorker = WorkerInit | InitKVCache | SchedulerOutput
+FromWorker = WorkerLoaded | KVCacheReady | RunnerOutput | WorkerFailed | WorkerHeartbeat

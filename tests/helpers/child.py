@@ -30,8 +30,8 @@ from typing import Any
 
 import trio
 
-from trioserve.transport.framing import MessageBridge, stream_from_fd
 from trioserve.nurseries.process import remove_if_parent_dies, run_child_main, supervise_process
+from trioserve.transport.framing import MessageBridge, stream_from_fd
 
 REPORT_FD_ENV = "TRIOSERVE_TEST_REPORT_FD"
 SOCKET_FD_ENV = "TRIOSERVE_TEST_SOCKET_FD"

@@ -242,7 +242,7 @@ def expected_answer(payload: str | bytes, value: Any, tokenizer: Tokenizer) -> A
 def _answer_to(message: Any, tokenizer: Tokenizer) -> Answer:
     if not isinstance(message, dict):
         return not_json()
-    raw_id = message.get("id") if isinstance(message.get("id"), str) else None
+    raw_id = message.get("id") if _valid_id(message.get("id")) else None  # only a valid id is echoed
     kind = message.get("type")
     if kind == "generate":
         return _answer_to_generate(message, tokenizer)

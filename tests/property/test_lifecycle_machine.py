@@ -40,6 +40,7 @@ written to a ``.hypothesis`` database.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import signal
@@ -53,6 +54,7 @@ import psutil
 import pytest
 import trio
 import zmq
+from helpers.fakes import EOS, VOCAB, fake_tokens
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import (
@@ -65,8 +67,6 @@ from hypothesis.stateful import (
 )
 
 import trioserve
-from helpers.fakes import EOS, VOCAB, fake_tokens
-
 from trioserve import EngineConfig, FakeRunnerConfig, SamplingParams
 from trioserve.errors import EngineDeadError, RequestError
 from trioserve.frontend.outputs import RequestOutput
@@ -82,8 +82,8 @@ HANG_BOUND_S = 15.0  # any request ends within this of its submission, stalls no
 RESTART_BOUND_S = 10.0  # a dead engine is ready again within this
 SHUTDOWN_BOUND_S = 2 * SHUTDOWN_GRACE_S + 1.0  # open_engine's exit: at worst a SIGTERM and a SIGKILL away
 START_BOUND_S = 30.0
-CALL_BOUND_S = 60.0
-MIN_REQUESTS_BEFORE_SHUTDOWN = 4  # a shutdown ends an engine's life: let it see some traffic first  # any one call into the Trio thread (a rule's or invariant's work)
+CALL_BOUND_S = 60.0  # any one call into the Trio thread (a rule's or invariant's work)
+MIN_REQUESTS_BEFORE_SHUTDOWN = 4  # a shutdown ends an engine's life: let it see some traffic first
 
 T = TypeVar("T")
 
@@ -244,7 +244,8 @@ class Req:
         if kind == "finished":
             if len(self.token_ids) != self.expected_len or detail != "length":
                 found.append(
-                    f"{self!r}: finished ({detail}) with {len(self.token_ids)} tokens, expected {self.expected_len} (length)"
+                    f"{self!r}: finished ({detail}) with {len(self.token_ids)} tokens, "
+                    f"expected {self.expected_len} (length)"
                 )
         elif kind == "dead":
             if not self.exposed:
@@ -325,10 +326,8 @@ class EngineHarness:
         Raises if it did not finish within ``SHUTDOWN_BOUND_S`` or failed."""
         started = now()
         if self._thread.is_alive() and self._stop is not None:
-            try:
+            with contextlib.suppress(trio.RunFinishedError):
                 trio.from_thread.run_sync(self._stop.set, trio_token=self.token)
-            except trio.RunFinishedError:
-                pass
         self._thread.join(SHUTDOWN_BOUND_S + 5.0)
         if self._thread.is_alive():
             raise AssertionError("shutdown: the engine thread did not finish (open_engine hangs)")
@@ -579,7 +578,9 @@ class LifecycleMachine(RuleBasedStateMachine):
             while self.gen is not None:
                 await trio.sleep(0.005)
                 self._observe()
-        assert self.gen is None, f"the front-end did not notice within {DEATH_BOUND_S}s that {what} (pid {pid}) was killed"
+        assert self.gen is None, (
+            f"the front-end did not notice within {DEATH_BOUND_S}s that {what} (pid {pid}) was killed"
+        )
         # The requests in flight must end by their deadline: wait for them (a bounded wait).
         while any(not r.over and not r.stalled and r.death_deadline < math.inf for r in self.reqs):
             if now() > max(r.death_deadline for r in self.reqs if not r.over and r.death_deadline < math.inf) + 0.1:
@@ -785,10 +786,8 @@ class LifecycleMachine(RuleBasedStateMachine):
                 self._shutdown_and_check()
             finally:
                 for proc in trioserve_processes():  # whatever failed, leave nothing behind
-                    try:
+                    with contextlib.suppress(psutil.Error):
                         proc.kill()
-                    except psutil.Error:
-                        pass
 
 
 @pytest.fixture(scope="module")

@@ -147,9 +147,7 @@ class Harness:
     def live(self) -> list[str]:
         return sorted(r for r in self.received if r not in self.finish_reasons)
 
-    def add(
-        self, req_id: str, prompt: list[int], params: SamplingParams, eos: list[int], client_id: str = ""
-    ) -> bool:
+    def add(self, req_id: str, prompt: list[int], params: SamplingParams, eos: list[int], client_id: str = "") -> bool:
         request = Request(req_id, prompt, params, eos, client_id)
         if len(prompt) >= self.sizes["max_model_len"] or len(prompt) > self.capacity:
             with pytest.raises(ValueError, match="prompt"):
@@ -257,9 +255,7 @@ class SchedulerMachine(RuleBasedStateMachine):
     @rule(batch=st.lists(st.tuples(requests, st.sampled_from(CLIENTS)), min_size=1, max_size=3))
     def add(self, batch) -> None:
         for (prompt, max_tokens, ignore_eos, stop_token_ids), client_id in batch:
-            params = SamplingParams(
-                max_tokens=max_tokens, ignore_eos=ignore_eos, stop_token_ids=stop_token_ids
-            )
+            params = SamplingParams(max_tokens=max_tokens, ignore_eos=ignore_eos, stop_token_ids=stop_token_ids)
             added = self.harness.add(f"r{self.next_id}", prompt, params, [EOS], client_id)
             event("add: accepted" if added else "add: rejected (prompt)")
             self.next_id += 1
@@ -296,10 +292,7 @@ TestSchedulerMachine.settings = settings(max_examples=200, stateful_step_count=3
 @pytest.mark.parametrize("seed", range(5))
 def test_heavy_workload_preempts_and_still_matches_solo_outputs(seed: int, depth: int) -> None:
     rng = random.Random(seed)
-    harness = Harness(
-        depth,
-        num_blocks=6, block_size=2, max_num_seqs=4, max_num_batched_tokens=8, max_model_len=32
-    )
+    harness = Harness(depth, num_blocks=6, block_size=2, max_num_seqs=4, max_num_batched_tokens=8, max_model_len=32)
     for i in range(12):
         prompt = [rng.randrange(VOCAB) for _ in range(rng.randint(1, 8))]
         params = SamplingParams(max_tokens=rng.randint(4, 10), ignore_eos=True)

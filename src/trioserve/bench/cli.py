@@ -58,11 +58,17 @@ def _add_workload_options(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("workload")
     group.add_argument("--num-requests", type=int, default=256, metavar="N", help="default: %(default)s")
     group.add_argument(
-        "--concurrency", type=int, default=32, metavar="C",
+        "--concurrency",
+        type=int,
+        default=32,
+        metavar="C",
         help="most requests in flight; 0 for no limit (default: %(default)s)",
     )
     group.add_argument(
-        "--request-rate", type=float, default=None, metavar="R",
+        "--request-rate",
+        type=float,
+        default=None,
+        metavar="R",
         help="send requests as a Poisson process of R per second (default: all at once, within --concurrency)",
     )
     group.add_argument("--prompt-len", default="32-256", metavar="N|LO-HI", help="prompt tokens (default: %(default)s)")
@@ -73,28 +79,43 @@ def _add_workload_options(parser: argparse.ArgumentParser) -> None:
 def _add_target_options(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("what to benchmark")
     group.add_argument(
-        "--model", default=DEFAULT_MODEL, metavar="NAME|DIR",
+        "--model",
+        default=DEFAULT_MODEL,
+        metavar="NAME|DIR",
         help=f"a model directory, or a named benchmark model built on first use: {', '.join(BENCH_MODELS)} "
         "(default: %(default)s). With --url, the model the server runs (for the prompts' vocabulary and the baselines)",
     )
-    group.add_argument("--url", help="drive a running `trioserve serve` at this ws:// URL instead of an in-process engine")
+    group.add_argument(
+        "--url", help="drive a running `trioserve serve` at this ws:// URL instead of an in-process engine"
+    )
     group.add_argument("--api-key", default=None, help="the server's API key, if it wants one")
     group.add_argument(
-        "--baselines", default=",".join(BASELINE_KINDS), metavar="LIST",
+        "--baselines",
+        default=",".join(BASELINE_KINDS),
+        metavar="LIST",
         help="comma-separated, from %(default)s; 'none' for none (default: all)",
     )
-    group.add_argument("--baseline-timeout", type=float, default=1800, metavar="SECONDS", help="per baseline (default: %(default)s)")
-    group.add_argument("--max-num-seqs", type=int, default=64, help="engine: most requests in a batch (default: %(default)s)")
+    group.add_argument(
+        "--baseline-timeout", type=float, default=1800, metavar="SECONDS", help="per baseline (default: %(default)s)"
+    )
+    group.add_argument(
+        "--max-num-seqs", type=int, default=64, help="engine: most requests in a batch (default: %(default)s)"
+    )
     group.add_argument(
         "--max-num-batched-tokens", type=int, default=2048, help="engine: token budget of a step (default: %(default)s)"
     )
     group.add_argument("--kv-cache-mib", type=int, default=512, help="engine: KV cache memory (default: %(default)s)")
     group.add_argument(
-        "--max-steps-in-flight", type=int, choices=[1, 2], default=2,
+        "--max-steps-in-flight",
+        type=int,
+        choices=[1, 2],
+        default=2,
         help="engine: model steps sent before the oldest one's output is back (default: %(default)s)",
     )
     group.add_argument(
-        "--torch-threads", type=int, default=None,
+        "--torch-threads",
+        type=int,
+        default=None,
         help="torch threads of the engine's worker and of every baseline (default: CPU cores - 1 on the CPU)",
     )
     group.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto", help="default: %(default)s")

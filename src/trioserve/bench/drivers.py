@@ -89,7 +89,7 @@ async def drive(
                 progress.update(record)
 
     async with trio.open_nursery() as nursery:
-        for request, record in zip(requests, records):
+        for request, record in zip(requests, records, strict=True):
             await trio.sleep_until(start + request.arrival_s)
             await limit.acquire_on_behalf_of(request.index)
             nursery.start_soon(one, request, record)

@@ -67,7 +67,8 @@ def server_processes(port: int) -> dict[str, int]:
     (a remote server, or no permission to see it)."""
     try:
         listeners = [
-            c.pid for c in psutil.net_connections(kind="tcp")
+            c.pid
+            for c in psutil.net_connections(kind="tcp")
             if c.status == psutil.CONN_LISTEN and c.laddr and c.laddr.port == port and c.pid
         ]
     except (psutil.Error, OSError):
@@ -90,8 +91,8 @@ def _children_by_role(process: psutil.Process) -> dict[str, int]:
             cmdline = " ".join(child.cmdline())
         except psutil.Error:
             continue
-        for role in counts:
+        for role, count in counts.items():
             if f"entry {role}" in cmdline:
-                roles[f"{role}-{counts[role]}"] = child.pid
+                roles[f"{role}-{count}"] = child.pid
                 counts[role] += 1
     return roles

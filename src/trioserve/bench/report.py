@@ -31,9 +31,7 @@ def build_result(
 ) -> dict[str, Any]:
     """``in_run``: the worker's own step figures of this run (``bench.steps.in_run_figures``)."""
     ours = run["output_tokens_per_s"]
-    ratios = {
-        kind: ours / b["output_tokens_per_s"] for kind, b in baselines.items() if b.get("output_tokens_per_s")
-    }
+    ratios = {kind: ours / b["output_tokens_per_s"] for kind, b in baselines.items() if b.get("output_tokens_per_s")}
     return {
         **meta,
         "results": run,
@@ -98,7 +96,11 @@ def format_table(result: dict[str, Any]) -> str:
         f"  {'requests/s':<32}{r['requests_per_s']:.3f}",
         f"  {'output tokens/s':<32}{r['output_tokens_per_s']:.1f}",
     ]
-    for key, label in (("ttft_s", "time to first token"), ("itl_s", "inter-token latency"), ("e2e_s", "end-to-end latency")):
+    for key, label in (
+        ("ttft_s", "time to first token"),
+        ("itl_s", "inter-token latency"),
+        ("e2e_s", "end-to-end latency"),
+    ):
         d = r[key]
         lines.append(f"  {label + ' p50 / p99':<32}{_ms(d['p50'])} / {_ms(d['p99'])}")
     for name, size in result["peak_rss_bytes"].items():
@@ -169,8 +171,8 @@ def plot_latencies(records: list[RequestRecord], path: str | Path, title: str) -
         "end-to-end latency": [r.e2e for r in done],
     }
     fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
-    for ax, (name, values) in zip(axes, series.items()):
-        values = sorted(v * 1000 for v in values)
+    for ax, (name, seconds) in zip(axes, series.items(), strict=True):
+        values = sorted(v * 1000 for v in seconds)
         ys = [(i + 1) / len(values) for i in range(len(values))]
         ax.plot(values, ys, drawstyle="steps-post")
         for q in (0.5, 0.99):

@@ -22,9 +22,9 @@ from trioserve.bench.drivers import Progress, WebSocketPool, connections_for, dr
 from trioserve.bench.memory import PeakMemory, server_processes
 from trioserve.bench.stats import RequestRecord
 from trioserve.bench.steps import step_log_env
-from trioserve.runners.steplog import StepRecord, read_step_log, step_log_path
 from trioserve.bench.workload import BenchRequest, WorkloadSpec, build_requests, warmup_spec
 from trioserve.config import EngineConfig
+from trioserve.runners.steplog import StepRecord, read_step_log, step_log_path
 
 BASELINE_KINDS = ("model-only", "generate-batch", "generate")
 
@@ -51,9 +51,7 @@ async def run_in_process(config: EngineConfig, spec: WorkloadSpec, progress: Pro
     return outcome
 
 
-async def run_against_server(
-    url: str, api_key: str | None, spec: WorkloadSpec, progress: Progress
-) -> RunOutcome:
+async def run_against_server(url: str, api_key: str | None, spec: WorkloadSpec, progress: Progress) -> RunOutcome:
     """Run the workload against a running server over WebSocket. Peak memory
     covers the server's processes when they run on this machine."""
     requests = build_requests(spec)
@@ -86,12 +84,17 @@ async def _measure(
 def run_baseline(kind: str, config: EngineConfig, spec: WorkloadSpec, timeout_s: float | None = None) -> dict[str, Any]:
     """One baseline in a subprocess; its JSON, or ``{"error": ...}``."""
     command = [
-        sys.executable, "-m", "trioserve.bench.baselines", kind,
-        "--config", msgspec.json.encode(config).decode(),
-        "--spec", json.dumps(spec.to_dict()),
+        sys.executable,
+        "-m",
+        "trioserve.bench.baselines",
+        kind,
+        "--config",
+        msgspec.json.encode(config).decode(),
+        "--spec",
+        json.dumps(spec.to_dict()),
     ]
     try:
-        done = subprocess.run(command, capture_output=True, text=True, timeout=timeout_s)
+        done = subprocess.run(command, capture_output=True, text=True, timeout=timeout_s, check=False)
     except subprocess.TimeoutExpired:
         return {"kind": kind, "error": f"timed out after {timeout_s:.0f} s"}
     if done.returncode != 0:

@@ -17,6 +17,7 @@ Percentiles interpolate linearly between order statistics (numpy's default).
 
 from __future__ import annotations
 
+import itertools
 import math
 from dataclasses import dataclass, field
 from typing import Any
@@ -57,7 +58,7 @@ class RequestRecord:
 
     def itls(self) -> list[float]:
         gaps = []
-        for (before, _), (now, n) in zip(self.deliveries, self.deliveries[1:]):
+        for (before, _), (now, n) in itertools.pairwise(self.deliveries):
             gaps.extend([(now - before) / n] * n)
         return gaps
 

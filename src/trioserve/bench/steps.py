@@ -12,6 +12,7 @@ baselines.
 
 from __future__ import annotations
 
+import itertools
 import math
 import os
 from collections.abc import Iterator
@@ -55,7 +56,7 @@ def in_run_figures(steps: list[StepRecord], start_s: float, end_s: float) -> dic
     inside = [s for s in steps if start_s <= s.start_s <= end_s]
     if not inside:
         return None
-    gaps = [b.start_s - a.end_s for a, b in zip(inside, inside[1:])]
+    gaps = [b.start_s - a.end_s for a, b in itertools.pairwise(inside)]
     busy = sum(s.seconds for s in inside)
     return {
         "num_steps": len(inside),

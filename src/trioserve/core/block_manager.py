@@ -64,9 +64,7 @@ class BlockManager:
             raise ValueError(f"num_tokens: must be >= 0 (got {num_tokens!r})")
         needed = self.blocks_needed(req_id, num_tokens)
         if needed > len(self._free):
-            raise OutOfBlocksError(
-                f"request {req_id!r} needs {needed} more KV blocks, only {len(self._free)} are free"
-            )
+            raise OutOfBlocksError(f"request {req_id!r} needs {needed} more KV blocks, only {len(self._free)} are free")
         if num_tokens == 0 and req_id not in self._tables:
             return []
         new_blocks = [self._free.popleft() for _ in range(needed)]
@@ -88,8 +86,7 @@ class BlockManager:
         used = [block for table in self._tables.values() for block in table]
         if len(self._free) + len(used) != self.num_blocks:
             raise RuntimeError(
-                f"blocks not conserved: {len(self._free)} free + {len(used)} used "
-                f"!= {self.num_blocks} total"
+                f"blocks not conserved: {len(self._free)} free + {len(used)} used != {self.num_blocks} total"
             )
         everything = list(self._free) + used
         if len(set(everything)) != len(everything):
@@ -99,6 +96,4 @@ class BlockManager:
         for req_id, table in self._tables.items():
             want = cdiv(self._num_tokens.get(req_id, 0), self.block_size)
             if len(table) != want:
-                raise RuntimeError(
-                    f"table of {req_id!r} has {len(table)} blocks, its tokens need {want}"
-                )
+                raise RuntimeError(f"table of {req_id!r} has {len(table)} blocks, its tokens need {want}")

@@ -20,7 +20,6 @@ import logging
 import os
 import sys
 from collections.abc import Callable
-from typing import Any
 
 import msgspec
 import trio
@@ -88,6 +87,7 @@ class EngineCoreClient:
         self._startup_failed: StartupFailed | None = None
         self._dead: EngineDeadError | None = None
         self._last_heard = trio.current_time()  # any message from the engine core
+        self._silence = trio.CancelScope()  # the watchdog's: its deadline is the last message + the timeout
         self._engine_stalled = ""  # what its last heartbeat said
 
     # --- life cycle ---------------------------------------------------------
@@ -158,8 +158,8 @@ class EngineCoreClient:
         then it (and its process group) is killed. Cancelling this leaves
         nothing behind."""
         timeout = self.config.heartbeat_timeout_s
-        while self._silent_for() <= timeout:
-            await trio.sleep(self.config.heartbeat_interval_s / 2)
+        with trio.CancelScope(deadline=self._last_heard + timeout) as self._silence:
+            await trio.sleep_forever()  # every message heard moves the deadline on
         pid = self.process.pid if self.process is not None else "?"
         self._die(
             f"{self.name} (pid {pid}) sent nothing for {self._silent_for():.1f}s "
@@ -186,7 +186,9 @@ class EngineCoreClient:
             identity, raw = await sock.recv_multipart()
             hello = _decode_handshake(raw)
             if not isinstance(hello, Hello) or hello.engine_index != self.engine_index:
-                raise EngineStartupError(f"unexpected handshake message {hello!r}", stage="handshake", process=self.name)
+                raise EngineStartupError(
+                    f"unexpected handshake message {hello!r}", stage="handshake", process=self.name
+                )
             init = HandshakeInit(
                 config=self.config,
                 input_address=f"ipc://{ipc_dir}/input-{self.engine_index}",
@@ -355,6 +357,7 @@ class EngineCoreClient:
             while True:
                 msg = decoder.decode(await sock.recv())
                 self._last_heard = trio.current_time()
+                self._silence.deadline = self._last_heard + self.config.heartbeat_timeout_s
                 if isinstance(msg, EngineOutputs):
                     self._dispatch(msg)
                 elif isinstance(msg, StatsReply):
@@ -381,4 +384,3 @@ class EngineCoreClient:
                 del self.requests[output.request_id]
                 if finished_by_stop_string:
                     self._send_abort(output.request_id)
-

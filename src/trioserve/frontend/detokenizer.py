@@ -181,9 +181,7 @@ class IncrementalDetokenizer:
     def _decode(self, start: int, end: int) -> str:
         if start == end:
             return ""
-        return self._tokenizer.decode(
-            self._ids[start:end], skip_special_tokens=self._skip_special_tokens
-        )
+        return self._tokenizer.decode(self._ids[start:end], skip_special_tokens=self._skip_special_tokens)
 
     # --- stop strings --------------------------------------------------------
 

@@ -79,7 +79,9 @@ class PromptChecker:
 
     def _token_ids(self, prompt: object) -> list[int]:
         if not isinstance(prompt, Sequence) or isinstance(prompt, (bytes, bytearray)):
-            raise InvalidRequestError("prompt", f"must be a string or a list of token ids (got {type(prompt).__name__})")
+            raise InvalidRequestError(
+                "prompt", f"must be a string or a list of token ids (got {type(prompt).__name__})"
+            )
         try:
             num_tokens = len(prompt)
         except OverflowError:  # range(2**64): more than any context

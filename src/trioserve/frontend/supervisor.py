@@ -48,11 +48,15 @@ def _new_client(
     config: EngineConfig, engine_index: int, on_dead: Callable[[EngineCoreClient], None]
 ) -> EngineCoreClient:
     return EngineCoreClient(config, engine_index, on_dead=on_dead)
+
+
 log = logging.getLogger("trioserve.supervisor")
 
 
 class EngineSupervisor:
-    def __init__(self, config: EngineConfig, engine_index: int = 0, *, client_factory: ClientFactory = _new_client) -> None:
+    def __init__(
+        self, config: EngineConfig, engine_index: int = 0, *, client_factory: ClientFactory = _new_client
+    ) -> None:
         self.config = config
         self._client_factory = client_factory
         self.engine_index = engine_index
@@ -110,7 +114,6 @@ class EngineSupervisor:
             nonlocal started
             started = True
             task_status.started(info)
-
 
         try:
             await self._run_generation(ready)

@@ -61,9 +61,7 @@ class Tokenizer:
         backend.no_padding()
         self._backend = backend
         added = backend.get_added_tokens_decoder()
-        self.vocab_size: int = max(
-            backend.get_vocab_size(with_added_tokens=True), max(added, default=-1) + 1
-        )
+        self.vocab_size: int = max(backend.get_vocab_size(with_added_tokens=True), max(added, default=-1) + 1)
         # The longest vocabulary entry, in characters: no token stands for more
         # text than this (byte-level entries spell each byte as one character).
         self.max_token_chars: int = max(map(len, backend.get_vocab(with_added_tokens=True)), default=1)
@@ -173,10 +171,7 @@ class _ConfigIds:
             value = config.get(field)
             values = [] if value is None else value if isinstance(value, list) else [value]
             if not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in values):
-                raise ValueError(
-                    f"{path}: {field} must be a non-negative int or a list of them "
-                    f"(got {value!r})"
-                )
+                raise ValueError(f"{path}: {field} must be a non-negative int or a list of them (got {value!r})")
             ids.extend(values)
         return ids
 

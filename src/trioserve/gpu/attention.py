@@ -171,7 +171,7 @@ def _group_decodes(
     """The one-token sequences (their indices), shortest context first, cut
     into groups of at most ``max_blocks`` sequences x padded blocks (a lone
     sequence longer than that is a group of its own)."""
-    blocks = {i: -(-c // block_size) for i, (n, c) in enumerate(zip(query_lens, context_lens)) if n == 1}
+    blocks = {i: -(-c // block_size) for i, (n, c) in enumerate(zip(query_lens, context_lens, strict=True)) if n == 1}
     groups: list[list[int]] = []
     current: list[int] = []
     for i in sorted(blocks, key=blocks.__getitem__):
@@ -179,7 +179,7 @@ def _group_decodes(
             groups.append(current)
             current = []
         current.append(i)
-    return groups + [current] if current else groups
+    return [*groups, current] if current else groups
 
 
 def _decode_group(

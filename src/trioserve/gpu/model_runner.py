@@ -22,7 +22,6 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from trioserve.runners.steplog import STEP_LOG_ENV, StepRecord, format_step, step_log_path
 from trioserve.config import EngineConfig
 from trioserve.gpu.attention import ATTENTION_NAME, METADATA_KWARG, KVCache, build_metadata
 from trioserve.gpu.host_memory import keep_freed_memory
@@ -36,6 +35,7 @@ from trioserve.messages import (
     SchedulerOutput,
     WorkerLoaded,
 )
+from trioserve.runners.steplog import STEP_LOG_ENV, StepRecord, format_step, step_log_path
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
@@ -120,7 +120,8 @@ class ModelRunner:
         self.generator = torch.Generator(device=self.device).manual_seed(config.seed)
         # Benchmarks ask for each step's timing (trioserve.runners.steplog); a line per step.
         log_base = os.environ.get(STEP_LOG_ENV)
-        self._step_log = open(step_log_path(log_base, rank), "w", buffering=1) if log_base else None
+        # The runner's own file, open as long as the runner (a worker process ends without teardown).
+        self._step_log = open(step_log_path(log_base, rank), "w", buffering=1) if log_base else None  # noqa: SIM115
 
     # --- start-up -----------------------------------------------------------
 
@@ -217,7 +218,7 @@ class ModelRunner:
             [r.params for r in reqs], [r.token_ids for r in reqs], [r.num_prompt_tokens for r in reqs]
         )
         out = sample(logits, batch, self.generator)
-        for req, token_id in zip(reqs, out.token_ids):
+        for req, token_id in zip(reqs, out.token_ids, strict=True):
             req.token_ids.append(token_id)  # the next step computes it, whether or not the engine has it yet
         return RunnerOutput(req_ids=step.sample_req_ids, sampled_token_ids=out.token_ids, logprobs=out.logprobs)
 

@@ -83,7 +83,7 @@ def apply_penalties(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
         penalized = torch.where(logits > 0, logits / penalty, logits * penalty)
         logits = torch.where(seen, penalized, logits)
     if any(p.frequency_penalty != 0.0 or p.presence_penalty != 0.0 for p in params):
-        outputs = [t[n:] for t, n in zip(batch.token_ids, batch.num_prompt_tokens)]
+        outputs = [t[n:] for t, n in zip(batch.token_ids, batch.num_prompt_tokens, strict=True)]
         counts = _token_counts(outputs, vocab, device)  # [B, V]
         frequency = _column([p.frequency_penalty for p in params], logits.dtype, device)
         presence = _column([p.presence_penalty for p in params], logits.dtype, device)
@@ -125,7 +125,7 @@ def exponential_noise(
     unseeded = [i for i, p in enumerate(batch.params) if p.seed is None]
     if unseeded:
         noise[unseeded] = torch.empty(len(unseeded), vocab, device=device).exponential_(generator=generator)
-    for i, (p, position) in enumerate(zip(batch.params, batch.positions)):
+    for i, (p, position) in enumerate(zip(batch.params, batch.positions, strict=True)):
         if p.seed is not None:
             row_generator = torch.Generator(device=device).manual_seed(seed_for(p.seed, position))
             noise[i].exponential_(generator=row_generator)

@@ -233,7 +233,9 @@ class Executor:
         world = len(self._workers)
         self.stage = "model-load"
         with trio.move_on_after(self.config.model_load_timeout_s) as scope:
-            inits: list[ToWorker] = [WorkerInit(config=self.config, rank=w.rank, world_size=world) for w in self._workers]
+            inits: list[ToWorker] = [
+                WorkerInit(config=self.config, rank=w.rank, world_size=world) for w in self._workers
+            ]
             loaded = await self._call_all(inits, WorkerLoaded)
             num_blocks = min(w.max_num_kv_blocks for w in loaded)
             self.stage = "kv-cache"
@@ -265,7 +267,7 @@ class Executor:
     async def _send_all(self, messages: Sequence[ToWorker]) -> None:
         """Send each worker its message. A worker whose stream is already
         closed (it is exiting) fails as in ``_receive_all``."""
-        for worker, msg in zip(self._workers, messages):
+        for worker, msg in zip(self._workers, messages, strict=True):
             assert worker.outbox is not None
             try:
                 await worker.outbox.send(msg)
@@ -359,14 +361,19 @@ class Executor:
             )
         self._timing.observe(step.num_tokens, trio.current_time() - started)
         first = replies[OUTPUT_RANK]
-        for worker, reply in zip(self._workers, replies):
+        for worker, reply in zip(self._workers, replies, strict=True):
             # Each rank appends what it samples to its own copy of the requests:
             # ranks that disagree would drift apart silently.
-            if reply is not first and (reply.req_ids, reply.sampled_token_ids) != (first.req_ids, first.sampled_token_ids):
-                raise self._report(WorkerError(
-                    f"{worker.name} (pid {worker.pid}) sampled other tokens than rank {OUTPUT_RANK} "
-                    f"in {self._stage_label()}",
-                    stage="step",
-                    process=worker.name,
-                ))
+            if reply is not first and (reply.req_ids, reply.sampled_token_ids) != (
+                first.req_ids,
+                first.sampled_token_ids,
+            ):
+                raise self._report(
+                    WorkerError(
+                        f"{worker.name} (pid {worker.pid}) sampled other tokens than rank {OUTPUT_RANK} "
+                        f"in {self._stage_label()}",
+                        stage="step",
+                        process=worker.name,
+                    )
+                )
         return first

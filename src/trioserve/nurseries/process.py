@@ -266,7 +266,10 @@ def _check_nesting(name: str, child_env: Mapping[str, str], grace_s: float) -> N
         log.warning(
             "%s: grace_s %.2fs is not above its hard exit (%.2fs) + %.2fs: after a stop, it may get SIGTERM "
             "while it still waits on its own children",
-            name, grace_s, hard_exit_s, REAP_WAIT_S,
+            name,
+            grace_s,
+            hard_exit_s,
+            REAP_WAIT_S,
         )
 
 
@@ -279,7 +282,7 @@ async def _wait_until_dead(pid: int) -> None:
     except (AttributeError, OSError):  # no pidfd_open (not Linux >= 5.3), or reaped already: poll waitid
         while True:
             try:
-                if os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is not None:
+                if os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is not None:  # noqa: ASYNC222 - WNOHANG
                     return
             except ChildProcessError:  # reaped already: by this process's ending, which we cannot outlive
                 return

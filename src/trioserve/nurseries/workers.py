@@ -27,9 +27,7 @@ class WorkerError(RuntimeError):
     ``model-load``, ``kv-cache``, ``step``), ``process`` the worker's name,
     ``exit_code`` its exit status if it exited (negative: the signal)."""
 
-    def __init__(
-        self, message: str, *, stage: ExecutorStage, process: str = "", exit_code: int | None = None
-    ) -> None:
+    def __init__(self, message: str, *, stage: ExecutorStage, process: str = "", exit_code: int | None = None) -> None:
         super().__init__(message)
         self.stage = stage
         self.process = process
@@ -55,6 +53,7 @@ class WorkerHandle:
     bridge: MessageBridge[ToWorker, FromWorker] | None = None
     outbox: trio.MemorySendChannel[ToWorker] | None = None
     inbox: trio.MemoryReceiveChannel[FromWorker] | None = None
+
     @property
     def heard(self) -> bool:
         """A message (a heartbeat at least) came from it since it started."""

@@ -32,4 +32,3 @@ class Runner(Protocol):
     def execute(self, step: SchedulerOutput) -> RunnerOutput:
         """Run one step and return the tokens it sampled."""
         ...
-

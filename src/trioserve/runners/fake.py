@@ -89,7 +89,9 @@ class FakeRunner:
         max_model_len = self.fake.max_model_len
         if self.config.max_model_len is not None:
             max_model_len = min(max_model_len, self.config.max_model_len)
-        model = ModelInfo(vocab_size=self.vocab_size, max_model_len=max_model_len, eos_token_ids=[self.fake.eos_token_id])
+        model = ModelInfo(
+            vocab_size=self.vocab_size, max_model_len=max_model_len, eos_token_ids=[self.fake.eos_token_id]
+        )
         return WorkerLoaded(model=model, max_num_kv_blocks=self.config.num_kv_blocks or self.fake.num_kv_blocks)
 
     def init_kv_cache(self, num_blocks: int) -> None:

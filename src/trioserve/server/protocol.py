@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import json
 import re
-from typing import Any, Literal
+from typing import Any, Literal, TypeGuard
 
 import msgspec
 
@@ -194,7 +194,7 @@ def _parse_generate(raw: dict[str, Any]) -> Generate:
     return Generate(id=request_id, prompt=prompt, prompt_token_ids=token_ids, params=_parse_params(raw, request_id))
 
 
-def _is_valid_id(value: object) -> bool:
+def _is_valid_id(value: object) -> TypeGuard[str]:
     return isinstance(value, str) and 1 <= len(value) <= MAX_ID_LENGTH
 
 

@@ -42,7 +42,7 @@ _context_lock = threading.Lock()
 def zmq_context() -> zmq.Context[Any]:
     """The process's one zmq context, created on first use (and again in a
     forked child, which must not use its parent's)."""
-    global _context, _context_pid
+    global _context, _context_pid  # noqa: PLW0603 - one context per process, made on first use
     with _context_lock:
         if _context is None or _context_pid != os.getpid():
             _context = zmq.Context()
