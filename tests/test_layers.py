@@ -36,6 +36,7 @@ RANKS = {
     "api": 7,
     "server": 8,
     "bench": 8,
+    "chat": 8,
     "cli": 9,
     "__init__": 10,  # the public face re-exports from anywhere
 }
@@ -59,6 +60,7 @@ THIRD_PARTY = {
     # h11: HTTP/1.1 framing (server/http_conn.py); prometheus_client: /metrics (server/metrics.py).
     "server": {"msgspec", "trio", "trio_websocket", "h11", "prometheus_client"},
     "bench": {"msgspec", "trio", "trio_websocket", "psutil", "matplotlib", "numpy"},
+    "chat": {"trio"},
     "cli": {"msgspec", "trio"},
     "__init__": set(),
 }
