@@ -81,6 +81,22 @@ class HttpConnection:
             else:
                 raise BadRequest("connection closed before the end of the request body")
 
+    async def finish_request(self) -> None:
+        """Read and drop whatever of the request's body was not read (at most
+        ``max_body_bytes``; beyond that, or on a malformed body, the
+        connection cannot be kept alive). Returns at once for a request
+        without a body. If cancelled, the connection is to be closed."""
+        dropped = 0
+        try:
+            while self._h11.their_state is h11.SEND_BODY and dropped <= self.max_body_bytes:
+                event = await self._next_event()
+                if isinstance(event, h11.Data):
+                    dropped += len(event.data)
+                elif not isinstance(event, h11.EndOfMessage):
+                    return
+        except BadRequest:
+            return
+
     def _declared_length(self) -> int | None:
         assert self._request is not None
         for name, value in self._request.headers:

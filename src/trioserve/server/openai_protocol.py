@@ -188,8 +188,9 @@ def plan_completion(request: CompletionRequest) -> Plan:
         raise invalid("suffix", "not supported", code="unsupported")
     if request.best_of is not None and request.best_of != request.n:
         raise invalid("best_of", "not supported (other than equal to n)", code="unsupported")
-    params = _sampling_params(request, max_tokens=request.max_tokens, logprobs=request.logprobs, default_max=16)
-    return _plan(request, params, {"prompt": "prompt", "max_tokens": "max_tokens"})
+    names = {"prompt": "prompt", "max_tokens": "max_tokens"}
+    params = _sampling_params(request, names, max_tokens=request.max_tokens, logprobs=request.logprobs, default_max=16)
+    return _plan(request, params, names)
 
 
 def completion_prompt(request: CompletionRequest) -> str | list[int]:
@@ -217,8 +218,8 @@ def plan_chat(request: ChatCompletionRequest, max_model_len: int) -> Plan:
     given = "max_completion_tokens" if request.max_completion_tokens is not None else "max_tokens"
     max_tokens = request.max_completion_tokens if request.max_completion_tokens is not None else request.max_tokens
     logprobs = (request.top_logprobs or 0) if request.logprobs else None
-    params = _sampling_params(request, max_tokens=max_tokens, logprobs=logprobs, default_max=max_model_len)
     names = {"prompt": "messages", "max_tokens": given, "logprobs": "top_logprobs"}
+    params = _sampling_params(request, names, max_tokens=max_tokens, logprobs=logprobs, default_max=max_model_len)
     return _plan(request, params, names)
 
 
@@ -241,9 +242,9 @@ def _check_unsupported(request: _Sampling) -> None:
 
 
 def _sampling_params(
-    request: _Sampling, *, max_tokens: int | None, logprobs: int | None, default_max: int
+    request: _Sampling, names: dict[str, str], *, max_tokens: int | None, logprobs: int | None, default_max: int
 ) -> SamplingParams:
-    """The engine's parameters; ``InvalidRequestError`` naming the engine's field."""
+    """The engine's parameters; an ``OpenAIError`` naming the client's field (``names``)."""
     given: dict[str, Any] = {
         "temperature": request.temperature,
         "top_p": request.top_p,
@@ -254,14 +255,17 @@ def _sampling_params(
         "repetition_penalty": request.repetition_penalty,
     }
     stop = [request.stop] if isinstance(request.stop, str) else list(request.stop or [])
-    return SamplingParams(
-        max_tokens=default_max if max_tokens is None else max_tokens,
-        seed=request.seed,
-        stop=stop,
-        ignore_eos=request.ignore_eos,
-        logprobs=logprobs,
-        **{name: value for name, value in given.items() if value is not None},
-    )
+    try:
+        return SamplingParams(
+            max_tokens=default_max if max_tokens is None else max_tokens,
+            seed=request.seed,
+            stop=stop,
+            ignore_eos=request.ignore_eos,
+            logprobs=logprobs,
+            **{name: value for name, value in given.items() if value is not None},
+        )
+    except InvalidRequestError as exc:
+        raise OpenAIError.from_engine(exc, names) from None
 
 
 def _plan(request: _Sampling, params: SamplingParams, names: dict[str, str]) -> Plan:

@@ -242,6 +242,7 @@ class Server:
         client_id = new_client_id()
         deadline = trio.current_time() + self.config.handshake_timeout_s
         while conn.num_requests < self.config.max_http_requests_per_connection:
+            head: http.RequestHead | None = None
             try:
                 with trio.move_on_at(deadline):
                     head = await conn.read_head()
@@ -251,13 +252,15 @@ class Server:
                         if reply is None:
                             return await self._serve_websocket(conn.websocket_stream(), deadline)
                         await conn.send_json(reply.status, reply.body, reply.headers, head_only=head.method == "HEAD")
-                if head is None or (not head.is_api and not conn.can_keep_alive):
-                    return  # closed, timed out, or answered for good
+                if head is None:
+                    return  # closed, or timed out
                 if head.is_api:
                     await self._serve_api(conn, head, client_id)
             except http.BadRequest as exc:
                 await conn.send_error_and_close(exc)
                 return
+            with trio.move_on_after(self.config.handshake_timeout_s):
+                await conn.finish_request()  # what is left of a body nobody read
             if not conn.can_keep_alive or self.state.stopping.is_set():
                 return
             deadline = trio.current_time() + self.config.keepalive_timeout_s
