@@ -78,8 +78,9 @@ class PromptChecker:
 
     def _encode(self, text: str) -> list[int]:
         self._check_text(text)
-        # A chat template's text holds its special tokens already.
-        return self.tokenizer.encode(text, add_special_tokens=not isinstance(text, TemplatedText))
+        if isinstance(text, TemplatedText):  # a chat template's text holds its special tokens already
+            return self.tokenizer.encode(text, add_special_tokens=False)
+        return self.tokenizer.encode(text)
 
     def _token_ids(self, prompt: object) -> list[int]:
         if not isinstance(prompt, Sequence) or isinstance(prompt, (bytes, bytearray)):
