@@ -10,9 +10,9 @@ import json
 import openai
 import pytest
 import trio
-from test_server import in_thread, serving, wait_blocks_free
 
 import trioserve
+from test_server import in_thread, serving, wait_blocks_free
 from trioserve import EngineConfig, InvalidRequestError, SamplingParams
 from trioserve.frontend.chat_template import ChatTemplate, TemplatedText
 from trioserve.frontend.parallel_sampling import child_params
@@ -64,13 +64,13 @@ def test_a_template_in_tokenizer_config_renders_as_transformers_renders_it(tiny_
 
 
 def test_a_template_runs_sandboxed_and_its_refusals_name_messages():
-    with pytest.raises(InvalidRequestError, match="^messages: .*refused them: no assistant first"):
+    with pytest.raises(InvalidRequestError, match=r"^messages: .*refused them: no assistant first"):
         ChatTemplate(
             "{% if messages[0]['role'] == 'assistant' %}{{ raise_exception('no assistant first') }}{% endif %}"
         ).render([{"role": "assistant", "content": "hi"}])
-    with pytest.raises(InvalidRequestError, match="^messages: "):  # the sandbox refuses to reach Python internals
+    with pytest.raises(InvalidRequestError, match=r"^messages: "):  # the sandbox refuses to reach Python internals
         ChatTemplate("{{ messages.__class__.__mro__ }}").render([{"role": "user", "content": "x"}])
-    with pytest.raises(InvalidRequestError, match="^messages: "):  # and to mutate its inputs
+    with pytest.raises(InvalidRequestError, match=r"^messages: "):  # and to mutate its inputs
         ChatTemplate("{{ messages.append(1) }}").render([{"role": "user", "content": "x"}])
 
 
@@ -101,10 +101,13 @@ async def test_n_samples_stream_together_and_leaving_early_aborts_every_one(fake
                     if stats.num_running == 4:
                         break
             assert engine.num_requests_in_flight() == 0
-            with trio.fail_after(5):
-                while (stats := await engine.stats()).num_free_blocks != stats.num_total_blocks:
-                    await trio.sleep(0.02)
-            with pytest.raises(InvalidRequestError, match="^n: "):
+            for _ in range(250):  # at most 5 s
+                stats = await engine.stats()
+                if stats.num_free_blocks == stats.num_total_blocks:
+                    break
+                await trio.sleep(0.02)
+            assert stats.num_free_blocks == stats.num_total_blocks
+            with pytest.raises(InvalidRequestError, match=r"^n: "):
                 engine.stream_n("x", n=0)
 
 
@@ -118,12 +121,28 @@ async def test_logprobs_come_back_through_the_api_for_completions_and_chat(tiny_
         async with serving(config, model_name="tiny") as server:
             api = openai.OpenAI(base_url=server.http_url, api_key="x", max_retries=0, timeout=60)
             run = functools.partial(in_thread)
-            completion = await run(api.completions.create, model="tiny", prompt="Hello", max_tokens=5, temperature=0,
-                                   logprobs=3)
-            chat = await run(api.chat.completions.create, model="tiny", messages=MESSAGES[:2], max_tokens=4,
-                             temperature=0, logprobs=True, top_logprobs=2)
-            streamed = await run(api.chat.completions.create, model="tiny", messages=MESSAGES[:2], max_tokens=4,
-                                 temperature=0, logprobs=True, top_logprobs=2, stream=True)
+            completion = await run(
+                api.completions.create, model="tiny", prompt="Hello", max_tokens=5, temperature=0, logprobs=3
+            )
+            chat = await run(
+                api.chat.completions.create,
+                model="tiny",
+                messages=MESSAGES[:2],
+                max_tokens=4,
+                temperature=0,
+                logprobs=True,
+                top_logprobs=2,
+            )
+            streamed = await run(
+                api.chat.completions.create,
+                model="tiny",
+                messages=MESSAGES[:2],
+                max_tokens=4,
+                temperature=0,
+                logprobs=True,
+                top_logprobs=2,
+                stream=True,
+            )
             chunks = await in_thread(list, streamed)
             await wait_blocks_free(server)
     lp = completion.choices[0].logprobs
@@ -135,6 +154,7 @@ async def test_logprobs_come_back_through_the_api_for_completions_and_chat(tiny_
     content = chat.choices[0].logprobs.content
     assert len(content) == 4 and all(len(c.top_logprobs) == 2 and c.logprob <= 0 for c in content)
     assert all(c.logprob == c.top_logprobs[0].logprob for c in content)
-    streamed_content = [c for chunk in chunks for choice in chunk.choices if choice.logprobs
-                        for c in choice.logprobs.content]
+    streamed_content = [
+        c for chunk in chunks for choice in chunk.choices if choice.logprobs for c in choice.logprobs.content
+    ]
     assert [c.token for c in streamed_content] == [c.token for c in content]

@@ -15,8 +15,8 @@ import openai
 import pytest
 import trio
 from prometheus_client.parser import text_string_to_metric_families
-from test_server import fake_config, in_thread, serving, wait_blocks_free  # noqa: F401
 
+from test_server import fake_config, in_thread, serving, wait_blocks_free  # noqa: F401
 from trioserve import EngineConfig
 from trioserve.server import Server
 
@@ -33,7 +33,12 @@ async def run(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
 
 
 def raw_request(
-    server: Server, method: str, path: str, body: bytes = b"", headers: dict[str, str] | None = None,
+    server: Server,
+    method: str,
+    path: str,
+    body: bytes = b"",
+    *,
+    headers: dict[str, str] | None = None,
     declared_length: int | None = None,
 ):
     """One HTTP/1.1 request on a fresh socket: ``(status, headers, body)``,
@@ -88,7 +93,12 @@ async def test_completions_streamed_and_not_give_the_same_text_and_the_right_usa
             api = client(server)
             whole = await run(api.completions.create, model=MODEL, prompt="Hello there", max_tokens=12, temperature=0)
             streamed = await run(
-                api.completions.create, model=MODEL, prompt="Hello there", max_tokens=12, temperature=0, stream=True,
+                api.completions.create,
+                model=MODEL,
+                prompt="Hello there",
+                max_tokens=12,
+                temperature=0,
+                stream=True,
                 stream_options={"include_usage": True},
             )
             texts, finishes, usage = await run(stream_text, streamed)
@@ -98,7 +108,9 @@ async def test_completions_streamed_and_not_give_the_same_text_and_the_right_usa
     assert [c.index for c in whole.choices] == [0] and whole.choices[0].text
     assert texts == [whole.choices[0].text] and finishes == [whole.choices[0].finish_reason] == ["length"]
     assert (whole.usage.prompt_tokens, whole.usage.completion_tokens, whole.usage.total_tokens) == (
-        prompt_tokens, 12, prompt_tokens + 12,
+        prompt_tokens,
+        12,
+        prompt_tokens + 12,
     )
     assert usage is not None and usage.model_dump() == whole.usage.model_dump()
 
@@ -112,8 +124,15 @@ async def test_chat_completions_streamed_and_not_give_the_same_text_and_n_2_give
             streamed = await run(create, model=MODEL, messages=MESSAGES, max_tokens=10, temperature=0, stream=True)
             texts, finishes, usage = await run(stream_text, streamed)
             two = await run(create, model=MODEL, messages=MESSAGES, max_tokens=7, n=2, seed=3)
-            two_streamed = await run(create, model=MODEL, messages=MESSAGES, max_tokens=7, n=2, stream=True,
-                                     stream_options={"include_usage": True})
+            two_streamed = await run(
+                create,
+                model=MODEL,
+                messages=MESSAGES,
+                max_tokens=7,
+                n=2,
+                stream=True,
+                stream_options={"include_usage": True},
+            )
             texts2, finishes2, usage2 = await run(stream_text, two_streamed, 2)
             prompt_tokens = chat_prompt_tokens(server, MESSAGES)
     message = whole.choices[0].message
@@ -122,7 +141,9 @@ async def test_chat_completions_streamed_and_not_give_the_same_text_and_n_2_give
     assert (whole.usage.prompt_tokens, whole.usage.completion_tokens) == (prompt_tokens, 10)
     assert [c.index for c in two.choices] == [0, 1] and all(c.message.content for c in two.choices)
     assert (two.usage.prompt_tokens, two.usage.completion_tokens, two.usage.total_tokens) == (
-        prompt_tokens, 14, prompt_tokens + 14,
+        prompt_tokens,
+        14,
+        prompt_tokens + 14,
     )
     assert all(texts2) and finishes2 == ["length", "length"]
     assert usage2 is not None and (usage2.prompt_tokens, usage2.completion_tokens) == (prompt_tokens, 14)
@@ -152,7 +173,9 @@ async def test_the_api_key_is_required_on_the_api_but_not_on_health_and_metrics(
     assert info.value.status_code == 401
     assert info.value.body == {  # type: ignore[comparison-overlap]
         "message": "missing or wrong API key: send 'Authorization: Bearer <key>'",
-        "type": "authentication_error", "param": None, "code": "invalid_api_key",
+        "type": "authentication_error",
+        "param": None,
+        "code": "invalid_api_key",
     }
     assert [m.id for m in good.data] == [MODEL]
     assert health[0] == 200 and metrics[0] == 200
@@ -166,21 +189,57 @@ BAD_REQUESTS = [
     ("/v1/completions", b'{"model": "tiny-llama", "prompt": "x"', 400, None, "invalid_json"),
     ("/v1/completions", b"[1, 2]", 400, None, None),
     ("/v1/completions", b'{"model": "tiny-llama", "prompt": "x", "bogus": 1}', 400, "bogus", "unknown_field"),
-    ("/v1/chat/completions", b'{"model": "tiny-llama", "messages": [{"role": "user", "content": "x", "mood": 1}]}',
-     400, "messages[0].mood", "unknown_field"),
-    ("/v1/completions", b'{"model": "tiny-llama", "prompt": "x", "temperature": -1}', 400, "temperature",
-     "invalid_value"),
-    ("/v1/completions", b'{"model": "tiny-llama", "prompt": "x", "max_tokens": "many"}', 400, "max_tokens",
-     "invalid_type"),
-    ("/v1/chat/completions", b'{"model": "tiny-llama", "messages": [{"role": "user", "content": "x"}], '
-     b'"max_completion_tokens": 0}', 400, "max_completion_tokens", "invalid_value"),
-    ("/v1/chat/completions", b'{"model": "tiny-llama", "messages": [{"role": "user", "content": "x"}], '
-     b'"logprobs": true, "top_logprobs": 21}', 400, "top_logprobs", "invalid_value"),
+    (
+        "/v1/chat/completions",
+        b'{"model": "tiny-llama", "messages": [{"role": "user", "content": "x", "mood": 1}]}',
+        400,
+        "messages[0].mood",
+        "unknown_field",
+    ),
+    (
+        "/v1/completions",
+        b'{"model": "tiny-llama", "prompt": "x", "temperature": -1}',
+        400,
+        "temperature",
+        "invalid_value",
+    ),
+    (
+        "/v1/completions",
+        b'{"model": "tiny-llama", "prompt": "x", "max_tokens": "many"}',
+        400,
+        "max_tokens",
+        "invalid_type",
+    ),
+    (
+        "/v1/chat/completions",
+        b'{"model": "tiny-llama", "messages": [{"role": "user", "content": "x"}], "max_completion_tokens": 0}',
+        400,
+        "max_completion_tokens",
+        "invalid_value",
+    ),
+    (
+        "/v1/chat/completions",
+        b'{"model": "tiny-llama", "messages": [{"role": "user", "content": "x"}], '
+        b'"logprobs": true, "top_logprobs": 21}',
+        400,
+        "top_logprobs",
+        "invalid_value",
+    ),
     ("/v1/completions", b'{"model": "tiny-llama", "prompt": "x", "n": 0}', 400, "n", "invalid_value"),
-    ("/v1/completions", b'{"model": "tiny-llama", "prompt": "' + b"long " * 400 + b'"}', 400, "prompt",
-     "context_length_exceeded"),
-    ("/v1/chat/completions", b'{"model": "tiny-llama", "messages": [{"role": "user", "content": "'
-     + b"long " * 400 + b'"}]}', 400, "messages", "context_length_exceeded"),
+    (
+        "/v1/completions",
+        b'{"model": "tiny-llama", "prompt": "' + b"long " * 400 + b'"}',
+        400,
+        "prompt",
+        "context_length_exceeded",
+    ),
+    (
+        "/v1/chat/completions",
+        b'{"model": "tiny-llama", "messages": [{"role": "user", "content": "' + b"long " * 400 + b'"}]}',
+        400,
+        "messages",
+        "context_length_exceeded",
+    ),
     ("/v1/completions", b'{"prompt": "x"}', 400, "model", "missing_field"),
     ("/v1/completions", b'{"model": "gpt-4", "prompt": "x"}', 404, "model", "model_not_found"),
     ("/v1/nothing", b"{}", 404, None, "not_found"),
@@ -194,8 +253,14 @@ async def test_every_bad_request_gets_an_openai_error_object_and_a_request_besid
             results: dict[str, Any] = {}
 
             async def long_request() -> None:
-                stream = await run(api.completions.create, model=MODEL, prompt="Beside", max_tokens=150, stream=True,
-                                   extra_body={"ignore_eos": True})
+                stream = await run(
+                    api.completions.create,
+                    model=MODEL,
+                    prompt="Beside",
+                    max_tokens=150,
+                    stream=True,
+                    extra_body={"ignore_eos": True},
+                )
                 results["long"] = await run(stream_text, stream)
 
             async with trio.open_nursery() as nursery:
@@ -210,9 +275,7 @@ async def test_every_bad_request_gets_an_openai_error_object_and_a_request_besid
         got_status, headers, payload = results[path, body]
         error = json.loads(payload)["error"]
         assert (got_status, error["param"], error["code"]) == (status, param, code), (path, body[:80], error)
-        assert set(error) == {"message", "type", "param", "code"} and error["type"] in (
-            "invalid_request_error", "not_found_error",
-        ) or error["type"] == "invalid_request_error"
+        assert set(error) == {"message", "type", "param", "code"} and error["type"] == "invalid_request_error"
         assert param is None or error["message"].startswith(param), error
         assert headers["content-type"] == "application/json"
     assert results["405"][0] == 405 and json.loads(results["405"][2])["error"]["code"] == "method_not_allowed"
@@ -225,8 +288,9 @@ async def test_every_bad_request_gets_an_openai_error_object_and_a_request_besid
 
 
 async def test_a_streaming_client_that_disconnects_has_its_request_aborted_and_its_blocks_freed(config):
-    body = json.dumps({"model": MODEL, "prompt": "Go on", "max_tokens": 2000, "stream": True, "ignore_eos": True,
-                       "n": 2}).encode()
+    body = json.dumps(
+        {"model": MODEL, "prompt": "Go on", "max_tokens": 2000, "stream": True, "ignore_eos": True, "n": 2}
+    ).encode()
     with trio.fail_after(60):
         async with serving(config(step_delay_s=0.01), model_name=MODEL) as server:
             assert server.engine is not None
@@ -287,8 +351,9 @@ async def test_metrics_parse_and_their_counters_move_as_requests_are_served(conf
 
 async def test_keep_alive_serves_several_requests_on_one_connection_and_an_idle_one_is_closed(config):
     with trio.fail_after(60):
-        async with serving(config(), model_name=MODEL, keepalive_timeout_s=0.5,
-                           max_http_requests_per_connection=3) as server:
+        async with serving(
+            config(), model_name=MODEL, keepalive_timeout_s=0.5, max_http_requests_per_connection=3
+        ) as server:
 
             def three_then_closed() -> tuple[list[int], float, bytes]:
                 statuses = []

@@ -143,4 +143,5 @@ async def test_the_readme_commands_serve_the_default_model_which_knows_the_capit
         assert client.stdout
         proc.send_signal(signal.SIGTERM)
         assert await in_thread(proc.wait, 30) == 0
-    assert sorted(p.name for p in (tmp_path / "cache").iterdir()) == ["SmolLM2-135M-Instruct-f32-v1"]  # nothing half-built
+    # Nothing half-built is left beside the model.
+    assert sorted(p.name for p in (tmp_path / "cache").iterdir()) == ["SmolLM2-135M-Instruct-f32-v1"]
