@@ -1,21 +1,29 @@
-"""``trioserve serve``: an engine behind a WebSocket listener, with ``GET /health``.
+"""``trioserve serve``: an engine behind one port: the OpenAI-compatible
+HTTP API and ``/metrics`` (``http_api.py``), WebSocket streaming
+(``connection.py``) and ``GET /health``.
 
 Task tree::
 
     Server.run                      nursery; cancelling it drops everything
     ├── accept loop (per listener)  listener.accept_loop: admits each connection (admission.py)
-    ├── handler (per connection)    HTTP head -> /health | rejection | WebSocket Connection.run;
-    │                               over the cap: /health or 503, within OVER_CAP_TIMEOUT_S
-    └── engine block                open_engine; leaves only after every WebSocket ended
+    ├── handler (per connection)    HTTP/1.1 requests through h11 (http_conn.py), kept alive between them:
+    │                               /health | rejection | API request (http_api.py) | WebSocket
+    │                               Connection.run; over the cap: /health or 503, within OVER_CAP_TIMEOUT_S
+    └── engine block                open_engine; leaves only after every WebSocket and API request ended
         ├── engine watch            the engine failing for good (out of restarts) stops the server
         └── grace timer             ends the shutdown grace at its deadline
 
 The listener starts before the engine, so ``/health`` answers 503 while the
 model loads. At most ``max_connections`` TCP connections are served at once;
 beyond that, a small reserve answers ``/health`` as usual and anything else
-with 503 (``admission.py``). A connection must finish its HTTP head and
-handshake within ``handshake_timeout_s`` of being accepted; a WebSocket idle
-for ``idle_timeout_s`` is closed with 4408 (``connection.py``).
+with 503 (``admission.py``). A connection must finish its first HTTP head
+(and a WebSocket its handshake) within ``handshake_timeout_s`` of being
+accepted, each later head within ``keepalive_timeout_s`` of the previous
+response, each body within ``handshake_timeout_s`` of its head; it serves
+at most ``max_http_requests_per_connection`` requests. A WebSocket idle for
+``idle_timeout_s`` is closed with 4408 (``connection.py``). API requests
+in flight are tracked with the WebSockets: a shutdown gives them the grace,
+then cancels them (their requests are aborted in the engine).
 
 Graceful shutdown (``Server.shutdown``): health turns 503, new WebSockets
 are refused (503) and new requests get ``error`` ``shutdown``;
