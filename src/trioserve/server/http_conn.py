@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Sequence
+from http import HTTPStatus
 from typing import Any
 
 import h11
@@ -160,7 +161,7 @@ class HttpConnection:
     def _response(self, status: int, content_type: str, headers: Any, extra: list[tuple[bytes, bytes]]) -> h11.Response:
         all_headers = [SERVER_HEADER, (b"Content-Type", content_type.encode())]
         all_headers += [(name.encode("latin-1"), value.encode("latin-1")) for name, value in headers]
-        return h11.Response(status_code=status, headers=all_headers + extra)
+        return h11.Response(status_code=status, headers=all_headers + extra, reason=_reason(status))
 
     async def send_error_and_close(self, error: BadRequest) -> None:
         """Answer a request that could not be read; the connection is to be
@@ -213,3 +214,10 @@ class HttpConnection:
             raise RuntimeError(f"HTTP framing error: {exc}") from exc
         if data:
             await self.stream.send_all(data)
+
+
+def _reason(status: int) -> bytes:
+    try:
+        return HTTPStatus(status).phrase.encode()
+    except ValueError:
+        return b""
