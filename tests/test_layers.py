@@ -36,6 +36,7 @@ RANKS = {
     "api": 7,
     "server": 8,
     "bench": 8,
+    "chat": 8,
     "cli": 9,
     "__init__": 10,  # the public face re-exports from anywhere
 }
@@ -52,11 +53,14 @@ THIRD_PARTY = {
     "runners": {"msgspec", "trio"},
     "gpu": {"msgspec", "torch", "transformers", "safetensors", "tokenizers", "numpy"},
     "nurseries": {"msgspec", "trio", "zmq", "setproctitle"},
-    "frontend": {"msgspec", "trio", "zmq", "tokenizers"},
+    # jinja2: the model's chat template, rendered in a sandbox (frontend/chat_template.py).
+    "frontend": {"msgspec", "trio", "zmq", "tokenizers", "jinja2"},
     "default_model": set(),
     "api": {"msgspec", "trio"},
-    "server": {"msgspec", "trio", "trio_websocket", "h11"},
+    # h11: HTTP/1.1 framing (server/http_conn.py); prometheus_client: /metrics (server/metrics.py).
+    "server": {"msgspec", "trio", "trio_websocket", "h11", "prometheus_client"},
     "bench": {"msgspec", "trio", "trio_websocket", "psutil", "matplotlib", "numpy"},
+    "chat": {"trio"},
     "cli": {"msgspec", "trio"},
     "__init__": set(),
 }

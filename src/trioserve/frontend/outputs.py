@@ -9,6 +9,7 @@ handler.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import trio
@@ -35,6 +36,7 @@ class RequestOutput:
     finish_reason: str | None = None
     stop_reason: str | int | None = None
     logprobs: list[SampleLogprobs] | None = None
+    index: int = 0  # which of a parent request's n samples (``Engine.stream_n``); 0 otherwise
 
     @property
     def finished(self) -> bool:
@@ -52,13 +54,32 @@ class RequestOutput:
             self.logprobs = (self.logprobs or []) + newer.logprobs
 
 
+@dataclass(frozen=True)
+class RequestMetrics:
+    """What one request cost, for the metrics: handed to the engine's request
+    observers when it ends (``finish_reason`` ``"stop"``, ``"length"``,
+    ``"abort"`` or ``"error"``). Times are in seconds from its submission;
+    ``inter_token_s`` holds one gap per engine output after the first,
+    divided among the tokens that output brought."""
+
+    finish_reason: str
+    num_prompt_tokens: int
+    num_output_tokens: int
+    time_to_first_token_s: float | None
+    inter_token_s: tuple[float, ...]
+    e2e_s: float
+
+
 @dataclass
 class OutputCollector:
-    """A request's mailbox: at most one pending (merged) output, or an error."""
+    """A request's mailbox: at most one pending (merged) output, or an error.
+    ``on_ready``, when set, is called whenever something arrives (a parent
+    request waits on all its children's mailboxes at once that way)."""
 
     _pending: RequestOutput | None = None
     _error: BaseException | None = None
     _ready: trio.Event = field(default_factory=trio.Event)
+    on_ready: Callable[[], None] | None = None
 
     def put(self, output: RequestOutput) -> None:
         """Deliver an output; merges into the pending one if it was not taken."""
@@ -67,6 +88,8 @@ class OutputCollector:
         else:
             self._pending.merge(output)
         self._ready.set()
+        if self.on_ready is not None:
+            self.on_ready()
 
     def fail(self, error: BaseException) -> None:
         """End the request with ``error``: the consumer's next ``get`` raises it
@@ -74,6 +97,16 @@ class OutputCollector:
         if self._error is None:
             self._error = error
         self._ready.set()
+        if self.on_ready is not None:
+            self.on_ready()
+
+    def poll(self) -> RequestOutput | None:
+        """The pending output, if any, without waiting; raises the error once
+        no output is pending."""
+        output, self._pending = self._pending, None
+        if output is None and self._error is not None:
+            raise self._error
+        return output
 
     async def get(self) -> RequestOutput:
         """The next (merged) output. If cancelled, nothing is lost: the output

@@ -7,6 +7,9 @@ fit, and is rejected without being tokenized. Shorter texts are tokenized;
 long ones (over ``SYNC_TOKENIZE_CHARS``) off the Trio thread, at most
 ``TOKENIZE_THREADS`` at once per engine.
 
+Text rendered from a chat template (``TemplatedText``) is tokenized without
+adding special tokens: it holds them already.
+
 Errors are ``InvalidRequestError`` (a ``ValueError``) naming the field
 ``prompt``, or ``PromptTooLongError`` when it does not fit.
 """
@@ -19,6 +22,7 @@ from collections.abc import Sequence
 import trio
 
 from trioserve.errors import InvalidRequestError, PromptTooLongError
+from trioserve.frontend.chat_template import TemplatedText
 from trioserve.frontend.tokenizer import Tokenizer
 from trioserve.messages import EngineInfo, is_plain_int, is_valid_text, short_repr
 
@@ -75,6 +79,8 @@ class PromptChecker:
 
     def _encode(self, text: str) -> list[int]:
         self._check_text(text)
+        if isinstance(text, TemplatedText):  # a chat template's text holds its special tokens already
+            return self.tokenizer.encode(text, add_special_tokens=False)
         return self.tokenizer.encode(text)
 
     def _token_ids(self, prompt: object) -> list[int]:

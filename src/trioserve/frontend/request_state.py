@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import time
+from collections.abc import Callable
+
 from trioserve.frontend.detokenizer import IncrementalDetokenizer
-from trioserve.frontend.outputs import OutputCollector, RequestOutput
+from trioserve.frontend.outputs import OutputCollector, RequestMetrics, RequestOutput
 from trioserve.frontend.tokenizer import Tokenizer
 from trioserve.messages import AddRequest, SamplingParams, TokenOutput
 
@@ -17,8 +20,11 @@ class RequestState:
         tokenizer: Tokenizer,
         *,
         client_id: str = "",
+        index: int = 0,
+        on_end: Callable[[RequestMetrics], None] | None = None,
     ) -> None:
         self.request_id = request_id
+        self.index = index  # among a parent request's samples
         self.client_id = client_id
         self.prompt_token_ids = prompt_token_ids
         self.params = params
@@ -26,6 +32,11 @@ class RequestState:
         self.collector = OutputCollector()
         self.num_output_tokens = 0
         self.finished = False
+        self._on_end = on_end  # told once, when the request ends
+        self._started = time.monotonic()
+        self._first_token_at: float | None = None
+        self._last_output_at = 0.0
+        self._inter_token_s: list[float] = []
 
     def add_request(self) -> AddRequest:
         return AddRequest(
@@ -38,6 +49,7 @@ class RequestState:
     def process(self, output: TokenOutput) -> bool:
         """Turn an engine output into a delta for the consumer. Returns True when
         a stop string ended the request here (the engine must be told)."""
+        self._time(len(output.new_token_ids))
         self.num_output_tokens += len(output.new_token_ids)
         update = self.detokenizer.update(output.new_token_ids)
         text = update.text_delta
@@ -62,6 +74,37 @@ class RequestState:
                 finish_reason=finish_reason,
                 stop_reason=stop_reason,
                 logprobs=output.new_logprobs,
+                index=self.index,
             )
         )
+        if finish_reason is not None:
+            self.ended(finish_reason)
         return update.stop_string is not None
+
+    def _time(self, num_tokens: int) -> None:
+        now = time.monotonic()
+        if num_tokens == 0:
+            return
+        if self._first_token_at is None:
+            self._first_token_at = now
+        else:
+            gap = (now - self._last_output_at) / num_tokens
+            self._inter_token_s.extend([gap] * num_tokens)
+        self._last_output_at = now
+
+    def ended(self, finish_reason: str) -> None:
+        """Tell the observer (once) that the request ended with ``finish_reason``."""
+        if self._on_end is None:
+            return
+        on_end, self._on_end = self._on_end, None
+        first = self._first_token_at
+        on_end(
+            RequestMetrics(
+                finish_reason=finish_reason,
+                num_prompt_tokens=len(self.prompt_token_ids),
+                num_output_tokens=self.num_output_tokens,
+                time_to_first_token_s=None if first is None else first - self._started,
+                inter_token_s=tuple(self._inter_token_s),
+                e2e_s=time.monotonic() - self._started,
+            )
+        )

@@ -105,11 +105,12 @@ class Tokenizer:
             extra_special_ids=_present([token_id("pad_token"), token_id("unk_token")]),
         )
 
-    def encode(self, text: str) -> list[int]:
+    def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
         """The token ids of ``text``, with the special tokens (such as BOS)
-        that tokenizer.json's post-processor puts around a prompt. Special
-        tokens written in ``text`` (``"<s>"``) become their ids."""
-        return self._backend.encode(text, add_special_tokens=True).ids
+        that tokenizer.json's post-processor puts around a prompt unless
+        ``add_special_tokens`` is False. Special tokens written in ``text``
+        (``"<s>"``) become their ids."""
+        return self._backend.encode(text, add_special_tokens=add_special_tokens).ids
 
     def decode(self, ids: Sequence[int], *, skip_special_tokens: bool = True) -> str:
         """The text of ``ids``. Ids the tokenizer does not know are skipped;

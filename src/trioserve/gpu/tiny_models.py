@@ -71,12 +71,20 @@ def _bytes_to_unicode() -> dict[int, str]:
     return table
 
 
+# A plain chat template: "<s>role: content\n" per message, then "<s>assistant: ".
+CHAT_TEMPLATE = (
+    "{% for message in messages %}{{ bos_token + message['role'] + ': ' + message['content'] + '\\n' }}{% endfor %}"
+    "{% if add_generation_prompt %}{{ bos_token + 'assistant: ' }}{% endif %}"
+)
+
+
 def build_tokenizer(path: str | pathlib.Path | None = None) -> PreTrainedTokenizerFast:
     """A byte-level BPE with no merges: ids 0-2 are ``<pad> <s> </s>``, then
     one id per byte (``3 + byte``). Encoding prepends ``<s>`` as Llama does.
 
     Returns a ``transformers.PreTrainedTokenizerFast``; with ``path`` it is also
-    saved there (``tokenizer.json`` and ``tokenizer_config.json``).
+    saved there (``tokenizer.json``, ``tokenizer_config.json`` and its chat
+    template, ``CHAT_TEMPLATE``, as ``chat_template.jinja``).
     """
     from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors
     from transformers import PreTrainedTokenizerFast
@@ -98,6 +106,7 @@ def build_tokenizer(path: str | pathlib.Path | None = None) -> PreTrainedTokeniz
         eos_token=SPECIAL_TOKENS[EOS_ID],
         model_max_length=_COMMON["max_position_embeddings"],
     )
+    tokenizer.chat_template = CHAT_TEMPLATE
     if path is not None:
         tokenizer.save_pretrained(str(path))
     return tokenizer

@@ -13,6 +13,7 @@ def _check(condition: bool, name: str, message: str) -> None:
 @dataclass(frozen=True, kw_only=True)
 class ServerConfig:
     """How ``trioserve serve`` listens and how much it lets each client hold.
+    An HTTP request body is bounded by ``max_message_bytes`` too (413 beyond it).
 
     ``host`` is loopback unless told otherwise. ``port`` 0 picks a free port.
     Sizes and times are per connection unless said otherwise. The defaults
@@ -32,6 +33,9 @@ class ServerConfig:
     handshake_timeout_s: float = 10.0  # from accept: to receive the HTTP request head and finish the handshake
     shutdown_grace_s: float = 10.0  # in-flight requests may finish within this after SIGINT/SIGTERM
     close_timeout_s: float = 1.0  # after the grace: to flush terminal messages and close each connection
+    keepalive_timeout_s: float = 5.0  # an HTTP connection between two requests waits this long for the next head
+    max_http_requests_per_connection: int = 1000  # then the connection closes (the client reconnects)
+    model_name: str | None = None  # the API's name for the model (None: the model directory's name)
 
     def __post_init__(self) -> None:
         _check(isinstance(self.host, str) and self.host != "", "host", "must be an address or host name")
@@ -49,6 +53,9 @@ class ServerConfig:
             "socket_send_buffer_bytes",
             "must be >= 1024",
         )
-        for name in ("slow_consumer_timeout_s", "handshake_timeout_s", "close_timeout_s", "idle_timeout_s"):
+        _check(self.max_http_requests_per_connection >= 1, "max_http_requests_per_connection", "must be >= 1")
+        _check(self.model_name is None or self.model_name.strip() != "", "model_name", "must not be empty")
+        for name in ("slow_consumer_timeout_s", "handshake_timeout_s", "close_timeout_s", "idle_timeout_s",
+                     "keepalive_timeout_s"):
             _check(getattr(self, name) > 0, name, "must be > 0")
         _check(self.shutdown_grace_s >= 0, "shutdown_grace_s", "must be >= 0")

@@ -1,12 +1,12 @@
-"""The little HTTP the server speaks before a WebSocket handshake.
+"""HTTP requests as the server routes them: plain functions, no I/O.
 
-Every connection starts with an HTTP/1.1 request head. The server reads it
-itself (at most ``MAX_HEAD_BYTES``), answers ``GET /health`` and anything
-that is not a WebSocket upgrade, checks the API key, and hands WebSocket
-upgrades to trio-websocket with the bytes already read replayed in front of
-the stream (``ReplayStream``). Over the connection cap, ``route_over_capacity``
-answers instead of ``route``. Parsing and response building are plain
-functions.
+Every connection speaks HTTP/1.1, parsed by h11 (``http_conn.py`` holds the
+connection's async shell): a request head is at most ``MAX_HEAD_BYTES``.
+``route`` decides what to answer to ``GET /health`` and to anything that is
+neither the OpenAI-compatible API (``/v1/...``) nor ``/metrics``: the
+status, or a WebSocket upgrade to hand to trio-websocket, with the request
+head replayed in front of the stream (``ReplayStream``). Over the connection
+cap, ``route_over_capacity`` answers instead of ``route``.
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ import hmac
 import json
 from dataclasses import dataclass
 
+import h11
 import trio
 
 from trioserve.server.admission import RETRY_AFTER_S
@@ -23,6 +24,8 @@ MAX_HEAD_BYTES = 16 * 1024
 _REASONS = {200: "OK", 400: "Bad Request", 401: "Unauthorized", 405: "Method Not Allowed", 426: "Upgrade Required",
             431: "Request Header Fields Too Large", 503: "Service Unavailable"}
 HEALTH_PATH = "/health"
+METRICS_PATH = "/metrics"
+API_PREFIX = "/v1/"
 _NOT_READY = {"starting": "the engine is starting", "stopping": "the server is shutting down",
               "dead": "the engine died"}
 
@@ -45,6 +48,19 @@ class RequestHead:
     def path(self) -> str:
         return self.target.split("?", 1)[0]
 
+    @classmethod
+    def from_h11(cls, request: h11.Request) -> RequestHead:
+        headers: dict[str, str] = {}
+        for name, value in request.headers:
+            key, text = name.decode("latin-1"), value.decode("latin-1")
+            headers[key] = f"{headers[key]}, {text}" if key in headers else text
+        return cls(method=request.method.decode("latin-1"), target=request.target.decode("latin-1"), headers=headers)
+
+    @property
+    def is_api(self) -> bool:
+        """A request for the OpenAI-compatible API or the metrics (``http_api.py``)."""
+        return self.path.startswith(API_PREFIX) or self.path == METRICS_PATH
+
     @property
     def is_websocket_upgrade(self) -> bool:
         return "websocket" in self.headers.get("upgrade", "").lower()
@@ -56,25 +72,16 @@ class RequestHead:
 
 
 def parse_request_head(head: bytes) -> RequestHead:
-    """Parse a request head (up to and including the blank line)."""
+    """Parse a complete request head (up to and including the blank line) with h11."""
+    conn = h11.Connection(h11.SERVER, max_incomplete_event_size=MAX_HEAD_BYTES)
+    conn.receive_data(head)
     try:
-        text = head.decode("latin-1")
-    except UnicodeDecodeError:  # pragma: no cover - latin-1 decodes every byte
-        raise BadRequest("undecodable request head") from None
-    lines = text.split("\r\n")
-    parts = lines[0].split(" ")
-    if len(parts) != 3 or not parts[2].startswith("HTTP/1."):
-        raise BadRequest(f"malformed request line {lines[0][:80]!r}")
-    headers: dict[str, str] = {}
-    for line in lines[1:]:
-        if not line:
-            continue
-        name, sep, value = line.partition(":")
-        if not sep or not name or name != name.strip():
-            raise BadRequest(f"malformed header line {line[:80]!r}")
-        key = name.lower()
-        headers[key] = f"{headers[key]}, {value.strip()}" if key in headers else value.strip()
-    return RequestHead(method=parts[0], target=parts[1], headers=headers)
+        event = conn.next_event()
+    except h11.RemoteProtocolError as exc:
+        raise BadRequest(f"malformed request head: {exc}", exc.error_status_hint) from None
+    if not isinstance(event, h11.Request):
+        raise BadRequest("incomplete request head")
+    return RequestHead.from_h11(event)
 
 
 @dataclass(frozen=True)
@@ -137,25 +144,6 @@ def response(status: int, body: dict[str, object], *, extra_headers: tuple[tuple
              f"Content-Length: {len(payload)}", "Connection: close", "Cache-Control: no-store"]
     lines += [f"{name}: {value}" for name, value in extra_headers]
     return ("\r\n".join(lines) + "\r\n\r\n").encode() + (b"" if head_only else payload)
-
-
-async def read_request_head(stream: trio.abc.ReceiveStream) -> tuple[bytes, bytes]:
-    """Read until the end of the request head: ``(head, bytes read past it)``.
-
-    Raises ``BadRequest`` if the head is too large or the peer closes first.
-    If cancelled, the bytes read so far are lost (the connection is dropped).
-    """
-    buffer = bytearray()
-    while True:
-        end = buffer.find(b"\r\n\r\n")
-        if end >= 0:
-            return bytes(buffer[: end + 4]), bytes(buffer[end + 4 :])
-        if len(buffer) > MAX_HEAD_BYTES:
-            raise BadRequest(f"request head larger than {MAX_HEAD_BYTES} bytes", status=431)
-        data = await stream.receive_some(4096)
-        if not data:
-            raise BadRequest("connection closed before the end of the request head")
-        buffer += data
 
 
 class ReplayStream(trio.abc.Stream):

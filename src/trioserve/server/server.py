@@ -1,21 +1,29 @@
-"""``trioserve serve``: an engine behind a WebSocket listener, with ``GET /health``.
+"""``trioserve serve``: an engine behind one port: the OpenAI-compatible
+HTTP API and ``/metrics`` (``http_api.py``), WebSocket streaming
+(``connection.py``) and ``GET /health``.
 
 Task tree::
 
     Server.run                      nursery; cancelling it drops everything
     ├── accept loop (per listener)  listener.accept_loop: admits each connection (admission.py)
-    ├── handler (per connection)    HTTP head -> /health | rejection | WebSocket Connection.run;
-    │                               over the cap: /health or 503, within OVER_CAP_TIMEOUT_S
-    └── engine block                open_engine; leaves only after every WebSocket ended
+    ├── handler (per connection)    HTTP/1.1 requests through h11 (http_conn.py), kept alive between them:
+    │                               /health | rejection | API request (http_api.py) | WebSocket
+    │                               Connection.run; over the cap: /health or 503, within OVER_CAP_TIMEOUT_S
+    └── engine block                open_engine; leaves only after every WebSocket and API request ended
         ├── engine watch            the engine failing for good (out of restarts) stops the server
         └── grace timer             ends the shutdown grace at its deadline
 
 The listener starts before the engine, so ``/health`` answers 503 while the
 model loads. At most ``max_connections`` TCP connections are served at once;
 beyond that, a small reserve answers ``/health`` as usual and anything else
-with 503 (``admission.py``). A connection must finish its HTTP head and
-handshake within ``handshake_timeout_s`` of being accepted; a WebSocket idle
-for ``idle_timeout_s`` is closed with 4408 (``connection.py``).
+with 503 (``admission.py``). A connection must finish its first HTTP head
+(and a WebSocket its handshake) within ``handshake_timeout_s`` of being
+accepted, each later head within ``keepalive_timeout_s`` of the previous
+response, each body within ``handshake_timeout_s`` of its head; it serves
+at most ``max_http_requests_per_connection`` requests. A WebSocket idle for
+``idle_timeout_s`` is closed with 4408 (``connection.py``). API requests
+in flight are tracked with the WebSockets: a shutdown gives them the grace,
+then cancels them (their requests are aborted in the engine).
 
 Graceful shutdown (``Server.shutdown``): health turns 503, new WebSockets
 are refused (503) and new requests get ``error`` ``shutdown``;
@@ -34,6 +42,7 @@ from __future__ import annotations
 import logging
 import socket
 from collections.abc import Callable
+from pathlib import Path
 
 import trio
 from trio_websocket import wrap_server_stream
@@ -45,12 +54,20 @@ from trioserve.server import http
 from trioserve.server.admission import OVER_CAP_TIMEOUT_S, Admission, Slot
 from trioserve.server.config import ServerConfig
 from trioserve.server.connection import Connection
+from trioserve.server.http_api import HttpApi, new_client_id
+from trioserve.server.http_conn import HttpConnection
 from trioserve.server.listener import accept_loop, fd_limit, fds_needed
+from trioserve.server.metrics import ServerMetrics
 from trioserve.server.state import ServerState, wait_any
 
 log = logging.getLogger("trioserve.server")
 INCOMING_MESSAGE_QUEUE = 4  # client messages trio-websocket buffers before we read them
 DROP_WRITE_TIMEOUT_S = 0.1  # to write the 503 to a connection dropped for a full reserve
+
+
+def model_name(config: EngineConfig) -> str:
+    """The name the API serves a model under, by default: its directory's name."""
+    return Path(config.model).name or config.model
 
 
 class Server:
@@ -69,6 +86,8 @@ class Server:
         self._no_websockets = trio.Event()
         self._no_websockets.set()
         self._engine_failure: EngineDeadError | None = None
+        self.metrics = ServerMetrics()
+        self.api = HttpApi(self.state, self.config, self.metrics, self.config.model_name or model_name(engine_config))
 
     @property
     def engine(self) -> Engine | None:
@@ -136,6 +155,7 @@ class Server:
         If cancelled, the engine's processes are stopped and reaped."""
         with self._startup_scope:
             async with open_engine(config=self.engine_config) as engine:
+                engine.add_request_observer(self.metrics.observe)
                 self.state.set_ready(engine)
                 if not self.state.stopping.is_set():
                     log.info("serving on %s", self.url)
@@ -202,7 +222,7 @@ class Server:
             if slot is Slot.SERVE:
                 await self._serve_tcp(stream)
             elif slot is Slot.OVER_CAP:
-                await self._answer_http(stream, trio.current_time() + OVER_CAP_TIMEOUT_S, over_cap=True)
+                await self._answer_over_cap(stream, trio.current_time() + OVER_CAP_TIMEOUT_S)
             else:
                 with trio.move_on_after(DROP_WRITE_TIMEOUT_S):
                     reply = http.at_capacity(self.config.max_connections)
@@ -216,43 +236,76 @@ class Server:
             await trio.aclose_forcefully(stream)
 
     async def _serve_tcp(self, stream: trio.SocketStream) -> None:
-        """Answer the HTTP request, or serve the WebSocket it opens; both must
-        be under way within ``handshake_timeout_s`` of the accept. If
+        """Serve HTTP requests on one connection, keeping it alive between
+        them, until it closes, a WebSocket takes it over, or a bound is
+        reached: the first request head must arrive within
+        ``handshake_timeout_s`` of the accept (and a WebSocket's handshake
+        end by then), each later one within ``keepalive_timeout_s`` of the
+        previous response, each body within ``handshake_timeout_s`` of its
+        head, and at most ``max_http_requests_per_connection`` requests. If
         cancelled, the connection's requests are aborted in the engine."""
         if self.config.socket_send_buffer_bytes is not None:
             stream.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, self.config.socket_send_buffer_bytes)
-        handshake_deadline = trio.current_time() + self.config.handshake_timeout_s
-        replay = await self._answer_http(stream, handshake_deadline, over_cap=False)
-        if replay is not None:
-            await self._serve_websocket(replay, handshake_deadline)
+        conn = HttpConnection(stream, max_body_bytes=self.config.max_message_bytes)
+        client_id = new_client_id()
+        deadline = trio.current_time() + self.config.handshake_timeout_s
+        while conn.num_requests < self.config.max_http_requests_per_connection:
+            head: http.RequestHead | None = None
+            try:
+                with trio.move_on_at(deadline):
+                    head = await conn.read_head()
+                    if head is not None and not head.is_api:
+                        reply = http.route(head, phase=self.state.phase, api_key=self.config.api_key,
+                                           health=self._health())
+                        if reply is None:
+                            return await self._serve_websocket(conn.websocket_stream(), deadline)
+                        await conn.send_json(reply.status, reply.body, reply.headers, head_only=head.method == "HEAD")
+                if head is None:
+                    return  # closed, or timed out
+                if head.is_api:
+                    await self._serve_api(conn, head, client_id)
+            except http.BadRequest as exc:
+                await conn.send_error_and_close(exc)
+                return
+            with trio.move_on_after(self.config.handshake_timeout_s):
+                await conn.finish_request()  # what is left of a body nobody read
+            if not conn.can_keep_alive or self.state.stopping.is_set():
+                return
+            deadline = trio.current_time() + self.config.keepalive_timeout_s
 
-    async def _answer_http(
-        self, stream: trio.SocketStream, deadline: float, *, over_cap: bool
-    ) -> http.ReplayStream | None:
-        """Read the request head and answer it by ``deadline`` (else drop it),
-        unless it is a WebSocket handshake to go on with: then return the
-        stream with the head replayed (never when ``over_cap``). If
-        cancelled, the connection is to be closed."""
+    async def _serve_api(self, conn: HttpConnection, head: http.RequestHead, client_id: str) -> None:
+        """Answer one API request; its body must arrive within
+        ``handshake_timeout_s``. A shutdown lets it run for the grace, then
+        cancels it. If cancelled, its request is aborted in the engine."""
+        body_deadline = trio.current_time() + self.config.handshake_timeout_s
+        with trio.CancelScope() as scope:
+            self._track(scope)
+            try:
+                await self.api.handle(conn, head, client_id, body_deadline)
+            finally:
+                self._untrack(scope)
+
+    async def _answer_over_cap(self, stream: trio.SocketStream, deadline: float) -> None:
+        """Over the connection cap: read one request head by ``deadline``
+        (else drop it) and answer ``/health`` as usual, anything else 503;
+        then close. If cancelled, the connection is to be closed."""
+        conn = HttpConnection(stream, max_body_bytes=0)
         with trio.move_on_at(deadline):
             try:
-                head, rest = await http.read_request_head(stream)
-                request = http.parse_request_head(head)
+                head = await conn.read_head()
             except http.BadRequest as exc:
-                await stream.send_all(http.response(exc.status, {"error": str(exc)}))
-                return None
-            reply: http.Reply | None
-            if over_cap:
-                reply = http.route_over_capacity(request, health=self._health(),
+                await conn.send_error_and_close(exc)
+                return
+            if head is not None:
+                reply = http.route_over_capacity(head, health=self._health(),
                                                  max_connections=self.config.max_connections)
-            else:
-                reply = http.route(request, phase=self.state.phase, api_key=self.config.api_key,
-                                   health=self._health())
-            if reply is None:
-                return http.ReplayStream(stream, head + rest)
-            data = http.response(reply.status, reply.body, extra_headers=reply.headers,
-                                 head_only=request.method == "HEAD")
-            await stream.send_all(data)
-        return None
+                await conn.send_json(reply.status, reply.body, reply.headers, head_only=head.method == "HEAD",
+                                     close=True)
+
+    @property
+    def http_url(self) -> str:
+        """The base URL of the OpenAI-compatible API (``.../v1``)."""
+        return f"http://{self._host_for_url()}:{self.port}/v1"
 
     async def _serve_websocket(self, stream: http.ReplayStream, handshake_deadline: float) -> None:
         """Finish the WebSocket handshake (by ``handshake_deadline``, else drop

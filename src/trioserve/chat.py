@@ -1,0 +1,124 @@
+"""``trioserve chat``: a conversation with the model at the terminal.
+
+Each line the user types becomes a ``user`` message; the whole
+conversation is rendered with the model's chat template and the reply is
+streamed to the terminal as it is generated, then kept as an
+``assistant`` message. ``/reset`` starts over, ``/exit`` or end of input
+(Ctrl-D) quits. Ctrl-C during a reply stops that reply (it is kept as far
+as it went); at the prompt, it quits. A conversation that no longer fits the context is said so,
+and the user can ``/reset``.
+"""
+
+from __future__ import annotations
+
+import signal
+import sys
+from typing import TextIO
+
+import trio
+
+from trioserve.api import Engine, open_engine
+from trioserve.config import EngineConfig
+from trioserve.errors import InvalidRequestError, PromptTooLongError
+from trioserve.messages import SamplingParams
+
+PROMPT = "> "
+HELP = "Type a message and press Enter. /reset starts over, /exit (or Ctrl-D) quits."
+
+
+class Conversation:
+    """The messages so far. Plain state, no I/O."""
+
+    def __init__(self, system: str | None = None) -> None:
+        self.system = system
+        self.messages: list[dict[str, str]] = []
+        self.reset()
+
+    def reset(self) -> None:
+        self.messages = [] if self.system is None else [{"role": "system", "content": self.system}]
+
+    def ask(self, text: str) -> None:
+        self.messages.append({"role": "user", "content": text})
+
+    def answer(self, text: str) -> None:
+        self.messages.append({"role": "assistant", "content": text})
+
+    def forget_last_question(self) -> None:
+        if self.messages and self.messages[-1]["role"] == "user":
+            self.messages.pop()
+
+
+async def run_chat(
+    config: EngineConfig, params: SamplingParams, system: str | None = None, out: TextIO = sys.stdout
+) -> None:
+    """Start an engine and chat until end of input or ``/exit``. If
+    cancelled (Ctrl-C), the reply in progress is aborted and the engine
+    stopped."""
+    async with open_engine(config=config) as engine:
+        conversation = Conversation(system)
+        print(HELP, file=out, flush=True)
+        while True:
+            line = await _read_line()
+            if line is None or line.strip() == "/exit":
+                break
+            if line.strip() == "/reset":
+                conversation.reset()
+                print("(conversation reset)", file=out, flush=True)
+            elif line.strip():
+                conversation.ask(line.strip())
+                await _interruptible_reply(engine, conversation, params, out)
+    print(file=out, flush=True)
+
+
+async def _read_line() -> str | None:
+    """A line from standard input (None at its end). If cancelled, the
+    reading thread is abandoned."""
+
+    def read() -> str | None:
+        try:
+            return input(PROMPT)
+        except EOFError:
+            return None
+
+    return await trio.to_thread.run_sync(read, abandon_on_cancel=True)
+
+
+async def _interruptible_reply(engine: Engine, conversation: Conversation, params: SamplingParams, out: TextIO) -> None:
+    """``_reply``, stopped early (the request aborted) by Ctrl-C."""
+    reply_scope = trio.CancelScope()
+    with trio.open_signal_receiver(signal.SIGINT) as signals:
+        async with trio.open_nursery() as nursery:
+
+            async def stop_on_ctrl_c() -> None:
+                async for _ in signals:
+                    reply_scope.cancel()
+
+            nursery.start_soon(stop_on_ctrl_c)
+            await _reply(engine, conversation, params, out, reply_scope)
+            nursery.cancel_scope.cancel()
+
+
+async def _reply(
+    engine: Engine, conversation: Conversation, params: SamplingParams, out: TextIO, scope: trio.CancelScope
+) -> None:
+    """Stream the model's reply to ``out`` and keep it in the conversation.
+    If ``scope`` is cancelled, the request is aborted and the reply is kept
+    as far as it went."""
+    text = ""
+    try:
+        prompt = engine.render_chat(conversation.messages)
+        with scope:
+            async with engine.stream(prompt, params) as stream:
+                async for delta in stream:
+                    out.write(delta.text)
+                    out.flush()
+                    text += delta.text
+    except (PromptTooLongError, InvalidRequestError) as exc:
+        conversation.forget_last_question()
+        hint = " (/reset to start over)" if isinstance(exc, PromptTooLongError) else ""
+        print(f"[{exc}{hint}]", file=out, flush=True)
+        return
+    if scope.cancelled_caught:
+        out.write(" [stopped]")
+    print(file=out, flush=True)
+    conversation.answer(text)

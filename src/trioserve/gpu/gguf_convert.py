@@ -1,0 +1,67 @@
+"""Convert a GGUF model file into a safetensors model directory.
+
+``transformers`` reads a GGUF file (``from_pretrained(dir, gguf_file=...)``,
+with the ``gguf`` package) and dequantizes it, but the model it returns
+cannot be saved as it is ("quantized with gguf"). So a fresh model is built
+from its config with ``quantization_config`` removed, the dequantized
+weights are loaded into it, and that is saved, float32, with the tokenizer
+(``tokenizer.json``, and the chat template as ``chat_template.jinja``). The
+result loads through the normal ``from_pretrained`` path, with no GGUF.
+
+Run in a subprocess (the front-end never imports torch)::
+
+    python -m trioserve.gpu.gguf_convert GGUF_FILE OUT_DIR
+
+It writes into ``OUT_DIR`` (created); the caller makes that atomic.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import pathlib
+
+
+def convert(gguf_file: str | pathlib.Path, out_dir: str | pathlib.Path) -> pathlib.Path:
+    """Write ``gguf_file``'s model, dequantized to float32, as a safetensors
+    directory at ``out_dir``; returns it."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    source = pathlib.Path(gguf_file)
+    out = pathlib.Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    kwargs = {"gguf_file": source.name}
+    tokenizer = AutoTokenizer.from_pretrained(str(source.parent), **kwargs)
+    loaded = AutoModelForCausalLM.from_pretrained(str(source.parent), dtype=torch.float32, **kwargs)
+    config = copy.deepcopy(loaded.config)
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    missing, unexpected = model.load_state_dict(loaded.state_dict(), strict=False)
+    # A tied output layer is shared with the embeddings, so it may be absent.
+    if unexpected or any("lm_head" not in name for name in missing):
+        raise RuntimeError(f"weights do not match the model: missing {missing}, unexpected {unexpected}")
+    model.generation_config = loaded.generation_config
+    model.save_pretrained(str(out), safe_serialization=True)
+    tokenizer.save_pretrained(str(out))
+    return out
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(
+        prog="python -m trioserve.gpu.gguf_convert",
+        description="Convert a GGUF model file into a float32 safetensors model directory.",
+    )
+    parser.add_argument("gguf_file")
+    parser.add_argument("out_dir", help="directory to write (created if missing)")
+    args = parser.parse_args(argv)
+    from transformers.utils import logging
+
+    logging.disable_progress_bar()
+    logging.set_verbosity_error()
+    print(convert(args.gguf_file, args.out_dir))
+
+
+if __name__ == "__main__":
+    main()

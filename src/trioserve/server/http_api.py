@@ -1,0 +1,243 @@
+"""The OpenAI-compatible API and ``/metrics``: one HTTP request each.
+
+``route_api`` (a plain function) decides which endpoint answers, or which
+error; ``HttpApi.handle`` reads the body, runs the request through the
+engine, and writes the answer, whole or as server-sent events. Request
+checks are the engine's (``openai_protocol.py`` maps its errors). While a
+request runs, the connection is watched: a client that disconnects cancels
+its request, which aborts every sample in the engine and frees their KV
+blocks. A streamed response whose client reads nothing for
+``slow_consumer_timeout_s`` is ended the same way.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import secrets
+from collections.abc import Callable
+from typing import Any, Literal
+
+import trio
+
+from trioserve.api import Engine, ParentRequestStream
+from trioserve.errors import EngineDeadError, EngineOverloadedError, InvalidRequestError, RequestError
+from trioserve.server import openai_protocol as oai
+from trioserve.server.config import ServerConfig
+from trioserve.server.http import METRICS_PATH, RequestHead
+from trioserve.server.http_conn import HttpConnection
+from trioserve.server.metrics import CONTENT_TYPE, ServerMetrics
+from trioserve.server.openai_protocol import OpenAIError
+from trioserve.server.sse import Choices, EventFormat, chat_format, completion_format
+from trioserve.server.state import ServerState
+
+log = logging.getLogger("trioserve.server")
+Endpoint = Literal["metrics", "models", "completions", "chat"]
+_ENDPOINTS: dict[str, tuple[Endpoint, str]] = {
+    METRICS_PATH: ("metrics", "GET"),
+    "/v1/models": ("models", "GET"),
+    "/v1/completions": ("completions", "POST"),
+    "/v1/chat/completions": ("chat", "POST"),
+}
+RETRY_AFTER_S = 5  # for a 503 while the engine is busy, starting or restarting
+
+
+def route_api(head: RequestHead, *, phase: str, api_key: str | None) -> Endpoint:
+    """The endpoint for ``head``, or an ``OpenAIError``: 404 for an unknown
+    path, 405 for a wrong method, 401 for a missing or wrong API key (not
+    for ``/metrics``), 503 while the server is not ready."""
+    endpoint, method = _ENDPOINTS.get(head.path.rstrip("/") or "/", (None, ""))
+    if endpoint is None:
+        raise OpenAIError(404, f"no such endpoint: {head.method} {head.path[:100]}", code="not_found")
+    if head.method != method and not (method == "GET" and head.method == "HEAD"):
+        raise OpenAIError(405, f"use {method} {head.path}", code="method_not_allowed")
+    if endpoint == "metrics":
+        return endpoint
+    if api_key is not None and not head.has_bearer_token(api_key):
+        raise OpenAIError(
+            401,
+            "missing or wrong API key: send 'Authorization: Bearer <key>'",
+            type="authentication_error",
+            code="invalid_api_key",
+        )
+    if phase != "ready":
+        raise OpenAIError(503, f"the server is not serving ({phase})", type="server_error", code="unavailable")
+    return endpoint
+
+
+def engine_error(exc: Exception, names: dict[str, str]) -> OpenAIError:
+    """OpenAI's error for one the engine raised."""
+    if isinstance(exc, InvalidRequestError):
+        return OpenAIError.from_engine(exc, names)
+    if isinstance(exc, EngineOverloadedError):
+        return OpenAIError(503, str(exc), type="server_error", code="overloaded")
+    if isinstance(exc, EngineDeadError):
+        return OpenAIError(503, str(exc), type="server_error", code="engine_dead")
+    if isinstance(exc, RequestError):
+        return OpenAIError(500, str(exc), type="server_error", code="request_failed")
+    log.error("request failed", exc_info=exc)
+    return OpenAIError(500, "internal server error (see the server's log)", type="server_error", code="internal")
+
+
+def _error_headers(error: OpenAIError) -> list[tuple[str, str]]:
+    if error.status == 401:
+        return [("WWW-Authenticate", 'Bearer realm="trioserve"')]
+    if error.status == 503:
+        return [("Retry-After", str(RETRY_AFTER_S))]
+    return []
+
+
+class HttpApi:
+    """Answers API requests for one server."""
+
+    def __init__(self, state: ServerState, config: ServerConfig, metrics: ServerMetrics, model_name: str) -> None:
+        self._state = state
+        self._config = config
+        self.metrics = metrics
+        self.model_name = model_name
+        self._started = oai.now()
+
+    async def handle(self, conn: HttpConnection, head: RequestHead, client_id: str, body_deadline: float) -> None:
+        """Answer one request on ``conn``. Raises ``BadRequest`` when its
+        body cannot be read; leaves the response unsent (so the connection
+        closes) when it has not arrived by ``body_deadline``. If the client disconnects, or this is cancelled,
+        the request is aborted in the engine (its blocks freed) and the
+        response may be cut short: the connection is to be closed."""
+        try:
+            endpoint = route_api(head, phase=self._state.phase, api_key=self._config.api_key)
+        except OpenAIError as error:
+            await conn.send_json(error.status, error.body(), _error_headers(error), head_only=head.method == "HEAD")
+            return
+        if endpoint == "metrics":
+            payload = await self.metrics.render(self._state.engine)
+            await conn.send_body(200, payload, CONTENT_TYPE, head_only=head.method == "HEAD")
+        elif endpoint == "models":
+            engine = self._engine()
+            models = oai.models_list(self.model_name, engine.info.max_model_len, self._started)
+            await conn.send_json(200, models, head_only=head.method == "HEAD")
+        else:
+            body: bytes | None = None
+            with trio.move_on_at(body_deadline):
+                body = await conn.read_body()
+            if body is None:
+                return
+            with trio.CancelScope() as scope:
+                async with trio.open_nursery() as nursery:
+                    nursery.start_soon(conn.watch_disconnect, scope)
+                    try:
+                        await self._generate(conn, endpoint, body, client_id)
+                    except trio.TooSlowError:  # the response stays incomplete: the connection closes
+                        log.debug(
+                            "a client read nothing for %gs: its request was aborted",
+                            self._config.slow_consumer_timeout_s,
+                        )
+                    nursery.cancel_scope.cancel()
+            if scope.cancelled_caught:
+                log.debug("a client went away: its request was aborted")
+
+    def _engine(self) -> Engine:
+        engine = self._state.engine
+        assert engine is not None  # route_api lets requests through only when ready
+        return engine
+
+    async def _generate(self, conn: HttpConnection, endpoint: Endpoint, body: bytes, client_id: str) -> None:
+        """Run a completion or chat request and answer it (an error object
+        if it fails before its first byte). If cancelled, it is aborted."""
+        names: dict[str, str] = {}
+        try:
+            stream, fmt, plan = self._start(endpoint, body, client_id)
+            names = plan.names
+            async with stream:
+                if plan.stream:
+                    await self._send_events(conn, stream, fmt, plan.include_usage)
+                else:
+                    await self._send_whole(conn, stream, fmt)
+        except OpenAIError as exc:
+            await conn.send_json(exc.status, exc.body(), _error_headers(exc))
+        except (InvalidRequestError, RequestError, EngineDeadError) as exc:
+            mapped = engine_error(exc, names)
+            await conn.send_json(mapped.status, mapped.body(), _error_headers(mapped))
+
+    def _start(
+        self, endpoint: Endpoint, body: bytes, client_id: str
+    ) -> tuple[ParentRequestStream, EventFormat, oai.Plan]:
+        """Decode and check the request; its stream (not yet entered)."""
+        engine = self._engine()
+        names = {"prompt": "messages"} if endpoint == "chat" else {}
+        try:
+            if endpoint == "chat":
+                chat = oai.decode_body(body, oai.ChatCompletionRequest)
+                self._check_model(chat.model)
+                plan = oai.plan_chat(chat, engine.info.max_model_len)
+                prompt: Any = engine.render_chat(oai.chat_messages(chat))
+                fmt = chat_format(self.model_name, self._token_text(engine))
+            else:
+                completion = oai.decode_body(body, oai.CompletionRequest)
+                self._check_model(completion.model)
+                plan = oai.plan_completion(completion)
+                prompt = oai.completion_prompt(completion)
+                fmt = completion_format(self.model_name, self._token_text(engine))
+            names = plan.names
+            return engine.stream_n(prompt, plan.params, plan.n, client_id=client_id), fmt, plan
+        except InvalidRequestError as exc:
+            raise OpenAIError.from_engine(exc, names) from None
+
+    def _check_model(self, model: str) -> None:
+        if model != self.model_name:
+            raise OpenAIError(
+                404,
+                f"model: {model[:100]!r} is not served here; this server serves {self.model_name!r}",
+                param="model",
+                code="model_not_found",
+            )
+
+    @staticmethod
+    def _token_text(engine: Engine) -> Callable[[int], str]:
+        def text_of(token_id: int) -> str:
+            return engine.tokenizer.decode([token_id], skip_special_tokens=False)
+
+        return text_of
+
+    async def _send_whole(self, conn: HttpConnection, stream: ParentRequestStream, fmt: EventFormat) -> None:
+        """Collect every sample to its end, then send one JSON response."""
+        choices = Choices(stream.n)
+        async for out in stream:
+            choices.add(out)
+        await conn.send_json(200, fmt.response(choices, stream.num_prompt_tokens))
+
+    async def _send_events(
+        self, conn: HttpConnection, stream: ParentRequestStream, fmt: EventFormat, include_usage: bool
+    ) -> None:
+        """Send each delta as a server-sent event as it comes, then the usage
+        (when asked for) and ``[DONE]``. An engine error after the first
+        event is sent as an event holding the error object."""
+        await conn.start_stream(200, "text/event-stream")
+        choices = Choices(stream.n)
+        for event in fmt.opening(stream.n, include_usage):
+            await self._send_event(conn, event)
+        try:
+            async for out in stream:
+                choices.add(out)
+                if out.text or out.finished or out.logprobs:  # else: bytes of a character still to come
+                    await self._send_event(conn, fmt.chunk(out, choices, include_usage))
+        except (RequestError, EngineDeadError) as exc:
+            await self._send_event(conn, engine_error(exc, {}).body())
+        else:
+            if include_usage:
+                await self._send_event(conn, fmt.usage_chunk(choices, stream.num_prompt_tokens))
+        await self._send_line(conn, b"data: [DONE]\n\n")
+        await conn.end_stream()
+
+    async def _send_event(self, conn: HttpConnection, event: dict[str, Any]) -> None:
+        await self._send_line(conn, b"data: " + json.dumps(event).encode() + b"\n\n")
+
+    async def _send_line(self, conn: HttpConnection, data: bytes) -> None:
+        """Send, or give up on a client that reads nothing for
+        ``slow_consumer_timeout_s`` (the request is then aborted)."""
+        with trio.fail_after(self._config.slow_consumer_timeout_s):
+            await conn.send_data(data)
+
+
+def new_client_id() -> str:
+    """The engine admits waiting requests by client in turn: one id per connection."""
+    return f"http-{secrets.token_hex(4)}"

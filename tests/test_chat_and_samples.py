@@ -1,0 +1,160 @@
+"""Chat templates (rendered as transformers renders them, without it), ``n``
+samples of one prompt (``Engine.stream_n``), and logprobs through the
+OpenAI API on a real (tiny) model."""
+
+from __future__ import annotations
+
+import functools
+import json
+
+import openai
+import pytest
+import trio
+
+import trioserve
+from test_server import in_thread, serving, wait_blocks_free
+from trioserve import EngineConfig, InvalidRequestError, SamplingParams
+from trioserve.frontend.chat_template import ChatTemplate, TemplatedText
+from trioserve.frontend.parallel_sampling import child_params
+
+MESSAGES = [
+    {"role": "system", "content": "Be brief."},
+    {"role": "user", "content": "What is the capital of France? Ünïcode ✓"},
+    {"role": "assistant", "content": "Paris."},
+    {"role": "user", "content": "And of Italy?"},
+]
+
+SMOLLM2_TEMPLATE = (
+    "{% for message in messages %}{% if loop.first and messages[0]['role'] != 'system' %}"
+    "{{ '<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\n' }}"
+    "{% endif %}{{'<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n'}}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+
+
+def transformers_render(model_dir, messages, add_generation_prompt=True) -> str:
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
+    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+
+
+@pytest.mark.parametrize("add_generation_prompt", [True, False])
+def test_the_tiny_models_template_renders_as_transformers_renders_it(tiny_model_dir, add_generation_prompt):
+    template = ChatTemplate.from_dir(tiny_model_dir("llama"))
+    assert template is not None
+    ours = template.render(MESSAGES, add_generation_prompt=add_generation_prompt)
+    assert isinstance(ours, TemplatedText)
+    assert ours == transformers_render(tiny_model_dir("llama"), MESSAGES, add_generation_prompt)
+
+
+def test_a_template_in_tokenizer_config_renders_as_transformers_renders_it(tiny_model_dir, tmp_path):
+    import shutil
+
+    model = tmp_path / "model"
+    shutil.copytree(tiny_model_dir("llama"), model)
+    (model / "chat_template.jinja").unlink()
+    config = json.loads((model / "tokenizer_config.json").read_text())
+    config["chat_template"] = SMOLLM2_TEMPLATE
+    (model / "tokenizer_config.json").write_text(json.dumps(config))
+    template = ChatTemplate.from_dir(model)
+    assert template is not None
+    for messages in (MESSAGES, MESSAGES[1:]):
+        assert template.render(messages) == transformers_render(model, messages)
+
+
+def test_a_template_runs_sandboxed_and_its_refusals_name_messages():
+    with pytest.raises(InvalidRequestError, match=r"^messages: .*refused them: no assistant first"):
+        ChatTemplate(
+            "{% if messages[0]['role'] == 'assistant' %}{{ raise_exception('no assistant first') }}{% endif %}"
+        ).render([{"role": "assistant", "content": "hi"}])
+    with pytest.raises(InvalidRequestError, match=r"^messages: "):  # the sandbox refuses to reach Python internals
+        ChatTemplate("{{ messages.__class__.__mro__ }}").render([{"role": "user", "content": "x"}])
+    with pytest.raises(InvalidRequestError, match=r"^messages: "):  # and to mutate its inputs
+        ChatTemplate("{{ messages.append(1) }}").render([{"role": "user", "content": "x"}])
+
+
+def test_a_child_gets_seed_plus_its_index_and_no_seed_stays_none():
+    seeded = SamplingParams(seed=2**63 - 2, max_tokens=3)
+    assert [child_params(seeded, i).seed for i in range(3)] == [2**63 - 2, 2**63 - 1, 0]
+    assert child_params(seeded, 2).max_tokens == 3
+    assert child_params(SamplingParams(), 5).seed is None
+
+
+# --- stream_n on the fake runner ---------------------------------------------------------
+
+
+async def test_n_samples_stream_together_and_leaving_early_aborts_every_one(fake_config):
+    config = fake_config(num_kv_blocks=256, step_delay_s=0.005)
+    with trio.fail_after(60):
+        async with trioserve.open_engine(config=config) as engine:
+            texts: dict[int, str] = {}
+            async with engine.stream_n("Same prompt", SamplingParams(max_tokens=6), n=3) as stream:
+                async for out in stream:
+                    texts[out.index] = texts.get(out.index, "") + out.text
+            alone = await engine.generate("Same prompt", SamplingParams(max_tokens=6))
+            assert texts == {0: alone.text, 1: alone.text, 2: alone.text}  # the fake runner ignores seeds
+
+            async with engine.stream_n("Long", SamplingParams(max_tokens=5000, ignore_eos=True), n=4) as stream:
+                async for _ in stream:
+                    stats = await engine.stats()
+                    if stats.num_running == 4:
+                        break
+            assert engine.num_requests_in_flight() == 0
+            for _ in range(250):  # at most 5 s
+                stats = await engine.stats()
+                if stats.num_free_blocks == stats.num_total_blocks:
+                    break
+                await trio.sleep(0.02)
+            assert stats.num_free_blocks == stats.num_total_blocks
+            with pytest.raises(InvalidRequestError, match=r"^n: "):
+                engine.stream_n("x", n=0)
+
+
+# --- logprobs on a real tiny model, through the API -------------------------------------
+
+
+@pytest.mark.model
+async def test_logprobs_come_back_through_the_api_for_completions_and_chat(tiny_model_dir):
+    config = EngineConfig(model=str(tiny_model_dir("llama")), num_kv_blocks=64, block_size=16)
+    with trio.fail_after(120):
+        async with serving(config, model_name="tiny") as server:
+            api = openai.OpenAI(base_url=server.http_url, api_key="x", max_retries=0, timeout=60)
+            run = functools.partial(in_thread)
+            completion = await run(
+                api.completions.create, model="tiny", prompt="Hello", max_tokens=5, temperature=0, logprobs=3
+            )
+            chat = await run(
+                api.chat.completions.create,
+                model="tiny",
+                messages=MESSAGES[:2],
+                max_tokens=4,
+                temperature=0,
+                logprobs=True,
+                top_logprobs=2,
+            )
+            streamed = await run(
+                api.chat.completions.create,
+                model="tiny",
+                messages=MESSAGES[:2],
+                max_tokens=4,
+                temperature=0,
+                logprobs=True,
+                top_logprobs=2,
+                stream=True,
+            )
+            chunks = await in_thread(list, streamed)
+            await wait_blocks_free(server)
+    lp = completion.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == len(lp.text_offset) == 5
+    assert "".join(lp.tokens) == completion.choices[0].text
+    # Keyed by token text, tokens that decode alike (byte pieces as U+FFFD) share one entry.
+    assert all(p <= 0 and 1 <= len(top) <= 3 for p, top in zip(lp.token_logprobs, lp.top_logprobs, strict=True))
+    assert all(p >= max(top.values()) - 1e-6 for p, top in zip(lp.token_logprobs, lp.top_logprobs, strict=True))
+    content = chat.choices[0].logprobs.content
+    assert len(content) == 4 and all(len(c.top_logprobs) == 2 and c.logprob <= 0 for c in content)
+    assert all(c.logprob == c.top_logprobs[0].logprob for c in content)
+    streamed_content = [
+        c for chunk in chunks for choice in chunk.choices if choice.logprobs for c in choice.logprobs.content
+    ]
+    assert [c.token for c in streamed_content] == [c.token for c in content]

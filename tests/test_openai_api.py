@@ -1,0 +1,385 @@
+"""The OpenAI-compatible API of a real server (in-process, the fake runner),
+driven by the official ``openai`` client in threads, and by raw HTTP where
+the client would hide what the server sent."""
+
+from __future__ import annotations
+
+import functools
+import json
+import socket
+import time
+from collections.abc import Callable
+from typing import Any
+
+import openai
+import pytest
+import trio
+from prometheus_client.parser import text_string_to_metric_families
+
+from test_server import fake_config, in_thread, serving, wait_blocks_free  # noqa: F401
+from trioserve import EngineConfig
+from trioserve.server import Server
+
+MODEL = "tiny-llama"  # the served model's name in these tests
+
+
+def client(server: Server, **options: Any) -> openai.OpenAI:
+    options.setdefault("api_key", "unused")
+    return openai.OpenAI(base_url=server.http_url, max_retries=0, timeout=20, **options)
+
+
+async def run(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    return await in_thread(functools.partial(fn, *args, **kwargs))
+
+
+def raw_request(
+    server: Server,
+    method: str,
+    path: str,
+    body: bytes = b"",
+    *,
+    headers: dict[str, str] | None = None,
+    declared_length: int | None = None,
+):
+    """One HTTP/1.1 request on a fresh socket: ``(status, headers, body)``,
+    the connection closed by us after the response."""
+    length = len(body) if declared_length is None else declared_length
+    lines = [f"{method} {path} HTTP/1.1", "Host: 127.0.0.1", f"Content-Length: {length}", "Connection: close"]
+    lines += [f"{k}: {v}" for k, v in (headers or {}).items()]
+    with socket.create_connection(("127.0.0.1", server.port), timeout=20) as sock:
+        sock.sendall(("\r\n".join(lines) + "\r\n\r\n").encode() + body)
+        data = b""
+        while chunk := sock.recv(65536):
+            data += chunk
+    head, _, payload = data.partition(b"\r\n\r\n")
+    status = int(head.split(b" ")[1])
+    header_lines = head.decode("latin-1").split("\r\n")[1:]
+    return status, {k.lower(): v.strip() for k, _, v in (h.partition(":") for h in header_lines)}, payload
+
+
+def stream_text(stream: Any, n: int = 1) -> tuple[list[str], list[str | None], Any]:
+    texts, finishes, usage = [""] * n, [None] * n, None
+    for chunk in stream:
+        if chunk.usage is not None:
+            usage = chunk.usage
+        for choice in chunk.choices:
+            piece = choice.delta.content if hasattr(choice, "delta") else choice.text
+            texts[choice.index] += piece or ""
+            if choice.finish_reason is not None:
+                finishes[choice.index] = choice.finish_reason
+    return texts, finishes, usage
+
+
+@pytest.fixture
+def config(fake_config) -> Callable[..., EngineConfig]:  # noqa: F811
+    return fake_config
+
+
+def chat_prompt_tokens(server: Server, messages: list[dict[str, str]]) -> int:
+    engine = server.engine
+    assert engine is not None
+    return len(engine.tokenizer.encode(engine.render_chat(messages), add_special_tokens=False))
+
+
+MESSAGES = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is the capital of France?"}]
+
+
+# --- the official client -------------------------------------------------------------
+
+
+async def test_completions_streamed_and_not_give_the_same_text_and_the_right_usage(config):
+    with trio.fail_after(60):
+        async with serving(config(), model_name=MODEL) as server:
+            api = client(server)
+            whole = await run(api.completions.create, model=MODEL, prompt="Hello there", max_tokens=12, temperature=0)
+            streamed = await run(
+                api.completions.create,
+                model=MODEL,
+                prompt="Hello there",
+                max_tokens=12,
+                temperature=0,
+                stream=True,
+                stream_options={"include_usage": True},
+            )
+            texts, finishes, usage = await run(stream_text, streamed)
+            assert server.engine is not None
+            prompt_tokens = len(server.engine.tokenizer.encode("Hello there"))
+    assert whole.object == "text_completion" and whole.model == MODEL
+    assert [c.index for c in whole.choices] == [0] and whole.choices[0].text
+    assert texts == [whole.choices[0].text] and finishes == [whole.choices[0].finish_reason] == ["length"]
+    assert (whole.usage.prompt_tokens, whole.usage.completion_tokens, whole.usage.total_tokens) == (
+        prompt_tokens,
+        12,
+        prompt_tokens + 12,
+    )
+    assert usage is not None and usage.model_dump() == whole.usage.model_dump()
+
+
+async def test_chat_completions_streamed_and_not_give_the_same_text_and_n_2_gives_two_choices(config):
+    with trio.fail_after(60):
+        async with serving(config(), model_name=MODEL) as server:
+            api = client(server)
+            create = api.chat.completions.create
+            whole = await run(create, model=MODEL, messages=MESSAGES, max_completion_tokens=10, temperature=0)
+            streamed = await run(create, model=MODEL, messages=MESSAGES, max_tokens=10, temperature=0, stream=True)
+            texts, finishes, usage = await run(stream_text, streamed)
+            two = await run(create, model=MODEL, messages=MESSAGES, max_tokens=7, n=2, seed=3)
+            two_streamed = await run(
+                create,
+                model=MODEL,
+                messages=MESSAGES,
+                max_tokens=7,
+                n=2,
+                stream=True,
+                stream_options={"include_usage": True},
+            )
+            texts2, finishes2, usage2 = await run(stream_text, two_streamed, 2)
+            prompt_tokens = chat_prompt_tokens(server, MESSAGES)
+    message = whole.choices[0].message
+    assert whole.object == "chat.completion" and message.role == "assistant" and message.content
+    assert texts == [message.content] and finishes == ["length"] and usage is None
+    assert (whole.usage.prompt_tokens, whole.usage.completion_tokens) == (prompt_tokens, 10)
+    assert [c.index for c in two.choices] == [0, 1] and all(c.message.content for c in two.choices)
+    assert (two.usage.prompt_tokens, two.usage.completion_tokens, two.usage.total_tokens) == (
+        prompt_tokens,
+        14,
+        prompt_tokens + 14,
+    )
+    assert all(texts2) and finishes2 == ["length", "length"]
+    assert usage2 is not None and (usage2.prompt_tokens, usage2.completion_tokens) == (prompt_tokens, 14)
+
+
+async def test_models_lists_the_served_model_and_stop_strings_end_a_request(config):
+    with trio.fail_after(60):
+        async with serving(config(), model_name=MODEL) as server:
+            api = client(server)
+            models = await run(api.models.list)
+            whole = await run(api.completions.create, model=MODEL, prompt="Hello", max_tokens=30, temperature=0)
+            stop = whole.choices[0].text[3:5]
+            stopped = await run(api.completions.create, model=MODEL, prompt="Hello", max_tokens=30, stop=stop)
+    assert [m.id for m in models.data] == [MODEL]
+    assert stopped.choices[0].finish_reason == "stop"
+    assert stopped.choices[0].text == whole.choices[0].text[: whole.choices[0].text.index(stop)]
+
+
+async def test_the_api_key_is_required_on_the_api_but_not_on_health_and_metrics(config):
+    with trio.fail_after(60):
+        async with serving(config(), model_name=MODEL, api_key="sesame") as server:
+            with pytest.raises(openai.AuthenticationError) as info:
+                await run(client(server, api_key="wrong").models.list)
+            good = await run(client(server, api_key="sesame").models.list)
+            health = await run(raw_request, server, "GET", "/health")
+            metrics = await run(raw_request, server, "GET", "/metrics")
+    assert info.value.status_code == 401
+    assert info.value.body == {  # type: ignore[comparison-overlap]
+        "message": "missing or wrong API key: send 'Authorization: Bearer <key>'",
+        "type": "authentication_error",
+        "param": None,
+        "code": "invalid_api_key",
+    }
+    assert [m.id for m in good.data] == [MODEL]
+    assert health[0] == 200 and metrics[0] == 200
+
+
+# --- bad requests ----------------------------------------------------------------------
+
+
+BAD_REQUESTS = [
+    # (path, body, status, param, code)
+    ("/v1/completions", b'{"model": "tiny-llama", "prompt": "x"', 400, None, "invalid_json"),
+    ("/v1/completions", b"[1, 2]", 400, None, None),
+    ("/v1/completions", b'{"model": "tiny-llama", "prompt": "x", "bogus": 1}', 400, "bogus", "unknown_field"),
+    (
+        "/v1/chat/completions",
+        b'{"model": "tiny-llama", "messages": [{"role": "user", "content": "x", "mood": 1}]}',
+        400,
+        "messages[0].mood",
+        "unknown_field",
+    ),
+    (
+        "/v1/completions",
+        b'{"model": "tiny-llama", "prompt": "x", "temperature": -1}',
+        400,
+        "temperature",
+        "invalid_value",
+    ),
+    (
+        "/v1/completions",
+        b'{"model": "tiny-llama", "prompt": "x", "max_tokens": "many"}',
+        400,
+        "max_tokens",
+        "invalid_type",
+    ),
+    (
+        "/v1/chat/completions",
+        b'{"model": "tiny-llama", "messages": [{"role": "user", "content": "x"}], "max_completion_tokens": 0}',
+        400,
+        "max_completion_tokens",
+        "invalid_value",
+    ),
+    (
+        "/v1/chat/completions",
+        b'{"model": "tiny-llama", "messages": [{"role": "user", "content": "x"}], '
+        b'"logprobs": true, "top_logprobs": 21}',
+        400,
+        "top_logprobs",
+        "invalid_value",
+    ),
+    ("/v1/completions", b'{"model": "tiny-llama", "prompt": "x", "n": 0}', 400, "n", "invalid_value"),
+    (
+        "/v1/completions",
+        b'{"model": "tiny-llama", "prompt": "' + b"long " * 400 + b'"}',
+        400,
+        "prompt",
+        "context_length_exceeded",
+    ),
+    (
+        "/v1/chat/completions",
+        b'{"model": "tiny-llama", "messages": [{"role": "user", "content": "' + b"long " * 400 + b'"}]}',
+        400,
+        "messages",
+        "context_length_exceeded",
+    ),
+    ("/v1/completions", b'{"prompt": "x"}', 400, "model", "missing_field"),
+    ("/v1/completions", b'{"model": "gpt-4", "prompt": "x"}', 404, "model", "model_not_found"),
+    ("/v1/nothing", b"{}", 404, None, "not_found"),
+]
+
+
+async def test_every_bad_request_gets_an_openai_error_object_and_a_request_beside_it_completes(config):
+    with trio.fail_after(90):
+        async with serving(config(max_model_len=256, step_delay_s=0.01), model_name=MODEL) as server:
+            api = client(server)
+            results: dict[str, Any] = {}
+
+            async def long_request() -> None:
+                stream = await run(
+                    api.completions.create,
+                    model=MODEL,
+                    prompt="Beside",
+                    max_tokens=150,
+                    stream=True,
+                    extra_body={"ignore_eos": True},
+                )
+                results["long"] = await run(stream_text, stream)
+
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(long_request)
+                await trio.sleep(0.2)  # the long request is under way
+                for path, body, *_ in BAD_REQUESTS:
+                    results[path, body] = await run(raw_request, server, "POST", path, body)
+                results["405"] = await run(raw_request, server, "GET", "/v1/completions")
+                results["413"] = await run(raw_request, server, "POST", "/v1/completions", declared_length=2 << 20)
+                assert "long" not in results, "the long request ended before the bad ones were sent"
+    for path, body, status, param, code in BAD_REQUESTS:
+        got_status, headers, payload = results[path, body]
+        error = json.loads(payload)["error"]
+        assert (got_status, error["param"], error["code"]) == (status, param, code), (path, body[:80], error)
+        assert set(error) == {"message", "type", "param", "code"} and error["type"] == "invalid_request_error"
+        assert param is None or error["message"].startswith(param), error
+        assert headers["content-type"] == "application/json"
+    assert results["405"][0] == 405 and json.loads(results["405"][2])["error"]["code"] == "method_not_allowed"
+    assert results["413"][0] == 413
+    texts, finishes, _ = results["long"]
+    assert finishes == ["length"] and texts[0]
+
+
+# --- disconnects, metrics, keep-alive -----------------------------------------------------
+
+
+async def test_a_streaming_client_that_disconnects_has_its_request_aborted_and_its_blocks_freed(config):
+    body = json.dumps(
+        {"model": MODEL, "prompt": "Go on", "max_tokens": 2000, "stream": True, "ignore_eos": True, "n": 2}
+    ).encode()
+    with trio.fail_after(60):
+        async with serving(config(step_delay_s=0.01), model_name=MODEL) as server:
+            assert server.engine is not None
+
+            def read_a_little_then_leave() -> bytes:
+                with socket.create_connection(("127.0.0.1", server.port), timeout=10) as sock:
+                    head = f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: {len(body)}\r\n\r\n"
+                    sock.sendall(head.encode() + body)
+                    data = b""
+                    while data.count(b"data: ") < 6:
+                        data += sock.recv(4096)
+                    return data
+
+            data = await run(read_a_little_then_leave)
+            assert b"text/event-stream" in data and b"transfer-encoding: chunked" in data.lower()
+            running = await server.engine.stats()
+            await wait_blocks_free(server)
+            assert server.engine.num_requests_in_flight() == 0
+            metrics = parse_metrics((await run(raw_request, server, "GET", "/metrics"))[2])
+    assert running.num_running + running.num_waiting <= 2  # (it may have been aborted already)
+    assert metrics["trioserve_requests_total", (("engine", "0"), ("finish_reason", "abort"))] == 2
+
+
+def parse_metrics(text: bytes) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    samples = {}
+    for family in text_string_to_metric_families(text.decode()):
+        for sample in family.samples:
+            samples[sample.name, tuple(sorted(sample.labels.items()))] = sample.value
+    return samples
+
+
+async def test_metrics_parse_and_their_counters_move_as_requests_are_served(config):
+    engine0 = (("engine", "0"),)
+    with trio.fail_after(60):
+        async with serving(config(), model_name=MODEL) as server:
+            status, headers, before_text = await run(raw_request, server, "GET", "/metrics")
+            api = client(server)
+            await run(api.completions.create, model=MODEL, prompt="Count me", max_tokens=9)
+            await run(api.chat.completions.create, model=MODEL, messages=MESSAGES, max_tokens=4, n=2)
+            after = parse_metrics((await run(raw_request, server, "GET", "/metrics"))[2])
+            prompt_tokens = len(server.engine.tokenizer.encode("Count me")) + 2 * chat_prompt_tokens(server, MESSAGES)
+    before = parse_metrics(before_text)
+    assert status == 200 and headers["content-type"].startswith("text/plain")
+    length = ("trioserve_requests_total", (("engine", "0"), ("finish_reason", "length")))
+    assert before[length] == 0 and after[length] == 3
+    assert after["trioserve_prompt_tokens_total", engine0] - before["trioserve_prompt_tokens_total", engine0] == (
+        prompt_tokens
+    )
+    assert after["trioserve_generation_tokens_total", engine0] == 9 + 2 * 4
+    assert after["trioserve_time_to_first_token_seconds_count", engine0] == 3
+    assert after["trioserve_e2e_request_latency_seconds_count", engine0] == 3
+    assert after["trioserve_inter_token_latency_seconds_count", engine0] == 8 + 2 * 3
+    assert after["trioserve_num_requests_running", engine0] == 0
+    assert after["trioserve_kv_cache_usage_ratio", engine0] == 0
+    assert after["trioserve_engine_restarts_total", engine0] == 0
+    assert ("trioserve_num_preemptions_total", engine0) in after
+
+
+async def test_keep_alive_serves_several_requests_on_one_connection_and_an_idle_one_is_closed(config):
+    with trio.fail_after(60):
+        async with serving(
+            config(), model_name=MODEL, keepalive_timeout_s=0.5, max_http_requests_per_connection=3
+        ) as server:
+
+            def three_then_closed() -> tuple[list[int], float, bytes]:
+                statuses = []
+                with socket.create_connection(("127.0.0.1", server.port), timeout=10) as sock:
+                    file = sock.makefile("rb")
+                    for _ in range(3):
+                        sock.sendall(b"GET /v1/models HTTP/1.1\r\nHost: x\r\n\r\n")
+                        statuses.append(int(file.readline().split()[1]))
+                        length = 0
+                        while (line := file.readline()) != b"\r\n":
+                            if line.lower().startswith(b"content-length:"):
+                                length = int(line.split(b":")[1])
+                        file.read(length)
+                    return statuses, 0.0, file.read()  # the server closes after the third
+
+            def idle() -> float:
+                with socket.create_connection(("127.0.0.1", server.port), timeout=10) as sock:
+                    sock.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+                    start = time.monotonic()
+                    data = b""
+                    while chunk := sock.recv(4096):
+                        data += chunk
+                    assert data.startswith(b"HTTP/1.1 200")
+                    return time.monotonic() - start
+
+            statuses, _, rest = await run(three_then_closed)
+            waited = await run(idle)
+    assert statuses == [200, 200, 200] and rest == b""
+    assert 0.4 <= waited < 2.0
