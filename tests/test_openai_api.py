@@ -71,7 +71,7 @@ def stream_text(stream: Any, n: int = 1) -> tuple[list[str], list[str | None], A
 
 
 @pytest.fixture
-def config(fake_config) -> Callable[..., EngineConfig]:  # noqa: F811
+def config(fake_config) -> Callable[..., EngineConfig]:
     return fake_config
 
 

@@ -4,7 +4,6 @@ third-party ``websockets`` client (run in threads)."""
 from __future__ import annotations
 
 import functools
-
 import json
 import socket
 import threading
@@ -23,13 +22,9 @@ import trio
 from websockets.exceptions import ConnectionClosed, InvalidStatus
 from websockets.sync.client import ClientConnection, connect
 
-from helpers.fakes import EOS
-
 from trioserve import EngineConfig, SamplingParams
 from trioserve.errors import EngineDeadError
 from trioserve.server import Server, ServerConfig
-
-
 
 # --- helpers ---------------------------------------------------------------------
 
@@ -121,7 +116,7 @@ def expect_error(
     messages are recorded on the way): it must be this error."""
     while True:
         msg = json.loads(ws.recv(timeout=timeout))
-        if msg["type"] == "error" and msg["code"] == "duplicate_id" or not record(running, msg):
+        if (msg["type"] == "error" and msg["code"] == "duplicate_id") or not record(running, msg):
             assert msg["type"] == "error" and msg["code"] == code and msg["id"] == request_id, msg
             return msg
 
@@ -165,11 +160,14 @@ async def test_16_concurrent_streams_on_one_connection_equal_their_generate_text
             async with trio.open_nursery() as nursery:
                 for request_id, prompt, params in requests:
                     nursery.start_soon(generate_into, expected_outputs, server, request_id, prompt, params)
-            for request_id, prompt, params in requests:
+            for request_id, _, params in requests:
                 expected = expected_outputs[request_id]
                 r = received[request_id]
                 assert r.terminal == {
-                    "type": "done", "id": request_id, "finish_reason": "length", "stop_reason": None,
+                    "type": "done",
+                    "id": request_id,
+                    "finish_reason": "length",
+                    "stop_reason": None,
                     "usage": {"prompt_tokens": expected.num_prompt_tokens, "completion_tokens": params["max_tokens"]},
                 }
                 assert r.text == expected.text
@@ -522,3 +520,23 @@ async def test_when_the_engine_is_out_of_restarts_requests_end_with_engine_dead_
         assert captured and isinstance(captured[0], EngineDeadError)
         assert "max_restarts=0" in str(captured[0])
         assert not psutil.Process().children(recursive=True)
+
+
+async def test_a_websocket_lives_past_the_handshake_timeout(fake_config):
+    """The handshake timeout bounds the HTTP head and the handshake, not the
+    WebSocket after it (it once cut every WebSocket at that deadline)."""
+    with trio.fail_after(30):
+        async with serving(fake_config(step_delay_s=0.01), handshake_timeout_s=1.0) as server:
+
+            def client() -> list[dict]:
+                terminals = []
+                with open_ws(server.url) as ws:
+                    for i in range(3):  # about 1 s each
+                        ws.send(generate(f"r{i}", "hello", max_tokens=100, ignore_eos=True))
+                        terminals.append(collect(ws, {f"r{i}"})[0][f"r{i}"].terminal)
+                return terminals
+
+            started = time.monotonic()
+            terminals = await in_thread(client)
+            assert time.monotonic() - started > 2.0
+            assert [t["type"] for t in terminals] == ["done"] * 3  # type: ignore[index]

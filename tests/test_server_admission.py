@@ -15,11 +15,11 @@ from typing import Any, cast
 import pytest
 import trio
 import trio.testing
-from test_server import Received, collect, fake_config, generate, http_get, in_thread, open_ws, serving  # noqa: F401
 from trio_websocket import ConnectionClosed, wrap_client_stream, wrap_server_stream
 from websockets.exceptions import ConnectionClosed as WsClosed
 from websockets.exceptions import InvalidStatus
 
+from test_server import Received, collect, fake_config, generate, http_get, in_thread, open_ws, serving  # noqa: F401
 from trioserve.api import Engine
 from trioserve.server import Server, ServerConfig, http
 from trioserve.server.admission import OVER_CAP_SLOTS, OVER_CAP_TIMEOUT_S, RETRY_AFTER_S, Admission, Slot

@@ -111,7 +111,6 @@ async def test_a_signal_with_streams_in_flight_ends_every_stream_and_exits_0(tin
             assert r.terminal["type"] == "done" or r.terminal["code"] == "shutdown", r.terminal
 
 
-
 def readme_block(containing: str) -> str:
     """The README's first ``bash`` block that holds ``containing``."""
     readme = (REPO / "README.md").read_text()
@@ -135,7 +134,9 @@ async def test_the_readme_commands_serve_the_default_model_which_knows_the_capit
         content = json.loads(answer.stdout)["choices"][0]["message"]["content"]
         assert "Paris" in content, content
         client = await trio.run_process(
-            [sys.executable, str(EXAMPLE), "--url", url, "Once upon a time"], capture_stdout=True, capture_stderr=True,
+            [sys.executable, str(EXAMPLE), "--url", url, "Once upon a time"],
+            capture_stdout=True,
+            capture_stderr=True,
             check=False,
         )
         assert client.returncode == 0, client.stderr.decode()

@@ -6,6 +6,7 @@ the autojump clock, and ``trioserve serve`` in a subprocess under a low
 from __future__ import annotations
 
 import errno
+import itertools
 import logging
 import os
 import socket
@@ -20,10 +21,10 @@ import psutil
 import pytest
 import trio
 import trio.testing
+
 from test_server import http_get, in_thread
 from test_server_admission import stream_one
 from test_server_e2e import REPO, wait_for_url
-
 from trioserve.server.listener import BACKOFF_MAX_S, QUIET_S, AcceptBackoff, accept_loop
 
 EMFILE = OSError(errno.EMFILE, os.strerror(errno.EMFILE))
@@ -98,7 +99,7 @@ async def test_accept_loop_backs_off_on_emfile_with_few_log_lines_and_no_traceba
     with trio.move_on_after(100):
         await accept_loop(listener, accepted.append, lambda: 3)
     assert accepted == streams and listener.closed
-    gaps = [b - a for a, b in zip(listener.calls[1:], listener.calls[2:])]
+    gaps = [b - a for a, b in itertools.pairwise(listener.calls[1:])]
     assert gaps[:8] == pytest.approx([0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.0])
     messages = [record.getMessage() for record in caplog.records]
     assert len(messages) == 4, messages  # start, 2 x still failing, works again (only after the quiet time)
@@ -128,8 +129,11 @@ def serving_under_fd_limit(argv: list[str], limit: int) -> Iterator[tuple[subpro
     """``trioserve`` with ``argv``, under ``RLIMIT_NOFILE`` = ``limit``;
     yields the process and its stderr lines so far. Kills its tree on the way out."""
     proc = subprocess.Popen(
-        [sys.executable, "-c", LAUNCHER.format(limit=limit), *argv], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-        text=True, cwd=REPO,
+        [sys.executable, "-c", LAUNCHER.format(limit=limit), *argv],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        cwd=REPO,
     )
     assert proc.stdout is not None and proc.stderr is not None
     stdout, stderr = proc.stdout, proc.stderr

@@ -23,7 +23,9 @@ def parse_error(frame: str | bytes) -> ProtocolError:
 
 def test_generate_with_a_text_prompt_and_params():
     msg = parse({"type": "generate", "id": "r1", "prompt": "Hello", "params": {"max_tokens": 5, "temperature": 0}})
-    assert msg == Generate(id="r1", prompt="Hello", prompt_token_ids=None, params=SamplingParams(max_tokens=5, temperature=0))
+    assert msg == Generate(
+        id="r1", prompt="Hello", prompt_token_ids=None, params=SamplingParams(max_tokens=5, temperature=0)
+    )
     assert msg.prompt_field == "prompt"
 
 
@@ -85,7 +87,10 @@ def test_missing_type_is_an_invalid_field():
         ({"type": "generate", "id": "a", "prompt": ["x"]}, "prompt"),
         ({"type": "generate", "id": "a", "prompt": "x", "params": {"max_tokens": 2**64}}, "params.max_tokens"),
         ({"type": "generate", "id": "a", "prompt": "x", "params": {"top_k": 10**20}}, "params.top_k"),
-        ({"type": "generate", "id": "a", "prompt": "x", "params": {"stop_token_ids": [2**64]}}, "params.stop_token_ids"),
+        (
+            {"type": "generate", "id": "a", "prompt": "x", "params": {"stop_token_ids": [2**64]}},
+            "params.stop_token_ids",
+        ),
         ({"type": "generate", "id": "a", "prompt": "x", "params": {"stop": ["a"] * 65}}, "params.stop"),
         ({"type": "generate", "id": "a", "prompt": "x", "params": {"stop": ["a" * 4097]}}, "params.stop"),
         ({"type": "generate", "id": "a", "prompt": "x", "params": {"temperature": 1e300}}, "params.temperature"),
@@ -113,7 +118,10 @@ def test_a_missing_or_invalid_field_is_named(message, field):
 
 def test_error_messages_carry_the_field_only_when_there_is_one():
     assert json.loads(protocol.encode(parse_error("{").to_message())) == {
-        "type": "error", "id": None, "code": "invalid_json", "message": parse_error("{").message,
+        "type": "error",
+        "id": None,
+        "code": "invalid_json",
+        "message": parse_error("{").message,
     }
     err = parse_error(json.dumps({"type": "generate", "id": "a", "prompt": 5}))
     assert json.loads(protocol.encode(err.to_message()))["field"] == "prompt"
@@ -145,11 +153,17 @@ def test_server_messages_encode_as_documented():
     with_logprobs = Delta(id="a", text="", token_ids=[1], logprobs=[SampleLogprobs(-0.5, [1, 2], [-0.5, -1.0])])
     assert json.loads(protocol.encode(with_logprobs))["logprobs"] == [[-0.5, [1, 2], [-0.5, -1.0]]]
     assert json.loads(protocol.encode(protocol.done("a", "stop", "\n", 3, 4))) == {
-        "type": "done", "id": "a", "finish_reason": "stop", "stop_reason": "\n",
+        "type": "done",
+        "id": "a",
+        "finish_reason": "stop",
+        "stop_reason": "\n",
         "usage": {"prompt_tokens": 3, "completion_tokens": 4},
     }
     assert json.loads(protocol.encode(protocol.error("a", "shutdown", "bye"))) == {
-        "type": "error", "id": "a", "code": "shutdown", "message": "bye",
+        "type": "error",
+        "id": "a",
+        "code": "shutdown",
+        "message": "bye",
     }
 
 
@@ -181,8 +195,12 @@ def test_health_is_200_only_when_ready_and_needs_no_key(phase, status):
 
 
 def test_websocket_needs_the_api_key_when_one_is_set():
-    ws = {"Upgrade": "websocket", "Connection": "Upgrade", "Sec-WebSocket-Key": "a2V5a2V5a2V5a2V5a2V5aw==",
-          "Sec-WebSocket-Version": "13"}
+    ws = {
+        "Upgrade": "websocket",
+        "Connection": "Upgrade",
+        "Sec-WebSocket-Key": "a2V5a2V5a2V5a2V5a2V5aw==",
+        "Sec-WebSocket-Version": "13",
+    }
     assert http.route(head(**ws), phase="ready", api_key=None) is None
     assert http.route(head(Authorization="Bearer secret", **ws), phase="ready", api_key="secret") is None
     for auth in ("", "Bearer wrong", "Basic secret", "Bearer"):
@@ -191,8 +209,12 @@ def test_websocket_needs_the_api_key_when_one_is_set():
 
 
 def test_websocket_is_refused_with_503_unless_ready_and_plain_http_gets_426():
-    ws = {"Upgrade": "websocket", "Connection": "Upgrade", "Sec-WebSocket-Key": "a2V5a2V5a2V5a2V5a2V5aw==",
-          "Sec-WebSocket-Version": "13"}
+    ws = {
+        "Upgrade": "websocket",
+        "Connection": "Upgrade",
+        "Sec-WebSocket-Key": "a2V5a2V5a2V5a2V5a2V5aw==",
+        "Sec-WebSocket-Version": "13",
+    }
     assert http.route(head(**ws), phase="starting", api_key=None).status == 503  # type: ignore[union-attr]
     assert http.route(head(**ws), phase="stopping", api_key=None).status == 503  # type: ignore[union-attr]
     assert http.route(head("GET", "/"), phase="ready", api_key=None).status == 426  # type: ignore[union-attr]

@@ -233,7 +233,12 @@ class Engine:
         self, request_id: str, token_ids: list[int], params: SamplingParams, client_id: str, index: int = 0
     ) -> RequestState:
         return RequestState(
-            request_id, token_ids, params, self.tokenizer, client_id=client_id, index=index,
+            request_id,
+            token_ids,
+            params,
+            self.tokenizer,
+            client_id=client_id,
+            index=index,
             on_end=self._request_ended if self._observers else None,
         )
 
@@ -359,8 +364,11 @@ class ParentRequestStream:
         try:
             for index in range(self.n):
                 state = self._engine._new_state(
-                    child_request_id(self.request_id, index), self._token_ids,
-                    child_params(self._params, index), self._client_id, index,
+                    child_request_id(self.request_id, index),
+                    self._token_ids,
+                    child_params(self._params, index),
+                    self._client_id,
+                    index,
                 )
                 state.collector.on_ready = self._wakeup.set
                 self._client = await self._engine._submit(state)

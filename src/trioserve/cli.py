@@ -49,11 +49,12 @@ def _add_engine_options(parser: argparse.ArgumentParser) -> None:
         "--kv-cache-mib", type=int, default=512, metavar="MIB", help="memory for the KV cache (default: %(default)s)"
     )
     group.add_argument("--max-num-seqs", type=int, default=64, help="most requests in a batch (default: %(default)s)")
+    group.add_argument("--max-model-len", type=int, default=None, help="context length cap (default: the model's own)")
     group.add_argument(
-        "--max-model-len", type=int, default=None, help="context length cap (default: the model's own)"
-    )
-    group.add_argument(
-        "--max-steps-in-flight", type=int, choices=[1, 2], default=2,
+        "--max-steps-in-flight",
+        type=int,
+        choices=[1, 2],
+        default=2,
         help="2: plan and send the next model step while the current one runs; 1: one at a time (default: %(default)s)",
     )
     group.add_argument("--runner", choices=["hf", "fake"], default="hf", help=argparse.SUPPRESS)
@@ -63,38 +64,61 @@ def _add_engine_options(parser: argparse.ArgumentParser) -> None:
     defaults = EngineConfig(model="-")
     group = parser.add_argument_group("supervision (docs/supervision.md)")
     group.add_argument(
-        "--max-restarts", type=int, default=defaults.max_restarts,
+        "--max-restarts",
+        type=int,
+        default=defaults.max_restarts,
         help="restarts of a dead engine core allowed within --restart-window; one more death "
         "fails the engine for good (default: %(default)s)",
     )
     group.add_argument(
-        "--restart-window", type=float, default=defaults.restart_window_s, metavar="SECONDS",
+        "--restart-window",
+        type=float,
+        default=defaults.restart_window_s,
+        metavar="SECONDS",
         help="default: %(default)s",
     )
     group.add_argument(
-        "--startup-timeout", type=float, default=defaults.startup_timeout_s, metavar="SECONDS",
+        "--startup-timeout",
+        type=float,
+        default=defaults.startup_timeout_s,
+        metavar="SECONDS",
         help="deadline for starting a process and its handshake (default: %(default)s)",
     )
     group.add_argument(
-        "--model-load-timeout", type=float, default=defaults.model_load_timeout_s, metavar="SECONDS",
+        "--model-load-timeout",
+        type=float,
+        default=defaults.model_load_timeout_s,
+        metavar="SECONDS",
         help="deadline for loading the model and sizing the KV cache (default: %(default)s)",
     )
     group.add_argument(
-        "--step-timeout", type=float, default=defaults.step_timeout_s, metavar="SECONDS",
+        "--step-timeout",
+        type=float,
+        default=defaults.step_timeout_s,
+        metavar="SECONDS",
         help="a model step taking longer counts as a hung worker, whatever was measured before; "
         "0 for no fixed limit (default: %(default)s)",
     )
     group.add_argument(
-        "--step-hang-min", type=float, default=defaults.step_hang_min_s, metavar="SECONDS",
+        "--step-hang-min",
+        type=float,
+        default=defaults.step_hang_min_s,
+        metavar="SECONDS",
         help=f"a step running {defaults.step_hang_factor:g} times longer than the slowest of its size so far, "
         "and longer than this, counts as hung (default: %(default)s)",
     )
     group.add_argument(
-        "--heartbeat-interval", type=float, default=defaults.heartbeat_interval_s, metavar="SECONDS",
+        "--heartbeat-interval",
+        type=float,
+        default=defaults.heartbeat_interval_s,
+        metavar="SECONDS",
         help="how often each process tells its parent it is alive (default: %(default)s)",
     )
     group.add_argument(
-        "--heartbeat-timeout", type=float, default=defaults.heartbeat_timeout_s, metavar="SECONDS",
+        "--heartbeat-timeout",
+        type=float,
+        default=defaults.heartbeat_timeout_s,
+        metavar="SECONDS",
         help="an engine core or worker silent this long (stopped, or stuck) is killed and restarted; "
         "/health says 'stalled' from two missed heartbeats (default: %(default)s)",
     )
@@ -103,9 +127,7 @@ def _add_engine_options(parser: argparse.ArgumentParser) -> None:
 def _add_sampling_options(parser: argparse.ArgumentParser, *, max_tokens: int = 64) -> None:
     group = parser.add_argument_group("sampling")
     group.add_argument("--max-tokens", type=int, default=max_tokens, help="tokens to generate (default: %(default)s)")
-    group.add_argument(
-        "--temperature", type=float, default=0.0, help="0 means greedy (default: %(default)s)"
-    )
+    group.add_argument("--temperature", type=float, default=0.0, help="0 means greedy (default: %(default)s)")
     group.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (default: off)")
     group.add_argument("--top-k", type=int, default=0, help="sample among the k likeliest (default: off)")
     group.add_argument("--min-p", type=float, default=0.0, help="drop tokens below min-p x the top one (default: off)")
@@ -218,7 +240,8 @@ def _add_server_options(parser: argparse.ArgumentParser) -> None:
     defaults = ServerConfig()
     group = parser.add_argument_group("server")
     group.add_argument(
-        "--host", default=defaults.host,
+        "--host",
+        default=defaults.host,
         help="address to listen on (default: %(default)s, this machine only; 0.0.0.0 for every interface)",
     )
     group.add_argument(
@@ -226,54 +249,80 @@ def _add_server_options(parser: argparse.ArgumentParser) -> None:
     )
     keys = group.add_mutually_exclusive_group()
     keys.add_argument(
-        "--api-key", metavar="KEY",
+        "--api-key",
+        metavar="KEY",
         help="require 'Authorization: Bearer KEY' on every WebSocket handshake. A key on the command line shows "
         "in ps: prefer --api-key-file or $TRIOSERVE_API_KEY (default: $TRIOSERVE_API_KEY, else no key)",
     )
     keys.add_argument(
-        "--api-key-file", metavar="FILE",
+        "--api-key-file",
+        metavar="FILE",
         help="read the API key from FILE (its first line; keep the file readable by you alone)",
     )
     group.add_argument(
-        "--max-connections", type=int, default=defaults.max_connections, metavar="N",
+        "--max-connections",
+        type=int,
+        default=defaults.max_connections,
+        metavar="N",
         help="TCP connections served at once; more get HTTP 503 with Retry-After, while GET /health still answers "
         "(default: %(default)s: far more than a GPU serves at once, since one connection carries many requests, "
         "yet a bounded fd and memory budget; the open-files limit is raised to fit when the hard limit allows)",
     )
     group.add_argument(
-        "--idle-timeout", type=float, default=defaults.idle_timeout_s, metavar="SECONDS",
+        "--idle-timeout",
+        type=float,
+        default=defaults.idle_timeout_s,
+        metavar="SECONDS",
         help="close a WebSocket with code 4408 after this long with no request in flight and no message from the "
         "client; pings do not count; inf: never (default: %(default)s, to free the slots of clients that vanished "
         "without closing, while a client between two requests rarely waits that long)",
     )
     group.add_argument(
-        "--handshake-timeout", type=float, default=defaults.handshake_timeout_s, metavar="SECONDS",
+        "--handshake-timeout",
+        type=float,
+        default=defaults.handshake_timeout_s,
+        metavar="SECONDS",
         help="drop a connection that has not sent its HTTP request head and finished the WebSocket handshake this "
         "long after it was accepted (default: %(default)s, ample for a slow link, short for a silent client)",
     )
     group.add_argument(
-        "--max-requests-per-connection", type=int, default=defaults.max_requests_per_connection, metavar="N",
+        "--max-requests-per-connection",
+        type=int,
+        default=defaults.max_requests_per_connection,
+        metavar="N",
         help="requests one connection may have in flight (default: %(default)s)",
     )
     group.add_argument(
-        "--max-message-bytes", type=int, default=defaults.max_message_bytes, metavar="BYTES",
+        "--max-message-bytes",
+        type=int,
+        default=defaults.max_message_bytes,
+        metavar="BYTES",
         help="a larger client message closes its connection with code 1009 (default: %(default)s)",
     )
     group.add_argument(
-        "--slow-consumer-timeout", type=float, default=defaults.slow_consumer_timeout_s, metavar="SECONDS",
+        "--slow-consumer-timeout",
+        type=float,
+        default=defaults.slow_consumer_timeout_s,
+        metavar="SECONDS",
         help="end a client's requests when it reads nothing for this long (default: %(default)s)",
     )
     group.add_argument(
-        "--shutdown-grace", type=float, default=defaults.shutdown_grace_s, metavar="SECONDS",
+        "--shutdown-grace",
+        type=float,
+        default=defaults.shutdown_grace_s,
+        metavar="SECONDS",
         help="on SIGINT/SIGTERM, time for requests in flight to finish (default: %(default)s)",
     )
     group.add_argument(
-        "--keepalive-timeout", type=float, default=defaults.keepalive_timeout_s, metavar="SECONDS",
-        help="close an HTTP connection that sends no new request for this long after a response "
-        "(default: %(default)s)",
+        "--keepalive-timeout",
+        type=float,
+        default=defaults.keepalive_timeout_s,
+        metavar="SECONDS",
+        help="close an HTTP connection that sends no new request for this long after a response (default: %(default)s)",
     )
     group.add_argument(
-        "--served-model-name", metavar="NAME",
+        "--served-model-name",
+        metavar="NAME",
         help="the model's name in the OpenAI API ('model' in requests, /v1/models) "
         "(default: the model directory's name)",
     )

@@ -55,7 +55,12 @@ class ServerConfig:
         )
         _check(self.max_http_requests_per_connection >= 1, "max_http_requests_per_connection", "must be >= 1")
         _check(self.model_name is None or self.model_name.strip() != "", "model_name", "must not be empty")
-        for name in ("slow_consumer_timeout_s", "handshake_timeout_s", "close_timeout_s", "idle_timeout_s",
-                     "keepalive_timeout_s"):
+        for name in (
+            "slow_consumer_timeout_s",
+            "handshake_timeout_s",
+            "close_timeout_s",
+            "idle_timeout_s",
+            "keepalive_timeout_s",
+        ):
             _check(getattr(self, name) > 0, name, "must be > 0")
         _check(self.shutdown_grace_s >= 0, "shutdown_grace_s", "must be >= 0")

@@ -299,7 +299,6 @@ class Connection:
         return False
 
 
-
 def _invalid_request(request: Generate, exc: InvalidRequestError) -> ProtocolError:
     """The protocol's error for the engine's: the engine names the field
     ``prompt`` whichever way it was given; the client gets its own name."""

@@ -21,13 +21,23 @@ import trio
 from trioserve.server.admission import RETRY_AFTER_S
 
 MAX_HEAD_BYTES = 16 * 1024
-_REASONS = {200: "OK", 400: "Bad Request", 401: "Unauthorized", 405: "Method Not Allowed", 426: "Upgrade Required",
-            431: "Request Header Fields Too Large", 503: "Service Unavailable"}
+_REASONS = {
+    200: "OK",
+    400: "Bad Request",
+    401: "Unauthorized",
+    405: "Method Not Allowed",
+    426: "Upgrade Required",
+    431: "Request Header Fields Too Large",
+    503: "Service Unavailable",
+}
 HEALTH_PATH = "/health"
 METRICS_PATH = "/metrics"
 API_PREFIX = "/v1/"
-_NOT_READY = {"starting": "the engine is starting", "stopping": "the server is shutting down",
-              "dead": "the engine died"}
+_NOT_READY = {
+    "starting": "the engine is starting",
+    "stopping": "the server is shutting down",
+    "dead": "the engine died",
+}
 
 
 class BadRequest(Exception):
@@ -100,13 +110,19 @@ def route(head: RequestHead, *, phase: str, api_key: str | None, health: str | N
     if head.path == HEALTH_PATH:
         return _health_reply(head, health if health is not None else phase)
     if not head.is_websocket_upgrade:
-        return Reply(426, {"error": "this is a WebSocket server: connect with a WebSocket, or GET /health"},
-                     (("Upgrade", "websocket"),))
+        return Reply(
+            426,
+            {"error": "this is a WebSocket server: connect with a WebSocket, or GET /health"},
+            (("Upgrade", "websocket"),),
+        )
     if "sec-websocket-key" not in head.headers or head.headers.get("sec-websocket-version") != "13":
         return Reply(400, {"error": "bad WebSocket handshake: needs Sec-WebSocket-Key and Sec-WebSocket-Version: 13"})
     if api_key is not None and not head.has_bearer_token(api_key):
-        return Reply(401, {"error": "missing or wrong API key: send 'Authorization: Bearer <key>'"},
-                     (("WWW-Authenticate", 'Bearer realm="trioserve"'),))
+        return Reply(
+            401,
+            {"error": "missing or wrong API key: send 'Authorization: Bearer <key>'"},
+            (("WWW-Authenticate", 'Bearer realm="trioserve"'),),
+        )
     if phase != "ready":
         return Reply(503, {"error": _NOT_READY.get(phase, phase)})
     return None
@@ -136,12 +152,18 @@ def _health_reply(head: RequestHead, status: str) -> Reply:
     return Reply(200 if status == "ready" else 503, {"status": status})
 
 
-def response(status: int, body: dict[str, object], *, extra_headers: tuple[tuple[str, str], ...] = (),
-             head_only: bool = False) -> bytes:
+def response(
+    status: int, body: dict[str, object], *, extra_headers: tuple[tuple[str, str], ...] = (), head_only: bool = False
+) -> bytes:
     """A complete HTTP/1.1 response with a JSON body; the connection closes after it."""
     payload = (json.dumps(body) + "\n").encode()
-    lines = [f"HTTP/1.1 {status} {_REASONS.get(status, 'Error')}", "Content-Type: application/json",
-             f"Content-Length: {len(payload)}", "Connection: close", "Cache-Control: no-store"]
+    lines = [
+        f"HTTP/1.1 {status} {_REASONS.get(status, 'Error')}",
+        "Content-Type: application/json",
+        f"Content-Length: {len(payload)}",
+        "Connection: close",
+        "Cache-Control: no-store",
+    ]
     lines += [f"{name}: {value}" for name, value in extra_headers]
     return ("\r\n".join(lines) + "\r\n\r\n").encode() + (b"" if head_only else payload)
 

@@ -86,8 +86,10 @@ class AcceptBackoff:
         self.delay = 0.0
         if self.failures == 0 or now - self.last_failure < QUIET_S:
             return None
-        line = (f"accept works again: it failed {self.failures} times over {self.last_failure - self.since:.1f} s, "
-                f"the last {now - self.last_failure:.0f} s ago")
+        line = (
+            f"accept works again: it failed {self.failures} times over {self.last_failure - self.since:.1f} s, "
+            f"the last {now - self.last_failure:.0f} s ago"
+        )
         self.failures = 0
         return line
 

@@ -204,7 +204,9 @@ def _parse_id(raw: dict[str, Any]) -> str:
         raise ProtocolError(INVALID_FIELD, "id: missing", field="id")
     if not _is_valid_id(value):
         raise ProtocolError(
-            INVALID_FIELD, f"id: must be a string of 1 to {MAX_ID_LENGTH} characters (got {short_repr(value)})", field="id"
+            INVALID_FIELD,
+            f"id: must be a string of 1 to {MAX_ID_LENGTH} characters (got {short_repr(value)})",
+            field="id",
         )
     return value
 
@@ -248,7 +250,14 @@ def _invalid(request_id: str | None, field: str, message: str) -> ProtocolError:
 
 
 def _json_type(value: object) -> str:
-    names = {list: "an array", dict: "an object", str: "a string", bool: "a boolean", int: "a number", float: "a number"}
+    names = {
+        list: "an array",
+        dict: "an object",
+        str: "a string",
+        bool: "a boolean",
+        int: "a number",
+        float: "a number",
+    }
     return "null" if value is None else names.get(type(value), type(value).__name__)
 
 

@@ -199,7 +199,9 @@ class Server:
             log.warning(
                 "the open-files limit (RLIMIT_NOFILE) is %d, below the ~%d that max_connections=%d needs: "
                 "accept will fail (EMFILE) before the cap is reached; raise 'ulimit -n' or lower --max-connections",
-                limit, needed, self.config.max_connections,
+                limit,
+                needed,
+                self.config.max_connections,
             )
 
     # --- one TCP connection ---------------------------------------------------
@@ -251,15 +253,22 @@ class Server:
         deadline = trio.current_time() + self.config.handshake_timeout_s
         while conn.num_requests < self.config.max_http_requests_per_connection:
             head: http.RequestHead | None = None
+            websocket: http.ReplayStream | None = None
             try:
                 with trio.move_on_at(deadline):
                     head = await conn.read_head()
                     if head is not None and not head.is_api:
-                        reply = http.route(head, phase=self.state.phase, api_key=self.config.api_key,
-                                           health=self._health())
+                        reply = http.route(
+                            head, phase=self.state.phase, api_key=self.config.api_key, health=self._health()
+                        )
                         if reply is None:
-                            return await self._serve_websocket(conn.websocket_stream(), deadline)
-                        await conn.send_json(reply.status, reply.body, reply.headers, head_only=head.method == "HEAD")
+                            websocket = conn.websocket_stream()
+                        else:
+                            await conn.send_json(
+                                reply.status, reply.body, reply.headers, head_only=head.method == "HEAD"
+                            )
+                if websocket is not None:  # outside the head's deadline: the WebSocket lives on its own bounds
+                    return await self._serve_websocket(websocket, deadline)
                 if head is None:
                     return  # closed, or timed out
                 if head.is_api:
@@ -297,10 +306,12 @@ class Server:
                 await conn.send_error_and_close(exc)
                 return
             if head is not None:
-                reply = http.route_over_capacity(head, health=self._health(),
-                                                 max_connections=self.config.max_connections)
-                await conn.send_json(reply.status, reply.body, reply.headers, head_only=head.method == "HEAD",
-                                     close=True)
+                reply = http.route_over_capacity(
+                    head, health=self._health(), max_connections=self.config.max_connections
+                )
+                await conn.send_json(
+                    reply.status, reply.body, reply.headers, head_only=head.method == "HEAD", close=True
+                )
 
     @property
     def http_url(self) -> str:
@@ -319,7 +330,9 @@ class Server:
                 async with trio.open_nursery() as nursery:  # trio-websocket's reader task
                     with trio.move_on_at(handshake_deadline) as handshake:
                         ws_request = await wrap_server_stream(
-                            nursery, stream, message_queue_size=INCOMING_MESSAGE_QUEUE,
+                            nursery,
+                            stream,
+                            message_queue_size=INCOMING_MESSAGE_QUEUE,
                             max_message_size=self.config.max_message_bytes,
                         )
                         ws = await ws_request.accept()
