@@ -198,6 +198,10 @@ class EngineStats(msgspec.Struct, frozen=True):
     num_preemptions: int  # since start: running requests preempted for KV blocks
     num_steps: int  # since start
     num_fairness_preemptions: int = 0  # since start: preempted to give another client its share
+    num_requests: int = 0  # since start: requests the engine took
+    # With several engines (data parallel), the totals above are their sums and
+    # this holds each engine's own figures, by engine index; empty otherwise.
+    engines: list[EngineStats] = msgspec.field(default_factory=list)
 
 
 class SampleLogprobs(msgspec.Struct, frozen=True, array_like=True):
@@ -237,6 +241,15 @@ class StartupFailed(msgspec.Struct, tag=True):
     exit_code: int | None = None
 
 
+class LoadReport(msgspec.Struct, tag=True):
+    """The engine core's load, sent when it changes (at most every
+    ``LOAD_REPORT_INTERVAL_S``) and with every heartbeat: what the front-end
+    balances new requests on."""
+
+    num_waiting: int
+    num_running: int
+
+
 class Heartbeat(msgspec.Struct, tag=True):
     """The engine core is alive: sent every ``heartbeat_interval_s``, during
     start-up (on the handshake socket) and after (on the output socket).
@@ -244,6 +257,7 @@ class Heartbeat(msgspec.Struct, tag=True):
     heartbeat, a step running far longer than usual); empty when all is well."""
 
     stalled: str = ""
+    load: LoadReport | None = None
 
 
 HandshakeMessage = Hello | HandshakeInit | Heartbeat | Ready | StartupFailed
@@ -296,7 +310,7 @@ class EngineDead(msgspec.Struct, tag=True):
     reason: str
 
 
-EngineResponse = EngineOutputs | StatsReply | Heartbeat | EngineDead
+EngineResponse = EngineOutputs | StatsReply | LoadReport | Heartbeat | EngineDead
 
 
 # --- engine core <-> worker ------------------------------------------------

@@ -118,6 +118,7 @@ class Scheduler:
         self.num_preemptions = 0  # for blocks
         self.num_fairness_preemptions = 0
         self.num_steps = 0  # steps made by schedule(); the last one's number
+        self.num_requests = 0  # requests taken by add()
 
     # --- requests in and out -------------------------------------------------
 
@@ -129,6 +130,7 @@ class Scheduler:
         request.check_can_run(self.max_model_len, bm.num_blocks, bm.block_size)
         self._requests[request.request_id] = request
         self.waiting.add(request)
+        self.num_requests += 1
 
     def abort(self, request_ids: Iterable[str]) -> list[str]:
         """Finish these requests with reason ``"abort"`` and free their blocks now.
@@ -174,6 +176,7 @@ class Scheduler:
             num_preemptions=self.num_preemptions,
             num_steps=self.num_steps,
             num_fairness_preemptions=self.num_fairness_preemptions,
+            num_requests=self.num_requests,
         )
 
     # --- one step --------------------------------------------------------------

@@ -47,6 +47,7 @@ from trioserve.messages import (
     HandshakeMessage,
     Heartbeat,
     Hello,
+    LoadReport,
     Ready,
     StartupFailed,
     StatsReply,
@@ -71,6 +72,8 @@ class EngineCoreClient:
     ) -> None:
         self.config = config
         self._on_dead = on_dead
+        # Told each load report (engine index, load); the engine group's coordinator sets it.
+        self.on_load: Callable[[int, LoadReport], None] | None = None
         self._dead_event = trio.Event()
         self.name = f"engine-core-{engine_index}"
         self.engine_index = engine_index
@@ -365,10 +368,18 @@ class EngineCoreClient:
                     if call is not None:
                         call[1].append(msg.stats)
                         call[0].set()
+                elif isinstance(msg, LoadReport):
+                    self._report_load(msg)
                 elif isinstance(msg, Heartbeat):
                     self._engine_stalled = msg.stalled
+                    if msg.load is not None:
+                        self._report_load(msg.load)
                 elif isinstance(msg, EngineDead):
                     self._die(msg.reason)
+
+    def _report_load(self, load: LoadReport) -> None:
+        if self.on_load is not None:
+            self.on_load(self.engine_index, load)
 
     def _dispatch(self, msg: EngineOutputs) -> None:
         for output in msg.outputs:

@@ -51,6 +51,7 @@ from trioserve.messages import (
     HandshakeMessage,
     Heartbeat,
     Hello,
+    LoadReport,
     Ready,
     StartupFailed,
     StatsReply,
@@ -68,6 +69,7 @@ ENGINE_INDEX_ENV = "TRIOSERVE_ENGINE_INDEX"
 HANDSHAKE_TIMEOUT_ENV = "TRIOSERVE_HANDSHAKE_TIMEOUT_S"
 DEFAULT_HANDSHAKE_TIMEOUT_S = 30.0  # EngineConfig.startup_timeout_s's default
 INBOX_SIZE = 1024  # requests and aborts waiting for the step loop
+LOAD_REPORT_INTERVAL_S = 0.02  # the most often the load goes out when it changes
 OUTBOX_SIZE = 64  # output batches waiting for the output socket
 
 log = logging.getLogger("trioserve.engine_core")
@@ -89,6 +91,8 @@ class EngineCore:
         self.depth = executor.config.max_steps_in_flight
         self._unsent: list[TokenOutput] = []  # outputs of the last step postprocessed, not yet in the outbox
         self._replies: list[EngineResponse] = []  # answers to front-end messages, not yet in the outbox
+        self._last_load = LoadReport(num_waiting=0, num_running=0)
+        self._last_load_at = -math.inf
 
     async def step_loop(
         self, inbox: trio.MemoryReceiveChannel[EngineRequest], outbox: trio.MemorySendChannel[EngineResponse]
@@ -152,6 +156,22 @@ class EngineCore:
         if self._unsent:
             outputs, self._unsent = self._unsent, []
             await outbox.send(EngineOutputs(outputs=outputs))
+        if (report := self._load_changed()) is not None:
+            await outbox.send(report)
+
+    def load(self) -> LoadReport:
+        return LoadReport(num_waiting=self.scheduler.num_waiting, num_running=self.scheduler.num_running)
+
+    def _load_changed(self) -> LoadReport | None:
+        """The load, when it changed since the last report and the last
+        report is at least ``LOAD_REPORT_INTERVAL_S`` old (the heartbeats
+        carry it too, so a change held back here goes out with the next)."""
+        now = trio.current_time()
+        load = self.load()
+        if load == self._last_load or now < self._last_load_at + LOAD_REPORT_INTERVAL_S:
+            return None
+        self._last_load, self._last_load_at = load, now
+        return load
 
     def apply(self, msg: EngineRequest) -> None:
         """Apply one front-end message; its reply, if any, goes out with the next outputs."""
@@ -349,8 +369,9 @@ async def _serve(
         inbox_send, inbox_receive = trio.open_memory_channel[EngineRequest](INBOX_SIZE)
         await nursery.start(input_socket_actor, init.input_address, inbox_send)
         await handshake.send(_encode(Ready(info=info)))
-        nursery.start_soon(_heartbeats, outbox.send, executor)
-        await EngineCore(scheduler, executor, info, in_flight).step_loop(inbox_receive, outbox)
+        core = EngineCore(scheduler, executor, info, in_flight)
+        nursery.start_soon(_heartbeats, outbox.send, executor, core.load)
+        await core.step_loop(inbox_receive, outbox)
 
 
 async def _start_executor(nursery: trio.Nursery, executor: Executor, handshake: TrioZmqSocket) -> EngineInfo:
@@ -374,9 +395,14 @@ async def _start_executor(nursery: trio.Nursery, executor: Executor, handshake: 
     return info
 
 
-async def _heartbeats(send: Callable[[Heartbeat], Awaitable[None]], executor: Executor) -> None:
+async def _heartbeats(
+    send: Callable[[Heartbeat], Awaitable[None]],
+    executor: Executor,
+    load: Callable[[], LoadReport] | None = None,
+) -> None:
     """Send a ``Heartbeat`` every ``heartbeat_interval_s``, saying whether a
-    hang is suspected. Cancelling it leaves nothing half-sent."""
+    hang is suspected, and the load once requests are served. Cancelling it
+    leaves nothing half-sent."""
     while True:
-        await send(Heartbeat(stalled=executor.suspicion()))
+        await send(Heartbeat(stalled=executor.suspicion(), load=None if load is None else load()))
         await trio.sleep(executor.config.heartbeat_interval_s)

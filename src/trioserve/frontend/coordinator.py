@@ -1,0 +1,104 @@
+"""The data-parallel coordinator: the picture of every engine core's load,
+and the choice of the engine for each new request.
+
+``LoadPicture`` is plain logic (no I/O): each engine's last reported load
+(waiting and running requests) plus the requests sent to it since that
+report. An engine's score is ``4 x (waiting + sent since) + running``: a
+request that waits costs its client more than one more in the batch (it has
+no token yet), and a request just sent will most likely wait first. The
+least score wins; ties go in rotation, so a uniform load spreads evenly.
+
+``Coordinator`` is the actor that owns the picture: engine clients hand it
+their load reports through a bounded inbox (a full inbox drops a report; the
+next one supersedes it), and the engine group asks it which engine gets the
+next request. It lives as long as the engines (the engine group runs it
+beside them), and a fault in it is a fault of the tree.
+
+Invariants: scores only ever come from the last report of each engine and
+the requests sent since; an engine that restarts starts again from zero.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import trio
+
+from trioserve.messages import LoadReport
+
+INBOX_SIZE = 256  # load reports waiting for the coordinator
+WAITING_WEIGHT = 4  # a waiting request counts this many times a running one
+
+
+class LoadPicture:
+    """Each engine's load, as last reported, and the requests sent since."""
+
+    def __init__(self, num_engines: int) -> None:
+        self._loads = [LoadReport(num_waiting=0, num_running=0) for _ in range(num_engines)]
+        self._sent = [0] * num_engines
+        self._next = 0  # where the rotation among equal scores starts
+
+    @property
+    def num_engines(self) -> int:
+        return len(self._loads)
+
+    def report(self, engine: int, load: LoadReport) -> None:
+        self._loads[engine] = load
+        self._sent[engine] = 0
+
+    def forget(self, engine: int) -> None:
+        """The engine restarted: nothing of its old load holds."""
+        self.report(engine, LoadReport(num_waiting=0, num_running=0))
+
+    def score(self, engine: int) -> int:
+        load = self._loads[engine]
+        return WAITING_WEIGHT * (load.num_waiting + self._sent[engine]) + load.num_running
+
+    def choose(self, candidates: Sequence[int]) -> int:
+        """The candidate with the least score (ties in rotation); counts a
+        request as sent to it."""
+        if not candidates:
+            raise ValueError("choose() needs at least one candidate engine")
+        n = self.num_engines
+        ordered = sorted(candidates, key=lambda e: (self.score(e), (e - self._next) % n))
+        chosen = ordered[0]
+        self._sent[chosen] += 1
+        self._next = (chosen + 1) % n
+        return chosen
+
+
+@dataclass(frozen=True)
+class LoadEvent:
+    engine: int
+    load: LoadReport | None  # None: the engine restarted
+
+
+class Coordinator:
+    """The actor that keeps the ``LoadPicture``. Feed it with
+    ``report_nowait`` (from any task: never blocks); ask it with ``choose``."""
+
+    def __init__(self, num_engines: int) -> None:
+        self.picture = LoadPicture(num_engines)
+        self._send, self._receive = trio.open_memory_channel[LoadEvent](INBOX_SIZE)
+        self.num_dropped = 0  # reports dropped because the inbox was full
+
+    def report_nowait(self, engine: int, load: LoadReport | None) -> None:
+        """Hand over a load report (None: the engine restarted). Never blocks:
+        with the inbox full, it is dropped (a newer one will come)."""
+        try:
+            self._send.send_nowait(LoadEvent(engine, load))
+        except trio.WouldBlock:
+            self.num_dropped += 1
+
+    def choose(self, candidates: Sequence[int]) -> int:
+        return self.picture.choose(candidates)
+
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        """Apply load reports as they come, until cancelled (nothing is left behind)."""
+        task_status.started()
+        async for event in self._receive:
+            if event.load is None:
+                self.picture.forget(event.engine)
+            else:
+                self.picture.report(event.engine, event.load)
