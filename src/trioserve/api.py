@@ -227,6 +227,11 @@ class Engine:
         return await self._group.stats()
 
     @property
+    def engine_infos(self) -> list[EngineInfo]:
+        """Each engine core's ``EngineInfo``, by engine index (its latest start's)."""
+        return [s.info for s in self._group.supervisors if s.info is not None]
+
+    @property
     def engine_healths(self) -> list[Health]:
         """Each engine core's health, by engine index."""
         return self._group.engine_healths

@@ -223,7 +223,10 @@ def cmd_bench(args: argparse.Namespace) -> int:
         "engine_config": {k: v for k, v in vars(config).items() if k != "fake"},
     }
     in_run = in_run_figures(outcome.steps, *run_window(outcome.records))
-    result = build_result(summarize(outcome.records), outcome.peak_rss_bytes, baselines, meta, in_run)
+    run = summarize(outcome.records)
+    if len(outcome.requests_per_engine) > 1:
+        run["requests_per_engine"] = outcome.requests_per_engine
+    result = build_result(run, outcome.peak_rss_bytes, baselines, meta, in_run)
     print(format_table(result))
     if args.json:
         write_json(result, args.json)

@@ -103,6 +103,8 @@ def format_table(result: dict[str, Any]) -> str:
     ):
         d = r[key]
         lines.append(f"  {label + ' p50 / p99':<32}{_ms(d['p50'])} / {_ms(d['p99'])}")
+    if "requests_per_engine" in r:
+        lines.append(f"  {'requests per engine':<32}{' / '.join(map(str, r['requests_per_engine']))}")
     for name, size in result["peak_rss_bytes"].items():
         lines.append(f"  {'peak RSS ' + name:<32}{size / MIB:.0f} MiB")
     lines += _in_run_lines(result.get("model_steps_in_run"))

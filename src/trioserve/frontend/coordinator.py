@@ -1,12 +1,17 @@
 """The data-parallel coordinator: the picture of every engine core's load,
 and the choice of the engine for each new request.
 
-``LoadPicture`` is plain logic (no I/O): each engine's last reported load
-(waiting and running requests) plus the requests sent to it since that
-report. An engine's score is ``4 x (waiting + sent since) + running``: a
-request that waits costs its client more than one more in the batch (it has
-no token yet), and a request just sent will most likely wait first. The
-least score wins; ties go in rotation, so a uniform load spreads evenly.
+``LoadPicture`` is plain logic (no I/O). An engine's requests: with one
+front-end, those it has in flight there (exact and immediate; a report lags
+a burst by up to ``LOAD_REPORT_INTERVAL_S`` and still counts requests that
+have finished since); with several front-ends sharing the engines, what the
+engine last reported (waiting and running) plus the requests sent to it
+since, or this front-end's own count if that is more. Of those, the ones
+beyond its ``max_num_seqs``, or that it reported waiting (for KV blocks),
+wait; the rest run. The score is ``4 x waiting + running``: a request that
+waits costs its client more than one more in the batch (it has no token
+yet). The least score wins; ties go in rotation, so a uniform load spreads
+evenly.
 
 ``Coordinator`` is the actor that owns the picture: engine clients hand it
 their load reports through a bounded inbox (a full inbox drops a report; the
@@ -34,7 +39,9 @@ WAITING_WEIGHT = 4  # a waiting request counts this many times a running one
 class LoadPicture:
     """Each engine's load, as last reported, and the requests sent since."""
 
-    def __init__(self, num_engines: int) -> None:
+    def __init__(self, num_engines: int, max_running: int = 2**31, *, shared: bool = False) -> None:
+        self._max_running = max_running  # an engine's max_num_seqs
+        self._shared = shared  # other front-ends send to these engines too
         self._loads = [LoadReport(num_waiting=0, num_running=0) for _ in range(num_engines)]
         self._sent = [0] * num_engines
         self._next = 0  # where the rotation among equal scores starts
@@ -51,17 +58,24 @@ class LoadPicture:
         """The engine restarted: nothing of its old load holds."""
         self.report(engine, LoadReport(num_waiting=0, num_running=0))
 
-    def score(self, engine: int) -> int:
+    def score(self, engine: int, in_flight: int = 0) -> int:
+        """``engine``'s score, given the requests this front-end has in flight there."""
         load = self._loads[engine]
-        return WAITING_WEIGHT * (load.num_waiting + self._sent[engine]) + load.num_running
+        total = in_flight
+        if self._shared:
+            total = max(load.num_waiting + load.num_running + self._sent[engine], in_flight)
+        waiting = max(total - self._max_running, min(load.num_waiting, total))
+        return WAITING_WEIGHT * waiting + (total - waiting)
 
-    def choose(self, candidates: Sequence[int]) -> int:
+    def choose(self, candidates: Sequence[int], in_flight: Sequence[int] = ()) -> int:
         """The candidate with the least score (ties in rotation); counts a
-        request as sent to it."""
+        request as sent to it. ``in_flight``: this front-end's requests in
+        flight at each engine, by engine index."""
         if not candidates:
             raise ValueError("choose() needs at least one candidate engine")
         n = self.num_engines
-        ordered = sorted(candidates, key=lambda e: (self.score(e), (e - self._next) % n))
+        held = list(in_flight) or [0] * n
+        ordered = sorted(candidates, key=lambda e: (self.score(e, held[e]), (e - self._next) % n))
         chosen = ordered[0]
         self._sent[chosen] += 1
         self._next = (chosen + 1) % n
@@ -78,8 +92,8 @@ class Coordinator:
     """The actor that keeps the ``LoadPicture``. Feed it with
     ``report_nowait`` (from any task: never blocks); ask it with ``choose``."""
 
-    def __init__(self, num_engines: int) -> None:
-        self.picture = LoadPicture(num_engines)
+    def __init__(self, num_engines: int, max_running: int = 2**31) -> None:
+        self.picture = LoadPicture(num_engines, max_running)
         self._send, self._receive = trio.open_memory_channel[LoadEvent](INBOX_SIZE)
         self.num_dropped = 0  # reports dropped because the inbox was full
 
@@ -91,8 +105,8 @@ class Coordinator:
         except trio.WouldBlock:
             self.num_dropped += 1
 
-    def choose(self, candidates: Sequence[int]) -> int:
-        return self.picture.choose(candidates)
+    def choose(self, candidates: Sequence[int], in_flight: Sequence[int] = ()) -> int:
+        return self.picture.choose(candidates, in_flight)
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         """Apply load reports as they come, until cancelled (nothing is left behind)."""

@@ -46,7 +46,7 @@ class EngineGroup:
     def __init__(self, config: EngineConfig, *, client_factory: ClientFactory = new_client) -> None:
         self.config = config
         n = config.data_parallel_size
-        self.coordinator = Coordinator(n) if n > 1 else None
+        self.coordinator = Coordinator(n, config.max_num_seqs) if n > 1 else None
         on_load = None if self.coordinator is None else self.coordinator.report_nowait
         self.supervisors = [
             EngineSupervisor(config, i, client_factory=client_factory, on_load=on_load) for i in range(n)
@@ -127,7 +127,8 @@ class EngineGroup:
             return await self.supervisors[0].ready_client()
         ready = await self._ready_engines()
         assert self.coordinator is not None  # there is one with more than one engine
-        chosen = self.supervisors[self.coordinator.choose(ready)]
+        in_flight = [len(s.client.requests) if s.client is not None else 0 for s in self.supervisors]
+        chosen = self.supervisors[self.coordinator.choose(ready, in_flight)]
         client = chosen.live_client()
         assert client is not None  # nothing ran since _ready_engines looked
         return client
