@@ -8,6 +8,7 @@ import functools
 import os
 import signal
 import time
+from functools import partial
 
 import pytest
 import trio
@@ -160,3 +161,87 @@ async def test_tokens_through_two_engines_are_the_runner_tokens(dp_config):
             for i in range(6):
                 outs.append(await engine.generate([10 + i, 11], SamplingParams(max_tokens=5, ignore_eos=True)))
             assert [o.token_ids for o in outs] == [fake_tokens([10 + i, 11], 5) for i in range(6)]
+
+
+# --- lockstep -------------------------------------------------------------------
+
+
+async def _bursts(engine: trioserve.Engine, per_burst: int) -> list[list[int]]:
+    """A burst to engine 0 only, then one to engine 1 only, then both: every
+    request finishes; the engines' step counts once they paused."""
+    for target in (0, 1, None):
+        async with trio.open_nursery() as nursery:
+            for i in range(per_burst):
+                params = SamplingParams(max_tokens=5 + i, ignore_eos=True)
+                nursery.start_soon(partial(engine.generate, [3 + i, 4], params, engine_index=target))
+    counts: list[list[int]] = []
+    for _ in range(100):  # the wave ends at the next sync step: wait for both to pause
+        stats = await engine.stats()
+        counts.append([e.num_steps for e in stats.engines])
+        if len(counts) > 3 and counts[-1] == counts[-4]:
+            break
+        await trio.sleep(0.05)
+    return counts
+
+
+async def test_lockstep_with_bursts_to_one_engine_then_the_other_never_hangs(dp_config):
+    config = dp_config(data_parallel_lockstep=True, step_delay_s=0.002)
+    with trio.fail_after(60):
+        async with trioserve.open_engine(config=config) as engine:
+            counts = await _bursts(engine, per_burst=6)
+            # Every step of either engine joined the other's: they ran the same number.
+            assert counts[-1][0] == counts[-1][1] > 0
+            per_engine = [e.num_requests for e in (await engine.stats()).engines]
+            assert per_engine[0] >= 6 and per_engine[1] >= 6
+        assert await wait_no_children() == []
+
+
+@pytest.mark.model
+async def test_lockstep_with_the_real_collective_runs_bursts_and_matches_one_engine(tiny_model_dir):
+    model = str(tiny_model_dir("llama"))
+    params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+    with trio.fail_after(240):
+        async with trioserve.open_engine(model=model, max_num_seqs=4) as single:
+            expected = [(await single.generate([3, 9, i], params)).token_ids for i in range(4)]
+        options = {"data_parallel_size": 2, "data_parallel_lockstep": True, "max_num_seqs": 4}
+        async with trioserve.open_engine(model=model, **options) as engine:
+            got = {}
+            for target in (0, 1):
+                async with trio.open_nursery() as nursery:
+                    for i in range(4):
+
+                        async def one(i: int = i, target: int = target) -> None:
+                            got[target, i] = (await engine.generate([3, 9, i], params, engine_index=target)).token_ids
+
+                        nursery.start_soon(one)
+            assert [got[0, i] for i in range(4)] == expected == [got[1, i] for i in range(4)]
+            counts = await _bursts(engine, per_burst=2)
+            assert counts[-1][0] == counts[-1][1]
+
+
+async def test_in_lockstep_one_engine_dying_restarts_them_all_and_they_serve_again(dp_config):
+    config = dp_config(data_parallel_lockstep=True, step_delay_s=0.005)
+    with trio.fail_after(60):
+        async with trioserve.open_engine(config=config) as engine:
+            outcomes: list[tuple[Outcome, trioserve.RequestStream]] = []
+            async with trio.open_nursery() as nursery:
+                for i in range(4):
+                    stream = engine.stream([3 + i, 4], SamplingParams(max_tokens=10_000, ignore_eos=True))
+                    outcome = Outcome()
+                    outcomes.append((outcome, stream))
+                    nursery.start_soon(_consume_stream, stream, outcome)
+                for outcome, _ in outcomes:
+                    await outcome.started.wait()
+                info = engine._group.supervisors[1].info
+                assert info is not None
+                os.kill(info.engine_pid, signal.SIGKILL)
+                killed_at = time.monotonic()
+            for outcome, _ in outcomes:  # both engines' requests: the survivor was stuck with the dead one
+                assert isinstance(outcome.error, EngineDeadError)
+                assert outcome.ended_at is not None and outcome.ended_at - killed_at < 1.0
+            while engine.engine_healths != ["ready", "ready"]:
+                await trio.sleep(0.05)
+            counts = await _bursts(engine, per_burst=3)
+            assert counts[-1][0] == counts[-1][1] and engine._group.generation == 1
+            assert [s.num_restarts for s in engine._group.supervisors] == [1, 1]
+        assert await wait_no_children() == []

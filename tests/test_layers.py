@@ -68,6 +68,7 @@ THIRD_PARTY = {
 TORCH_AT_MODULE_LEVEL = {"bench/baselines.py"}
 LAZY_GPU_IMPORTS = {
     ("nurseries/worker.py", "trioserve.gpu.model_runner"),  # the worker's runner
+    ("nurseries/worker.py", "trioserve.gpu.dp_collective"),  # its data-parallel collective
     ("bench/models.py", "transformers.utils"),  # the model-building subprocess
     ("bench/models.py", "trioserve.gpu.tiny_models"),
 }

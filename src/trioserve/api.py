@@ -159,7 +159,14 @@ class Engine:
         if self.health != "ready":
             await self._group.ready_client()  # raises the reason
 
-    def stream(self, prompt: Prompt, params: SamplingParams | None = None, *, client_id: str = "") -> RequestStream:
+    def stream(
+        self,
+        prompt: Prompt,
+        params: SamplingParams | None = None,
+        *,
+        client_id: str = "",
+        engine_index: int | None = None,
+    ) -> RequestStream:
         """A request whose outputs arrive as they are produced.
 
         Use as ``async with engine.stream(prompt, params) as stream: async for
@@ -169,17 +176,25 @@ class Engine:
         enough to be tokenized in a thread (``frontend/prompt.py``), when the
         block is entered. A prompt that does not fit the context raises
         ``PromptTooLongError`` (one of those). Waiting requests of different
-        ``client_id``s are admitted in turn. Leaving the block before the
+        ``client_id``s are admitted in turn. With several engine cores the
+        request goes to the least loaded, or to ``engine_index``'s when given
+        (an external load balancer's choice). Leaving the block before the
         request finished, or being cancelled, aborts it in the engine and
         frees its KV blocks.
         """
         params = SamplingParams() if params is None else params
-        self._check_request(params, client_id)
+        self._check_request(params, client_id, engine_index)
         token_ids = None if self._prompts.needs_thread(prompt) else self._prompts.check(prompt)
-        return RequestStream(self, self._new_id(), prompt, token_ids, params, client_id)
+        return RequestStream(self, self._new_id(), prompt, token_ids, params, client_id, engine_index)
 
     def stream_n(
-        self, prompt: Prompt, params: SamplingParams | None = None, n: int = 1, *, client_id: str = ""
+        self,
+        prompt: Prompt,
+        params: SamplingParams | None = None,
+        n: int = 1,
+        *,
+        client_id: str = "",
+        engine_index: int | None = None,
     ) -> ParentRequestStream:
         """``n`` samples of one prompt, streamed together: a parent request
         fanned out into ``n`` requests in the engine. Each ``RequestOutput``
@@ -189,29 +204,43 @@ class Engine:
         sample still running.
         """
         params = SamplingParams() if params is None else params
-        self._check_request(params, client_id)
+        self._check_request(params, client_id, engine_index)
         n = check_n(n)
         token_ids = None if self._prompts.needs_thread(prompt) else self._prompts.check(prompt)
         return ParentRequestStream(
-            self, self._new_id(), prompt=prompt, token_ids=token_ids, params=params, n=n, client_id=client_id
+            self,
+            self._new_id(),
+            prompt=prompt,
+            token_ids=token_ids,
+            params=params,
+            n=n,
+            client_id=client_id,
+            engine_index=engine_index,
         )
 
-    def _check_request(self, params: object, client_id: object) -> None:
+    def _check_request(self, params: object, client_id: object, engine_index: object = None) -> None:
         if not isinstance(params, SamplingParams):
             raise InvalidRequestError("params", f"must be a SamplingParams (got {type(params).__name__})")
         if not isinstance(client_id, str):
             raise InvalidRequestError("client_id", f"must be a string (got {type(client_id).__name__})")
+        num_engines = self.config.data_parallel_size
+        if engine_index is not None and (
+            not isinstance(engine_index, int) or isinstance(engine_index, bool) or not 0 <= engine_index < num_engines
+        ):
+            raise InvalidRequestError("engine_index", f"must be an engine index in [0, {num_engines}) or None")
 
     def _new_id(self) -> str:
         return f"{self._id_prefix}-{next(self._ids)}"
 
-    async def generate(self, prompt: Prompt, params: SamplingParams | None = None) -> RequestOutput:
+    async def generate(
+        self, prompt: Prompt, params: SamplingParams | None = None, *, engine_index: int | None = None
+    ) -> RequestOutput:
         """Run a request to the end: one output holding all its text and tokens.
 
         If cancelled, the request is aborted in the engine.
         """
         result: RequestOutput | None = None
-        async with self.stream(prompt, params) as stream:
+        async with self.stream(prompt, params, engine_index=engine_index) as stream:
             async for output in stream:
                 if result is None:
                     result = output
@@ -258,16 +287,16 @@ class Engine:
             on_end=self._request_ended if self._observers else None,
         )
 
-    async def submit(self, states: Sequence[RequestState]) -> EngineCoreClient:
+    async def submit(self, states: Sequence[RequestState], engine_index: int | None = None) -> EngineCoreClient:
         """Submit checked requests to one engine core (the least loaded ready
         one; while none is ready, wait at most ``restart_wait_s``): all of
         them, or, if one fails or this is cancelled, none. The client they
         went to."""
-        client = await self._group.ready_client()
+        client, wave = await self._group.route(engine_index)
         submitted: list[RequestState] = []
         try:
             for state in states:
-                await client.submit(state)
+                await client.submit(state, wave)
                 submitted.append(state)
         except BaseException:
             for state in submitted:

@@ -220,10 +220,23 @@ class Hello(msgspec.Struct, tag=True):
     pid: int
 
 
+class DataParallelInit(msgspec.Struct, frozen=True):
+    """Where an engine core stands among the data-parallel engines in
+    lockstep: its rank, and the rendezvous of the collective its output
+    rank's worker joins every step (an ``ipc://`` address for the fake
+    runner's barrier, a file for torch.distributed's store), one per
+    generation of the group."""
+
+    rank: int
+    size: int
+    rendezvous: str
+
+
 class HandshakeInit(msgspec.Struct, tag=True):
     config: EngineConfig
     input_address: str
     output_address: str
+    data_parallel: DataParallelInit | None = None  # lockstep only
 
 
 class Ready(msgspec.Struct, tag=True):
@@ -271,6 +284,7 @@ class AddRequest(msgspec.Struct, tag=True):
     prompt_token_ids: list[int]
     params: SamplingParams
     client_id: str = ""  # waiting requests of different clients are admitted in turn
+    wave: int = 0  # lockstep: the request wave the coordinator believed current (core/waves.py)
 
 
 class AbortRequests(msgspec.Struct, tag=True):
@@ -281,7 +295,14 @@ class GetStats(msgspec.Struct, tag=True):
     call_id: int
 
 
-EngineRequest = AddRequest | AbortRequests | GetStats
+class StartWave(msgspec.Struct, tag=True):
+    """Lockstep: run request wave ``wave`` (``exclude``: the engine that already knows)."""
+
+    wave: int
+    exclude: int | None = None
+
+
+EngineRequest = AddRequest | AbortRequests | GetStats | StartWave
 
 
 # --- engine core -> front-end ----------------------------------------------
@@ -310,7 +331,17 @@ class EngineDead(msgspec.Struct, tag=True):
     reason: str
 
 
-EngineResponse = EngineOutputs | StatsReply | LoadReport | Heartbeat | EngineDead
+class WaveNotice(msgspec.Struct, tag=True):
+    """Lockstep, engine core -> coordinator: wave ``wave`` is ``complete``
+    (engine 0, as the engines pause), or a request arrived for a finished
+    wave: start ``wave`` on the others (``start_requested``)."""
+
+    kind: Literal["complete", "start_requested"]
+    wave: int
+    engine: int
+
+
+EngineResponse = EngineOutputs | StatsReply | LoadReport | Heartbeat | WaveNotice | EngineDead
 
 
 # --- engine core <-> worker ------------------------------------------------
@@ -352,12 +383,16 @@ class SchedulerOutput(msgspec.Struct, tag=True):
     num_scheduled_tokens: dict[str, int]
     total_num_scheduled_tokens: int
     finished_req_ids: list[str]
+    # Lockstep: the output rank joins the data-parallel collective with this
+    # engine's "has unfinished requests" (a step with no tokens is a dummy step).
+    dp_unfinished: bool | None = None
 
 
 class WorkerInit(msgspec.Struct, tag=True):
     config: EngineConfig
     rank: int
     world_size: int
+    data_parallel: DataParallelInit | None = None  # lockstep: rank 0 joins the collective
 
 
 class WorkerLoaded(msgspec.Struct, tag=True):
@@ -381,6 +416,7 @@ class RunnerOutput(msgspec.Struct, tag=True):
     req_ids: list[str]
     sampled_token_ids: list[int]
     logprobs: list[SampleLogprobs | None] | None = None
+    dp_any_unfinished: bool | None = None  # lockstep: the collective's result (from the output rank)
 
 
 WorkerStage = Literal["model-load", "kv-cache", "step"]

@@ -181,9 +181,10 @@ class Scheduler:
 
     # --- one step --------------------------------------------------------------
 
-    def schedule(self) -> Step | None:
+    def schedule(self, *, always: bool = False) -> Step | None:
         """Plan the next step, or None when there is nothing for the workers
-        (no token to compute, no request to forget).
+        (no token to compute, no request to forget), unless ``always``: then
+        a step with nothing to compute (a dummy step, as lockstep needs).
 
         Each scheduled request's ``num_computed_tokens`` moves past its slice
         at once: the workers are trusted to compute it. Every step returned
@@ -195,7 +196,7 @@ class Scheduler:
         self._schedule_prefills(plan)
         finished, self._finished_req_ids = self._finished_req_ids, []
         output = plan.output(self._requests, self._on_workers, self.block_manager.block_table, finished)
-        if not output.total_num_scheduled_tokens and not output.finished_req_ids:
+        if not output.total_num_scheduled_tokens and not output.finished_req_ids and not always:
             return None
         samplers = []
         for req_id, num_tokens in plan.num_scheduled.items():

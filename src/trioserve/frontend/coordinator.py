@@ -25,12 +25,13 @@ the requests sent since; an engine that restarts starts again from zero.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import trio
 
-from trioserve.messages import LoadReport
+from trioserve.core import waves
+from trioserve.messages import LoadReport, WaveNotice
 
 INBOX_SIZE = 256  # load reports waiting for the coordinator
 WAITING_WEIGHT = 4  # a waiting request counts this many times a running one
@@ -90,10 +91,25 @@ class LoadEvent:
 
 class Coordinator:
     """The actor that keeps the ``LoadPicture``. Feed it with
-    ``report_nowait`` (from any task: never blocks); ask it with ``choose``."""
+    ``report_nowait`` (from any task: never blocks); ask it with ``choose``.
 
-    def __init__(self, num_engines: int, max_running: int = 2**31) -> None:
+    In lockstep it also keeps the request waves (``core/waves.py``): ``route``
+    stamps each new request and, when the engines are paused, has
+    ``broadcast`` tell the others to start; ``wave_notice`` takes the
+    engines' notices. These are synchronous: the wave state changes only
+    between two awaits of the Trio thread, so a stamp and the notices it
+    races with are always seen in one order."""
+
+    def __init__(
+        self,
+        num_engines: int,
+        max_running: int = 2**31,
+        *,
+        broadcast: Callable[[waves.StartWave], None] | None = None,
+    ) -> None:
         self.picture = LoadPicture(num_engines, max_running)
+        self._broadcast = broadcast
+        self.waves = waves.CoordinatorWaves() if broadcast is not None else None
         self._send, self._receive = trio.open_memory_channel[LoadEvent](INBOX_SIZE)
         self.num_dropped = 0  # reports dropped because the inbox was full
 
@@ -107,6 +123,32 @@ class Coordinator:
 
     def choose(self, candidates: Sequence[int], in_flight: Sequence[int] = ()) -> int:
         return self.picture.choose(candidates, in_flight)
+
+    def reset_waves(self) -> None:
+        """The engines restarted together: their waves start again from 0."""
+        if self.waves is not None:
+            self.waves = waves.CoordinatorWaves()
+
+    def route(self, engine: int) -> int:
+        """The wave to stamp a request for ``engine`` with (0 out of lockstep);
+        when the engines are paused, the others are told to start it."""
+        if self.waves is None or self._broadcast is None:
+            return 0
+        stamp, start = self.waves.route(engine)
+        if start is not None:
+            self._broadcast(start)
+        return stamp
+
+    def wave_notice(self, notice: WaveNotice) -> None:
+        """An engine's wave notice: a wave ended, or one must start on the others."""
+        if self.waves is None or self._broadcast is None:
+            return
+        if notice.kind == "complete":
+            self.waves.wave_complete(waves.WaveComplete(notice.wave))
+            return
+        start = self.waves.wave_start_requested(waves.WaveStartRequested(notice.wave, notice.engine))
+        if start is not None:
+            self._broadcast(start)
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         """Apply load reports as they come, until cancelled (nothing is left behind)."""

@@ -19,6 +19,15 @@ waits at most ``restart_wait_s``.
 Health: ``ready`` while at least one engine is ready; otherwise ``stalled``,
 ``restarting``, ``starting`` (the best any engine is), or ``failed`` once
 every engine has failed for good; ``stopped`` after shutdown.
+
+Lockstep (``data_parallel_lockstep``): every step of every engine joins one
+collective across them (``core/waves.py``), so they run as one: the
+coordinator stamps requests with request waves and starts the paused
+engines; and when one engine core dies, the others may be stuck in a
+collective that will never complete, so they are killed at once and every
+engine restarts. Each generation of the group meets at a rendezvous of its
+own in a private 0700 directory, so that a new engine never joins an old
+generation's collective.
 """
 
 from __future__ import annotations
@@ -28,11 +37,13 @@ from collections.abc import Awaitable, Callable
 import trio
 
 from trioserve.config import EngineConfig
+from trioserve.core import waves
 from trioserve.errors import EngineDeadError
 from trioserve.frontend.client import EngineCoreClient
 from trioserve.frontend.coordinator import Coordinator
 from trioserve.frontend.supervisor import ClientFactory, EngineSupervisor, Health, new_client
-from trioserve.messages import EngineInfo, EngineStats
+from trioserve.messages import DataParallelInit, EngineInfo, EngineStats, StartWave
+from trioserve.transport.zmq_trio import private_ipc_dir
 
 # A group's health is the best of its engines', in this order (failed: all failed).
 _BEST_FIRST: tuple[Health, ...] = ("ready", "stalled", "restarting", "starting", "stopped", "failed")
@@ -46,16 +57,33 @@ class EngineGroup:
     def __init__(self, config: EngineConfig, *, client_factory: ClientFactory = new_client) -> None:
         self.config = config
         n = config.data_parallel_size
-        self.coordinator = Coordinator(n, config.max_num_seqs) if n > 1 else None
-        on_load = None if self.coordinator is None else self.coordinator.report_nowait
+        self.lockstep = n > 1 and config.data_parallel_lockstep
+        broadcast = self._broadcast if self.lockstep else None
+        self.coordinator = Coordinator(n, config.max_num_seqs, broadcast=broadcast) if n > 1 else None
+        self.generation = 0  # lockstep: bumped when the engines restart together
+        self._generation_of: dict[int, int] = {}  # id(client) -> the generation it was started in
+        self._rendezvous_dir = ""
         self.supervisors = [
-            EngineSupervisor(config, i, client_factory=client_factory, on_load=on_load) for i in range(n)
+            EngineSupervisor(
+                config,
+                i,
+                client_factory=client_factory,
+                on_load=None if self.coordinator is None else self.coordinator.report_nowait,
+                on_new_client=self._lockstep_client if self.lockstep else None,
+                on_engine_dead=self._lockstep_death if self.lockstep else None,
+            )
+            for i in range(n)
         ]
 
     async def run(self, *, task_status: trio.TaskStatus[EngineInfo] = trio.TASK_STATUS_IGNORED) -> None:
         """Start every engine, report the first's ``EngineInfo``, then keep
         them running until cancelled (then every process is stopped and
         reaped) or until every engine has failed for good (then return)."""
+        with private_ipc_dir("trioserve-dp-") as rendezvous:
+            self._rendezvous_dir = str(rendezvous)
+            await self._run(task_status)
+
+    async def _run(self, task_status: trio.TaskStatus[EngineInfo]) -> None:
         async with trio.open_nursery() as nursery:
             if self.coordinator is not None:
                 await nursery.start(self.coordinator.run)
@@ -74,6 +102,40 @@ class EngineGroup:
             for supervisor in self.supervisors:
                 starting.start_soon(start, supervisor)
         return [infos[i] for i in range(len(self.supervisors))]
+
+    # --- lockstep ------------------------------------------------------------
+
+    def _lockstep_client(self, client: EngineCoreClient) -> None:
+        """A new engine core: its place in the current generation's collective."""
+        assert self.coordinator is not None
+        self._generation_of[id(client)] = self.generation
+        client.on_wave = self.coordinator.wave_notice
+        client.data_parallel = DataParallelInit(
+            rank=client.engine_index,
+            size=len(self.supervisors),
+            rendezvous=f"{self._rendezvous_dir}/dp-{self.generation}",
+        )
+
+    def _lockstep_death(self, dead: EngineCoreClient) -> None:
+        """An engine core of the current generation died: the others may wait
+        in a collective it will never join; they go too, and all restart in
+        the next generation."""
+        if self._generation_of.pop(id(dead), None) != self.generation:
+            return  # an older generation's, already taken care of
+        self.generation += 1
+        assert self.coordinator is not None
+        self.coordinator.reset_waves()  # the next generation's engines start from wave 0
+        for supervisor in self.supervisors:
+            client = supervisor.live_client()
+            if client is not None and client is not dead:
+                client.stop_now(f"engine-core-{dead.engine_index} died, and lockstep engines restart together")
+
+    def _broadcast(self, start: waves.StartWave) -> None:
+        """Tell every engine core but ``start.exclude`` to run ``start.wave``."""
+        for supervisor in self.supervisors:
+            client = supervisor.live_client()
+            if client is not None and supervisor.engine_index != start.exclude:
+                client.start_wave(StartWave(wave=start.wave, exclude=start.exclude))
 
     # --- state ------------------------------------------------------------
 
@@ -118,6 +180,19 @@ class EngineGroup:
 
     # --- for requests -------------------------------------------------------
 
+    async def route(self, engine_index: int | None = None) -> tuple[EngineCoreClient, int]:
+        """``ready_client`` (or, given ``engine_index``, that engine's, waiting
+        for it as for any), and the request wave to stamp the request with
+        (in lockstep; 0 otherwise)."""
+        if engine_index is None:
+            client = await self.ready_client()
+        else:
+            if self.lockstep:
+                await self._ready_engines()  # a wave needs every engine
+            client = await self.supervisors[engine_index].ready_client()
+        wave = 0 if self.coordinator is None else self.coordinator.route(client.engine_index)
+        return client, wave
+
     async def ready_client(self) -> EngineCoreClient:
         """The client of the ready engine with the least load. While none is
         ready, wait at most ``restart_wait_s``; then, or if every engine
@@ -138,7 +213,8 @@ class EngineGroup:
         with trio.move_on_after(self.config.restart_wait_s):
             while True:
                 ready = [s.engine_index for s in self.supervisors if s.live_client() is not None]
-                if ready:
+                # Lockstep engines run as one: a wave needs every one of them.
+                if ready and (not self.lockstep or len(ready) == len(self.supervisors)):
                     return ready
                 if all(s.health in ("failed", "stopped") for s in self.supervisors):
                     await self.supervisors[0].ready_client()  # raises its reason

@@ -35,9 +35,10 @@ class Submitter(Protocol):
         self, request_id: str, token_ids: list[int], params: SamplingParams, client_id: str, index: int = 0
     ) -> RequestState: ...
 
-    async def submit(self, states: Sequence[RequestState]) -> EngineCoreClient:
-        """Submit every state to one engine core, or none (if cancelled, or
-        if one fails); the client of the engine core they went to."""
+    async def submit(self, states: Sequence[RequestState], engine_index: int | None = None) -> EngineCoreClient:
+        """Submit every state to one engine core (``engine_index``'s, when
+        given), or none (if cancelled, or if one fails); the client of the
+        engine core they went to."""
         ...
 
 
@@ -54,9 +55,11 @@ class RequestStream:
         token_ids: list[int] | None,
         params: SamplingParams,
         client_id: str,
+        engine_index: int | None = None,
     ) -> None:
         self._engine = engine
         self.request_id = request_id
+        self._target = engine_index
         self._prompt = prompt
         self._token_ids = token_ids  # None until a long text prompt is tokenized
         self._params = params
@@ -81,7 +84,7 @@ class RequestStream:
         if self._token_ids is None:
             self._token_ids = await self._engine.check_prompt(self._prompt)
         self._state = self._engine.new_state(self.request_id, self._token_ids, self._params, self._client_id)
-        self._client = await self._engine.submit([self._state])
+        self._client = await self._engine.submit([self._state], self._target)
         return self
 
     async def __aexit__(
@@ -133,9 +136,11 @@ class ParentRequestStream:
         params: SamplingParams,
         n: int,
         client_id: str,
+        engine_index: int | None = None,
     ) -> None:
         self._engine = engine
         self.request_id = request_id
+        self._target = engine_index
         self.n = n
         self._prompt = prompt
         self._token_ids = token_ids
@@ -167,7 +172,7 @@ class ParentRequestStream:
             )
             state.collector.on_ready = self._wakeup.set
             children.append(state)
-        self._client = await self._engine.submit(children)
+        self._client = await self._engine.submit(children, self._target)
         self._children = children
         self._running = dict(enumerate(children))
         return self

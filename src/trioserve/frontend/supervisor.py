@@ -65,10 +65,14 @@ class EngineSupervisor:
         *,
         client_factory: ClientFactory = new_client,
         on_load: Callable[[int, LoadReport | None], None] | None = None,
+        on_new_client: Callable[[EngineCoreClient], None] | None = None,
+        on_engine_dead: Callable[[EngineCoreClient], None] | None = None,
     ) -> None:
         self.config = config
         self._client_factory = client_factory
         self._on_load = on_load
+        self._on_new_client = on_new_client  # a new engine core's client, before it starts
+        self._on_engine_dead = on_engine_dead  # an engine core known dead
         self.engine_index = engine_index
         self.name = f"engine-core-{engine_index}"
         self._health: Health = "starting"
@@ -155,6 +159,8 @@ class EngineSupervisor:
         if self._on_load is not None:
             self._on_load(self.engine_index, None)  # a new life: nothing of the last one's load holds
             client.on_load = self._on_load
+        if self._on_new_client is not None:
+            self._on_new_client(client)
         self._last_reason = "unknown"
         async with trio.open_nursery() as nursery:
 
@@ -176,6 +182,8 @@ class EngineSupervisor:
         if client is self.client:
             self.client = None
             self._set_health("restarting")
+        if self._on_engine_dead is not None:
+            self._on_engine_dead(client)
 
     async def _stop_when_dead_but_running(self, client: EngineCoreClient, scope: trio.CancelScope) -> None:
         """An engine core that reported its death but does not exit is stopped

@@ -34,9 +34,11 @@ import msgspec
 import trio
 import zmq
 
+from trioserve.core import waves
 from trioserve.core.request import Request
 from trioserve.core.scheduler import Scheduler
 from trioserve.core.step import Step
+from trioserve.core.waves import EngineWaves
 from trioserve.errors import EngineStartupError, describe, meaningful_leaves
 from trioserve.messages import (
     AbortRequests,
@@ -54,8 +56,10 @@ from trioserve.messages import (
     LoadReport,
     Ready,
     StartupFailed,
+    StartWave,
     StatsReply,
     TokenOutput,
+    WaveNotice,
 )
 from trioserve.nurseries.child_main import ChildFailed, remove_if_parent_dies
 from trioserve.nurseries.executor import Executor
@@ -82,13 +86,21 @@ class EngineCore:
     queue of steps sent to the workers and not yet postprocessed."""
 
     def __init__(
-        self, scheduler: Scheduler, executor: Executor, info: EngineInfo, in_flight: deque[Step] | None = None
+        self,
+        scheduler: Scheduler,
+        executor: Executor,
+        info: EngineInfo,
+        in_flight: deque[Step] | None = None,
+        waves: EngineWaves | None = None,
     ) -> None:
         self.scheduler = scheduler
         self.executor = executor
         self.info = info
         self.in_flight: deque[Step] = deque() if in_flight is None else in_flight
-        self.depth = executor.config.max_steps_in_flight
+        # Lockstep (core/waves.py): step while the wave runs, one step at a time, since
+        # whether the next one is due depends on the last one's collective.
+        self.waves = waves
+        self.depth = 1 if waves is not None else executor.config.max_steps_in_flight
         self._unsent: list[TokenOutput] = []  # outputs of the last step postprocessed, not yet in the outbox
         self._replies: list[EngineResponse] = []  # answers to front-end messages, not yet in the outbox
         self._last_load = LoadReport(num_waiting=0, num_running=0)
@@ -119,10 +131,16 @@ class EngineCore:
     async def _wait_for_work(
         self, inbox: trio.MemoryReceiveChannel[EngineRequest], outbox: trio.MemorySendChannel[EngineResponse]
     ) -> None:
-        """When nothing is in flight or unfinished, flush the outputs and sleep on the inbox."""
-        if not self.in_flight and not self.scheduler.has_unfinished():
+        """When nothing is in flight or unfinished (and, in lockstep, no wave
+        runs), flush the outputs and sleep on the inbox."""
+        if not self.in_flight and not self._due():
             await self._send_outputs(outbox)
             self.apply(await inbox.receive())
+
+    def _due(self) -> bool:
+        """Is a step due? When there is work, and in lockstep while the wave runs."""
+        has_work = self.scheduler.has_unfinished()
+        return has_work if self.waves is None else self.waves.should_step(has_work)
 
     def _take_messages(self, inbox: trio.MemoryReceiveChannel[EngineRequest]) -> None:
         while True:
@@ -134,9 +152,11 @@ class EngineCore:
     async def _plan_and_send(self) -> bool:
         """Plan the next step and send it to the workers, if there is room in
         flight and work to do. True when a step was sent."""
-        if len(self.in_flight) >= self.depth or not self.scheduler.has_unfinished():
+        if len(self.in_flight) >= self.depth or not self._due():
             return False
-        step = self.scheduler.schedule()
+        step = self.scheduler.schedule(always=self.waves is not None)
+        if step is not None and self.waves is not None:
+            step.scheduled.dp_unfinished = self.scheduler.has_unfinished()
         if step is None:
             return False
         await self.executor.dispatch(step)
@@ -148,6 +168,10 @@ class EngineCore:
         runner_output = await self.executor.collect(step)
         self.in_flight.popleft()
         self._unsent += self.scheduler.postprocess(step, runner_output)
+        if self.waves is not None:
+            done = self.waves.stepped(bool(runner_output.dp_any_unfinished))
+            if done is not None:
+                self._replies.append(WaveNotice(kind="complete", wave=done.wave, engine=self.waves.engine))
 
     async def _send_outputs(self, outbox: trio.MemorySendChannel[EngineResponse]) -> None:
         replies, self._replies = self._replies, []
@@ -177,6 +201,11 @@ class EngineCore:
         """Apply one front-end message; its reply, if any, goes out with the next outputs."""
         if isinstance(msg, AddRequest):
             self._add(msg)
+            if self.waves is not None and (notice := self.waves.add_request(msg.wave)) is not None:
+                self._replies.append(WaveNotice(kind="start_requested", wave=notice.wave, engine=notice.engine))
+        elif isinstance(msg, StartWave):
+            if self.waves is not None:
+                self.waves.start_wave(waves.StartWave(msg.wave, msg.exclude))
         elif isinstance(msg, AbortRequests):
             self.scheduler.abort(msg.request_ids)
         elif isinstance(msg, GetStats):
@@ -357,7 +386,7 @@ async def _serve(
     config = init.config
     async with trio.open_nursery() as nursery:
         in_flight: deque[Step] = deque()
-        executor = Executor(config, in_flight, on_failure=death.report)
+        executor = Executor(config, in_flight, on_failure=death.report, data_parallel=init.data_parallel)
         info = await _start_executor(nursery, executor, handshake)
         scheduler = Scheduler(
             num_blocks=info.num_kv_blocks,
@@ -369,7 +398,8 @@ async def _serve(
         inbox_send, inbox_receive = trio.open_memory_channel[EngineRequest](INBOX_SIZE)
         await nursery.start(input_socket_actor, init.input_address, inbox_send)
         await handshake.send(_encode(Ready(info=info)))
-        core = EngineCore(scheduler, executor, info, in_flight)
+        lockstep = None if init.data_parallel is None else EngineWaves(init.data_parallel.rank)
+        core = EngineCore(scheduler, executor, info, in_flight, lockstep)
         nursery.start_soon(_heartbeats, outbox.send, executor, core.load)
         await core.step_loop(inbox_receive, outbox)
 
