@@ -151,9 +151,15 @@ async def test_sigterm_with_a_stopped_worker_leaves_no_process(tiny_model_dir):
         assert gone_after < 10
 
 
-async def test_kill_9_of_the_front_end_leaves_no_private_directory_and_no_process(tiny_model_dir, tmp_path: Path):
+LOCKSTEP_PAIR = ["--data-parallel-size", "2", "--data-parallel-lockstep"]
+
+
+@pytest.mark.parametrize("extra", [[], LOCKSTEP_PAIR], ids=["one", "lockstep"])
+async def test_kill_9_of_the_front_end_leaves_no_private_directory_and_no_process(
+    tiny_model_dir, tmp_path: Path, extra: list[str]
+):
     env = {**os.environ, "TMPDIR": str(tmp_path)}
-    argv = serve_argv("--model", str(tiny_model_dir("llama")), "--runner", "fake")
+    argv = serve_argv("--model", str(tiny_model_dir("llama")), "--runner", "fake", *extra)
     with trio.fail_after(60), spawned(argv, env=env) as proc:
         await trio.to_thread.run_sync(wait_for_url, proc, 30)
         tree = tree_of(proc.pid)

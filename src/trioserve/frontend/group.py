@@ -79,6 +79,11 @@ class EngineGroup:
         """Start every engine, report the first's ``EngineInfo``, then keep
         them running until cancelled (then every process is stopped and
         reaped) or until every engine has failed for good (then return)."""
+        if not self.lockstep:
+            await self._run(task_status)
+            return
+        # The lockstep collective's rendezvous files; each engine core removes
+        # the directory if this process dies without doing so.
         with private_ipc_dir("trioserve-dp-") as rendezvous:
             self._rendezvous_dir = str(rendezvous)
             await self._run(task_status)

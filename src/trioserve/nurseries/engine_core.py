@@ -384,6 +384,9 @@ async def _serve(
     death: DeathReport,
 ) -> None:
     config = init.config
+    if init.data_parallel is not None:
+        # The lockstep rendezvous directory is the front-end's, as above.
+        remove_if_parent_dies(os.path.dirname(init.data_parallel.rendezvous))
     async with trio.open_nursery() as nursery:
         in_flight: deque[Step] = deque()
         executor = Executor(config, in_flight, on_failure=death.report, data_parallel=init.data_parallel)
