@@ -6,8 +6,8 @@ engine, and writes the answer, whole or as server-sent events. Request
 checks are the engine's (``openai_protocol.py`` maps its errors). While a
 request runs, the connection is watched: a client that disconnects cancels
 its request, which aborts every sample in the engine and frees their KV
-blocks. A streamed response whose client reads nothing for
-``slow_consumer_timeout_s`` is ended the same way.
+blocks. A response (streamed or whole) whose client reads nothing for
+``slow_consumer_timeout_s`` is ended the same way, and its connection closed.
 """
 
 from __future__ import annotations

@@ -11,6 +11,9 @@ h11 parses and frames; this class only reads and writes. Invariants:
 - A response is either whole (``send_json``, ``send_text``) or streamed
   (``start_stream``, ``send_data``..., ``end_stream``); h11 frames the
   stream with chunked transfer coding (close-delimited for HTTP/1.0).
+- Every write is bounded: a client that takes none of ``SEND_PIECE_BYTES``
+  for ``send_timeout_s`` gets ``trio.TooSlowError`` (the connection is to
+  be closed), so a client that never reads cannot hold its connection.
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ from trioserve.server.http import MAX_HEAD_BYTES, BadRequest, ReplayStream, Requ
 
 RECEIVE_BYTES = 64 * 1024
 MAX_PIPELINED_BYTES = 64 * 1024  # what a client may send ahead while its request is served
+SEND_PIECE_BYTES = 64 * 1024  # a write is bounded in time per piece of this size
 SERVER_HEADER = (b"Server", b"trioserve")
 
 
@@ -34,9 +38,10 @@ class HttpConnection:
     """The server side of one connection. Build it on an accepted stream;
     the caller closes the stream."""
 
-    def __init__(self, stream: trio.abc.Stream, *, max_body_bytes: int) -> None:
+    def __init__(self, stream: trio.abc.Stream, *, max_body_bytes: int, send_timeout_s: float = float("inf")) -> None:
         self.stream = stream
         self.max_body_bytes = max_body_bytes
+        self.send_timeout_s = send_timeout_s
         self._h11 = h11.Connection(h11.SERVER, max_incomplete_event_size=MAX_HEAD_BYTES)
         self._request: h11.Request | None = None
         self.num_requests = 0
@@ -209,11 +214,12 @@ class HttpConnection:
 
     async def _send(self, event: Any) -> None:
         try:
-            data = self._h11.send(event)
+            data = memoryview(self._h11.send(event) or b"")
         except h11.LocalProtocolError as exc:  # pragma: no cover - a bug of ours
             raise RuntimeError(f"HTTP framing error: {exc}") from exc
-        if data:
-            await self.stream.send_all(data)
+        for start in range(0, len(data), SEND_PIECE_BYTES):
+            with trio.fail_after(self.send_timeout_s):
+                await self.stream.send_all(data[start : start + SEND_PIECE_BYTES])
 
 
 def _reason(status: int) -> bytes:
