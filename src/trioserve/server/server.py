@@ -347,8 +347,9 @@ class Server:
                 self._untrack(scope)
 
     def _track(self, scope: trio.CancelScope) -> None:
+        if not self._websockets:  # a new event only when the last one was set: someone may be waiting on it
+            self._no_websockets = trio.Event()
         self._websockets.add(scope)
-        self._no_websockets = trio.Event()
 
     def _untrack(self, scope: trio.CancelScope) -> None:
         self._websockets.discard(scope)
