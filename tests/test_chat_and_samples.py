@@ -184,6 +184,6 @@ async def test_chat_carries_on_when_the_engine_core_dies_during_a_reply(fake_con
     config = fake_config(die_at_step=3, restart_backoff_s=0.1)
     with trio.fail_after(60):
         await chat.run_chat(config, SamplingParams(max_tokens=2, ignore_eos=True), out=out)
-    replies = out.getvalue().splitlines()[1:]  # after the help line
+    replies = [line for line in out.getvalue().splitlines()[1:] if line]  # after the help line
     assert len(replies) == 3 and "died" in replies[1] and replies[1].startswith("["), replies
     assert "died" not in replies[2] and replies[2].strip(), replies
