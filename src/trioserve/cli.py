@@ -457,6 +457,9 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    if not isinstance(logging.getLevelName(args.log_level.upper()), int):
+        print(f"trioserve: invalid input: --log-level: unknown level {args.log_level!r}", file=sys.stderr)
+        return EXIT_USAGE
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
     os.environ.setdefault("TRIOSERVE_LOG_LEVEL", args.log_level.upper())
     try:
