@@ -91,7 +91,10 @@ class HttpConnection:
         """Read and drop whatever of the request's body was not read (at most
         ``max_body_bytes``; beyond that, or on a malformed body, the
         connection cannot be kept alive). Returns at once for a request
-        without a body. If cancelled, the connection is to be closed."""
+        without a body, or when the response is not complete (the connection
+        closes anyway). If cancelled, the connection is to be closed."""
+        if self._h11.our_state is not h11.DONE:
+            return
         dropped = 0
         try:
             while self._h11.their_state is h11.SEND_BODY and dropped <= self.max_body_bytes:
