@@ -31,6 +31,8 @@ from trioserve.server.http import MAX_HEAD_BYTES, BadRequest, ReplayStream, Requ
 RECEIVE_BYTES = 64 * 1024
 MAX_PIPELINED_BYTES = 64 * 1024  # what a client may send ahead while its request is served
 SEND_PIECE_BYTES = 64 * 1024  # a write is bounded in time per piece of this size
+LINGER_S = 2.0  # after an error answer, how long to read on what the client still sends ...
+LINGER_BYTES = 16 * 1024 * 1024  # ... and how much of it, before closing
 SERVER_HEADER = (b"Server", b"trioserve")
 
 
@@ -178,11 +180,29 @@ class HttpConnection:
         if self._h11.our_state is h11.SEND_RESPONSE:
             try:
                 await self.send_json(error.status, {"error": str(error)}, close=True)
+                await self._linger()
                 return
             except RuntimeError:
                 pass
         if self._h11.our_state in (h11.IDLE, h11.SEND_RESPONSE, h11.ERROR):
             await self.stream.send_all(response(error.status, {"error": str(error)}))
+            await self._linger()
+
+    async def _linger(self) -> None:
+        """After an error answer: half-close, then read and drop what the
+        client still sends (the rest of a body too large, say), at most
+        ``LINGER_BYTES`` for ``LINGER_S``. Closing with unread data would
+        reset the connection, and the reset would discard the answer before
+        the client read it."""
+        drained = 0
+        with trio.move_on_after(LINGER_S):
+            try:
+                if isinstance(self.stream, trio.abc.HalfCloseableStream):
+                    await self.stream.send_eof()
+                while drained < LINGER_BYTES and (data := await self.stream.receive_some(RECEIVE_BYTES)):
+                    drained += len(data)
+            except (trio.BrokenResourceError, trio.ClosedResourceError):
+                pass
 
     async def watch_disconnect(self, on_disconnect: trio.CancelScope) -> None:
         """While a request is served: read what the client sends next (h11
