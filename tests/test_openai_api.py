@@ -523,3 +523,16 @@ async def test_a_body_of_one_byte_chunks_is_refused_before_it_costs_seconds_of_p
             took = trio.current_time() - started
     assert answer.startswith((b"HTTP/1.1 400 ", b"HTTP/1.1 413 ")), answer[:200]
     assert took < 2.0, f"the server spent {took:.1f}s on one request body"
+
+
+async def test_a_body_announced_too_large_with_expect_100_continue_gets_413_and_no_100(config):
+    # Found: "100 Continue" went out before the declared length was checked,
+    # inviting the client to send a body the server then refused (RFC 9110:
+    # a server that will refuse the body answers with the final status instead).
+    head = post("/v1/completions", b"", "Expect: 100-continue").replace(
+        b"Content-Length: 0", b"Content-Length: 2097152"
+    )
+    with trio.fail_after(60):
+        async with serving(config(), model_name=MODEL, max_message_bytes=64 * 1024) as server:
+            answer = await run(exchange, server, head)
+    assert answer.startswith(b"HTTP/1.1 413 "), answer[:200]
