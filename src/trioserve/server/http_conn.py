@@ -72,11 +72,11 @@ class HttpConnection:
         """The request's body (up to ``max_body_bytes``). Raises
         ``BadRequest`` (413 when too large). If cancelled, the connection is
         to be closed."""
-        if self._h11.they_are_waiting_for_100_continue:
-            await self._send(h11.InformationalResponse(status_code=100, headers=[]))
         length = self._declared_length()
         if length is not None and length > self.max_body_bytes:
             raise BadRequest(f"request body of {length} bytes is larger than {self.max_body_bytes}", status=413)
+        if self._h11.they_are_waiting_for_100_continue:
+            await self._send(h11.InformationalResponse(status_code=100, headers=[], reason=b"Continue"))
         body = bytearray()
         while True:
             event = await self._next_event()
