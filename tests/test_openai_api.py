@@ -536,3 +536,15 @@ async def test_a_body_announced_too_large_with_expect_100_continue_gets_413_and_
         async with serving(config(), model_name=MODEL, max_message_bytes=64 * 1024) as server:
             answer = await run(exchange, server, head)
     assert answer.startswith(b"HTTP/1.1 413 "), answer[:200]
+
+
+async def test_the_last_response_a_connection_serves_says_connection_close(config):
+    # Found: after its last request (max_http_requests_per_connection) the
+    # server closed the connection without saying so in the response, so a
+    # client reusing it could send a request nobody would read (RFC 9112 9.6).
+    request = b"GET /v1/models HTTP/1.1\r\nHost: x\r\n\r\n"
+    with trio.fail_after(60):
+        async with serving(config(), model_name=MODEL, max_http_requests_per_connection=2) as server:
+            answer = await run(exchange, server, request * 2)
+    first, second = answer.split(b"HTTP/1.1 200 OK")[1:]
+    assert b"Connection: close" not in first and b"Connection: close" in second, answer
