@@ -19,7 +19,7 @@ h11 parses and frames; this class only reads and writes. Invariants:
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from http import HTTPStatus
 from typing import Any
 
@@ -40,10 +40,18 @@ class HttpConnection:
     """The server side of one connection. Build it on an accepted stream;
     the caller closes the stream."""
 
-    def __init__(self, stream: trio.abc.Stream, *, max_body_bytes: int, send_timeout_s: float = float("inf")) -> None:
+    def __init__(
+        self,
+        stream: trio.abc.Stream,
+        *,
+        max_body_bytes: int,
+        send_timeout_s: float = float("inf"),
+        closing: Callable[[], bool] = lambda: False,
+    ) -> None:
         self.stream = stream
         self.max_body_bytes = max_body_bytes
         self.send_timeout_s = send_timeout_s
+        self._closing = closing  # True when the caller will close the connection after this response
         self._h11 = h11.Connection(h11.SERVER, max_incomplete_event_size=MAX_HEAD_BYTES)
         self._request: h11.Request | None = None
         self.num_requests = 0
@@ -171,6 +179,8 @@ class HttpConnection:
     def _response(self, status: int, content_type: str, headers: Any, extra: list[tuple[bytes, bytes]]) -> h11.Response:
         all_headers = [SERVER_HEADER, (b"Content-Type", content_type.encode())]
         all_headers += [(name.encode("latin-1"), value.encode("latin-1")) for name, value in headers]
+        if self._closing() and (b"Connection", b"close") not in extra:
+            extra = [*extra, (b"Connection", b"close")]  # said, so that a client does not send another request
         return h11.Response(status_code=status, headers=all_headers + extra, reason=_reason(status))
 
     async def send_error_and_close(self, error: BadRequest) -> None:

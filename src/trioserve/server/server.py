@@ -251,7 +251,12 @@ class Server:
         if self.config.socket_send_buffer_bytes is not None:
             stream.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, self.config.socket_send_buffer_bytes)
         conn = HttpConnection(
-            stream, max_body_bytes=self.config.max_message_bytes, send_timeout_s=self.config.slow_consumer_timeout_s
+            stream,
+            max_body_bytes=self.config.max_message_bytes,
+            send_timeout_s=self.config.slow_consumer_timeout_s,
+            closing=lambda: (
+                conn.num_requests >= self.config.max_http_requests_per_connection or self.state.stopping.is_set()
+            ),
         )
         client_id = new_client_id()
         deadline = trio.current_time() + self.config.handshake_timeout_s
