@@ -251,7 +251,8 @@ def _add_server_options(parser: argparse.ArgumentParser) -> None:
     keys.add_argument(
         "--api-key",
         metavar="KEY",
-        help="require 'Authorization: Bearer KEY' on every WebSocket handshake. A key on the command line shows "
+        help="require 'Authorization: Bearer KEY' on every WebSocket handshake and API request (/v1; not "
+        "/health or /metrics). A key on the command line shows "
         "in ps: prefer --api-key-file or $TRIOSERVE_API_KEY (default: $TRIOSERVE_API_KEY, else no key)",
     )
     keys.add_argument(
