@@ -187,3 +187,20 @@ async def test_chat_carries_on_when_the_engine_core_dies_during_a_reply(fake_con
     replies = [line for line in out.getvalue().splitlines()[1:] if line]  # after the help line
     assert len(replies) == 3 and "died" in replies[1] and replies[1].startswith("["), replies
     assert "died" not in replies[2] and replies[2].strip(), replies
+
+
+async def test_when_the_engine_dies_under_n_samples_each_counts_as_an_error_not_an_abort(fake_config):
+    """Found: the first sample to see the ``EngineDeadError`` ended as
+    ``error`` and the parent aborted the others, which the request observers
+    (and so ``trioserve_requests_total``) counted as ``abort``: "the client
+    left or cancelled" in docs/metrics.md, though the engine died under them."""
+    config = fake_config(num_kv_blocks=256, step_delay_s=0.005, die_at_step=5)
+    reasons: list[str] = []
+    with trio.fail_after(60):
+        async with trioserve.open_engine(config=config) as engine:
+            engine.add_request_observer(lambda metrics: reasons.append(metrics.finish_reason))
+            with pytest.raises(trioserve.EngineDeadError):
+                async with engine.stream_n("Same prompt", SamplingParams(max_tokens=50, ignore_eos=True), n=3) as s:
+                    async for _ in s:
+                        pass
+    assert reasons == ["error"] * 3
