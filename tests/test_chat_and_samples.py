@@ -158,3 +158,49 @@ async def test_logprobs_come_back_through_the_api_for_completions_and_chat(tiny_
         c for chunk in chunks for choice in chunk.choices if choice.logprobs for c in choice.logprobs.content
     ]
     assert [c.token for c in streamed_content] == [c.token for c in content]
+
+
+# --- trioserve chat ---------------------------------------------------------------------
+
+
+async def test_chat_carries_on_when_the_engine_core_dies_during_a_reply(fake_config, monkeypatch):
+    """Found: ``trioserve chat`` let the ``EngineDeadError`` of one reply end
+    the whole session (exit 4, "the engine died and was not recovered") while
+    the engine was restarting (restart 1 of 3). Each reply here takes two
+    steps; the worker dies at its third, so the second reply dies and the
+    third is answered by the restarted engine."""
+    import io
+
+    from trioserve import chat
+
+    lines = iter(["one", "two", "three", None])
+
+    async def read_line() -> str | None:
+        await trio.lowlevel.checkpoint()
+        return next(lines)
+
+    monkeypatch.setattr(chat, "_read_line", read_line)
+    out = io.StringIO()
+    config = fake_config(die_at_step=3, restart_backoff_s=0.1)
+    with trio.fail_after(60):
+        await chat.run_chat(config, SamplingParams(max_tokens=2, ignore_eos=True), out=out)
+    replies = [line for line in out.getvalue().splitlines()[1:] if line]  # after the help line
+    assert len(replies) == 3 and "died" in replies[1] and replies[1].startswith("["), replies
+    assert "died" not in replies[2] and replies[2].strip(), replies
+
+
+async def test_when_the_engine_dies_under_n_samples_each_counts_as_an_error_not_an_abort(fake_config):
+    """Found: the first sample to see the ``EngineDeadError`` ended as
+    ``error`` and the parent aborted the others, which the request observers
+    (and so ``trioserve_requests_total``) counted as ``abort``: "the client
+    left or cancelled" in docs/metrics.md, though the engine died under them."""
+    config = fake_config(num_kv_blocks=256, step_delay_s=0.005, die_at_step=5)
+    reasons: list[str] = []
+    with trio.fail_after(60):
+        async with trioserve.open_engine(config=config) as engine:
+            engine.add_request_observer(lambda metrics: reasons.append(metrics.finish_reason))
+            with pytest.raises(trioserve.EngineDeadError):
+                async with engine.stream_n("Same prompt", SamplingParams(max_tokens=50, ignore_eos=True), n=3) as s:
+                    async for _ in s:
+                        pass
+    assert reasons == ["error"] * 3

@@ -201,6 +201,14 @@ async def test_the_api_key_reaches_no_child_process_and_can_come_from_a_file(tin
         assert (await in_thread(authorized))["type"] == "done"
 
 
+async def test_an_unknown_log_level_is_a_usage_error_in_one_line(tmp_path):
+    # Found: logging.basicConfig's ValueError escaped main(): a traceback and exit 1.
+    with trio.fail_after(60):
+        done = await trio.to_thread.run_sync(lambda: run_trioserve("serve", "--log-level", "loud"))
+    assert done.returncode == 2, done.stderr
+    assert done.stderr.strip().splitlines() == ["trioserve: invalid input: --log-level: unknown level 'loud'"]
+
+
 @pytest.mark.parametrize("command", ["serve", "generate"])
 async def test_a_missing_model_directory_is_a_start_up_error_in_one_line_naming_it(command, tmp_path):
     missing = str(tmp_path / "no-such-model")

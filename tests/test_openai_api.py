@@ -383,3 +383,168 @@ async def test_keep_alive_serves_several_requests_on_one_connection_and_an_idle_
             waited = await run(idle)
     assert statuses == [200, 200, 200] and rest == b""
     assert 0.4 <= waited < 2.0
+
+
+# --- what a hostile client found (review) ----------------------------------------------
+
+
+def exchange(server: Server, data: bytes, timeout: float = 20) -> bytes:
+    """Send ``data`` on a fresh connection, then read until the server closes
+    it (a reset counts as a close): everything the server sent."""
+    received = b""
+    with socket.create_connection(("127.0.0.1", server.port), timeout=timeout) as sock:
+        try:
+            sock.sendall(data)
+            while chunk := sock.recv(65536):
+                received += chunk
+        except (ConnectionResetError, BrokenPipeError):
+            received += b"<reset>"
+    return received
+
+
+def post(path: str, body: bytes, *headers: str) -> bytes:
+    lines = [f"POST {path} HTTP/1.1", "Host: x", f"Content-Length: {len(body)}", "Connection: close", *headers]
+    return ("\r\n".join(lines) + "\r\n\r\n").encode() + body
+
+
+async def test_a_body_that_is_not_utf8_gets_invalid_json_and_the_server_serves_on(config):
+    # Found: msgspec raised UnicodeDecodeError, which nothing caught: the
+    # connection was dropped without a response and "a connection failed" logged.
+    body = b'{"model": "tiny-llama", "prompt": "caf\xe9"}'
+    with trio.fail_after(60):
+        async with serving(config(), model_name=MODEL) as server:
+            answer = await run(exchange, server, post("/v1/completions", body))
+            chat = await run(
+                exchange,
+                server,
+                post(
+                    "/v1/chat/completions",
+                    b'{"model": "tiny-llama", "messages": [{"role": "user", "content": "\xff"}]}',
+                ),
+            )
+            after = await run(raw_request, server, "GET", "/v1/models")
+    for data in (answer, chat):
+        assert data.startswith(b"HTTP/1.1 400 "), data
+        error = json.loads(data.partition(b"\r\n\r\n")[2])["error"]
+        assert error["code"] == "invalid_json" and "UTF-8" in error["message"], error
+    assert after[0] == 200
+
+
+async def test_a_client_that_never_reads_a_whole_response_is_dropped_after_the_slow_consumer_timeout(config):
+    # Found: a non-streamed response was sent without any bound: a client
+    # that never reads it held its connection (and a slot of
+    # --max-connections) forever, past every timeout.
+    body = json.dumps({"model": MODEL, "prompt": "Hi", "max_tokens": 1000, "n": 16, "ignore_eos": True}).encode()
+    with trio.fail_after(60):
+        async with serving(
+            config(step_delay_s=0.001, num_kv_blocks=8192),
+            model_name=MODEL,
+            slow_consumer_timeout_s=1.0,
+            socket_send_buffer_bytes=4096,
+        ) as server:
+            sock = socket.socket()
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+            try:
+                await run(sock.connect, ("127.0.0.1", server.port))
+                await run(sock.sendall, post("/v1/completions", body))  # then never read
+                with trio.move_on_after(15):
+                    while server.num_connections or server.engine.num_requests_in_flight():  # type: ignore[union-attr]
+                        await trio.sleep(0.05)
+                held = server.num_connections
+                await wait_blocks_free(server)
+            finally:
+                sock.close()
+    assert held == 0, "the connection of a client that reads nothing is still held 15 s on"
+
+
+async def test_a_body_over_the_limit_gets_its_413_even_when_the_client_sent_it_whole(config):
+    # Found: the server answered 413 and closed at once with the rest of the
+    # body unread, so the kernel sent a reset and the client lost the 413
+    # (ECONNRESET instead of the documented answer).
+    with trio.fail_after(60):
+        async with serving(config(), model_name=MODEL, max_message_bytes=64 * 1024) as server:
+            answer = await run(exchange, server, post("/v1/completions", b"x" * (8 << 20)))
+    assert answer.startswith(b"HTTP/1.1 413 "), answer[:200]
+
+
+async def test_a_body_that_never_ends_frees_its_connection_at_the_body_deadline(config):
+    # Found: after the body deadline (--handshake-timeout) the server read on
+    # for another --handshake-timeout to drop the rest of the body it had
+    # given up on: a slow body held its connection twice the documented bound.
+    head = b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\n{"
+    with trio.fail_after(60):
+        async with serving(config(), model_name=MODEL, handshake_timeout_s=1.0) as server:
+            started = trio.current_time()
+            await run(exchange, server, head)
+            held = trio.current_time() - started
+    assert held < 1.6, f"held {held:.1f}s; the body deadline is 1s"
+
+
+async def test_a_shutdown_ends_http_requests_past_the_grace_with_a_shutdown_error(config):
+    # Found: past the grace, an SSE stream was cut mid-stream (no error event,
+    # no [DONE], no last chunk) and a non-streamed request got an empty reply,
+    # where a WebSocket request gets error "shutdown".
+    def body(stream: bool) -> bytes:
+        request = {"model": MODEL, "prompt": "Hi", "max_tokens": 2000, "ignore_eos": True, "stream": stream}
+        return json.dumps(request).encode()
+
+    with trio.fail_after(60):
+        async with serving(config(step_delay_s=0.01), model_name=MODEL, shutdown_grace_s=0.5) as server:
+            answers: dict[bool, bytes] = {}
+
+            async def one(stream: bool) -> None:
+                answers[stream] = await run(exchange, server, post("/v1/completions", body(stream)))
+
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(one, True)
+                nursery.start_soon(one, False)
+                assert server.engine is not None
+                while server.engine.num_requests_in_flight() < 2:
+                    await trio.sleep(0.02)
+                server.shutdown()
+    sse, whole = answers[True], answers[False]
+    assert sse.startswith(b"HTTP/1.1 200 ") and b'"code": "shutdown"' in sse, sse[-300:]
+    assert sse.endswith(b"data: [DONE]\n\n\r\n0\r\n\r\n"), sse[-300:]
+    assert whole.startswith(b"HTTP/1.1 503 "), whole[:300]
+    assert json.loads(whole.partition(b"\r\n\r\n")[2])["error"]["code"] == "shutdown"
+
+
+async def test_a_body_of_one_byte_chunks_is_refused_before_it_costs_seconds_of_parsing(config):
+    # Found: every chunk of a chunked body is one h11 event parsed on the
+    # event loop (~25 us each): 200,000 one-byte chunks (1.2 MB on the wire,
+    # within --max-message-bytes) took the server about 5 s of CPU, in slices
+    # of ~0.2 s during which nothing else (streams, /health) ran.
+    chunks = b"".join(b"1\r\nx\r\n" for _ in range(200_000))
+    request = b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\nConnection: close\r\n\r\n"
+    with trio.fail_after(60):
+        async with serving(config(), model_name=MODEL) as server:
+            started = trio.current_time()
+            answer = await run(exchange, server, request + chunks + b"0\r\n\r\n")
+            took = trio.current_time() - started
+    assert answer.startswith((b"HTTP/1.1 400 ", b"HTTP/1.1 413 ")), answer[:200]
+    assert took < 2.0, f"the server spent {took:.1f}s on one request body"
+
+
+async def test_a_body_announced_too_large_with_expect_100_continue_gets_413_and_no_100(config):
+    # Found: "100 Continue" went out before the declared length was checked,
+    # inviting the client to send a body the server then refused (RFC 9110:
+    # a server that will refuse the body answers with the final status instead).
+    head = post("/v1/completions", b"", "Expect: 100-continue").replace(
+        b"Content-Length: 0", b"Content-Length: 2097152"
+    )
+    with trio.fail_after(60):
+        async with serving(config(), model_name=MODEL, max_message_bytes=64 * 1024) as server:
+            answer = await run(exchange, server, head)
+    assert answer.startswith(b"HTTP/1.1 413 "), answer[:200]
+
+
+async def test_the_last_response_a_connection_serves_says_connection_close(config):
+    # Found: after its last request (max_http_requests_per_connection) the
+    # server closed the connection without saying so in the response, so a
+    # client reusing it could send a request nobody would read (RFC 9112 9.6).
+    request = b"GET /v1/models HTTP/1.1\r\nHost: x\r\n\r\n"
+    with trio.fail_after(60):
+        async with serving(config(), model_name=MODEL, max_http_requests_per_connection=2) as server:
+            answer = await run(exchange, server, request * 2)
+    first, second = answer.split(b"HTTP/1.1 200 OK")[1:]
+    assert b"Connection: close" not in first and b"Connection: close" in second, answer

@@ -131,6 +131,13 @@ async def wait_blocks_free(server: Server, timeout: float = 5) -> None:
             await trio.sleep(0.02)
 
 
+def scrape(url: str) -> int:
+    """The status of a GET of a non-JSON ``url`` (``/metrics``)."""
+    with urllib.request.urlopen(url, timeout=5) as response:
+        response.read()
+        return int(response.status)
+
+
 def http_get(url: str) -> tuple[int, dict]:
     try:
         with urllib.request.urlopen(url, timeout=5) as response:
@@ -540,3 +547,41 @@ async def test_a_websocket_lives_past_the_handshake_timeout(fake_config):
             terminals = await in_thread(client)
             assert time.monotonic() - started > 2.0
             assert [t["type"] for t in terminals] == ["done"] * 3  # type: ignore[index]
+
+
+async def test_a_request_that_arrives_during_the_grace_does_not_hold_the_shutdown_to_its_end(fake_config):
+    """Found: ``_track`` replaced the "no connections left" event whenever a
+    connection was tracked, so one API request (a ``/metrics`` scrape) during
+    the grace left ``_end_websockets`` waiting on an event nobody would set:
+    the server took the whole grace (and ``close_timeout_s`` more) although
+    its last request had ended long before."""
+    grace = 8.0
+    with trio.fail_after(30):
+        server = Server(fake_config(step_delay_s=0.002), ServerConfig(port=0, shutdown_grace_s=grace))
+
+        def client(ready: trio.Event) -> dict[str, Received]:
+            with open_ws(server.url) as ws:
+                ws.send(generate("r", "hello", max_tokens=200, ignore_eos=True))  # about 0.4 s
+                assert json.loads(ws.recv(timeout=10))["type"] == "delta"
+                trio.from_thread.run_sync(ready.set)
+                return collect(ws, {"r"})[0]
+
+        results: dict[str, Any] = {}
+        async with trio.open_nursery() as nursery:
+            await nursery.start(server.run)
+            assert await server.wait_ready()
+            ready = trio.Event()
+
+            async def run_client() -> None:
+                results["client"] = await in_thread(client, ready)
+
+            nursery.start_soon(run_client)
+            await ready.wait()
+            started = trio.current_time()
+            server.shutdown()
+            await trio.sleep(0.05)
+            assert (await in_thread(http_get, server.health_url))[0] == 503
+            assert await in_thread(scrape, server.health_url.removesuffix("/health") + "/metrics") == 200
+        stopped_after = trio.current_time() - started
+        assert results["client"]["r"].terminal["type"] == "done"  # type: ignore[index]
+        assert stopped_after < 3.0, f"stopped {stopped_after:.1f}s after the shutdown; the last request ended at once"

@@ -358,3 +358,18 @@ def _wait_for_restart(server_pid: int, old: set[int]) -> list[psutil.Process]:
             return new
         time.sleep(0.05)
     raise AssertionError("the engine was not restarted")
+
+
+async def test_a_worker_that_dies_while_the_front_end_stops_leaves_one_line_not_a_traceback(tiny_model_dir):
+    """Found: ``trioserve generate`` whose worker dies (``die_at_step``) stops
+    its engine at once; the engine core's stop then raced its failure, and
+    the failure came out as a ``BaseExceptionGroup`` (a ``Cancelled`` beside
+    the ``WorkerError``) that ``except Exception`` missed: a full traceback on
+    stderr in about 4 runs of 5, where supervision.md promises one line."""
+    argv = ["generate", "hello", "--max-tokens", "20", "--model", str(tiny_model_dir("llama"))]
+    argv += ["--runner", "fake", "--fake-options", json.dumps({"die_at_step": 5})]
+    for _ in range(3):
+        code, stderr, left = await trio.to_thread.run_sync(run_cli, argv, 60)
+        assert code == 4 and left == [], stderr
+        assert "Traceback" not in stderr, stderr
+        assert "trioserve-engine-core (pid " in stderr and "exited with code 3 during step 5" in stderr, stderr

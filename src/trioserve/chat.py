@@ -6,7 +6,8 @@ streamed to the terminal as it is generated, then kept as an
 ``assistant`` message. ``/reset`` starts over, ``/exit`` or end of input
 (Ctrl-D) quits. Ctrl-C during a reply stops that reply (it is kept as far
 as it went); at the prompt, it quits. A conversation that no longer fits the context is said so,
-and the user can ``/reset``.
+and the user can ``/reset``. A reply that fails because the engine core died is said so, and the
+conversation goes on once the engine has restarted (the session ends only when it is out of restarts).
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import trio
 
 from trioserve.api import Engine, open_engine
 from trioserve.config import EngineConfig
-from trioserve.errors import InvalidRequestError, PromptTooLongError
+from trioserve.errors import EngineDeadError, InvalidRequestError, PromptTooLongError, RequestError
 from trioserve.messages import SamplingParams
 
 PROMPT = "> "
@@ -117,6 +118,14 @@ async def _reply(
         conversation.forget_last_question()
         hint = " (/reset to start over)" if isinstance(exc, PromptTooLongError) else ""
         print(f"[{exc}{hint}]", file=out, flush=True)
+        return
+    except (EngineDeadError, RequestError) as exc:
+        if engine.health == "failed":  # out of restarts: the session is over (exit 4)
+            raise
+        conversation.forget_last_question()  # the engine restarts: the question can be asked again
+        if text:
+            print(file=out)
+        print(f"[{exc}; ask again]", file=out, flush=True)
         return
     if scope.cancelled_caught:
         out.write(" [stopped]")

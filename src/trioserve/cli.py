@@ -253,7 +253,8 @@ def _add_server_options(parser: argparse.ArgumentParser) -> None:
     keys.add_argument(
         "--api-key",
         metavar="KEY",
-        help="require 'Authorization: Bearer KEY' on every WebSocket handshake. A key on the command line shows "
+        help="require 'Authorization: Bearer KEY' on every WebSocket handshake and API request (/v1; not "
+        "/health or /metrics). A key on the command line shows "
         "in ps: prefer --api-key-file or $TRIOSERVE_API_KEY (default: $TRIOSERVE_API_KEY, else no key)",
     )
     keys.add_argument(
@@ -459,6 +460,9 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    if not isinstance(logging.getLevelName(args.log_level.upper()), int):
+        print(f"trioserve: invalid input: --log-level: unknown level {args.log_level!r}", file=sys.stderr)
+        return EXIT_USAGE
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
     os.environ.setdefault("TRIOSERVE_LOG_LEVEL", args.log_level.upper())
     try:

@@ -182,11 +182,12 @@ class ParentRequestStream:
     ) -> None:
         self._abort_running()
 
-    def _abort_running(self) -> None:
+    def _abort_running(self, finish_reason: str = "abort") -> None:
+        """Abort every child still running; the observers hear ``finish_reason``."""
         for state in self._running.values():
             if self._client is not None:
                 self._client.abort(state.request_id)
-            state.ended("abort")
+            state.ended(finish_reason)
         self._running.clear()
 
     def __aiter__(self) -> ParentRequestStream:
@@ -217,7 +218,7 @@ class ParentRequestStream:
             except Exception:
                 del self._running[index]
                 state.ended("error")
-                self._abort_running()
+                self._abort_running("error")  # they fail with it: the parent request failed
                 raise
             if output is not None:
                 if output.finished:

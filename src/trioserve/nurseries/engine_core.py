@@ -368,7 +368,9 @@ async def engine_core_main() -> None:
             await outer.start(output_socket_actor, init.output_address, outbox_receive, death)
             try:
                 await _serve(init, handshake, outbox_send, death)
-            except Exception as exc:
+            except BaseException as exc:  # a failure can come beside a stop's Cancelled (a BaseExceptionGroup)
+                if not any(isinstance(leaf, Exception) for leaf in meaningful_leaves(exc)):
+                    raise  # a stop, or KeyboardInterrupt and the like: not a failure to report
                 death.report(describe(exc))
                 with trio.CancelScope(shield=True):
                     await trio.sleep(0.05)  # let the output socket hand it to ZMQ

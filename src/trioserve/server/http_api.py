@@ -6,8 +6,12 @@ engine, and writes the answer, whole or as server-sent events. Request
 checks are the engine's (``openai_protocol.py`` maps its errors). While a
 request runs, the connection is watched: a client that disconnects cancels
 its request, which aborts every sample in the engine and frees their KV
-blocks. A streamed response whose client reads nothing for
-``slow_consumer_timeout_s`` is ended the same way.
+blocks. A response (streamed or whole) whose client reads nothing for
+``slow_consumer_timeout_s`` is ended the same way, and its connection closed.
+A request still running when the shutdown grace is over is aborted and
+answered like one the engine failed: a 503 ``shutdown`` (``engine_dead``
+when the engine died for good), or in a stream an event holding that error
+object, then ``[DONE]``.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ import trio
 
 from trioserve.api import Engine
 from trioserve.errors import EngineDeadError, EngineOverloadedError, InvalidRequestError, RequestError
+from trioserve.frontend.outputs import RequestOutput
 from trioserve.frontend.streams import ParentRequestStream
 from trioserve.server import openai_protocol as oai
 from trioserve.server.config import ServerConfig
@@ -125,8 +130,10 @@ class HttpApi:
             with trio.CancelScope() as scope:
                 async with trio.open_nursery() as nursery:
                     nursery.start_soon(conn.watch_disconnect, scope)
+                    grace = _Grace(self._state)
+                    nursery.start_soon(grace.watch)
                     try:
-                        await self._generate(conn, endpoint, body, client_id)
+                        await self._generate(conn, endpoint, body, client_id, grace)
                     except trio.TooSlowError:  # the response stays incomplete: the connection closes
                         log.debug(
                             "a client read nothing for %gs: its request was aborted",
@@ -141,18 +148,21 @@ class HttpApi:
         assert engine is not None  # route_api lets requests through only when ready
         return engine
 
-    async def _generate(self, conn: HttpConnection, endpoint: Endpoint, body: bytes, client_id: str) -> None:
+    async def _generate(
+        self, conn: HttpConnection, endpoint: Endpoint, body: bytes, client_id: str, grace: _Grace
+    ) -> None:
         """Run a completion or chat request and answer it (an error object
-        if it fails before its first byte). If cancelled, it is aborted."""
+        if it fails before its first byte, or is still running when the
+        shutdown grace is over). If cancelled, it is aborted."""
         names: dict[str, str] = {}
         try:
             stream, fmt, plan = self._start(endpoint, body, client_id)
             names = plan.names
             async with stream:
                 if plan.stream:
-                    await self._send_events(conn, stream, fmt, plan.include_usage)
+                    await self._send_events(conn, stream, fmt, plan.include_usage, grace)
                 else:
-                    await self._send_whole(conn, stream, fmt)
+                    await self._send_whole(conn, stream, fmt, grace)
         except OpenAIError as exc:
             await conn.send_json(exc.status, exc.body(), _error_headers(exc))
         except (InvalidRequestError, RequestError, EngineDeadError) as exc:
@@ -199,30 +209,38 @@ class HttpApi:
 
         return text_of
 
-    async def _send_whole(self, conn: HttpConnection, stream: ParentRequestStream, fmt: EventFormat) -> None:
+    async def _send_whole(
+        self, conn: HttpConnection, stream: ParentRequestStream, fmt: EventFormat, grace: _Grace
+    ) -> None:
         """Collect every sample to its end, then send one JSON response."""
         choices = Choices(stream.n)
-        async for out in stream:
-            choices.add(out)
+        try:
+            while (out := await grace.next_output(stream)) is not None:
+                choices.add(out)
+        except _Stopped as stop:
+            raise stop.error() from None
         await conn.send_json(200, fmt.response(choices, stream.num_prompt_tokens))
 
     async def _send_events(
-        self, conn: HttpConnection, stream: ParentRequestStream, fmt: EventFormat, include_usage: bool
+        self, conn: HttpConnection, stream: ParentRequestStream, fmt: EventFormat, include_usage: bool, grace: _Grace
     ) -> None:
         """Send each delta as a server-sent event as it comes, then the usage
         (when asked for) and ``[DONE]``. An engine error after the first
-        event is sent as an event holding the error object."""
+        event, or the end of the shutdown grace, is sent as an event holding
+        the error object."""
         await conn.start_stream(200, "text/event-stream")
         choices = Choices(stream.n)
         for event in fmt.opening(stream.n, include_usage):
             await self._send_event(conn, event)
         try:
-            async for out in stream:
+            while (out := await grace.next_output(stream)) is not None:
                 choices.add(out)
                 if out.text or out.finished or out.logprobs:  # else: bytes of a character still to come
                     await self._send_event(conn, fmt.chunk(out, choices, include_usage))
         except (RequestError, EngineDeadError) as exc:
             await self._send_event(conn, engine_error(exc, {}).body())
+        except _Stopped as stop:
+            await self._send_event(conn, stop.error().body())
         else:
             if include_usage:
                 await self._send_event(conn, fmt.usage_chunk(choices, stream.num_prompt_tokens))
@@ -237,6 +255,51 @@ class HttpApi:
         ``slow_consumer_timeout_s`` (the request is then aborted)."""
         with trio.fail_after(self._config.slow_consumer_timeout_s):
             await conn.send_data(data)
+
+
+class _Stopped(Exception):
+    """The shutdown grace ended while a request was running."""
+
+    def __init__(self, code: str) -> None:
+        super().__init__(code)
+        self.code = code
+
+    def error(self) -> OpenAIError:
+        why = "the engine died" if self.code == "engine_dead" else "the server is shutting down"
+        return OpenAIError(503, f"{why}; the request was ended", type="server_error", code=self.code)
+
+
+class _Grace:
+    """Ends one request's wait for its next output once the shutdown grace
+    is over; never a write, so a response is never cut mid-event."""
+
+    def __init__(self, state: ServerState) -> None:
+        self._state = state
+        self._waiting: trio.CancelScope | None = None
+        self._over = False
+
+    async def watch(self) -> None:
+        """Run beside the request. Cancelling leaves nothing behind."""
+        await self._state.grace_over.wait()
+        self._over = True
+        if self._waiting is not None:
+            self._waiting.cancel()
+
+    async def next_output(self, stream: ParentRequestStream) -> RequestOutput | None:
+        """``stream``'s next output (None at its end); raises ``_Stopped``
+        once the grace is over (the request is aborted when its block is
+        left). If cancelled, nothing is lost."""
+        with trio.CancelScope() as waiting:
+            if self._over:
+                waiting.cancel()
+            self._waiting = waiting
+            try:
+                return await stream.__anext__()
+            except StopAsyncIteration:
+                return None
+            finally:
+                self._waiting = None
+        raise _Stopped(self._state.stop_code)
 
 
 def new_client_id() -> str:

@@ -11,12 +11,15 @@ h11 parses and frames; this class only reads and writes. Invariants:
 - A response is either whole (``send_json``, ``send_text``) or streamed
   (``start_stream``, ``send_data``..., ``end_stream``); h11 frames the
   stream with chunked transfer coding (close-delimited for HTTP/1.0).
+- Every write is bounded: a client that takes none of ``SEND_PIECE_BYTES``
+  for ``send_timeout_s`` gets ``trio.TooSlowError`` (the connection is to
+  be closed), so a client that never reads cannot hold its connection.
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from http import HTTPStatus
 from typing import Any
 
@@ -27,6 +30,9 @@ from trioserve.server.http import MAX_HEAD_BYTES, BadRequest, ReplayStream, Requ
 
 RECEIVE_BYTES = 64 * 1024
 MAX_PIPELINED_BYTES = 64 * 1024  # what a client may send ahead while its request is served
+SEND_PIECE_BYTES = 64 * 1024  # a write is bounded in time per piece of this size
+LINGER_S = 2.0  # after an error answer, how long to read on what the client still sends ...
+LINGER_BYTES = 16 * 1024 * 1024  # ... and how much of it, before closing
 SERVER_HEADER = (b"Server", b"trioserve")
 
 
@@ -34,9 +40,18 @@ class HttpConnection:
     """The server side of one connection. Build it on an accepted stream;
     the caller closes the stream."""
 
-    def __init__(self, stream: trio.abc.Stream, *, max_body_bytes: int) -> None:
+    def __init__(
+        self,
+        stream: trio.abc.Stream,
+        *,
+        max_body_bytes: int,
+        send_timeout_s: float = float("inf"),
+        closing: Callable[[], bool] = lambda: False,
+    ) -> None:
         self.stream = stream
         self.max_body_bytes = max_body_bytes
+        self.send_timeout_s = send_timeout_s
+        self._closing = closing  # True when the caller will close the connection after this response
         self._h11 = h11.Connection(h11.SERVER, max_incomplete_event_size=MAX_HEAD_BYTES)
         self._request: h11.Request | None = None
         self.num_requests = 0
@@ -65,11 +80,11 @@ class HttpConnection:
         """The request's body (up to ``max_body_bytes``). Raises
         ``BadRequest`` (413 when too large). If cancelled, the connection is
         to be closed."""
-        if self._h11.they_are_waiting_for_100_continue:
-            await self._send(h11.InformationalResponse(status_code=100, headers=[]))
         length = self._declared_length()
         if length is not None and length > self.max_body_bytes:
             raise BadRequest(f"request body of {length} bytes is larger than {self.max_body_bytes}", status=413)
+        if self._h11.they_are_waiting_for_100_continue:
+            await self._send(h11.InformationalResponse(status_code=100, headers=[], reason=b"Continue"))
         body = bytearray()
         while True:
             event = await self._next_event()
@@ -86,7 +101,10 @@ class HttpConnection:
         """Read and drop whatever of the request's body was not read (at most
         ``max_body_bytes``; beyond that, or on a malformed body, the
         connection cannot be kept alive). Returns at once for a request
-        without a body. If cancelled, the connection is to be closed."""
+        without a body, or when the response is not complete (the connection
+        closes anyway). If cancelled, the connection is to be closed."""
+        if self._h11.our_state is not h11.DONE:
+            return
         dropped = 0
         try:
             while self._h11.their_state is h11.SEND_BODY and dropped <= self.max_body_bytes:
@@ -161,6 +179,8 @@ class HttpConnection:
     def _response(self, status: int, content_type: str, headers: Any, extra: list[tuple[bytes, bytes]]) -> h11.Response:
         all_headers = [SERVER_HEADER, (b"Content-Type", content_type.encode())]
         all_headers += [(name.encode("latin-1"), value.encode("latin-1")) for name, value in headers]
+        if self._closing() and (b"Connection", b"close") not in extra:
+            extra = [*extra, (b"Connection", b"close")]  # said, so that a client does not send another request
         return h11.Response(status_code=status, headers=all_headers + extra, reason=_reason(status))
 
     async def send_error_and_close(self, error: BadRequest) -> None:
@@ -170,11 +190,29 @@ class HttpConnection:
         if self._h11.our_state is h11.SEND_RESPONSE:
             try:
                 await self.send_json(error.status, {"error": str(error)}, close=True)
+                await self._linger()
                 return
             except RuntimeError:
                 pass
         if self._h11.our_state in (h11.IDLE, h11.SEND_RESPONSE, h11.ERROR):
             await self.stream.send_all(response(error.status, {"error": str(error)}))
+            await self._linger()
+
+    async def _linger(self) -> None:
+        """After an error answer: half-close, then read and drop what the
+        client still sends (the rest of a body too large, say), at most
+        ``LINGER_BYTES`` for ``LINGER_S``. Closing with unread data would
+        reset the connection, and the reset would discard the answer before
+        the client read it."""
+        drained = 0
+        with trio.move_on_after(LINGER_S):
+            try:
+                if isinstance(self.stream, trio.abc.HalfCloseableStream):
+                    await self.stream.send_eof()
+                while drained < LINGER_BYTES and (data := await self.stream.receive_some(RECEIVE_BYTES)):
+                    drained += len(data)
+            except (trio.BrokenResourceError, trio.ClosedResourceError):
+                pass
 
     async def watch_disconnect(self, on_disconnect: trio.CancelScope) -> None:
         """While a request is served: read what the client sends next (h11
@@ -209,11 +247,12 @@ class HttpConnection:
 
     async def _send(self, event: Any) -> None:
         try:
-            data = self._h11.send(event)
+            data = memoryview(self._h11.send(event) or b"")
         except h11.LocalProtocolError as exc:  # pragma: no cover - a bug of ours
             raise RuntimeError(f"HTTP framing error: {exc}") from exc
-        if data:
-            await self.stream.send_all(data)
+        for start in range(0, len(data), SEND_PIECE_BYTES):
+            with trio.fail_after(self.send_timeout_s):
+                await self.stream.send_all(data[start : start + SEND_PIECE_BYTES])
 
 
 def _reason(status: int) -> bytes:

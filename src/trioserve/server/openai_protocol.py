@@ -142,6 +142,10 @@ def decode_body(body: bytes, kind: type[msgspec.Struct]) -> Any:
         return msgspec.json.decode(body, type=kind)
     except RecursionError:
         raise OpenAIError(400, "malformed JSON: nested too deeply", code="invalid_json") from None
+    except UnicodeDecodeError as exc:  # msgspec decodes strings as it goes, and raises this unwrapped
+        raise OpenAIError(
+            400, f"malformed JSON: not UTF-8 ({exc.reason} at byte {exc.start})", code="invalid_json"
+        ) from None
     except msgspec.ValidationError as exc:
         raise _validation_error(str(exc)) from None
     except msgspec.DecodeError as exc:

@@ -236,6 +236,8 @@ class Server:
                     await stream.send_all(http.response(reply.status, reply.body, extra_headers=reply.headers))
         except (trio.BrokenResourceError, trio.ClosedResourceError):
             pass  # the client went away
+        except trio.TooSlowError:
+            log.debug("a client read nothing for %gs: its connection was closed", self.config.slow_consumer_timeout_s)
         except Exception:  # a bug serving one client must not stop the others
             log.exception("a connection failed")
         finally:
@@ -253,7 +255,14 @@ class Server:
         cancelled, the connection's requests are aborted in the engine."""
         if self.config.socket_send_buffer_bytes is not None:
             stream.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, self.config.socket_send_buffer_bytes)
-        conn = HttpConnection(stream, max_body_bytes=self.config.max_message_bytes)
+        conn = HttpConnection(
+            stream,
+            max_body_bytes=self.config.max_message_bytes,
+            send_timeout_s=self.config.slow_consumer_timeout_s,
+            closing=lambda: (
+                conn.num_requests >= self.config.max_http_requests_per_connection or self.state.stopping.is_set()
+            ),
+        )
         client_id = new_client_id()
         deadline = trio.current_time() + self.config.handshake_timeout_s
         while conn.num_requests < self.config.max_http_requests_per_connection:
@@ -355,8 +364,9 @@ class Server:
                 self._untrack(scope)
 
     def _track(self, scope: trio.CancelScope) -> None:
+        if not self._websockets:  # a new event only when the last one was set: someone may be waiting on it
+            self._no_websockets = trio.Event()
         self._websockets.add(scope)
-        self._no_websockets = trio.Event()
 
     def _untrack(self, scope: trio.CancelScope) -> None:
         self._websockets.discard(scope)
