@@ -11,6 +11,9 @@ h11 parses and frames; this class only reads and writes. Invariants:
 - A response is either whole (``send_json``, ``send_text``) or streamed
   (``start_stream``, ``send_data``..., ``end_stream``); h11 frames the
   stream with chunked transfer coding (close-delimited for HTTP/1.0).
+- A body comes in at most ``MAX_BODY_PIECES`` pieces (chunks, or reads of
+  the socket), parsed with a checkpoint every ``CHECKPOINT_EVERY``, so no
+  body costs the event loop more than a fraction of a second.
 - Every write is bounded: a client that takes none of ``SEND_PIECE_BYTES``
   for ``send_timeout_s`` gets ``trio.TooSlowError`` (the connection is to
   be closed), so a client that never reads cannot hold its connection.
@@ -33,6 +36,10 @@ MAX_PIPELINED_BYTES = 64 * 1024  # what a client may send ahead while its reques
 SEND_PIECE_BYTES = 64 * 1024  # a write is bounded in time per piece of this size
 LINGER_S = 2.0  # after an error answer, how long to read on what the client still sends ...
 LINGER_BYTES = 16 * 1024 * 1024  # ... and how much of it, before closing
+# Every piece of a body is one h11 event parsed on the event loop (tens of
+# microseconds): a body of thousands of one-byte chunks would cost seconds.
+MAX_BODY_PIECES = 4096  # a body in more pieces is refused (400)
+CHECKPOINT_EVERY = 256  # pieces parsed between two yields to the other tasks
 SERVER_HEADER = (b"Server", b"trioserve")
 
 
@@ -86,12 +93,18 @@ class HttpConnection:
         if self._h11.they_are_waiting_for_100_continue:
             await self._send(h11.InformationalResponse(status_code=100, headers=[], reason=b"Continue"))
         body = bytearray()
+        pieces = 0
         while True:
             event = await self._next_event()
             if isinstance(event, h11.Data):
                 body += event.data
                 if len(body) > self.max_body_bytes:
                     raise BadRequest(f"request body larger than {self.max_body_bytes} bytes", status=413)
+                pieces += 1
+                if pieces > MAX_BODY_PIECES:
+                    raise BadRequest(f"request body in more than {MAX_BODY_PIECES} pieces (chunks)")
+                if pieces % CHECKPOINT_EVERY == 0:
+                    await trio.lowlevel.checkpoint()
             elif isinstance(event, h11.EndOfMessage):
                 return bytes(body)
             else:
@@ -105,12 +118,17 @@ class HttpConnection:
         closes anyway). If cancelled, the connection is to be closed."""
         if self._h11.our_state is not h11.DONE:
             return
-        dropped = 0
+        dropped = pieces = 0
         try:
             while self._h11.their_state is h11.SEND_BODY and dropped <= self.max_body_bytes:
                 event = await self._next_event()
                 if isinstance(event, h11.Data):
                     dropped += len(event.data)
+                    pieces += 1
+                    if pieces > MAX_BODY_PIECES:
+                        return
+                    if pieces % CHECKPOINT_EVERY == 0:
+                        await trio.lowlevel.checkpoint()
                 elif not isinstance(event, h11.EndOfMessage):
                     return
         except BadRequest:
