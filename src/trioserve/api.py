@@ -224,6 +224,15 @@ class Engine:
         client = await self._supervisor.ready_client()
         return await client.stats()
 
+    async def reset_prefix_cache(self) -> int:
+        """Make the engine forget every cached prefix (after new weights, say,
+        or to measure without it); requests running keep their blocks.
+        Returns how many cached blocks were forgotten. While the engine
+        restarts, waits for it like a request (a restarted engine starts with
+        an empty cache)."""
+        client = await self._supervisor.ready_client()
+        return await client.reset_prefix_cache()
+
     def num_requests_in_flight(self) -> int:
         """Requests the front-end holds state for (submitted and not yet over)."""
         client = self._supervisor.client

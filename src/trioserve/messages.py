@@ -191,6 +191,12 @@ class EngineInfo(msgspec.Struct, frozen=True):
 
 
 class EngineStats(msgspec.Struct, frozen=True):
+    """The engine core's counters. ``num_free_blocks`` counts the blocks a new
+    request can take: empty ones and those that only hold a cached prefix
+    (``num_cached_blocks`` counts every block holding one, in use or not).
+    The prefix cache's figures count first admissions only: prompt tokens
+    looked up (``prefix_cache_queries``) and found (``prefix_cache_hits``)."""
+
     num_running: int
     num_waiting: int
     num_free_blocks: int
@@ -198,6 +204,16 @@ class EngineStats(msgspec.Struct, frozen=True):
     num_preemptions: int  # since start: running requests preempted for KV blocks
     num_steps: int  # since start
     num_fairness_preemptions: int = 0  # since start: preempted to give another client its share
+    num_scheduled_tokens: int = 0  # since start: tokens computed by the model (prefix hits are not)
+    prefix_caching: bool = False
+    num_cached_blocks: int = 0
+    prefix_cache_queries: int = 0  # since start (or the last reset of the counters: never, today)
+    prefix_cache_hits: int = 0
+
+    @property
+    def prefix_cache_hit_rate(self) -> float:
+        """Prompt tokens found in the prefix cache over those looked up (0 before any)."""
+        return self.prefix_cache_hits / self.prefix_cache_queries if self.prefix_cache_queries else 0.0
 
 
 class SampleLogprobs(msgspec.Struct, frozen=True, array_like=True):
@@ -267,7 +283,13 @@ class GetStats(msgspec.Struct, tag=True):
     call_id: int
 
 
-EngineRequest = AddRequest | AbortRequests | GetStats
+class ResetPrefixCache(msgspec.Struct, tag=True):
+    """Forget every cached prefix; requests running keep their blocks."""
+
+    call_id: int
+
+
+EngineRequest = AddRequest | AbortRequests | GetStats | ResetPrefixCache
 
 
 # --- engine core -> front-end ----------------------------------------------
@@ -279,6 +301,9 @@ class TokenOutput(msgspec.Struct, array_like=True):
     finish_reason: FinishReason | None = None
     new_logprobs: list[SampleLogprobs] | None = None
     error: str | None = None  # with finish_reason "error": what went wrong
+    # With a request's first token, when prefix caching is on: how many of its
+    # prompt tokens came from the cache.
+    num_cached_tokens: int | None = None
 
 
 class EngineOutputs(msgspec.Struct, tag=True):
@@ -290,13 +315,20 @@ class StatsReply(msgspec.Struct, tag=True):
     stats: EngineStats
 
 
+class PrefixCacheReset(msgspec.Struct, tag=True):
+    """The answer to ``ResetPrefixCache``: how many cached blocks were forgotten."""
+
+    call_id: int
+    num_blocks: int
+
+
 class EngineDead(msgspec.Struct, tag=True):
     """Sent once, on the way down, when the engine core fails."""
 
     reason: str
 
 
-EngineResponse = EngineOutputs | StatsReply | Heartbeat | EngineDead
+EngineResponse = EngineOutputs | StatsReply | PrefixCacheReset | Heartbeat | EngineDead
 
 
 # --- engine core <-> worker ------------------------------------------------

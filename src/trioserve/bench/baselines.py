@@ -73,6 +73,7 @@ class _ModelOnly:
             max_num_seqs=c.max_num_seqs,
             max_num_batched_tokens=c.max_num_batched_tokens,
             max_model_len=min(self.loaded.model.max_model_len, self.loaded.max_num_kv_blocks * c.block_size),
+            enable_prefix_caching=c.enable_prefix_caching,
         )
         queue = deque(requests)
         limit = concurrency or len(requests)

@@ -47,7 +47,9 @@ from trioserve.messages import (
     HandshakeMessage,
     Heartbeat,
     Hello,
+    PrefixCacheReset,
     Ready,
+    ResetPrefixCache,
     StartupFailed,
     StatsReply,
 )
@@ -81,7 +83,7 @@ class EngineCoreClient:
         # submitted, so that one the wire cannot carry fails alone, there.
         self._to_engine_send, self._to_engine_receive = trio.open_memory_channel[bytes](TO_ENGINE_SIZE)
         self._overflow_aborts: list[str] = []
-        self._stats_calls: dict[int, tuple[trio.Event, list[EngineStats]]] = {}
+        self._calls: dict[int, tuple[trio.Event, list[StatsReply | PrefixCacheReset]]] = {}  # by call id
         self._call_ids = itertools.count()
         self._stage: StartupStage = "spawn"
         self._startup_failed: StartupFailed | None = None
@@ -262,7 +264,7 @@ class EngineCoreClient:
         for state in self.requests.values():
             state.collector.fail(self._dead)
         self.requests.clear()
-        for event, _ in self._stats_calls.values():
+        for event, _ in self._calls.values():
             event.set()
         if first:
             self._dead_event.set()
@@ -329,15 +331,28 @@ class EngineCoreClient:
 
     async def stats(self) -> EngineStats:
         """Ask the engine core for its statistics. If cancelled, the reply is dropped."""
+        reply = await self._call(GetStats(call_id=next(self._call_ids)))
+        assert isinstance(reply, StatsReply)
+        return reply.stats
+
+    async def reset_prefix_cache(self) -> int:
+        """Make the engine core forget every cached prefix; how many blocks it
+        forgot. If cancelled, the reset may or may not happen."""
+        reply = await self._call(ResetPrefixCache(call_id=next(self._call_ids)))
+        assert isinstance(reply, PrefixCacheReset)
+        return reply.num_blocks
+
+    async def _call(self, msg: GetStats | ResetPrefixCache) -> StatsReply | PrefixCacheReset:
+        """Send ``msg`` and wait for the reply with its call id. Raises
+        ``EngineDeadError`` if the engine core dies first."""
         self.check_alive()
-        call_id = next(self._call_ids)
-        event, result = trio.Event(), list[EngineStats]()
-        self._stats_calls[call_id] = (event, result)
+        event, result = trio.Event(), list[StatsReply | PrefixCacheReset]()
+        self._calls[msg.call_id] = (event, result)
         try:
-            await self._to_engine_send.send(_encode(GetStats(call_id=call_id)))
+            await self._to_engine_send.send(_encode(msg))
             await event.wait()
         finally:
-            del self._stats_calls[call_id]
+            del self._calls[msg.call_id]
         self.check_alive()
         return result[0]
 
@@ -360,10 +375,10 @@ class EngineCoreClient:
                 self._silence.deadline = self._last_heard + self.config.heartbeat_timeout_s
                 if isinstance(msg, EngineOutputs):
                     self._dispatch(msg)
-                elif isinstance(msg, StatsReply):
-                    call = self._stats_calls.get(msg.call_id)
+                elif isinstance(msg, StatsReply | PrefixCacheReset):
+                    call = self._calls.get(msg.call_id)
                     if call is not None:
-                        call[1].append(msg.stats)
+                        call[1].append(msg)
                         call[0].set()
                 elif isinstance(msg, Heartbeat):
                     self._engine_stalled = msg.stalled
