@@ -358,6 +358,26 @@ def test_heavy_workload_preempts_and_still_matches_solo_outputs(seed: int, depth
     assert harness.sched.stats().num_preemptions > 0
 
 
+@pytest.mark.parametrize("depth", [1, 2])
+@pytest.mark.parametrize("seed", range(5))
+def test_shared_prefixes_under_preemption_still_match_solo_outputs(seed: int, depth: int) -> None:
+    rng = random.Random(seed)
+    sizes = dict(num_blocks=16, block_size=2, max_num_seqs=4, max_num_batched_tokens=8, max_model_len=40)
+    harness = Harness(depth, True, **sizes)
+    for i in range(16):
+        base = SHARED[i % 2]
+        prompt = base[: rng.randint(0, len(base))] + [rng.randrange(VOCAB) for _ in range(rng.randint(0, 3))]
+        params = SamplingParams(max_tokens=rng.randint(2, 8), ignore_eos=True)
+        assert harness.add(f"r{i}", prompt or [1], params, [EOS])
+        if i % 2:
+            harness.step()
+            harness.sched.check_invariants(step for step, _ in harness.in_flight)
+    harness.drain_and_check()
+    stats = harness.sched.stats()
+    assert stats.num_preemptions > 0 and stats.prefix_cache_hits > 0
+    assert harness.runner.num_cached_tokens >= stats.prefix_cache_hits
+
+
 @settings(max_examples=150, deadline=None)
 @given(
     depth=st.sampled_from([1, 2]),
