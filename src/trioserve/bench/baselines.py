@@ -187,7 +187,7 @@ def _cb_config(model: Any, config: EngineConfig, spec: WorkloadSpec) -> Any:
     page_size = 256
     block_bytes = 2 * text.num_hidden_layers * page_size * kv_heads * head_dim * 4  # K and V, all layers, float32
     in_flight = spec.concurrency or config.max_num_seqs
-    needed = in_flight * -(-(spec.prompt_len[1] + spec.output_len[1]) // page_size)
+    needed = in_flight * -(-(spec.max_prompt_len + spec.output_len[1]) // page_size)
     return ContinuousBatchingConfig(
         page_size=page_size,
         num_blocks=max(8, min(needed, config.kv_cache_memory_bytes // block_bytes)),
