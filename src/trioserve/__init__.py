@@ -8,7 +8,7 @@ Public names (the docs list the same; a test checks they agree)::
                 print(out.text, end="")
 """
 
-from trioserve.api import Engine, ParentRequestStream, RequestStream, open_engine
+from trioserve.api import Engine, open_engine
 from trioserve.config import EngineConfig, FakeRunnerConfig
 from trioserve.errors import (
     EngineDeadError,
@@ -20,6 +20,7 @@ from trioserve.errors import (
     TrioserveError,
 )
 from trioserve.frontend.outputs import RequestOutput
+from trioserve.frontend.streams import ParentRequestStream, RequestStream
 from trioserve.messages import EngineInfo, EngineStats, SampleLogprobs, SamplingParams
 
 __all__ = [

@@ -1,8 +1,11 @@
-"""The public face for Trio programs: ``open_engine``, ``Engine``, ``RequestStream``.
+"""The public face for Trio programs: ``open_engine`` and ``Engine`` (its
+requests are ``frontend/streams.py``'s ``RequestStream`` and
+``ParentRequestStream``).
 
-This is the one place where exception groups from inside the project are
-collapsed into plain exceptions (``EngineStartupError``, ``EngineDeadError``,
-``RequestError``, ``ValueError``, or the caller's own exception).
+``open_engine`` collapses exception groups from inside the project into
+plain exceptions (``EngineStartupError``, ``EngineDeadError``,
+``RequestError``, ``ValueError``, or the caller's own exception), with
+``errors.collapse``.
 """
 
 from __future__ import annotations
@@ -12,7 +15,6 @@ import itertools
 import logging
 import secrets
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
-from types import TracebackType
 from typing import Any
 
 import trio
@@ -21,12 +23,14 @@ from trioserve.config import EngineConfig
 from trioserve.errors import EngineDeadError, EngineStartupError, InvalidRequestError, collapse
 from trioserve.frontend.chat_template import ChatTemplate, TemplatedText
 from trioserve.frontend.client import EngineCoreClient
+from trioserve.frontend.group import EngineGroup
 from trioserve.frontend.model_dir import load_model_dir
 from trioserve.frontend.outputs import RequestMetrics, RequestOutput
-from trioserve.frontend.parallel_sampling import check_n, child_params, child_request_id
+from trioserve.frontend.parallel_sampling import check_n
 from trioserve.frontend.prompt import Prompt, PromptChecker
 from trioserve.frontend.request_state import RequestState
-from trioserve.frontend.supervisor import EngineSupervisor, Health
+from trioserve.frontend.streams import ParentRequestStream, RequestStream
+from trioserve.frontend.supervisor import Health
 from trioserve.frontend.tokenizer import Tokenizer
 from trioserve.messages import EngineInfo, EngineStats, SamplingParams
 
@@ -38,8 +42,8 @@ RequestObserver = Callable[[RequestMetrics], None]
 async def open_engine(
     model: str | None = None, *, config: EngineConfig | None = None, **options: Any
 ) -> AsyncIterator[Engine]:
-    """Start an engine (an engine-core process and its workers) for the
-    duration of the block.
+    """Start an engine (``data_parallel_size`` engine-core processes, one by
+    default, each with its workers) for the duration of the block.
 
     Give either ``model`` (a local Hugging Face model directory) and any other
     ``EngineConfig`` fields as keywords, or a whole ``config``. Start-up
@@ -47,11 +51,12 @@ async def open_engine(
     an exception or by cancellation, every process is stopped and reaped
     before this returns.
 
-    If the engine core (or a worker) dies while the block runs, the requests
-    in flight raise ``EngineDeadError`` and the engine is restarted (see
-    ``EngineConfig.max_restarts``); new requests wait for it. Once out of
-    restarts, every request raises ``EngineDeadError`` and ``wait_failed()``
-    returns; the block itself is never interrupted.
+    If an engine core (or a worker) dies while the block runs, its requests
+    in flight raise ``EngineDeadError`` and it is restarted (see
+    ``EngineConfig.max_restarts``); new requests go to the other engines, or
+    wait for it. Once every engine is out of restarts, every request raises
+    ``EngineDeadError`` and ``wait_failed()`` returns; the block itself is
+    never interrupted.
     """
     if config is None:
         if model is None:
@@ -62,10 +67,10 @@ async def open_engine(
     tokenizer, chat_template = await trio.to_thread.run_sync(_load_tokenizer, config)
     try:
         async with trio.open_nursery() as nursery:
-            supervisor = EngineSupervisor(config)
-            await nursery.start(supervisor.run)
+            group = EngineGroup(config)
+            await nursery.start(group.run)
             try:
-                yield Engine(supervisor, tokenizer, chat_template)
+                yield Engine(group, tokenizer, chat_template)
             finally:
                 nursery.cancel_scope.cancel()
     except BaseExceptionGroup as group:
@@ -85,10 +90,8 @@ def _load_tokenizer(config: EngineConfig) -> tuple[Tokenizer, ChatTemplate | Non
 class Engine:
     """A running engine. Get one from ``open_engine``."""
 
-    def __init__(
-        self, supervisor: EngineSupervisor, tokenizer: Tokenizer, chat_template: ChatTemplate | None = None
-    ) -> None:
-        self._supervisor = supervisor
+    def __init__(self, group: EngineGroup, tokenizer: Tokenizer, chat_template: ChatTemplate | None = None) -> None:
+        self._group = group
         self.tokenizer = tokenizer
         self.chat_template = chat_template  # the model's own, or None
         self._prompts = PromptChecker(tokenizer, self.info)
@@ -123,14 +126,13 @@ class Engine:
 
     @property
     def config(self) -> EngineConfig:
-        return self._supervisor.config
+        return self._group.config
 
     @property
     def info(self) -> EngineInfo:
         """What the engine core reported when it became ready (after a
         restart, the new one's: its process ids change)."""
-        assert self._supervisor.info is not None  # set before the Engine exists
-        return self._supervisor.info
+        return self._group.info
 
     @property
     def health(self) -> Health:
@@ -138,26 +140,33 @@ class Engine:
         see ``EngineConfig.heartbeat_timeout_s``), ``restarting`` (the engine
         core died, or was declared hung and killed, and is being restarted),
         ``failed`` (out of restarts: for good) or ``stopped``."""
-        return self._supervisor.health
+        return self._group.health
 
     @property
     def num_restarts(self) -> int:
         """How many times the engine core has been restarted."""
-        return self._supervisor.num_restarts
+        return self._group.num_restarts
 
     async def wait_failed(self) -> EngineDeadError:
         """Wait until the engine has failed for good (it died more often than
         its restart budget allows); returns the error every request now raises."""
-        return await self._supervisor.wait_failed()
+        return await self._group.wait_failed()
 
     async def wait_ready(self) -> None:
         """Wait until the engine is ready (at once, unless it is restarting).
         Raises ``EngineDeadError`` if it failed or stopped instead."""
-        await self._supervisor.wait_health("ready", "failed", "stopped")
+        await self._group.wait_health("ready", "failed", "stopped")
         if self.health != "ready":
-            await self._supervisor.ready_client()  # raises the reason
+            await self._group.ready_client()  # raises the reason
 
-    def stream(self, prompt: Prompt, params: SamplingParams | None = None, *, client_id: str = "") -> RequestStream:
+    def stream(
+        self,
+        prompt: Prompt,
+        params: SamplingParams | None = None,
+        *,
+        client_id: str = "",
+        engine_index: int | None = None,
+    ) -> RequestStream:
         """A request whose outputs arrive as they are produced.
 
         Use as ``async with engine.stream(prompt, params) as stream: async for
@@ -167,17 +176,25 @@ class Engine:
         enough to be tokenized in a thread (``frontend/prompt.py``), when the
         block is entered. A prompt that does not fit the context raises
         ``PromptTooLongError`` (one of those). Waiting requests of different
-        ``client_id``s are admitted in turn. Leaving the block before the
+        ``client_id``s are admitted in turn. With several engine cores the
+        request goes to the least loaded, or to ``engine_index``'s when given
+        (an external load balancer's choice). Leaving the block before the
         request finished, or being cancelled, aborts it in the engine and
         frees its KV blocks.
         """
         params = SamplingParams() if params is None else params
-        self._check_request(params, client_id)
+        self._check_request(params, client_id, engine_index)
         token_ids = None if self._prompts.needs_thread(prompt) else self._prompts.check(prompt)
-        return RequestStream(self, self._new_id(), prompt, token_ids, params, client_id)
+        return RequestStream(self, self._new_id(), prompt, token_ids, params, client_id, engine_index)
 
     def stream_n(
-        self, prompt: Prompt, params: SamplingParams | None = None, n: int = 1, *, client_id: str = ""
+        self,
+        prompt: Prompt,
+        params: SamplingParams | None = None,
+        n: int = 1,
+        *,
+        client_id: str = "",
+        engine_index: int | None = None,
     ) -> ParentRequestStream:
         """``n`` samples of one prompt, streamed together: a parent request
         fanned out into ``n`` requests in the engine. Each ``RequestOutput``
@@ -187,29 +204,43 @@ class Engine:
         sample still running.
         """
         params = SamplingParams() if params is None else params
-        self._check_request(params, client_id)
+        self._check_request(params, client_id, engine_index)
         n = check_n(n)
         token_ids = None if self._prompts.needs_thread(prompt) else self._prompts.check(prompt)
         return ParentRequestStream(
-            self, self._new_id(), prompt=prompt, token_ids=token_ids, params=params, n=n, client_id=client_id
+            self,
+            self._new_id(),
+            prompt=prompt,
+            token_ids=token_ids,
+            params=params,
+            n=n,
+            client_id=client_id,
+            engine_index=engine_index,
         )
 
-    def _check_request(self, params: object, client_id: object) -> None:
+    def _check_request(self, params: object, client_id: object, engine_index: object = None) -> None:
         if not isinstance(params, SamplingParams):
             raise InvalidRequestError("params", f"must be a SamplingParams (got {type(params).__name__})")
         if not isinstance(client_id, str):
             raise InvalidRequestError("client_id", f"must be a string (got {type(client_id).__name__})")
+        num_engines = self.config.data_parallel_size
+        if engine_index is not None and (
+            not isinstance(engine_index, int) or isinstance(engine_index, bool) or not 0 <= engine_index < num_engines
+        ):
+            raise InvalidRequestError("engine_index", f"must be an engine index in [0, {num_engines}) or None")
 
     def _new_id(self) -> str:
         return f"{self._id_prefix}-{next(self._ids)}"
 
-    async def generate(self, prompt: Prompt, params: SamplingParams | None = None) -> RequestOutput:
+    async def generate(
+        self, prompt: Prompt, params: SamplingParams | None = None, *, engine_index: int | None = None
+    ) -> RequestOutput:
         """Run a request to the end: one output holding all its text and tokens.
 
         If cancelled, the request is aborted in the engine.
         """
         result: RequestOutput | None = None
-        async with self.stream(prompt, params) as stream:
+        async with self.stream(prompt, params, engine_index=engine_index) as stream:
             async for output in stream:
                 if result is None:
                     result = output
@@ -219,26 +250,39 @@ class Engine:
         return result
 
     async def stats(self) -> EngineStats:
-        """The engine core's counters (running and waiting requests, free KV
-        blocks). While the engine restarts, waits for it like a request."""
-        client = await self._supervisor.ready_client()
-        return await client.stats()
+        """The engine cores' counters (running and waiting requests, free KV
+        blocks...): with several engines, the totals, and each engine's own
+        in ``engines``. While no engine is ready, waits like a request."""
+        return await self._group.stats()
+
+    @property
+    def engine_infos(self) -> list[EngineInfo]:
+        """Each engine core's ``EngineInfo``, by engine index (its latest start's)."""
+        return [s.info for s in self._group.supervisors if s.info is not None]
+
+    @property
+    def engine_healths(self) -> list[Health]:
+        """Each engine core's health, by engine index."""
+        return self._group.engine_healths
 
     async def reset_prefix_cache(self) -> int:
         """Make the engine forget every cached prefix (after new weights, say,
         or to measure without it); requests running keep their blocks.
-        Returns how many cached blocks were forgotten. While the engine
-        restarts, waits for it like a request (a restarted engine starts with
-        an empty cache)."""
-        client = await self._supervisor.ready_client()
-        return await client.reset_prefix_cache()
+        Returns how many cached blocks were forgotten (by every engine). While
+        no engine is ready, waits like a request (an engine that restarts
+        starts with an empty cache)."""
+        return await self._group.reset_prefix_cache()
 
     def num_requests_in_flight(self) -> int:
         """Requests the front-end holds state for (submitted and not yet over)."""
-        client = self._supervisor.client
-        return 0 if client is None else len(client.requests)
+        return self._group.num_requests_in_flight()
 
-    def _new_state(
+    # --- what the request streams need (frontend/streams.py, Submitter) ------
+
+    async def check_prompt(self, prompt: Prompt) -> list[int]:
+        return await self._prompts.check_async(prompt)
+
+    def new_state(
         self, request_id: str, token_ids: list[int], params: SamplingParams, client_id: str, index: int = 0
     ) -> RequestState:
         return RequestState(
@@ -251,188 +295,20 @@ class Engine:
             on_end=self._request_ended if self._observers else None,
         )
 
-    async def _submit(self, state: RequestState) -> EngineCoreClient:
-        """Submit a checked request (waiting for a restarting engine at most
-        ``restart_wait_s``); the client it went to. If cancelled, it was not
-        submitted."""
-        client = await self._supervisor.ready_client()
-        await client.submit(state)
-        return client
-
-
-class RequestStream:
-    """One streaming request; an async context manager and an async iterator of
-    ``RequestOutput`` deltas. Iteration ends after the output whose
-    ``finish_reason`` is set."""
-
-    def __init__(
-        self,
-        engine: Engine,
-        request_id: str,
-        prompt: Prompt,
-        token_ids: list[int] | None,
-        params: SamplingParams,
-        client_id: str,
-    ) -> None:
-        self._engine = engine
-        self.request_id = request_id
-        self._prompt = prompt
-        self._token_ids = token_ids  # None until a long text prompt is tokenized
-        self._params = params
-        self._client_id = client_id
-        self._client: EngineCoreClient | None = None
-        self._state: RequestState | None = None
-        self._done = False
-
-    @property
-    def num_prompt_tokens(self) -> int:
-        """The prompt's length in tokens (known once the block is entered)."""
-        return 0 if self._token_ids is None else len(self._token_ids)
-
-    async def __aenter__(self) -> RequestStream:
-        """Check the prompt, if that is still to do, and submit the request.
-        If cancelled, it was not submitted."""
-        if self._token_ids is None:
-            self._token_ids = await self._engine._prompts.check_async(self._prompt)
-        self._state = self._engine._new_state(self.request_id, self._token_ids, self._params, self._client_id)
-        self._client = await self._engine._submit(self._state)
-        return self
-
-    async def __aexit__(
-        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
-    ) -> None:
-        if not self._done and self._client is not None:
-            self._client.abort(self.request_id)
-            if self._state is not None:
-                self._state.ended("abort")
-
-    def __aiter__(self) -> RequestStream:
-        return self
-
-    async def __anext__(self) -> RequestOutput:
-        """The next delta. If cancelled, nothing is lost: it stays for the next call."""
-        if self._done:
-            raise StopAsyncIteration
-        if self._state is None:
-            raise RuntimeError("iterate a RequestStream inside its async with block")
+    async def submit(self, states: Sequence[RequestState], engine_index: int | None = None) -> EngineCoreClient:
+        """Submit checked requests to one engine core (the least loaded ready
+        one; while none is ready, wait at most ``restart_wait_s``): all of
+        them, or, if one fails or this is cancelled, none. The client they
+        went to."""
+        client, wave = await self._group.route(engine_index)
+        submitted: list[RequestState] = []
         try:
-            output = await self._state.collector.get()
-        except Exception:  # EngineDeadError, RequestError: the request is over
-            self._done = True
-            self._state.ended("error")
-            raise
-        if output.finished:
-            self._done = True
-        return output
-
-
-class ParentRequestStream:
-    """``n`` samples of one prompt (``Engine.stream_n``); an async context
-    manager and an async iterator of ``RequestOutput`` deltas, each naming
-    its sample by ``index``. Iteration ends once every sample has finished.
-
-    Entering it submits every child, or none: if one cannot be submitted
-    (or entering is cancelled), those already submitted are aborted.
-    Leaving the block early, being cancelled, or a child failing aborts
-    every child still running and frees its KV blocks.
-    """
-
-    def __init__(
-        self,
-        engine: Engine,
-        request_id: str,
-        *,
-        prompt: Prompt,
-        token_ids: list[int] | None,
-        params: SamplingParams,
-        n: int,
-        client_id: str,
-    ) -> None:
-        self._engine = engine
-        self.request_id = request_id
-        self.n = n
-        self._prompt = prompt
-        self._token_ids = token_ids
-        self._params = params
-        self._client_id = client_id
-        self._children: list[RequestState] = []
-        self._running: dict[int, RequestState] = {}  # by index: submitted and not finished
-        self._client: EngineCoreClient | None = None
-        self._wakeup = trio.Event()
-        self._next = 0  # the child to look at first, so that no sample starves the others
-
-    @property
-    def num_prompt_tokens(self) -> int:
-        return 0 if self._token_ids is None else len(self._token_ids)
-
-    async def __aenter__(self) -> ParentRequestStream:
-        """Check the prompt if still to do, and submit every child. If
-        cancelled, none is left submitted."""
-        if self._token_ids is None:
-            self._token_ids = await self._engine._prompts.check_async(self._prompt)
-        try:
-            for index in range(self.n):
-                state = self._engine._new_state(
-                    child_request_id(self.request_id, index),
-                    self._token_ids,
-                    child_params(self._params, index),
-                    self._client_id,
-                    index,
-                )
-                state.collector.on_ready = self._wakeup.set
-                self._client = await self._engine._submit(state)
-                self._children.append(state)
-                self._running[index] = state
+            for state in states:
+                await client.submit(state, wave)
+                submitted.append(state)
         except BaseException:
-            self._abort_running()
+            for state in submitted:
+                client.abort(state.request_id)
+                state.ended("abort")
             raise
-        return self
-
-    async def __aexit__(
-        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
-    ) -> None:
-        self._abort_running()
-
-    def _abort_running(self) -> None:
-        for state in self._running.values():
-            if self._client is not None:
-                self._client.abort(state.request_id)
-            state.ended("abort")
-        self._running.clear()
-
-    def __aiter__(self) -> ParentRequestStream:
-        return self
-
-    async def __anext__(self) -> RequestOutput:
-        """The next delta of any sample. If cancelled, nothing is lost. A
-        child's error (``EngineDeadError``...) aborts the others and is raised."""
-        if not self._children:
-            raise RuntimeError("iterate a ParentRequestStream inside its async with block")
-        while self._running:
-            output = self._poll()
-            if output is not None:
-                return output
-            await self._wakeup.wait()
-            self._wakeup = trio.Event()
-            for state in self._children:
-                state.collector.on_ready = self._wakeup.set
-        raise StopAsyncIteration
-
-    def _poll(self) -> RequestOutput | None:
-        indexes = sorted(self._running)
-        start = next((i for i, index in enumerate(indexes) if index >= self._next), 0)
-        for index in indexes[start:] + indexes[:start]:
-            state = self._running[index]
-            try:
-                output = state.collector.poll()
-            except Exception:
-                del self._running[index]
-                state.ended("error")
-                self._abort_running()
-                raise
-            if output is not None:
-                if output.finished:
-                    del self._running[index]
-                self._next = index + 1
-                return output
-        return None
+        return client

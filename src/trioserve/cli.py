@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import os
 import signal
@@ -56,6 +55,28 @@ def _add_engine_options(parser: argparse.ArgumentParser) -> None:
         choices=[1, 2],
         default=2,
         help="2: plan and send the next model step while the current one runs; 1: one at a time (default: %(default)s)",
+    )
+    group.add_argument(
+        "--prefix-caching",
+        dest="enable_prefix_caching",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="reuse the KV cache of prompt prefixes seen before (one long system prompt, a resent conversation): "
+        "a prompt computes only what follows its longest cached prefix (default: on; --no-prefix-caching: off)",
+    )
+    group.add_argument(
+        "--data-parallel-size",
+        type=int,
+        default=1,
+        metavar="N",
+        help="engine cores side by side, each with its own workers; new requests go to the least loaded "
+        "(default: %(default)s)",
+    )
+    group.add_argument(
+        "--data-parallel-lockstep",
+        action="store_true",
+        help="step every engine core while any has work (the idle ones with dummy steps), as models whose "
+        "data-parallel ranks share collectives need",
     )
     group.add_argument("--runner", choices=["hf", "fake"], default="hf", help=argparse.SUPPRESS)
     # FakeRunnerConfig fields as a JSON object (tests drive faults through real servers).
@@ -164,6 +185,9 @@ def _engine_config(args: argparse.Namespace) -> EngineConfig:
         max_num_seqs=args.max_num_seqs,
         max_model_len=args.max_model_len,
         max_steps_in_flight=args.max_steps_in_flight,
+        enable_prefix_caching=args.enable_prefix_caching,
+        data_parallel_size=args.data_parallel_size,
+        data_parallel_lockstep=args.data_parallel_lockstep,
         max_restarts=args.max_restarts,
         restart_window_s=args.restart_window,
         startup_timeout_s=args.startup_timeout,
@@ -172,21 +196,8 @@ def _engine_config(args: argparse.Namespace) -> EngineConfig:
         step_hang_min_s=args.step_hang_min,
         heartbeat_interval_s=args.heartbeat_interval,
         heartbeat_timeout_s=args.heartbeat_timeout,
-        fake=_fake_options(args.fake_options),
+        fake=FakeRunnerConfig.from_json(args.fake_options, "--fake-options"),
     )
-
-
-def _fake_options(text: str) -> FakeRunnerConfig:
-    try:
-        options = json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise ValueError(f"--fake-options: not JSON ({exc})") from None
-    if not isinstance(options, dict):
-        raise ValueError("--fake-options: must be a JSON object")
-    try:
-        return FakeRunnerConfig(**options)
-    except TypeError as exc:
-        raise ValueError(f"--fake-options: {exc}") from None
 
 
 def _sampling_params(args: argparse.Namespace) -> SamplingParams:

@@ -8,6 +8,7 @@ time (the number of KV blocks, the EOS ids, the context length) travels in
 from __future__ import annotations
 
 import dataclasses
+import json
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -54,6 +55,20 @@ class FakeRunnerConfig:
         _check(self.step_delay_s >= 0, "fake.step_delay_s", "must be >= 0")
         _check(self.load_delay_s >= 0, "fake.load_delay_s", "must be >= 0")
 
+    @classmethod
+    def from_json(cls, text: str, name: str = "fake") -> FakeRunnerConfig:
+        """The config a JSON object of its fields gives; ``ValueError`` naming ``name`` otherwise."""
+        try:
+            options = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"{name}: not JSON ({exc})") from None
+        if not isinstance(options, dict):
+            raise ValueError(f"{name}: must be a JSON object")
+        try:
+            return cls(**options)
+        except TypeError as exc:
+            raise ValueError(f"{name}: {exc}") from None
+
 
 @dataclass(frozen=True, kw_only=True)
 class EngineConfig:
@@ -93,6 +108,12 @@ class EngineConfig:
     enable_prefix_caching: bool = True
 
     # Processes.
+    # Engine cores side by side (data parallel), each with its own workers;
+    # new requests go to the least loaded. In lockstep, every engine steps
+    # while any has work (the idle ones with dummy steps), for models whose
+    # data-parallel ranks share collectives each step (docs/architecture.md).
+    data_parallel_size: int = 1
+    data_parallel_lockstep: bool = False
     tensor_parallel_size: int = 1
     torch_threads: int | None = None  # torch intra-op threads in each worker
 
@@ -145,6 +166,7 @@ class EngineConfig:
         _check(isinstance(self.enable_prefix_caching, bool), "enable_prefix_caching", "must be True or False")
         _check(self.max_model_len is None or self.max_model_len >= 2, "max_model_len", "must be >= 2")
         _check(self.tensor_parallel_size >= 1, "tensor_parallel_size", "must be >= 1")
+        _check(1 <= self.data_parallel_size <= 64, "data_parallel_size", "must be in [1, 64]")
         _check(
             self.runner == "fake" or self.tensor_parallel_size == 1,
             "tensor_parallel_size",

@@ -204,11 +204,15 @@ class EngineStats(msgspec.Struct, frozen=True):
     num_preemptions: int  # since start: running requests preempted for KV blocks
     num_steps: int  # since start
     num_fairness_preemptions: int = 0  # since start: preempted to give another client its share
+    num_requests: int = 0  # since start: requests the engine took
     num_scheduled_tokens: int = 0  # since start: tokens computed by the model (prefix hits are not)
     prefix_caching: bool = False
     num_cached_blocks: int = 0
-    prefix_cache_queries: int = 0  # since start (or the last reset of the counters: never, today)
+    prefix_cache_queries: int = 0  # since start
     prefix_cache_hits: int = 0
+    # With several engines (data parallel), the totals above are their sums and
+    # this holds each engine's own figures, by engine index; empty otherwise.
+    engines: list[EngineStats] = msgspec.field(default_factory=list)
 
     @property
     def prefix_cache_hit_rate(self) -> float:
@@ -232,10 +236,23 @@ class Hello(msgspec.Struct, tag=True):
     pid: int
 
 
+class DataParallelInit(msgspec.Struct, frozen=True):
+    """Where an engine core stands among the data-parallel engines in
+    lockstep: its rank, and the rendezvous of the collective its output
+    rank's worker joins every step (an ``ipc://`` address for the fake
+    runner's barrier, a file for torch.distributed's store), one per
+    generation of the group."""
+
+    rank: int
+    size: int
+    rendezvous: str
+
+
 class HandshakeInit(msgspec.Struct, tag=True):
     config: EngineConfig
     input_address: str
     output_address: str
+    data_parallel: DataParallelInit | None = None  # lockstep only
 
 
 class Ready(msgspec.Struct, tag=True):
@@ -253,6 +270,15 @@ class StartupFailed(msgspec.Struct, tag=True):
     exit_code: int | None = None
 
 
+class LoadReport(msgspec.Struct, tag=True):
+    """The engine core's load, sent when it changes (at most every
+    ``LOAD_REPORT_INTERVAL_S``) and with every heartbeat: what the front-end
+    balances new requests on."""
+
+    num_waiting: int
+    num_running: int
+
+
 class Heartbeat(msgspec.Struct, tag=True):
     """The engine core is alive: sent every ``heartbeat_interval_s``, during
     start-up (on the handshake socket) and after (on the output socket).
@@ -260,6 +286,7 @@ class Heartbeat(msgspec.Struct, tag=True):
     heartbeat, a step running far longer than usual); empty when all is well."""
 
     stalled: str = ""
+    load: LoadReport | None = None
 
 
 HandshakeMessage = Hello | HandshakeInit | Heartbeat | Ready | StartupFailed
@@ -273,6 +300,7 @@ class AddRequest(msgspec.Struct, tag=True):
     prompt_token_ids: list[int]
     params: SamplingParams
     client_id: str = ""  # waiting requests of different clients are admitted in turn
+    wave: int = 0  # lockstep: the request wave the coordinator believed current (core/waves.py)
 
 
 class AbortRequests(msgspec.Struct, tag=True):
@@ -289,7 +317,14 @@ class ResetPrefixCache(msgspec.Struct, tag=True):
     call_id: int
 
 
-EngineRequest = AddRequest | AbortRequests | GetStats | ResetPrefixCache
+class StartWave(msgspec.Struct, tag=True):
+    """Lockstep: run request wave ``wave`` (``exclude``: the engine that already knows)."""
+
+    wave: int
+    exclude: int | None = None
+
+
+EngineRequest = AddRequest | AbortRequests | GetStats | ResetPrefixCache | StartWave
 
 
 # --- engine core -> front-end ----------------------------------------------
@@ -328,7 +363,17 @@ class EngineDead(msgspec.Struct, tag=True):
     reason: str
 
 
-EngineResponse = EngineOutputs | StatsReply | PrefixCacheReset | Heartbeat | EngineDead
+class WaveNotice(msgspec.Struct, tag=True):
+    """Lockstep, engine core -> coordinator: wave ``wave`` is ``complete``
+    (engine 0, as the engines pause), or a request arrived for a finished
+    wave: start ``wave`` on the others (``start_requested``)."""
+
+    kind: Literal["complete", "start_requested"]
+    wave: int
+    engine: int
+
+
+EngineResponse = EngineOutputs | StatsReply | PrefixCacheReset | LoadReport | Heartbeat | WaveNotice | EngineDead
 
 
 # --- engine core <-> worker ------------------------------------------------
@@ -370,12 +415,16 @@ class SchedulerOutput(msgspec.Struct, tag=True):
     num_scheduled_tokens: dict[str, int]
     total_num_scheduled_tokens: int
     finished_req_ids: list[str]
+    # Lockstep: the output rank joins the data-parallel collective with this
+    # engine's "has unfinished requests" (a step with no tokens is a dummy step).
+    dp_unfinished: bool | None = None
 
 
 class WorkerInit(msgspec.Struct, tag=True):
     config: EngineConfig
     rank: int
     world_size: int
+    data_parallel: DataParallelInit | None = None  # lockstep: rank 0 joins the collective
 
 
 class WorkerLoaded(msgspec.Struct, tag=True):
@@ -399,6 +448,7 @@ class RunnerOutput(msgspec.Struct, tag=True):
     req_ids: list[str]
     sampled_token_ids: list[int]
     logprobs: list[SampleLogprobs | None] | None = None
+    dp_any_unfinished: bool | None = None  # lockstep: the collective's result (from the output rank)
 
 
 WorkerStage = Literal["model-load", "kv-cache", "step"]

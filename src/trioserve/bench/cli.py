@@ -31,7 +31,7 @@ from trioserve.bench.stats import run_window, summarize
 from trioserve.bench.steps import in_run_figures
 from trioserve.bench.vllm_baseline import run_vllm
 from trioserve.bench.workload import WorkloadSpec, parse_range
-from trioserve.config import EngineConfig
+from trioserve.config import EngineConfig, FakeRunnerConfig
 
 DEFAULT_MODEL = "bench-llama-40m"
 
@@ -163,7 +163,23 @@ def _add_target_options(parser: argparse.ArgumentParser) -> None:
     )
     group.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto", help="default: %(default)s")
     group.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"], default="auto")
+    group.add_argument(
+        "--data-parallel-size",
+        type=int,
+        default=1,
+        metavar="N",
+        help="engine cores side by side, each with its own workers; new requests go to the least loaded "
+        "(default: %(default)s)",
+    )
+    group.add_argument(
+        "--data-parallel-lockstep",
+        action="store_true",
+        help="step every engine core while any has work (the idle ones with dummy steps), as models whose "
+        "data-parallel ranks share collectives need",
+    )
     group.add_argument("--runner", choices=["hf", "fake"], default="hf", help=argparse.SUPPRESS)
+    # FakeRunnerConfig fields as a JSON object (a fixed step time: the engine's own overhead, or data parallelism).
+    group.add_argument("--fake-options", default="{}", help=argparse.SUPPRESS)
 
 
 def _add_output_options(parser: argparse.ArgumentParser) -> None:
@@ -185,6 +201,9 @@ def _engine_config(args: argparse.Namespace, model_dir: Path) -> EngineConfig:
         kv_cache_memory_bytes=args.kv_cache_mib * 1024 * 1024,
         torch_threads=args.torch_threads,
         max_steps_in_flight=args.max_steps_in_flight,
+        data_parallel_size=args.data_parallel_size,
+        data_parallel_lockstep=args.data_parallel_lockstep,
+        fake=FakeRunnerConfig.from_json(args.fake_options, "--fake-options"),
         enable_prefix_caching=args.enable_prefix_caching,
     )
 
@@ -258,6 +277,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
     }
     in_run = in_run_figures(outcome.steps, *run_window(outcome.records))
     run = summarize(outcome.records)
+    if len(outcome.requests_per_engine) > 1:
+        run["requests_per_engine"] = outcome.requests_per_engine
     if outcome.engine_stats is not None:
         run["engine"] = engine_figures(outcome.engine_stats)
     result = build_result(run, outcome.peak_rss_bytes, baselines, meta, in_run)

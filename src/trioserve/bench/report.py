@@ -148,6 +148,8 @@ def format_table(result: dict[str, Any]) -> str:
     ):
         d = r[key]
         lines.append(f"  {label + ' p50 / p99':<32}{_ms(d['p50'])} / {_ms(d['p99'])}")
+    if "requests_per_engine" in r:
+        lines.append(f"  {'requests per engine':<32}{' / '.join(map(str, r['requests_per_engine']))}")
     engine = r.get("engine")
     if engine is not None:
         rate = f"{engine['prefix_cache_hit_rate'] * 100:.1f}%" if engine["prefix_caching"] else "off"

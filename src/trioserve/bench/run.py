@@ -17,7 +17,7 @@ from urllib.parse import urlparse
 import msgspec
 import trio
 
-from trioserve.api import open_engine
+from trioserve.api import Engine, open_engine
 from trioserve.bench.drivers import Progress, WebSocketPool, connections_for, drive, engine_sender
 from trioserve.bench.memory import PeakMemory, server_processes
 from trioserve.bench.stats import RequestRecord
@@ -37,6 +37,7 @@ class RunOutcome:
     records: list[RequestRecord]
     peak_rss_bytes: dict[str, int]
     steps: list[StepRecord] = field(default_factory=list)  # the output worker's own step log, if any
+    requests_per_engine: list[int] = field(default_factory=list)  # with several engines: how many each served
     engine_stats: EngineStats | None = None  # in-process: the engine's counters after the run
 
 
@@ -48,12 +49,30 @@ async def run_in_process(config: EngineConfig, spec: WorkloadSpec, progress: Pro
     requests = build_requests(spec)
     with tempfile.TemporaryDirectory(prefix="trioserve-bench-") as tmp, step_log_env(os.path.join(tmp, "steps")):
         async with open_engine(config=config) as engine:  # its processes inherit the step log's path
-            pids = {"front-end + bench": os.getpid(), "engine-core": engine.info.engine_pid}
-            pids.update({f"worker-{i}": pid for i, pid in enumerate(engine.info.worker_pids)})
+            pids = {"front-end + bench": os.getpid(), **_engine_pids(engine)}
+            before = await engine.stats()
             outcome = await _measure(requests, spec, engine_sender(engine), PeakMemory(pids), progress)
-            outcome.engine_stats = await engine.stats()
+            after = await engine.stats()
+            outcome.requests_per_engine = [
+                b.num_requests - a.num_requests for a, b in zip(before.engines, after.engines, strict=True)
+            ]
+            outcome.engine_stats = after
         outcome.steps = read_step_log(step_log_path(os.path.join(tmp, "steps"), 0))
     return outcome
+
+
+def _engine_pids(engine: Engine) -> dict[str, int]:
+    """Each engine core's and worker's pid, by name (``engine-core``, ``worker-0``
+    with one engine; ``engine-core-1``, ``worker-1.0`` with several)."""
+    infos = engine.engine_infos
+    if len(infos) == 1:
+        info = infos[0]
+        return {"engine-core": info.engine_pid, **{f"worker-{r}": pid for r, pid in enumerate(info.worker_pids)}}
+    pids = {}
+    for i, info in enumerate(infos):
+        pids[f"engine-core-{i}"] = info.engine_pid
+        pids.update({f"worker-{i}.{r}": pid for r, pid in enumerate(info.worker_pids)})
+    return pids
 
 
 async def run_against_server(url: str, api_key: str | None, spec: WorkloadSpec, progress: Progress) -> RunOutcome:

@@ -30,10 +30,11 @@ set once, at its first admission, and is at most its prompt length.
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
+from typing import Any
 
 from trioserve.core.block_hash import extend_block_hashes
 from trioserve.core.block_manager import BlockManager
-from trioserve.core.request import Request
+from trioserve.core.request import Request, RequestStatus
 
 
 class PrefixCache:
@@ -67,8 +68,8 @@ class PrefixCache:
         self.num_hits += req.num_cached_tokens
 
     def register(self, req: Request) -> None:
-        """Register the blocks of running ``req`` that are now full, known and computed."""
-        if not self.enabled:
+        """Register the blocks of ``req``, if running, that are now full, known and computed."""
+        if not self.enabled or req.status is not RequestStatus.RUNNING:
             return
         bm = self.block_manager
         num_full = min(req.num_computed_tokens, req.num_tokens) // bm.block_size
@@ -78,9 +79,21 @@ class PrefixCache:
         extend_block_hashes(req.block_hashes, tokens, bm.block_size, num_full)
         bm.register_full_blocks(req.request_id, req.block_hashes, tokens, num_full)
 
-    @property
-    def hit_rate(self) -> float:
-        return self.num_hits / self.num_queries if self.num_queries else 0.0
+    def reported(self, req: Request) -> int | None:
+        """What ``req``'s output reports of its cached prompt tokens: their
+        number with its first token (when caching is on), else None."""
+        if not self.enabled or req.num_output_tokens != 1:
+            return None
+        return max(0, req.num_cached_tokens)
+
+    def stats(self) -> dict[str, Any]:
+        """The cache's fields of ``EngineStats``."""
+        return {
+            "prefix_caching": self.enabled,
+            "num_cached_blocks": self.block_manager.num_cached_blocks,
+            "prefix_cache_queries": self.num_queries,
+            "prefix_cache_hits": self.num_hits,
+        }
 
 
 def check_shared_blocks(running: Iterable[Request], block_manager: BlockManager) -> None:

@@ -127,6 +127,7 @@ class Scheduler:
         self.num_fairness_preemptions = 0
         self.num_steps = 0  # steps made by schedule(); the last one's number
         self.num_scheduled_tokens = 0  # tokens computed by every step made so far
+        self.num_requests = 0  # requests taken by add()
 
     # --- requests in and out -------------------------------------------------
 
@@ -138,6 +139,7 @@ class Scheduler:
         request.check_can_run(self.max_model_len, bm.num_blocks, bm.block_size)
         self._requests[request.request_id] = request
         self.waiting.add(request)
+        self.num_requests += 1
 
     def abort(self, request_ids: Iterable[str]) -> list[str]:
         """Finish these requests with reason ``"abort"`` and free their blocks now.
@@ -183,11 +185,9 @@ class Scheduler:
             num_preemptions=self.num_preemptions,
             num_steps=self.num_steps,
             num_fairness_preemptions=self.num_fairness_preemptions,
+            num_requests=self.num_requests,
             num_scheduled_tokens=self.num_scheduled_tokens,
-            prefix_caching=self.prefix_cache.enabled,
-            num_cached_blocks=self.block_manager.num_cached_blocks,
-            prefix_cache_queries=self.prefix_cache.num_queries,
-            prefix_cache_hits=self.prefix_cache.num_hits,
+            **self.prefix_cache.stats(),
         )
 
     def reset_prefix_cache(self) -> int:
@@ -197,9 +197,10 @@ class Scheduler:
 
     # --- one step --------------------------------------------------------------
 
-    def schedule(self) -> Step | None:
+    def schedule(self, *, always: bool = False) -> Step | None:
         """Plan the next step, or None when there is nothing for the workers
-        (no token to compute, no request to forget).
+        (no token to compute, no request to forget), unless ``always``: then
+        a step with nothing to compute (a dummy step, as lockstep needs).
 
         Each scheduled request's ``num_computed_tokens`` moves past its slice
         at once: the workers are trusted to compute it. Every step returned
@@ -211,7 +212,7 @@ class Scheduler:
         self._schedule_prefills(plan)
         finished, self._finished_req_ids = self._finished_req_ids, []
         output = plan.output(self._requests, self._on_workers, self.block_manager.block_table, finished)
-        if not output.total_num_scheduled_tokens and not output.finished_req_ids:
+        if not output.total_num_scheduled_tokens and not output.finished_req_ids and not always:
             return None
         samplers = []
         for req_id, num_tokens in plan.num_scheduled.items():
@@ -247,8 +248,7 @@ class Scheduler:
             req.num_pending -= 1
             token_id, logprobs = sampled[req_id]
             req.append_output_token(token_id)
-            if req.status is RequestStatus.RUNNING:
-                self.prefix_cache.register(req)  # the token may fill a block a step in flight computes
+            self.prefix_cache.register(req)  # the token may fill a block that a step in flight computes
             reason = req.stop_reason(self._max_len)
             if reason is not None:
                 if req.status is RequestStatus.WAITING:
@@ -257,10 +257,8 @@ class Scheduler:
                     finished_running.append(req)
                 self._finish(req, reason)
             new_logprobs = None if logprobs is None else [logprobs]
-            output = TokenOutput(req_id, [token_id], reason, new_logprobs)
-            if req.num_output_tokens == 1 and self.prefix_cache.enabled:
-                output.num_cached_tokens = max(0, req.num_cached_tokens)
-            outputs.append(output)
+            cached = self.prefix_cache.reported(req)
+            outputs.append(TokenOutput(req_id, [token_id], reason, new_logprobs, num_cached_tokens=cached))
         self.running.remove(finished_running)
         return outputs
 

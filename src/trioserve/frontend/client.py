@@ -37,6 +37,7 @@ from trioserve.errors import (
 from trioserve.frontend.request_state import RequestState
 from trioserve.messages import (
     AbortRequests,
+    DataParallelInit,
     EngineDead,
     EngineInfo,
     EngineOutputs,
@@ -47,11 +48,14 @@ from trioserve.messages import (
     HandshakeMessage,
     Heartbeat,
     Hello,
+    LoadReport,
     PrefixCacheReset,
     Ready,
     ResetPrefixCache,
     StartupFailed,
+    StartWave,
     StatsReply,
+    WaveNotice,
 )
 from trioserve.nurseries.engine_core import ENGINE_INDEX_ENV, HANDSHAKE_ADDRESS_ENV, HANDSHAKE_TIMEOUT_ENV
 from trioserve.nurseries.process import ChildProcess, ProcessExited, supervise_process
@@ -73,6 +77,8 @@ class EngineCoreClient:
     ) -> None:
         self.config = config
         self._on_dead = on_dead
+        # Told each load report (engine index, load); the engine group's coordinator sets it.
+        self.on_load: Callable[[int, LoadReport], None] | None = None
         self._dead_event = trio.Event()
         self.name = f"engine-core-{engine_index}"
         self.engine_index = engine_index
@@ -83,6 +89,11 @@ class EngineCoreClient:
         # submitted, so that one the wire cannot carry fails alone, there.
         self._to_engine_send, self._to_engine_receive = trio.open_memory_channel[bytes](TO_ENGINE_SIZE)
         self._overflow_aborts: list[str] = []
+        self._overflow: list[bytes] = []  # other messages that found the channel full
+        # Told each lockstep wave notice; the engine group's coordinator sets it.
+        self.on_wave: Callable[[WaveNotice], None] | None = None
+        # Lockstep: this engine core's place among the engines, for its handshake.
+        self.data_parallel: DataParallelInit | None = None
         self._calls: dict[int, tuple[trio.Event, list[StatsReply | PrefixCacheReset]]] = {}  # by call id
         self._call_ids = itertools.count()
         self._stage: StartupStage = "spawn"
@@ -192,6 +203,7 @@ class EngineCoreClient:
                     f"unexpected handshake message {hello!r}", stage="handshake", process=self.name
                 )
             init = HandshakeInit(
+                data_parallel=self.data_parallel,
                 config=self.config,
                 input_address=f"ipc://{ipc_dir}/input-{self.engine_index}",
                 output_address=f"ipc://{ipc_dir}/output",
@@ -287,8 +299,9 @@ class EngineCoreClient:
 
     # --- requests -----------------------------------------------------------
 
-    async def submit(self, state: RequestState) -> None:
-        """Register the request and queue it for the engine core.
+    async def submit(self, state: RequestState, wave: int = 0) -> None:
+        """Register the request and queue it for the engine core (in lockstep,
+        stamped with the request ``wave`` the coordinator believes current).
 
         Raises ``EngineOverloadedError`` at once when ``max_num_seqs +
         max_waiting_requests`` requests are already in flight here. Atomic
@@ -303,7 +316,7 @@ class EngineCoreClient:
                 f"(max_num_seqs + max_waiting_requests = {limit}); retry later"
             )
         try:
-            payload = _encode(state.add_request())
+            payload = _encode(state.add_request(wave))
         except (OverflowError, msgspec.EncodeError, UnicodeEncodeError) as exc:
             raise InvalidRequestError("request", f"cannot be encoded for the engine: {exc}") from None
         if state.request_id in self.requests:
@@ -320,6 +333,25 @@ class EngineCoreClient:
         if self.requests.pop(request_id, None) is None or self._dead is not None:
             return
         self._send_abort(request_id)
+
+    def start_wave(self, msg: StartWave) -> None:
+        """Lockstep: tell the engine core to run a request wave. Never blocks."""
+        if self._dead is None:
+            self._send_nowait(_encode(msg))
+
+    def stop_now(self, reason: str) -> None:
+        """The engine core must go at once (lockstep: a peer died, and this
+        one may be stuck in their collective): its requests fail with
+        ``reason`` and it is killed (its process group too), then reaped."""
+        self._die(reason)
+        if self.process is not None:
+            self.process.declare_hung()
+
+    def _send_nowait(self, payload: bytes) -> None:
+        try:
+            self._to_engine_send.send_nowait(payload)
+        except trio.WouldBlock:
+            self._overflow.append(payload)  # the sender flushes these after its current message
 
     def _send_abort(self, request_id: str) -> None:
         try:
@@ -362,6 +394,10 @@ class EngineCoreClient:
         with sock:
             async for payload in self._to_engine_receive:
                 await sock.send(payload)
+                if self._overflow:
+                    overflow, self._overflow = self._overflow, []
+                    for message in overflow:
+                        await sock.send(message)
                 if self._overflow_aborts:
                     aborts, self._overflow_aborts = self._overflow_aborts, []
                     await sock.send(_encode(AbortRequests(request_ids=aborts)))
@@ -380,10 +416,21 @@ class EngineCoreClient:
                     if call is not None:
                         call[1].append(msg)
                         call[0].set()
+                elif isinstance(msg, WaveNotice):
+                    if self.on_wave is not None:
+                        self.on_wave(msg)
+                elif isinstance(msg, LoadReport):
+                    self._report_load(msg)
                 elif isinstance(msg, Heartbeat):
                     self._engine_stalled = msg.stalled
+                    if msg.load is not None:
+                        self._report_load(msg.load)
                 elif isinstance(msg, EngineDead):
                     self._die(msg.reason)
+
+    def _report_load(self, load: LoadReport) -> None:
+        if self.on_load is not None:
+            self.on_load(self.engine_index, load)
 
     def _dispatch(self, msg: EngineOutputs) -> None:
         for output in msg.outputs:

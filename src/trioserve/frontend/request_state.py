@@ -39,12 +39,13 @@ class RequestState:
         self._last_output_at = 0.0
         self._inter_token_s: list[float] = []
 
-    def add_request(self) -> AddRequest:
+    def add_request(self, wave: int = 0) -> AddRequest:
         return AddRequest(
             request_id=self.request_id,
             prompt_token_ids=self.prompt_token_ids,
             params=self.params,
             client_id=self.client_id,
+            wave=wave,
         )
 
     def process(self, output: TokenOutput) -> bool:

@@ -36,7 +36,7 @@ import trio
 from trioserve.config import EngineConfig
 from trioserve.errors import EngineDeadError, EngineStartupError, leaves
 from trioserve.frontend.client import EngineCoreClient
-from trioserve.messages import EngineInfo
+from trioserve.messages import EngineInfo, LoadReport
 
 Health = Literal["starting", "ready", "stalled", "restarting", "failed", "stopped"]
 # Makes the client of one engine-core life: (config, engine index, on_dead).
@@ -44,7 +44,7 @@ Health = Literal["starting", "ready", "stalled", "restarting", "failed", "stoppe
 ClientFactory = Callable[[EngineConfig, int, Callable[[EngineCoreClient], None]], EngineCoreClient]
 
 
-def _new_client(
+def new_client(
     config: EngineConfig, engine_index: int, on_dead: Callable[[EngineCoreClient], None]
 ) -> EngineCoreClient:
     return EngineCoreClient(config, engine_index, on_dead=on_dead)
@@ -54,11 +54,25 @@ log = logging.getLogger("trioserve.supervisor")
 
 
 class EngineSupervisor:
+    """Keeps engine core ``engine_index`` running (see the module docstring).
+    ``on_load`` is told its load reports, and None when a new engine core
+    takes its place."""
+
     def __init__(
-        self, config: EngineConfig, engine_index: int = 0, *, client_factory: ClientFactory = _new_client
+        self,
+        config: EngineConfig,
+        engine_index: int = 0,
+        *,
+        client_factory: ClientFactory = new_client,
+        on_load: Callable[[int, LoadReport | None], None] | None = None,
+        on_new_client: Callable[[EngineCoreClient], None] | None = None,
+        on_engine_dead: Callable[[EngineCoreClient], None] | None = None,
     ) -> None:
         self.config = config
         self._client_factory = client_factory
+        self._on_load = on_load
+        self._on_new_client = on_new_client  # a new engine core's client, before it starts
+        self._on_engine_dead = on_engine_dead  # an engine core known dead
         self.engine_index = engine_index
         self.name = f"engine-core-{engine_index}"
         self._health: Health = "starting"
@@ -142,6 +156,11 @@ class EngineSupervisor:
     async def _run_generation(self, on_ready: Callable[[EngineInfo], None]) -> None:
         """Start one engine core, mark it ready, and return when it died."""
         client = self._client_factory(self.config, self.engine_index, self._on_dead)
+        if self._on_load is not None:
+            self._on_load(self.engine_index, None)  # a new life: nothing of the last one's load holds
+            client.on_load = self._on_load
+        if self._on_new_client is not None:
+            self._on_new_client(client)
         self._last_reason = "unknown"
         async with trio.open_nursery() as nursery:
 
@@ -163,6 +182,8 @@ class EngineSupervisor:
         if client is self.client:
             self.client = None
             self._set_health("restarting")
+        if self._on_engine_dead is not None:
+            self._on_engine_dead(client)
 
     async def _stop_when_dead_but_running(self, client: EngineCoreClient, scope: trio.CancelScope) -> None:
         """An engine core that reported its death but does not exit is stopped
@@ -219,6 +240,15 @@ class EngineSupervisor:
         raise EngineDeadError(
             f"{self.name} is restarting and was not ready within restart_wait_s={self.config.restart_wait_s}s"
         )
+
+    def live_client(self) -> EngineCoreClient | None:
+        """The live engine core's client, or None while there is none."""
+        client = self.client
+        return client if client is not None and client.dead is None else None
+
+    async def wait_changed(self) -> None:
+        """Wait until the health changes (or a new engine core is ready)."""
+        await self._changed.wait()
 
     async def wait_failed(self) -> EngineDeadError:
         """Wait until the engine has failed for good (out of restarts); its error."""

@@ -34,9 +34,11 @@ import msgspec
 import trio
 import zmq
 
+from trioserve.core import waves
 from trioserve.core.request import Request
 from trioserve.core.scheduler import Scheduler
 from trioserve.core.step import Step
+from trioserve.core.waves import EngineWaves
 from trioserve.errors import EngineStartupError, describe, meaningful_leaves
 from trioserve.messages import (
     AbortRequests,
@@ -51,12 +53,15 @@ from trioserve.messages import (
     HandshakeMessage,
     Heartbeat,
     Hello,
+    LoadReport,
     PrefixCacheReset,
     Ready,
     ResetPrefixCache,
     StartupFailed,
+    StartWave,
     StatsReply,
     TokenOutput,
+    WaveNotice,
 )
 from trioserve.nurseries.child_main import ChildFailed, remove_if_parent_dies
 from trioserve.nurseries.executor import Executor
@@ -70,6 +75,7 @@ ENGINE_INDEX_ENV = "TRIOSERVE_ENGINE_INDEX"
 HANDSHAKE_TIMEOUT_ENV = "TRIOSERVE_HANDSHAKE_TIMEOUT_S"
 DEFAULT_HANDSHAKE_TIMEOUT_S = 30.0  # EngineConfig.startup_timeout_s's default
 INBOX_SIZE = 1024  # requests and aborts waiting for the step loop
+LOAD_REPORT_INTERVAL_S = 0.02  # the most often the load goes out when it changes
 OUTBOX_SIZE = 64  # output batches waiting for the output socket
 
 log = logging.getLogger("trioserve.engine_core")
@@ -82,15 +88,25 @@ class EngineCore:
     queue of steps sent to the workers and not yet postprocessed."""
 
     def __init__(
-        self, scheduler: Scheduler, executor: Executor, info: EngineInfo, in_flight: deque[Step] | None = None
+        self,
+        scheduler: Scheduler,
+        executor: Executor,
+        info: EngineInfo,
+        in_flight: deque[Step] | None = None,
+        waves: EngineWaves | None = None,
     ) -> None:
         self.scheduler = scheduler
         self.executor = executor
         self.info = info
         self.in_flight: deque[Step] = deque() if in_flight is None else in_flight
-        self.depth = executor.config.max_steps_in_flight
+        # Lockstep (core/waves.py): step while the wave runs, one step at a time, since
+        # whether the next one is due depends on the last one's collective.
+        self.waves = waves
+        self.depth = 1 if waves is not None else executor.config.max_steps_in_flight
         self._unsent: list[TokenOutput] = []  # outputs of the last step postprocessed, not yet in the outbox
         self._replies: list[EngineResponse] = []  # answers to front-end messages, not yet in the outbox
+        self._last_load = LoadReport(num_waiting=0, num_running=0)
+        self._last_load_at = -math.inf
 
     async def step_loop(
         self, inbox: trio.MemoryReceiveChannel[EngineRequest], outbox: trio.MemorySendChannel[EngineResponse]
@@ -117,10 +133,16 @@ class EngineCore:
     async def _wait_for_work(
         self, inbox: trio.MemoryReceiveChannel[EngineRequest], outbox: trio.MemorySendChannel[EngineResponse]
     ) -> None:
-        """When nothing is in flight or unfinished, flush the outputs and sleep on the inbox."""
-        if not self.in_flight and not self.scheduler.has_unfinished():
+        """When nothing is in flight or unfinished (and, in lockstep, no wave
+        runs), flush the outputs and sleep on the inbox."""
+        if not self.in_flight and not self._due():
             await self._send_outputs(outbox)
             self.apply(await inbox.receive())
+
+    def _due(self) -> bool:
+        """Is a step due? When there is work, and in lockstep while the wave runs."""
+        has_work = self.scheduler.has_unfinished()
+        return has_work if self.waves is None else self.waves.should_step(has_work)
 
     def _take_messages(self, inbox: trio.MemoryReceiveChannel[EngineRequest]) -> None:
         while True:
@@ -132,9 +154,11 @@ class EngineCore:
     async def _plan_and_send(self) -> bool:
         """Plan the next step and send it to the workers, if there is room in
         flight and work to do. True when a step was sent."""
-        if len(self.in_flight) >= self.depth or not self.scheduler.has_unfinished():
+        if len(self.in_flight) >= self.depth or not self._due():
             return False
-        step = self.scheduler.schedule()
+        step = self.scheduler.schedule(always=self.waves is not None)
+        if step is not None and self.waves is not None:
+            step.scheduled.dp_unfinished = self.scheduler.has_unfinished()
         if step is None:
             return False
         await self.executor.dispatch(step)
@@ -146,6 +170,10 @@ class EngineCore:
         runner_output = await self.executor.collect(step)
         self.in_flight.popleft()
         self._unsent += self.scheduler.postprocess(step, runner_output)
+        if self.waves is not None:
+            done = self.waves.stepped(bool(runner_output.dp_any_unfinished))
+            if done is not None:
+                self._replies.append(WaveNotice(kind="complete", wave=done.wave, engine=self.waves.engine))
 
     async def _send_outputs(self, outbox: trio.MemorySendChannel[EngineResponse]) -> None:
         replies, self._replies = self._replies, []
@@ -154,11 +182,32 @@ class EngineCore:
         if self._unsent:
             outputs, self._unsent = self._unsent, []
             await outbox.send(EngineOutputs(outputs=outputs))
+        if (report := self._load_changed()) is not None:
+            await outbox.send(report)
+
+    def load(self) -> LoadReport:
+        return LoadReport(num_waiting=self.scheduler.num_waiting, num_running=self.scheduler.num_running)
+
+    def _load_changed(self) -> LoadReport | None:
+        """The load, when it changed since the last report and the last
+        report is at least ``LOAD_REPORT_INTERVAL_S`` old (the heartbeats
+        carry it too, so a change held back here goes out with the next)."""
+        now = trio.current_time()
+        load = self.load()
+        if load == self._last_load or now < self._last_load_at + LOAD_REPORT_INTERVAL_S:
+            return None
+        self._last_load, self._last_load_at = load, now
+        return load
 
     def apply(self, msg: EngineRequest) -> None:
         """Apply one front-end message; its reply, if any, goes out with the next outputs."""
         if isinstance(msg, AddRequest):
             self._add(msg)
+            if self.waves is not None and (notice := self.waves.add_request(msg.wave)) is not None:
+                self._replies.append(WaveNotice(kind="start_requested", wave=notice.wave, engine=notice.engine))
+        elif isinstance(msg, StartWave):
+            if self.waves is not None:
+                self.waves.start_wave(waves.StartWave(msg.wave, msg.exclude))
         elif isinstance(msg, AbortRequests):
             self.scheduler.abort(msg.request_ids)
         elif isinstance(msg, GetStats):
@@ -342,7 +391,7 @@ async def _serve(
     config = init.config
     async with trio.open_nursery() as nursery:
         in_flight: deque[Step] = deque()
-        executor = Executor(config, in_flight, on_failure=death.report)
+        executor = Executor(config, in_flight, on_failure=death.report, data_parallel=init.data_parallel)
         info = await _start_executor(nursery, executor, handshake)
         scheduler = Scheduler(
             num_blocks=info.num_kv_blocks,
@@ -355,8 +404,10 @@ async def _serve(
         inbox_send, inbox_receive = trio.open_memory_channel[EngineRequest](INBOX_SIZE)
         await nursery.start(input_socket_actor, init.input_address, inbox_send)
         await handshake.send(_encode(Ready(info=info)))
-        nursery.start_soon(_heartbeats, outbox.send, executor)
-        await EngineCore(scheduler, executor, info, in_flight).step_loop(inbox_receive, outbox)
+        lockstep = None if init.data_parallel is None else EngineWaves(init.data_parallel.rank)
+        core = EngineCore(scheduler, executor, info, in_flight, lockstep)
+        nursery.start_soon(_heartbeats, outbox.send, executor, core.load)
+        await core.step_loop(inbox_receive, outbox)
 
 
 async def _start_executor(nursery: trio.Nursery, executor: Executor, handshake: TrioZmqSocket) -> EngineInfo:
@@ -380,9 +431,14 @@ async def _start_executor(nursery: trio.Nursery, executor: Executor, handshake: 
     return info
 
 
-async def _heartbeats(send: Callable[[Heartbeat], Awaitable[None]], executor: Executor) -> None:
+async def _heartbeats(
+    send: Callable[[Heartbeat], Awaitable[None]],
+    executor: Executor,
+    load: Callable[[], LoadReport] | None = None,
+) -> None:
     """Send a ``Heartbeat`` every ``heartbeat_interval_s``, saying whether a
-    hang is suspected. Cancelling it leaves nothing half-sent."""
+    hang is suspected, and the load once requests are served. Cancelling it
+    leaves nothing half-sent."""
     while True:
-        await send(Heartbeat(stalled=executor.suspicion()))
+        await send(Heartbeat(stalled=executor.suspicion(), load=None if load is None else load()))
         await trio.sleep(executor.config.heartbeat_interval_s)

@@ -32,6 +32,7 @@ from trioserve.core.step import Step
 from trioserve.core.step_timing import StepTiming
 from trioserve.errors import EngineStartupError
 from trioserve.messages import (
+    DataParallelInit,
     EngineInfo,
     FromWorker,
     InitKVCache,
@@ -69,8 +70,10 @@ class Executor:
         config: EngineConfig,
         steps_in_flight: Sequence[Step] = (),
         on_failure: Callable[[str], None] | None = None,
+        data_parallel: DataParallelInit | None = None,
     ) -> None:
         self.config = config
+        self._data_parallel = data_parallel  # lockstep: where the output rank's collective meets
         self._steps_in_flight = steps_in_flight
         self._on_failure = on_failure
         self._reported = False
@@ -234,7 +237,8 @@ class Executor:
         self.stage = "model-load"
         with trio.move_on_after(self.config.model_load_timeout_s) as scope:
             inits: list[ToWorker] = [
-                WorkerInit(config=self.config, rank=w.rank, world_size=world) for w in self._workers
+                WorkerInit(config=self.config, rank=w.rank, world_size=world, data_parallel=self._data_parallel)
+                for w in self._workers
             ]
             loaded = await self._call_all(inits, WorkerLoaded)
             num_blocks = min(w.max_num_kv_blocks for w in loaded)

@@ -25,7 +25,7 @@ import os
 import socket
 import threading
 import traceback
-from typing import Any
+from typing import Any, Protocol
 
 import msgspec
 import trio
@@ -110,6 +110,28 @@ class _Conversation:
         return stop
 
 
+class AnyOf(Protocol):
+    """A data-parallel collective: the OR of every engine's flag, once per step."""
+
+    def any_of(self, flag: bool) -> bool: ...
+
+
+def make_dp_collective(init: WorkerInit) -> AnyOf | None:
+    """The collective this worker joins every lockstep step: only the output
+    rank (0) of each engine core joins; the transformers runner's is gloo
+    (torch), the fake runner's a ZeroMQ barrier. None out of lockstep."""
+    dp = init.data_parallel
+    if dp is None or init.rank != 0:
+        return None
+    if init.config.runner == "fake":
+        from trioserve.transport.barrier import ZmqAnyOf
+
+        return ZmqAnyOf(f"ipc://{dp.rendezvous}", dp.rank, dp.size)
+    from trioserve.gpu.dp_collective import GlooAnyOf
+
+    return GlooAnyOf(f"{dp.rendezvous}.store", dp.rank, dp.size)
+
+
 def serve(sock: socket.socket) -> None:
     """Answer the engine core until it closes the stream (blocking: run it in
     a thread). On a failure, report ``WorkerFailed`` naming the stage, then
@@ -121,6 +143,7 @@ def serve(sock: socket.socket) -> None:
         init: WorkerInit = talk.expect(WorkerInit)
         heartbeats = talk.start_heartbeats(init.config.heartbeat_interval_s)
         runner = make_runner(init.config, init.rank, init.world_size)
+        collective = make_dp_collective(init)
         talk.send(runner.load())
         stage = "kv-cache"
         kv: InitKVCache = talk.expect(InitKVCache)
@@ -131,6 +154,8 @@ def serve(sock: socket.socket) -> None:
             if not isinstance(msg, SchedulerOutput):
                 raise RuntimeError(f"worker expected SchedulerOutput, got {type(msg).__name__}")
             output = runner.execute(msg)
+            if msg.dp_unfinished is not None and collective is not None:
+                output.dp_any_unfinished = collective.any_of(msg.dp_unfinished)
             try:
                 talk.send(output)
             except (BrokenPipeError, ConnectionResetError):

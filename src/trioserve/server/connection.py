@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 import trio
 from trio_websocket import ConnectionClosed, WebSocketConnection
 
-from trioserve.api import Engine, RequestStream
+from trioserve.api import Engine
 from trioserve.errors import (
     EngineDeadError,
     EngineOverloadedError,
@@ -41,6 +41,7 @@ from trioserve.errors import (
     PromptTooLongError,
     RequestError,
 )
+from trioserve.frontend.streams import RequestStream
 from trioserve.server import protocol
 from trioserve.server.config import ServerConfig
 from trioserve.server.protocol import Cancel, Delta, Generate, ProtocolError, ServerMessage

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import hmac
 import json
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import h11
@@ -103,12 +104,20 @@ class Reply:
     headers: tuple[tuple[str, str], ...] = ()
 
 
-def route(head: RequestHead, *, phase: str, api_key: str | None, health: str | None = None) -> Reply | None:
+def route(
+    head: RequestHead,
+    *,
+    phase: str,
+    api_key: str | None,
+    health: str | None = None,
+    engines: Sequence[str] = (),
+) -> Reply | None:
     """What to answer to ``head``: a ``Reply``, or None to go on with the
     WebSocket handshake. ``GET /health`` needs no API key; it reports
-    ``health`` (default: ``phase``), 200 when that is ``ready``."""
+    ``health`` (default: ``phase``), 200 when that is ``ready``, and with
+    several engines each one's health (``engines``, by index)."""
     if head.path == HEALTH_PATH:
-        return _health_reply(head, health if health is not None else phase)
+        return _health_reply(head, health if health is not None else phase, engines)
     if not head.is_websocket_upgrade:
         return Reply(
             426,
@@ -128,12 +137,12 @@ def route(head: RequestHead, *, phase: str, api_key: str | None, health: str | N
     return None
 
 
-def route_over_capacity(head: RequestHead, *, health: str, max_connections: int) -> Reply:
+def route_over_capacity(head: RequestHead, *, health: str, max_connections: int, engines: Sequence[str] = ()) -> Reply:
     """What to answer when the connection cap is full: ``/health`` as usual
     (it is cheap, and a full server is not an unhealthy one), anything else
     503 with ``Retry-After``."""
     if head.path == HEALTH_PATH:
-        return _health_reply(head, health)
+        return _health_reply(head, health, engines)
     return at_capacity(max_connections)
 
 
@@ -146,10 +155,13 @@ def at_capacity(max_connections: int) -> Reply:
     return Reply(503, body, (("Retry-After", str(RETRY_AFTER_S)),))
 
 
-def _health_reply(head: RequestHead, status: str) -> Reply:
+def _health_reply(head: RequestHead, status: str, engines: Sequence[str] = ()) -> Reply:
     if head.method not in ("GET", "HEAD"):
         return Reply(405, {"error": "use GET /health"}, (("Allow", "GET, HEAD"),))
-    return Reply(200 if status == "ready" else 503, {"status": status})
+    body: dict[str, object] = {"status": status}
+    if len(engines) > 1:
+        body["engines"] = [{"engine": i, "status": s} for i, s in enumerate(engines)]
+    return Reply(200 if status == "ready" else 503, body)
 
 
 def response(

@@ -20,8 +20,9 @@ from typing import Any, Literal
 
 import trio
 
-from trioserve.api import Engine, ParentRequestStream
+from trioserve.api import Engine
 from trioserve.errors import EngineDeadError, EngineOverloadedError, InvalidRequestError, RequestError
+from trioserve.frontend.streams import ParentRequestStream
 from trioserve.server import openai_protocol as oai
 from trioserve.server.config import ServerConfig
 from trioserve.server.http import METRICS_PATH, RequestHead

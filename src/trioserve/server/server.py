@@ -185,6 +185,11 @@ class Server:
         self._engine_failure = error
         self.state.engine_died()
 
+    def _engine_healths(self) -> list[str]:
+        """Each engine core's health while the server serves (several with data parallelism)."""
+        engine = self.state.engine
+        return list(engine.engine_healths) if self.state.phase == "ready" and engine is not None else []
+
     def _health(self) -> str:
         """What ``/health`` reports: the server's phase, or while it serves, the engine's health."""
         engine = self.state.engine
@@ -259,7 +264,11 @@ class Server:
                     head = await conn.read_head()
                     if head is not None and not head.is_api:
                         reply = http.route(
-                            head, phase=self.state.phase, api_key=self.config.api_key, health=self._health()
+                            head,
+                            phase=self.state.phase,
+                            api_key=self.config.api_key,
+                            health=self._health(),
+                            engines=self._engine_healths(),
                         )
                         if reply is None:
                             websocket = conn.websocket_stream()
@@ -307,7 +316,10 @@ class Server:
                 return
             if head is not None:
                 reply = http.route_over_capacity(
-                    head, health=self._health(), max_connections=self.config.max_connections
+                    head,
+                    health=self._health(),
+                    max_connections=self.config.max_connections,
+                    engines=self._engine_healths(),
                 )
                 await conn.send_json(
                     reply.status, reply.body, reply.headers, head_only=head.method == "HEAD", close=True

@@ -1,0 +1,269 @@
+"""Engine cores side by side (data parallel): one supervisor each, and the
+coordinator that balances new requests across them.
+
+Task tree (inside the caller's ``trio.run``)::
+
+    EngineGroup.run
+    ├── Coordinator.run              (more than one engine) load reports -> LoadPicture
+    └── EngineSupervisor.run × N     each keeps its own engine core running
+
+Start-up starts the N engines at once and waits for all of them, each with
+its own deadlines; the first that fails cancels the others, and its
+``EngineStartupError`` (naming ``engine-core-<i>``, the stage and the
+process) is raised. After that each engine is supervised on its own: one
+that dies fails only its own requests and is restarted within its own
+budget, and the others never notice. A new request goes to the ready engine
+with the least load (``frontend/coordinator.py``); while none is ready it
+waits at most ``restart_wait_s``.
+
+Health: ``ready`` while at least one engine is ready; otherwise ``stalled``,
+``restarting``, ``starting`` (the best any engine is), or ``failed`` once
+every engine has failed for good; ``stopped`` after shutdown.
+
+Lockstep (``data_parallel_lockstep``): every step of every engine joins one
+collective across them (``core/waves.py``), so they run as one: the
+coordinator stamps requests with request waves and starts the paused
+engines; and when one engine core dies, the others may be stuck in a
+collective that will never complete, so they are killed at once and every
+engine restarts. Each generation of the group meets at a rendezvous of its
+own in a private 0700 directory, so that a new engine never joins an old
+generation's collective.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+
+import trio
+
+from trioserve.config import EngineConfig
+from trioserve.core import waves
+from trioserve.errors import EngineDeadError
+from trioserve.frontend.client import EngineCoreClient
+from trioserve.frontend.coordinator import Coordinator
+from trioserve.frontend.supervisor import ClientFactory, EngineSupervisor, Health, new_client
+from trioserve.messages import DataParallelInit, EngineInfo, EngineStats, StartWave
+from trioserve.transport.zmq_trio import private_ipc_dir
+
+# A group's health is the best of its engines', in this order (failed: all failed).
+_BEST_FIRST: tuple[Health, ...] = ("ready", "stalled", "restarting", "starting", "stopped", "failed")
+
+
+class EngineGroup:
+    """``config.data_parallel_size`` engine cores. Run with ``await
+    nursery.start(group.run)``; it reports the first engine's ``EngineInfo``
+    once every engine is ready."""
+
+    def __init__(self, config: EngineConfig, *, client_factory: ClientFactory = new_client) -> None:
+        self.config = config
+        n = config.data_parallel_size
+        self.lockstep = n > 1 and config.data_parallel_lockstep
+        broadcast = self._broadcast if self.lockstep else None
+        self.coordinator = Coordinator(n, config.max_num_seqs, broadcast=broadcast) if n > 1 else None
+        self.generation = 0  # lockstep: bumped when the engines restart together
+        self._generation_of: dict[int, int] = {}  # id(client) -> the generation it was started in
+        self._rendezvous_dir = ""
+        self.supervisors = [
+            EngineSupervisor(
+                config,
+                i,
+                client_factory=client_factory,
+                on_load=None if self.coordinator is None else self.coordinator.report_nowait,
+                on_new_client=self._lockstep_client if self.lockstep else None,
+                on_engine_dead=self._lockstep_death if self.lockstep else None,
+            )
+            for i in range(n)
+        ]
+
+    async def run(self, *, task_status: trio.TaskStatus[EngineInfo] = trio.TASK_STATUS_IGNORED) -> None:
+        """Start every engine, report the first's ``EngineInfo``, then keep
+        them running until cancelled (then every process is stopped and
+        reaped) or until every engine has failed for good (then return)."""
+        with private_ipc_dir("trioserve-dp-") as rendezvous:
+            self._rendezvous_dir = str(rendezvous)
+            await self._run(task_status)
+
+    async def _run(self, task_status: trio.TaskStatus[EngineInfo]) -> None:
+        async with trio.open_nursery() as nursery:
+            if self.coordinator is not None:
+                await nursery.start(self.coordinator.run)
+            infos = await self._start_all(nursery)
+            task_status.started(infos[0])
+            await self.wait_failed()
+            nursery.cancel_scope.cancel()  # the coordinator has nothing left to do
+
+    async def _start_all(self, nursery: trio.Nursery) -> list[EngineInfo]:
+        infos: dict[int, EngineInfo] = {}
+
+        async def start(supervisor: EngineSupervisor) -> None:
+            infos[supervisor.engine_index] = await nursery.start(supervisor.run)
+
+        async with trio.open_nursery() as starting:
+            for supervisor in self.supervisors:
+                starting.start_soon(start, supervisor)
+        return [infos[i] for i in range(len(self.supervisors))]
+
+    # --- lockstep ------------------------------------------------------------
+
+    def _lockstep_client(self, client: EngineCoreClient) -> None:
+        """A new engine core: its place in the current generation's collective."""
+        assert self.coordinator is not None
+        self._generation_of[id(client)] = self.generation
+        client.on_wave = self.coordinator.wave_notice
+        client.data_parallel = DataParallelInit(
+            rank=client.engine_index,
+            size=len(self.supervisors),
+            rendezvous=f"{self._rendezvous_dir}/dp-{self.generation}",
+        )
+
+    def _lockstep_death(self, dead: EngineCoreClient) -> None:
+        """An engine core of the current generation died: the others may wait
+        in a collective it will never join; they go too, and all restart in
+        the next generation."""
+        if self._generation_of.pop(id(dead), None) != self.generation:
+            return  # an older generation's, already taken care of
+        self.generation += 1
+        assert self.coordinator is not None
+        self.coordinator.reset_waves()  # the next generation's engines start from wave 0
+        for supervisor in self.supervisors:
+            client = supervisor.live_client()
+            if client is not None and client is not dead:
+                client.stop_now(f"engine-core-{dead.engine_index} died, and lockstep engines restart together")
+
+    def _broadcast(self, start: waves.StartWave) -> None:
+        """Tell every engine core but ``start.exclude`` to run ``start.wave``."""
+        for supervisor in self.supervisors:
+            client = supervisor.live_client()
+            if client is not None and supervisor.engine_index != start.exclude:
+                client.start_wave(StartWave(wave=start.wave, exclude=start.exclude))
+
+    # --- state ------------------------------------------------------------
+
+    @property
+    def info(self) -> EngineInfo:
+        """The first engine's ``EngineInfo`` (the model's facts are every engine's)."""
+        for supervisor in self.supervisors:
+            if supervisor.info is not None:
+                return supervisor.info
+        raise RuntimeError("no engine has started yet")
+
+    @property
+    def health(self) -> Health:
+        healths = [s.health for s in self.supervisors]
+        if all(h == "failed" for h in healths):
+            return "failed"
+        return min(healths, key=_BEST_FIRST.index)
+
+    @property
+    def engine_healths(self) -> list[Health]:
+        return [s.health for s in self.supervisors]
+
+    @property
+    def num_restarts(self) -> int:
+        return sum(s.num_restarts for s in self.supervisors)
+
+    def num_requests_in_flight(self) -> int:
+        return sum(len(s.client.requests) for s in self.supervisors if s.client is not None)
+
+    async def wait_failed(self) -> EngineDeadError:
+        """Wait until every engine has failed for good; the first one's error."""
+        failures = [await s.wait_failed() for s in self.supervisors]
+        return failures[0]
+
+    async def wait_health(self, *wanted: Health) -> None:
+        """Wait until the group's health is one of ``wanted``."""
+        while self.health not in wanted:
+            await self._any_change()
+
+    async def _any_change(self) -> None:
+        await _first_of([s.wait_changed for s in self.supervisors])
+
+    # --- for requests -------------------------------------------------------
+
+    async def route(self, engine_index: int | None = None) -> tuple[EngineCoreClient, int]:
+        """``ready_client`` (or, given ``engine_index``, that engine's, waiting
+        for it as for any), and the request wave to stamp the request with
+        (in lockstep; 0 otherwise)."""
+        if engine_index is None:
+            client = await self.ready_client()
+        else:
+            if self.lockstep:
+                await self._ready_engines()  # a wave needs every engine
+            client = await self.supervisors[engine_index].ready_client()
+        wave = 0 if self.coordinator is None else self.coordinator.route(client.engine_index)
+        return client, wave
+
+    async def ready_client(self) -> EngineCoreClient:
+        """The client of the ready engine with the least load. While none is
+        ready, wait at most ``restart_wait_s``; then, or if every engine
+        failed or stopped, raise ``EngineDeadError``. If cancelled, nothing
+        is left behind."""
+        if len(self.supervisors) == 1:
+            return await self.supervisors[0].ready_client()
+        ready = await self._ready_engines()
+        assert self.coordinator is not None  # there is one with more than one engine
+        in_flight = [len(s.client.requests) if s.client is not None else 0 for s in self.supervisors]
+        chosen = self.supervisors[self.coordinator.choose(ready, in_flight)]
+        client = chosen.live_client()
+        assert client is not None  # nothing ran since _ready_engines looked
+        return client
+
+    async def _ready_engines(self) -> list[int]:
+        """The indexes of the engines ready now; waits (see ``ready_client``) while there are none."""
+        with trio.move_on_after(self.config.restart_wait_s):
+            while True:
+                ready = [s.engine_index for s in self.supervisors if s.live_client() is not None]
+                # Lockstep engines run as one: a wave needs every one of them.
+                if ready and (not self.lockstep or len(ready) == len(self.supervisors)):
+                    return ready
+                if all(s.health in ("failed", "stopped") for s in self.supervisors):
+                    await self.supervisors[0].ready_client()  # raises its reason
+                await self._any_change()
+        raise EngineDeadError(
+            f"no engine core was ready within restart_wait_s={self.config.restart_wait_s}s "
+            f"(health: {', '.join(self.engine_healths)})"
+        )
+
+    async def stats(self) -> EngineStats:
+        """Every engine's counters and their totals. While no engine is
+        ready, waits for one like a request; an engine that is restarting
+        counts as zeros."""
+        if len(self.supervisors) == 1:
+            return await (await self.supervisors[0].ready_client()).stats()
+        await self._ready_engines()  # at least one
+        engines = []
+        for supervisor in self.supervisors:
+            client = supervisor.live_client()
+            engines.append(await client.stats() if client is not None else _ZERO)
+        return _total(engines)
+
+    async def reset_prefix_cache(self) -> int:
+        """Make every engine forget its cached prefixes; how many blocks they
+        forgot. While no engine is ready, waits for one like a request; an
+        engine that is restarting has nothing cached."""
+        if len(self.supervisors) == 1:
+            return await (await self.supervisors[0].ready_client()).reset_prefix_cache()
+        await self._ready_engines()
+        clients = [s.live_client() for s in self.supervisors]
+        return sum([await c.reset_prefix_cache() for c in clients if c is not None])
+
+
+_ZERO = EngineStats(num_running=0, num_waiting=0, num_free_blocks=0, num_total_blocks=0, num_preemptions=0, num_steps=0)
+
+
+def _total(engines: list[EngineStats]) -> EngineStats:
+    fields = [f for f in EngineStats.__struct_fields__ if f not in ("engines", "prefix_caching")]
+    sums = {f: sum(getattr(e, f) for e in engines) for f in fields}
+    return EngineStats(**sums, prefix_caching=any(e.prefix_caching for e in engines), engines=engines)
+
+
+async def _first_of(waits: list[Callable[[], Awaitable[None]]]) -> None:
+    """Return once the first of ``waits`` returns. If cancelled, nothing is left behind."""
+    async with trio.open_nursery() as nursery:
+
+        async def one(wait: Callable[[], Awaitable[None]]) -> None:
+            await wait()
+            nursery.cancel_scope.cancel()
+
+        for wait in waits:
+            nursery.start_soon(one, wait)

@@ -1,0 +1,247 @@
+"""Data parallelism: engine cores side by side behind one front-end
+(docs/architecture.md, "Data parallel"). Real processes; the fake runner
+unless the model itself matters."""
+
+from __future__ import annotations
+
+import functools
+import os
+import signal
+import time
+from functools import partial
+
+import pytest
+import trio
+from helpers.fakes import children, fake_tokens, wait_no_children
+
+import trioserve
+from test_supervision import Outcome
+from trioserve import SamplingParams
+from trioserve.errors import EngineDeadError
+
+
+@pytest.fixture
+def dp_config(fake_config):
+    return functools.partial(
+        fake_config, data_parallel_size=2, restart_backoff_s=0.05, num_kv_blocks=256, max_num_seqs=4
+    )
+
+
+@pytest.mark.model
+async def test_two_engines_give_the_greedy_outputs_of_one(tiny_model_dir):
+    model = str(tiny_model_dir("llama"))
+    prompts = [[3 + i, 17, 42 + 7 * i, 9][: 2 + i % 3] for i in range(16)]
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    outputs: dict[int, list[list[int]]] = {}
+    with trio.fail_after(180):
+        for size in (1, 2):
+            async with trioserve.open_engine(model=model, data_parallel_size=size, max_num_seqs=8) as engine:
+                results: dict[int, list[int]] = {}
+
+                async def one(i: int, engine: trioserve.Engine = engine, results: dict = results) -> None:
+                    results[i] = (await engine.generate(prompts[i], params)).token_ids
+
+                async with trio.open_nursery() as nursery:
+                    for i in range(len(prompts)):
+                        nursery.start_soon(one, i)
+                outputs[size] = [results[i] for i in range(len(prompts))]
+                if size == 2:
+                    per_engine = [e.num_requests for e in (await engine.stats()).engines]
+                    assert sum(per_engine) == 16 and min(per_engine) > 0
+    assert outputs[2] == outputs[1]
+
+
+async def test_a_uniform_load_is_spread_evenly_and_no_request_waits_while_an_engine_is_idle(dp_config):
+    with trio.fail_after(60):
+        async with trioserve.open_engine(config=dp_config(step_delay_s=0.005)) as engine:
+            # 8 long requests fill both engines' 4 slots: none waits while the other engine has room.
+            streams = [
+                engine.stream([3 + i, 4, 5], SamplingParams(max_tokens=10_000, ignore_eos=True)) for i in range(8)
+            ]
+            async with trio.open_nursery() as nursery:
+                for stream in streams:
+                    await stream.__aenter__()
+                await trio.sleep(0.3)
+                stats = await engine.stats()
+                assert [(e.num_running, e.num_waiting) for e in stats.engines] == [(4, 0), (4, 0)]
+                assert sorted(s.engine_index for s in streams) == [0, 0, 0, 0, 1, 1, 1, 1]
+                for stream in streams:
+                    await stream.__aexit__(None, None, None)
+                nursery.cancel_scope.cancel()
+            # 64 requests, 16 at a time: each engine takes between 40% and 60% of them.
+            limiter = trio.CapacityLimiter(16)
+            served: list[int] = []
+
+            async def one(i: int) -> None:
+                async with limiter, engine.stream([5 + i % 7, 6], SamplingParams(max_tokens=8)) as stream:
+                    async for _ in stream:
+                        pass
+                    served.append(stream.engine_index)  # type: ignore[arg-type]
+
+            async with trio.open_nursery() as nursery:
+                for i in range(64):
+                    nursery.start_soon(one, i)
+            assert 0.4 * 64 <= served.count(0) <= 0.6 * 64, served.count(0)
+
+
+@pytest.mark.parametrize("victim", ["engine-core", "worker"])
+async def test_kill_9_of_one_engine_ends_only_its_requests_and_it_comes_back(dp_config, victim):
+    config = dp_config(step_delay_s=0.01, shutdown_grace_s=20.0)
+    with trio.fail_after(60):
+        async with trioserve.open_engine(config=config) as engine:
+            outcomes: list[tuple[Outcome, trioserve.RequestStream]] = []
+            async with trio.open_nursery() as nursery:
+                for i in range(8):
+                    stream = engine.stream([3 + i, 4, 5], SamplingParams(max_tokens=300, ignore_eos=True))
+                    outcome = Outcome()
+                    outcomes.append((outcome, stream))
+                    nursery.start_soon(_consume_stream, stream, outcome)
+                for outcome, _ in outcomes:
+                    await outcome.started.wait()
+                info = engine._group.supervisors[1].info  # engine 1's processes
+                assert info is not None
+                pid = info.engine_pid if victim == "engine-core" else info.worker_pids[0]
+                os.kill(pid, signal.SIGKILL)
+                killed_at = time.monotonic()
+            for outcome, stream in outcomes:
+                if stream.engine_index == 1:
+                    assert isinstance(outcome.error, EngineDeadError), outcome.finish_reason
+                    assert outcome.ended_at is not None and outcome.ended_at - killed_at < 1.0
+                else:
+                    assert outcome.error is None and outcome.finish_reason == "length"
+                    assert len(outcome.token_ids) == 300
+            assert engine._group.supervisors[0].num_restarts == 0
+            with trio.fail_after(10):
+                await engine.wait_ready()
+                while engine.engine_healths != ["ready", "ready"]:
+                    await trio.sleep(0.05)
+            assert engine.num_restarts == 1
+            # Both serve again, and only the live engines' processes are left.
+            served = set()
+            for i in range(8):
+                async with engine.stream([7, i], SamplingParams(max_tokens=2)) as stream:
+                    async for _ in stream:
+                        pass
+                    served.add(stream.engine_index)
+            assert served == {0, 1}
+            expected = {
+                p for s in engine._group.supervisors if s.info for p in (s.info.engine_pid, *s.info.worker_pids)
+            }
+            assert {p.pid for p in children()} == expected and len(expected) == 4
+        assert await wait_no_children() == []
+
+
+async def _consume_stream(stream: trioserve.RequestStream, outcome: Outcome) -> None:
+    try:
+        async with stream:
+            async for out in stream:
+                outcome.token_ids += out.token_ids
+                outcome.started.set()
+                outcome.finish_reason = out.finish_reason
+    except EngineDeadError as exc:
+        outcome.error = exc
+    outcome.ended_at = time.monotonic()
+    outcome.started.set()
+
+
+async def test_a_failed_start_of_one_engine_names_it_and_leaves_no_process(dp_config):
+    config = dp_config(hang_at_load=True, fault_rank=0, model_load_timeout_s=1.0, data_parallel_size=3)
+    with trio.fail_after(30):
+        with pytest.raises(trioserve.EngineStartupError) as info:
+            async with trioserve.open_engine(config=config):
+                pass
+        assert info.value.stage == "model-load" and "engine-core-" in str(info.value)
+    assert await wait_no_children() == []
+
+
+async def test_tokens_through_two_engines_are_the_runner_tokens(dp_config):
+    with trio.fail_after(30):
+        async with trioserve.open_engine(config=dp_config()) as engine:
+            outs = []
+            for i in range(6):
+                outs.append(await engine.generate([10 + i, 11], SamplingParams(max_tokens=5, ignore_eos=True)))
+            assert [o.token_ids for o in outs] == [fake_tokens([10 + i, 11], 5) for i in range(6)]
+
+
+# --- lockstep -------------------------------------------------------------------
+
+
+async def _bursts(engine: trioserve.Engine, per_burst: int) -> list[list[int]]:
+    """A burst to engine 0 only, then one to engine 1 only, then both: every
+    request finishes; the engines' step counts once they paused."""
+    for target in (0, 1, None):
+        async with trio.open_nursery() as nursery:
+            for i in range(per_burst):
+                params = SamplingParams(max_tokens=5 + i, ignore_eos=True)
+                nursery.start_soon(partial(engine.generate, [3 + i, 4], params, engine_index=target))
+    counts: list[list[int]] = []
+    for _ in range(100):  # the wave ends at the next sync step: wait for both to pause
+        stats = await engine.stats()
+        counts.append([e.num_steps for e in stats.engines])
+        if len(counts) > 3 and counts[-1] == counts[-4]:
+            break
+        await trio.sleep(0.05)
+    return counts
+
+
+async def test_lockstep_with_bursts_to_one_engine_then_the_other_never_hangs(dp_config):
+    config = dp_config(data_parallel_lockstep=True, step_delay_s=0.002)
+    with trio.fail_after(60):
+        async with trioserve.open_engine(config=config) as engine:
+            counts = await _bursts(engine, per_burst=6)
+            # Every step of either engine joined the other's: they ran the same number.
+            assert counts[-1][0] == counts[-1][1] > 0
+            per_engine = [e.num_requests for e in (await engine.stats()).engines]
+            assert per_engine[0] >= 6 and per_engine[1] >= 6
+        assert await wait_no_children() == []
+
+
+@pytest.mark.model
+async def test_lockstep_with_the_real_collective_runs_bursts_and_matches_one_engine(tiny_model_dir):
+    model = str(tiny_model_dir("llama"))
+    params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+    with trio.fail_after(240):
+        async with trioserve.open_engine(model=model, max_num_seqs=4) as single:
+            expected = [(await single.generate([3, 9, i], params)).token_ids for i in range(4)]
+        options = {"data_parallel_size": 2, "data_parallel_lockstep": True, "max_num_seqs": 4}
+        async with trioserve.open_engine(model=model, **options) as engine:
+            got = {}
+            for target in (0, 1):
+                async with trio.open_nursery() as nursery:
+                    for i in range(4):
+
+                        async def one(i: int = i, target: int = target) -> None:
+                            got[target, i] = (await engine.generate([3, 9, i], params, engine_index=target)).token_ids
+
+                        nursery.start_soon(one)
+            assert [got[0, i] for i in range(4)] == expected == [got[1, i] for i in range(4)]
+            counts = await _bursts(engine, per_burst=2)
+            assert counts[-1][0] == counts[-1][1]
+
+
+async def test_in_lockstep_one_engine_dying_restarts_them_all_and_they_serve_again(dp_config):
+    config = dp_config(data_parallel_lockstep=True, step_delay_s=0.005)
+    with trio.fail_after(60):
+        async with trioserve.open_engine(config=config) as engine:
+            outcomes: list[tuple[Outcome, trioserve.RequestStream]] = []
+            async with trio.open_nursery() as nursery:
+                for i in range(4):
+                    stream = engine.stream([3 + i, 4], SamplingParams(max_tokens=10_000, ignore_eos=True))
+                    outcome = Outcome()
+                    outcomes.append((outcome, stream))
+                    nursery.start_soon(_consume_stream, stream, outcome)
+                for outcome, _ in outcomes:
+                    await outcome.started.wait()
+                info = engine._group.supervisors[1].info
+                assert info is not None
+                os.kill(info.engine_pid, signal.SIGKILL)
+                killed_at = time.monotonic()
+            for outcome, _ in outcomes:  # both engines' requests: the survivor was stuck with the dead one
+                assert isinstance(outcome.error, EngineDeadError)
+                assert outcome.ended_at is not None and outcome.ended_at - killed_at < 1.0
+            while engine.engine_healths != ["ready", "ready"]:
+                await trio.sleep(0.05)
+            counts = await _bursts(engine, per_burst=3)
+            assert counts[-1][0] == counts[-1][1] and engine._group.generation == 1
+            assert [s.num_restarts for s in engine._group.supervisors] == [1, 1]
+        assert await wait_no_children() == []
