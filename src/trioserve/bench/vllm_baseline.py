@@ -5,7 +5,7 @@ vLLM is not a dependency of trioserve: it lives in a virtual environment of
 its own (docs/benchmarks.md says how to make one), and nothing here imports
 it. This module writes the job (the workload's requests as token ids, and
 our engine's limits), runs ``vllm_driver.py`` with that interpreter, and
-turns the one JSON line it prints into a baseline's figures. vLLM gets what
+turns the JSON it writes into a baseline's figures. vLLM gets what
 our worker gets: the same ``max_num_seqs`` and token budget, prefix caching
 as ours, float32, as many OpenMP threads as our worker has torch threads
 (``VLLM_CPU_OMP_THREADS_BIND``), and at least as much KV-cache memory
@@ -55,8 +55,8 @@ def vllm_job(config: EngineConfig, spec: WorkloadSpec) -> dict[str, Any]:
     }
 
 
-def vllm_command(python: str, job_path: str) -> list[str]:
-    return [python, str(VLLM_DRIVER), job_path]
+def vllm_command(python: str, job_path: str, result_path: str) -> list[str]:
+    return [python, str(VLLM_DRIVER), job_path, result_path]
 
 
 def vllm_env(config: EngineConfig, base: dict[str, str] | None = None) -> dict[str, str]:
@@ -67,9 +67,9 @@ def vllm_env(config: EngineConfig, base: dict[str, str] | None = None) -> dict[s
     return env
 
 
-def parse_vllm_output(stdout: str) -> dict[str, Any]:
-    """The driver's last line of output, as a baseline's figures."""
-    raw = json.loads(stdout.strip().splitlines()[-1])
+def parse_vllm_result(text: str) -> dict[str, Any]:
+    """The driver's result file, as a baseline's figures."""
+    raw = json.loads(text)
     seconds, tokens = raw["seconds"], raw["output_tokens"]
     ttfts, itls = raw["ttfts_s"], raw["itls_s"]
     return {
@@ -91,11 +91,11 @@ def run_vllm(python: str, config: EngineConfig, spec: WorkloadSpec, timeout_s: f
     if not Path(python).exists():
         return {"kind": "vllm", "error": f"no interpreter at {python} (--vllm-python; see docs/benchmarks.md)"}
     with tempfile.TemporaryDirectory(prefix="trioserve-vllm-") as tmp:
-        job_path = os.path.join(tmp, "job.json")
+        job_path, result_path = os.path.join(tmp, "job.json"), Path(tmp, "result.json")
         Path(job_path).write_text(json.dumps(vllm_job(config, spec)))
         try:
             done = subprocess.run(
-                vllm_command(python, job_path),
+                vllm_command(python, job_path, str(result_path)),
                 env=vllm_env(config),
                 capture_output=True,
                 text=True,
@@ -104,7 +104,7 @@ def run_vllm(python: str, config: EngineConfig, spec: WorkloadSpec, timeout_s: f
             )
         except subprocess.TimeoutExpired:
             return {"kind": "vllm", "error": f"timed out after {timeout_s:.0f} s"}
-    if done.returncode != 0 or not done.stdout.strip():
-        last = (done.stderr.strip().splitlines() or ["(no output)"])[-1]
-        return {"kind": "vllm", "error": f"exit {done.returncode}: {last}"}
-    return parse_vllm_output(done.stdout)
+        if done.returncode != 0 or not result_path.exists():
+            lines = [line for line in done.stderr.splitlines() if "Error" in line] or done.stderr.splitlines()
+            return {"kind": "vllm", "error": f"exit {done.returncode}: {(lines or ['(no output)'])[-1].strip()}"}
+        return parse_vllm_result(result_path.read_text())

@@ -1,11 +1,11 @@
 """A benchmark's requests through vLLM's offline engine, run by vLLM's own interpreter::
 
-    /tmp/vllm-venv/bin/python vllm_driver.py JOB.json
+    /tmp/vllm-venv/bin/python vllm_driver.py JOB.json RESULT.json
 
 Standalone on purpose (the standard library and vllm only): vLLM lives in a
 virtual environment of its own (it pins another transformers), where
 trioserve is not installed. ``bench/vllm_baseline.py`` writes the job and
-reads the one JSON line this prints.
+reads the result (a file: vLLM logs to stdout, even as it exits).
 
 The job holds the model directory, the requests (token-id prompts and their
 output lengths) and the engine's limits. The engine is built as ``LLM``
@@ -63,7 +63,8 @@ def run(engine: Any, requests: list[list[Any]], concurrency: int | None) -> dict
             params = SamplingParams(
                 max_tokens=max_tokens, min_tokens=max_tokens, temperature=0.0, ignore_eos=True, detokenize=False
             )
-            req_id = engine.add_request(f"r{next_index}", TokensPrompt(prompt_token_ids=prompt), params)
+            req_id = f"r{next_index}"  # outputs carry this id (add_request returns an internal one)
+            engine.add_request(req_id, TokensPrompt(prompt_token_ids=prompt), params)
             sent[req_id], seen[req_id] = time.perf_counter(), 0
             next_index += 1
             in_flight += 1
@@ -94,7 +95,8 @@ def main() -> None:
     import vllm
 
     result["vllm_version"] = getattr(vllm, "__version__", "unknown")
-    print(json.dumps(result), flush=True)
+    with open(sys.argv[2], "w") as f:
+        json.dump(result, f)
 
 
 if __name__ == "__main__":  # vLLM starts its engine core with spawn: the guard is required
