@@ -24,6 +24,22 @@ def make_prompts(vocab_size: int, n: int = 8) -> list[list[int]]:
     return [[rng.randrange(3, vocab_size) for _ in range(length)] for length in lengths]
 
 
+def make_shared_prefix_prompts(vocab_size: int) -> tuple[list[int], list[list[int]]]:
+    """A 24-token "system prompt" and prompts that share a prefix of it of
+    every length, in blocks of 4: none, shorter than a block, exactly one,
+    several, several and a part, all of it; and prompts that are the whole
+    of another (the same prompt twice, a prompt that is a cached prefix)."""
+    rng = random.Random(99)
+    base = [rng.randrange(3, vocab_size) for _ in range(24)]
+
+    def suffix(n: int) -> list[int]:
+        return [rng.randrange(3, vocab_size) for _ in range(n)]
+
+    prompts = [base[:k] + suffix(n) for k, n in ((0, 5), (2, 3), (4, 1), (4, 6), (12, 2), (13, 4), (20, 7))]
+    prompts += [base[:16], base[:16], base[:8] + suffix(8), prompts[-1]]
+    return base, prompts
+
+
 def reference_greedy(model_dir, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
     """transformers' own greedy generate(), one prompt at a time, never stopping early."""
     import torch
@@ -46,6 +62,10 @@ def reference_greedy(model_dir, prompts: list[list[int]], max_tokens: int) -> li
     return results
 
 
+def reference_greedy_many(model_dir, prompt_lists: list[list[list[int]]], max_tokens: int) -> list[list[list[int]]]:
+    return [reference_greedy(model_dir, prompts, max_tokens) for prompts in prompt_lists]
+
+
 async def run_concurrently(engine, prompts, params) -> list[list[int]]:
     results: dict[int, list[int]] = {}
 
@@ -58,30 +78,52 @@ async def run_concurrently(engine, prompts, params) -> list[list[int]]:
     return [results[i] for i in range(len(prompts))]
 
 
+async def run_shared_prefix_prompts(engine, base, prompts, params) -> list[list[int]]:
+    """The base prompt alone first (so its blocks are cached), then every
+    prompt at once: they hit the cache, and each other as they run."""
+    await engine.generate(base, params)
+    return await run_concurrently(engine, prompts, params)
+
+
 @pytest.mark.parametrize("arch", ARCHITECTURES)
 async def test_concurrent_greedy_requests_match_transformers_generate(tiny_model_dir, arch):
+    """Also with prefix caching (on by default): prompts sharing prefixes of
+    every length give the tokens they give with caching off, and as
+    transformers gives them, with and without preemptions."""
     model_dir = tiny_model_dir(arch)
     params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True)
     base = EngineConfig(model=str(model_dir), block_size=4, shutdown_grace_s=3.0)
-    with trio.fail_after(120):
-        async with trioserve.open_engine(config=base) as engine:
+    with trio.fail_after(180):
+        async with trioserve.open_engine(config=base.replace(enable_prefix_caching=False)) as engine:
             prompts = make_prompts(engine.info.vocab_size)
-            expected = await trio.to_thread.run_sync(reference_greedy, model_dir, prompts, MAX_TOKENS)
+            system, shared = make_shared_prefix_prompts(engine.info.vocab_size)
+            expected, expected_shared = await trio.to_thread.run_sync(
+                reference_greedy_many, model_dir, [prompts, shared], MAX_TOKENS
+            )
+            assert await run_shared_prefix_prompts(engine, system, shared, params) == expected_shared
+            assert (await engine.stats()).prefix_cache_hits == 0
+        async with trioserve.open_engine(config=base) as engine:
             assert await run_concurrently(engine, prompts, params) == expected
             stats = await engine.stats()
             assert stats.num_preemptions == 0
+            assert await run_shared_prefix_prompts(engine, system, shared, params) == expected_shared
+            stats = await engine.stats()
+            assert stats.prefix_cache_hits >= 100  # the 24-token base alone is 6 blocks, and most prompts hit it
         # A cache too small for all eight at once: requests are preempted and
-        # recomputed, and still produce the same tokens.
+        # recomputed (from what is still cached), and still produce the same tokens.
         small = base.replace(num_kv_blocks=24, max_num_batched_tokens=64)
         async with trioserve.open_engine(config=small) as engine:
             assert await run_concurrently(engine, prompts, params) == expected
+            assert (await engine.stats()).num_preemptions > 0
+            assert await run_shared_prefix_prompts(engine, system, shared, params) == expected_shared
             stats = await engine.stats()
-            assert stats.num_preemptions > 0
+            assert stats.num_preemptions > 0 and stats.prefix_cache_hits > 0
             assert stats.num_free_blocks == stats.num_total_blocks == 24
         if arch == ARCHITECTURES[0]:  # one step at a time gives the same tokens (once is enough)
             async with trioserve.open_engine(config=small.replace(max_steps_in_flight=1)) as engine:
                 assert await run_concurrently(engine, prompts, params) == expected
                 assert (await engine.stats()).num_preemptions > 0
+                assert await run_shared_prefix_prompts(engine, system, shared, params) == expected_shared
 
 
 async def test_seeded_sampling_does_not_depend_on_the_batch(tiny_model_dir):
@@ -120,3 +162,46 @@ async def test_text_prompt_streams_text_that_matches_the_tokens(tiny_model_dir):
             assert out.finished
             # Random weights emit random bytes: unfinished UTF-8 at the very end is dropped.
             assert "".join(pieces) == out.cumulative_text == engine.tokenizer.decode(tokens).rstrip("\ufffd")
+
+
+async def time_to_first_token(engine, prompt: list[int], params: SamplingParams) -> tuple[float, int | None]:
+    """Seconds from submitting ``prompt`` to its first token, and its cached prompt tokens."""
+    started = trio.current_time()
+    async with engine.stream(prompt, params) as stream:
+        async for out in stream:
+            if out.token_ids:
+                ttft = trio.current_time() - started
+            if out.finished:
+                return ttft, out.num_cached_tokens
+    raise AssertionError("the stream ended without a finished output")
+
+
+async def test_a_second_request_with_the_same_long_prefix_computes_only_its_suffix(tmp_path):
+    """The same 1,000-token prefix twice: the second request computes its
+    own 8 tokens only (the engine's count of scheduled tokens says so), and
+    its first token comes in less than a third of the first one's time."""
+    from trioserve.gpu.tiny_models import write_tiny_model
+
+    model_dir = write_tiny_model(
+        tmp_path / "model", "llama", hidden_size=256, intermediate_size=1024, num_hidden_layers=4,
+        num_attention_heads=4, head_dim=64, max_position_embeddings=2048,
+    )  # fmt: skip
+    rng = random.Random(5)
+    prefix = [rng.randrange(3, 259) for _ in range(1000)]
+    suffixes = [[rng.randrange(3, 259) for _ in range(8)] for _ in range(2)]
+    params = SamplingParams(max_tokens=1, temperature=0)
+    config = EngineConfig(model=str(model_dir), block_size=8, shutdown_grace_s=3.0)
+    with trio.fail_after(120):
+        async with trioserve.open_engine(config=config) as engine:
+            await engine.generate([5] * 1008, params)  # warm-up: a prompt as long, sharing nothing
+            ttfts, scheduled = [], []
+            for suffix in suffixes:
+                before = (await engine.stats()).num_scheduled_tokens
+                ttft, num_cached = await time_to_first_token(engine, prefix + suffix, params)
+                scheduled.append((await engine.stats()).num_scheduled_tokens - before)
+                ttfts.append(ttft)
+            assert num_cached == 1000
+            assert scheduled == [1008, 8]
+            assert ttfts[1] < ttfts[0] / 3, f"time to first token: {ttfts}"
+            stats = await engine.stats()
+            assert stats.prefix_cache_hits == 1000 and stats.prefix_cache_queries == 3 * 1008

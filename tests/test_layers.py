@@ -66,6 +66,9 @@ THIRD_PARTY = {
 }
 # (module, imported unit) pairs allowed although they break the rules above.
 TORCH_AT_MODULE_LEVEL = {"bench/baselines.py"}
+# Modules run by another project's interpreter: they import only the standard
+# library and that project (never trioserve, which is not installed there).
+OTHER_INTERPRETERS = {"bench/vllm_driver.py": "vllm"}
 LAZY_GPU_IMPORTS = {
     ("nurseries/worker.py", "trioserve.gpu.model_runner"),  # the worker's runner
     ("nurseries/worker.py", "trioserve.gpu.dp_collective"),  # its data-parallel collective
@@ -100,6 +103,12 @@ def violations(relpath: str, source: str) -> list[str]:
     ``src/trioserve``) whose text is ``source``."""
     unit = unit_of(relpath)
     problems = []
+    if relpath in OTHER_INTERPRETERS:
+        allowed = STDLIB | {OTHER_INTERPRETERS[relpath]}
+        names = [name for name, _ in imports(ast.parse(source))]
+        return [
+            f"{relpath} imports {n}, but runs in another interpreter" for n in names if n.split(".")[0] not in allowed
+        ]
     for name, module_level in imports(ast.parse(source)):
         if any(_is(name, t) for t in TORCH):
             if module_level and unit != "gpu" and relpath not in TORCH_AT_MODULE_LEVEL:

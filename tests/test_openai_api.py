@@ -112,7 +112,34 @@ async def test_completions_streamed_and_not_give_the_same_text_and_the_right_usa
         12,
         prompt_tokens + 12,
     )
-    assert usage is not None and usage.model_dump() == whole.usage.model_dump()
+    assert usage is not None and usage.model_dump(exclude={"prompt_tokens_details"}) == whole.usage.model_dump(
+        exclude={"prompt_tokens_details"}
+    )
+    # The second request found the first 8 of its 12 prompt tokens in the prefix cache.
+    assert whole.usage.prompt_tokens_details.cached_tokens == 0 and usage.prompt_tokens_details.cached_tokens == 8
+
+
+async def test_usage_reports_the_prompt_tokens_found_in_the_prefix_cache(config):
+    prompt = (
+        "A system prompt that two requests share, and then: "  # 52 tokens: the first 48 (12 blocks of 4) can be cached
+    )
+    with trio.fail_after(60):
+        async with serving(config(), model_name=MODEL) as server:
+            api = client(server)
+            first = await run(api.completions.create, model=MODEL, prompt=prompt, max_tokens=4)
+            second = await run(api.completions.create, model=MODEL, prompt=prompt, max_tokens=4)
+            streamed = await run(
+                api.completions.create,
+                model=MODEL,
+                prompt=prompt,
+                max_tokens=4,
+                stream=True,
+                stream_options={"include_usage": True},
+            )
+            _, _, usage = await run(stream_text, streamed)
+    assert first.usage.prompt_tokens == 52 and first.usage.prompt_tokens_details.cached_tokens == 0
+    assert second.usage.prompt_tokens_details.cached_tokens == 48
+    assert usage is not None and usage.prompt_tokens_details.cached_tokens == 48
 
 
 async def test_chat_completions_streamed_and_not_give_the_same_text_and_n_2_gives_two_choices(config):

@@ -170,15 +170,39 @@ async def test_16_concurrent_streams_on_one_connection_equal_their_generate_text
             for request_id, _, params in requests:
                 expected = expected_outputs[request_id]
                 r = received[request_id]
+                assert r.terminal is not None
+                cached = r.terminal["usage"]["cached_tokens"]  # these prompts share prefixes: it depends on timing
+                assert cached % 4 == 0 and 0 <= cached < expected.num_prompt_tokens
                 assert r.terminal == {
                     "type": "done",
                     "id": request_id,
                     "finish_reason": "length",
                     "stop_reason": None,
-                    "usage": {"prompt_tokens": expected.num_prompt_tokens, "completion_tokens": params["max_tokens"]},
+                    "usage": {
+                        "prompt_tokens": expected.num_prompt_tokens,
+                        "completion_tokens": params["max_tokens"],
+                        "cached_tokens": cached,
+                    },
                 }
                 assert r.text == expected.text
                 assert r.token_ids == expected.token_ids
+
+
+async def test_done_reports_the_prompt_tokens_found_in_the_prefix_cache(fake_config):
+    prompt = (
+        "A system prompt that two requests share, and then: "  # 52 tokens: the first 48 (12 blocks of 4) can be cached
+    )
+    with trio.fail_after(30):
+        async with serving(fake_config()) as server:
+            for request_id, expected_cached in (("first", 0), ("second", 48)):
+                received = await in_thread(stream_requests, server.url, [(request_id, prompt, {"max_tokens": 4})])
+                terminal = received[request_id].terminal
+                assert terminal is not None
+                assert terminal["usage"] == {
+                    "prompt_tokens": 52,
+                    "completion_tokens": 4,
+                    "cached_tokens": expected_cached,
+                }
 
 
 async def test_16_concurrent_connections_stream_independently(fake_config):

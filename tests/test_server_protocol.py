@@ -157,7 +157,7 @@ def test_server_messages_encode_as_documented():
         "id": "a",
         "finish_reason": "stop",
         "stop_reason": "\n",
-        "usage": {"prompt_tokens": 3, "completion_tokens": 4},
+        "usage": {"prompt_tokens": 3, "completion_tokens": 4, "cached_tokens": 0},
     }
     assert json.loads(protocol.encode(protocol.error("a", "shutdown", "bye"))) == {
         "type": "error",

@@ -265,6 +265,14 @@ class Engine:
         """Each engine core's health, by engine index."""
         return self._group.engine_healths
 
+    async def reset_prefix_cache(self) -> int:
+        """Make the engine forget every cached prefix (after new weights, say,
+        or to measure without it); requests running keep their blocks.
+        Returns how many cached blocks were forgotten (by every engine). While
+        no engine is ready, waits like a request (an engine that restarts
+        starts with an empty cache)."""
+        return await self._group.reset_prefix_cache()
+
     def num_requests_in_flight(self) -> int:
         """Requests the front-end holds state for (submitted and not yet over)."""
         return self._group.num_requests_in_flight()

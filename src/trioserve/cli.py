@@ -57,6 +57,14 @@ def _add_engine_options(parser: argparse.ArgumentParser) -> None:
         help="2: plan and send the next model step while the current one runs; 1: one at a time (default: %(default)s)",
     )
     group.add_argument(
+        "--prefix-caching",
+        dest="enable_prefix_caching",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="reuse the KV cache of prompt prefixes seen before (one long system prompt, a resent conversation): "
+        "a prompt computes only what follows its longest cached prefix (default: on; --no-prefix-caching: off)",
+    )
+    group.add_argument(
         "--data-parallel-size",
         type=int,
         default=1,
@@ -177,6 +185,7 @@ def _engine_config(args: argparse.Namespace) -> EngineConfig:
         max_num_seqs=args.max_num_seqs,
         max_model_len=args.max_model_len,
         max_steps_in_flight=args.max_steps_in_flight,
+        enable_prefix_caching=args.enable_prefix_caching,
         data_parallel_size=args.data_parallel_size,
         data_parallel_lockstep=args.data_parallel_lockstep,
         max_restarts=args.max_restarts,

@@ -101,6 +101,11 @@ class EngineConfig:
     # the next step is planned and sent while the workers run the current one,
     # so they never wait on the engine core; 1 runs one step at a time.
     max_steps_in_flight: int = 2
+    # Prefix caching: a full KV block is shared by every request whose tokens
+    # up to its end are the same, and kept (evicted least recently used first)
+    # after its last request ends, so a prompt that repeats a cached prefix
+    # computes only what follows it. On by default, as in vLLM.
+    enable_prefix_caching: bool = True
 
     # Processes.
     # Engine cores side by side (data parallel), each with its own workers;
@@ -158,6 +163,7 @@ class EngineConfig:
         _check(self.max_num_batched_tokens >= 1, "max_num_batched_tokens", "must be >= 1")
         _check(self.max_waiting_requests >= 0, "max_waiting_requests", "must be >= 0")
         _check(self.max_steps_in_flight in (1, 2), "max_steps_in_flight", "must be 1 or 2")
+        _check(isinstance(self.enable_prefix_caching, bool), "enable_prefix_caching", "must be True or False")
         _check(self.max_model_len is None or self.max_model_len >= 2, "max_model_len", "must be >= 2")
         _check(self.tensor_parallel_size >= 1, "tensor_parallel_size", "must be >= 1")
         _check(1 <= self.data_parallel_size <= 64, "data_parallel_size", "must be in [1, 64]")

@@ -191,6 +191,12 @@ class EngineInfo(msgspec.Struct, frozen=True):
 
 
 class EngineStats(msgspec.Struct, frozen=True):
+    """The engine core's counters. ``num_free_blocks`` counts the blocks a new
+    request can take: empty ones and those that only hold a cached prefix
+    (``num_cached_blocks`` counts every block holding one, in use or not).
+    The prefix cache's figures count first admissions only: prompt tokens
+    looked up (``prefix_cache_queries``) and found (``prefix_cache_hits``)."""
+
     num_running: int
     num_waiting: int
     num_free_blocks: int
@@ -199,9 +205,19 @@ class EngineStats(msgspec.Struct, frozen=True):
     num_steps: int  # since start
     num_fairness_preemptions: int = 0  # since start: preempted to give another client its share
     num_requests: int = 0  # since start: requests the engine took
+    num_scheduled_tokens: int = 0  # since start: tokens computed by the model (prefix hits are not)
+    prefix_caching: bool = False
+    num_cached_blocks: int = 0
+    prefix_cache_queries: int = 0  # since start
+    prefix_cache_hits: int = 0
     # With several engines (data parallel), the totals above are their sums and
     # this holds each engine's own figures, by engine index; empty otherwise.
     engines: list[EngineStats] = msgspec.field(default_factory=list)
+
+    @property
+    def prefix_cache_hit_rate(self) -> float:
+        """Prompt tokens found in the prefix cache over those looked up (0 before any)."""
+        return self.prefix_cache_hits / self.prefix_cache_queries if self.prefix_cache_queries else 0.0
 
 
 class SampleLogprobs(msgspec.Struct, frozen=True, array_like=True):
@@ -295,6 +311,12 @@ class GetStats(msgspec.Struct, tag=True):
     call_id: int
 
 
+class ResetPrefixCache(msgspec.Struct, tag=True):
+    """Forget every cached prefix; requests running keep their blocks."""
+
+    call_id: int
+
+
 class StartWave(msgspec.Struct, tag=True):
     """Lockstep: run request wave ``wave`` (``exclude``: the engine that already knows)."""
 
@@ -302,7 +324,7 @@ class StartWave(msgspec.Struct, tag=True):
     exclude: int | None = None
 
 
-EngineRequest = AddRequest | AbortRequests | GetStats | StartWave
+EngineRequest = AddRequest | AbortRequests | GetStats | ResetPrefixCache | StartWave
 
 
 # --- engine core -> front-end ----------------------------------------------
@@ -314,6 +336,9 @@ class TokenOutput(msgspec.Struct, array_like=True):
     finish_reason: FinishReason | None = None
     new_logprobs: list[SampleLogprobs] | None = None
     error: str | None = None  # with finish_reason "error": what went wrong
+    # With a request's first token, when prefix caching is on: how many of its
+    # prompt tokens came from the cache.
+    num_cached_tokens: int | None = None
 
 
 class EngineOutputs(msgspec.Struct, tag=True):
@@ -323,6 +348,13 @@ class EngineOutputs(msgspec.Struct, tag=True):
 class StatsReply(msgspec.Struct, tag=True):
     call_id: int
     stats: EngineStats
+
+
+class PrefixCacheReset(msgspec.Struct, tag=True):
+    """The answer to ``ResetPrefixCache``: how many cached blocks were forgotten."""
+
+    call_id: int
+    num_blocks: int
 
 
 class EngineDead(msgspec.Struct, tag=True):
@@ -341,7 +373,7 @@ class WaveNotice(msgspec.Struct, tag=True):
     engine: int
 
 
-EngineResponse = EngineOutputs | StatsReply | LoadReport | Heartbeat | WaveNotice | EngineDead
+EngineResponse = EngineOutputs | StatsReply | PrefixCacheReset | LoadReport | Heartbeat | WaveNotice | EngineDead
 
 
 # --- engine core <-> worker ------------------------------------------------

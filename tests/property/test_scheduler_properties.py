@@ -11,12 +11,19 @@ were planned one ahead (``depth`` 2: the next step is scheduled, and run,
 before the previous one's output is postprocessed, as the engine core does).
 Requests come from a few clients; a flooding client must never hold another
 client's request behind its own.
+
+With prefix caching on, prompts share prefixes of every length (shorter than
+a block, whole blocks, the whole prompt). A KV slot holds the position and
+the whole token prefix its values were computed from, so a request that
+starts from cached blocks must read exactly what it would have computed
+itself; and a block is never written while another request's table holds it.
 """
 
 from __future__ import annotations
 
 import random
 import zlib
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -72,10 +79,13 @@ class _WorkerRequest:
 class MirrorRunner:
     """The workers, simulated: state only from what the scheduler sends."""
 
-    def __init__(self, num_blocks: int, block_size: int) -> None:
+    def __init__(self, num_blocks: int, block_size: int, caching: bool) -> None:
         self.block_size = block_size
-        self.kv: list[tuple[str, int, int] | None] = [None] * (num_blocks * block_size)
+        self.caching = caching
+        # Each slot: the position and the token prefix (up to and including it) its values were computed from.
+        self.kv: list[tuple[int, tuple[int, ...]] | None] = [None] * (num_blocks * block_size)
         self.requests: dict[str, _WorkerRequest] = {}
+        self.num_cached_tokens = 0  # tokens new requests started with, computed by others
 
     def execute(self, out: SchedulerOutput) -> RunnerOutput:
         self._apply(out)
@@ -97,7 +107,11 @@ class MirrorRunner:
             del self.requests[req_id]
         for new in out.new_requests:
             assert new.req_id not in self.requests, f"{new.req_id!r} sent as new twice"
-            assert new.num_computed_tokens == 0, "no prefix caching: new requests start at 0"
+            if not self.caching:
+                assert new.num_computed_tokens == 0, "no prefix caching: new requests start at 0"
+            assert new.num_computed_tokens % self.block_size == 0, "a cached prefix is whole blocks"
+            assert new.num_computed_tokens < len(new.token_ids), "at least one token is computed"
+            self.num_cached_tokens += new.num_computed_tokens
             self.requests[new.req_id] = _WorkerRequest(
                 list(new.token_ids), list(new.block_ids), new.num_computed_tokens
             )
@@ -114,14 +128,18 @@ class MirrorRunner:
         start, end = req.num_computed_tokens, req.num_computed_tokens + num_tokens
         assert num_tokens > 0 and end <= len(req.token_ids), "scheduled past the known tokens"
         assert len(req.block_ids) * self.block_size >= end, "block table too short"
+        for index in range(start // self.block_size, (end - 1) // self.block_size + 1):
+            block = req.block_ids[index]
+            others = [r for r, other in self.requests.items() if r != req_id and block in other.block_ids]
+            assert not others, f"{req_id!r} writes block {block}, which {others} hold"
         for pos in range(start, end):
-            self.kv[self._slot(req, pos)] = (req_id, pos, req.token_ids[pos])
+            self.kv[self._slot(req, pos)] = (pos, tuple(req.token_ids[: pos + 1]))
         req.num_computed_tokens = end
 
     def _read(self, req_id: str, req: _WorkerRequest, pos: int) -> int:
         entry = self.kv[self._slot(req, pos)]
-        assert entry == (req_id, pos, req.token_ids[pos]), f"KV of {req_id!r}@{pos} is {entry}"
-        return entry[2]
+        assert entry == (pos, tuple(req.token_ids[: pos + 1])), f"KV of {req_id!r}@{pos} is {entry}"
+        return entry[1][-1]
 
     def _slot(self, req: _WorkerRequest, pos: int) -> int:
         return req.block_ids[pos // self.block_size] * self.block_size + pos % self.block_size
@@ -130,12 +148,12 @@ class MirrorRunner:
 class Harness:
     """A scheduler, its mirror runner, and everything the clients received."""
 
-    def __init__(self, depth: int = 1, **sizes: int) -> None:
+    def __init__(self, depth: int = 1, caching: bool = False, **sizes: int) -> None:
         self.depth = depth  # steps scheduled before the oldest is postprocessed
         self.in_flight: list[tuple[Step, RunnerOutput]] = []
-        self.sched = Scheduler(**sizes)
+        self.sched = Scheduler(**sizes, enable_prefix_caching=caching)
         self.sizes = sizes
-        self.runner = MirrorRunner(sizes["num_blocks"], sizes["block_size"])
+        self.runner = MirrorRunner(sizes["num_blocks"], sizes["block_size"], caching)
         self.capacity = sizes["num_blocks"] * sizes["block_size"]
         self.max_len = min(sizes["max_model_len"], self.capacity + 1)
         self.expected: dict[str, tuple[list[int], FinishReason]] = {}
@@ -234,6 +252,20 @@ requests = st.tuples(
     st.lists(st.integers(1, VOCAB - 1), max_size=1),  # stop_token_ids
 )
 
+# Two "system prompts": a prompt is a prefix of one of them (any length: none,
+# shorter than a block, whole blocks, all of it) and a suffix of its own.
+SHARED = [[(7 * i + 3) % VOCAB for i in range(24)], [(5 * i + 1) % VOCAB for i in range(24)]]
+
+
+@st.composite
+def shared_prefix_prompts(draw: st.DrawFn) -> list[int]:
+    base = SHARED[draw(st.integers(0, len(SHARED) - 1))]
+    prompt = base[: draw(st.integers(0, len(base)))] + draw(st.lists(st.integers(0, VOCAB - 1), max_size=6))
+    return prompt or [draw(st.integers(0, VOCAB - 1))]
+
+
+shared_requests = st.tuples(shared_prefix_prompts(), st.integers(1, 16), st.booleans(), st.just([]))
+
 
 class SchedulerMachine(RuleBasedStateMachine):
     """Random adds, aborts and steps; every request's tokens checked at the end."""
@@ -242,17 +274,24 @@ class SchedulerMachine(RuleBasedStateMachine):
 
     @initialize(
         depth=st.sampled_from([1, 2]),
-        num_blocks=st.integers(2, 10),
+        caching=st.booleans(),
+        num_blocks=st.integers(2, 16),
         block_size=st.sampled_from([1, 2, 4]),
         max_num_seqs=st.integers(1, 4),
         max_num_batched_tokens=st.integers(1, 12),
         max_model_len=st.integers(8, 40),
     )
-    def setup(self, depth: int, **sizes: int) -> None:
-        self.harness = Harness(depth, **sizes)
+    def setup(self, depth: int, caching: bool, **sizes: int) -> None:
+        self.harness = Harness(depth, caching, **sizes)
         self.next_id = 0
 
-    @rule(batch=st.lists(st.tuples(requests, st.sampled_from(CLIENTS)), min_size=1, max_size=3))
+    @rule(
+        batch=st.lists(
+            st.tuples(st.one_of(requests, shared_requests, shared_requests), st.sampled_from(CLIENTS)),
+            min_size=1,
+            max_size=3,
+        )
+    )
     def add(self, batch) -> None:
         for (prompt, max_tokens, ignore_eos, stop_token_ids), client_id in batch:
             params = SamplingParams(max_tokens=max_tokens, ignore_eos=ignore_eos, stop_token_ids=stop_token_ids)
@@ -271,9 +310,22 @@ class SchedulerMachine(RuleBasedStateMachine):
         for _ in range(num_steps):
             self.harness.step()
 
+    @rule()
+    def reset_prefix_cache(self) -> None:
+        self.harness.sched.reset_prefix_cache()
+        assert self.harness.sched.block_manager.num_cached_blocks == 0
+
     @invariant()
     def scheduler_invariants_hold(self) -> None:
         self.harness.sched.check_invariants(step for step, _ in self.harness.in_flight)
+
+    @invariant()
+    def reference_counts_are_the_tables_holding_each_block(self) -> None:
+        sched = self.harness.sched
+        bm = sched.block_manager
+        held = Counter(block for req in sched.running for block in bm.block_table(req.request_id))
+        assert [bm.ref_count(b) for b in range(bm.num_blocks)] == [held[b] for b in range(bm.num_blocks)]
+        assert bm.num_free_blocks + len(held) == bm.num_blocks, "free + in use != all blocks"
 
     def teardown(self) -> None:
         if self.harness.mid_step:
@@ -281,6 +333,8 @@ class SchedulerMachine(RuleBasedStateMachine):
         self.harness.drain_and_check()
         preemptions = self.harness.sched.stats().num_preemptions
         target(float(preemptions), label="preemptions")
+        target(float(self.harness.runner.num_cached_tokens), label="tokens from the prefix cache")
+        event("prefix cache hit" if self.harness.runner.num_cached_tokens else "no prefix cache hit")
         event("preempted" if preemptions else "no preemption")
 
 
@@ -302,6 +356,26 @@ def test_heavy_workload_preempts_and_still_matches_solo_outputs(seed: int, depth
             harness.sched.check_invariants(step for step, _ in harness.in_flight)
     harness.drain_and_check()
     assert harness.sched.stats().num_preemptions > 0
+
+
+@pytest.mark.parametrize("depth", [1, 2])
+@pytest.mark.parametrize("seed", range(5))
+def test_shared_prefixes_under_preemption_still_match_solo_outputs(seed: int, depth: int) -> None:
+    rng = random.Random(seed)
+    sizes = dict(num_blocks=16, block_size=2, max_num_seqs=4, max_num_batched_tokens=8, max_model_len=40)
+    harness = Harness(depth, True, **sizes)
+    for i in range(16):
+        base = SHARED[i % 2]
+        prompt = base[: rng.randint(0, len(base))] + [rng.randrange(VOCAB) for _ in range(rng.randint(0, 3))]
+        params = SamplingParams(max_tokens=rng.randint(2, 8), ignore_eos=True)
+        assert harness.add(f"r{i}", prompt or [1], params, [EOS])
+        if i % 2:
+            harness.step()
+            harness.sched.check_invariants(step for step, _ in harness.in_flight)
+    harness.drain_and_check()
+    stats = harness.sched.stats()
+    assert stats.num_preemptions > 0 and stats.prefix_cache_hits > 0
+    assert harness.runner.num_cached_tokens >= stats.prefix_cache_hits
 
 
 @settings(max_examples=150, deadline=None)

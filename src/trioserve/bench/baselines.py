@@ -73,6 +73,7 @@ class _ModelOnly:
             max_num_seqs=c.max_num_seqs,
             max_num_batched_tokens=c.max_num_batched_tokens,
             max_model_len=min(self.loaded.model.max_model_len, self.loaded.max_num_kv_blocks * c.block_size),
+            enable_prefix_caching=c.enable_prefix_caching,
         )
         queue = deque(requests)
         limit = concurrency or len(requests)
@@ -186,7 +187,7 @@ def _cb_config(model: Any, config: EngineConfig, spec: WorkloadSpec) -> Any:
     page_size = 256
     block_bytes = 2 * text.num_hidden_layers * page_size * kv_heads * head_dim * 4  # K and V, all layers, float32
     in_flight = spec.concurrency or config.max_num_seqs
-    needed = in_flight * -(-(spec.prompt_len[1] + spec.output_len[1]) // page_size)
+    needed = in_flight * -(-(spec.max_prompt_len + spec.output_len[1]) // page_size)
     return ContinuousBatchingConfig(
         page_size=page_size,
         num_blocks=max(8, min(needed, config.kv_cache_memory_bytes // block_bytes)),

@@ -12,10 +12,24 @@ import trio
 
 from trioserve.bench.drivers import Progress
 from trioserve.bench.models import BENCH_MODELS, resolve_model
-from trioserve.bench.report import build_result, format_table, plot_latencies, write_json
-from trioserve.bench.run import BASELINE_KINDS, run_against_server, run_baseline, run_in_process
+from trioserve.bench.report import (
+    build_result,
+    engine_baseline,
+    engine_figures,
+    format_table,
+    plot_latencies,
+    write_json,
+)
+from trioserve.bench.run import (
+    BASELINE_KINDS,
+    OPTIONAL_BASELINE_KINDS,
+    run_against_server,
+    run_baseline,
+    run_in_process,
+)
 from trioserve.bench.stats import run_window, summarize
 from trioserve.bench.steps import in_run_figures
+from trioserve.bench.vllm_baseline import run_vllm
 from trioserve.bench.workload import WorkloadSpec, parse_range
 from trioserve.config import EngineConfig, FakeRunnerConfig
 
@@ -32,10 +46,19 @@ detokenization), transformers' generate_batch (continuous batching) and
 transformers' generate() in static batches of --concurrency.
 
 Prints requests/s, output tokens/s, time to first token, inter-token and
-end-to-end latency (p50/p99), the peak memory of each process, and our
-throughput as a ratio of each baseline's. Example (the issue 5 run):
+end-to-end latency (p50/p99), the peak memory of each process, the prefix
+cache's hit rate, and our throughput as a ratio of each baseline's. Example
+(the issue 5 run):
 
   trioserve bench --num-requests 256 --concurrency 32 --prompt-len 32-256 --output-len 64
+
+Two more baselines run only when asked: no-prefix-caching (our engine again,
+with prefix caching off) and vllm (vLLM's offline engine, in the interpreter
+of its own virtual environment given by --vllm-python). With a shared prefix
+(the issue 15 run):
+
+  trioserve bench --shared-prefix-len 1024 --num-requests 128 \
+      --baselines no-prefix-caching,vllm --vllm-python /tmp/vllm-venv/bin/python
 """
 
 
@@ -73,6 +96,13 @@ def _add_workload_options(parser: argparse.ArgumentParser) -> None:
     )
     group.add_argument("--prompt-len", default="32-256", metavar="N|LO-HI", help="prompt tokens (default: %(default)s)")
     group.add_argument("--output-len", default="64", metavar="N|LO-HI", help="output tokens (default: %(default)s)")
+    group.add_argument(
+        "--shared-prefix-len",
+        type=int,
+        default=0,
+        metavar="N",
+        help="every prompt starts with the same N random tokens, then its own --prompt-len (default: %(default)s)",
+    )
     group.add_argument("--seed", type=int, default=0, help="the workload depends only on this (default: %(default)s)")
 
 
@@ -93,7 +123,13 @@ def _add_target_options(parser: argparse.ArgumentParser) -> None:
         "--baselines",
         default=",".join(BASELINE_KINDS),
         metavar="LIST",
-        help="comma-separated, from %(default)s; 'none' for none (default: all)",
+        help="comma-separated, from %(default)s, and the optional "
+        f"{', '.join(OPTIONAL_BASELINE_KINDS)}; 'none' for none (default: %(default)s)",
+    )
+    group.add_argument(
+        "--vllm-python",
+        metavar="PATH",
+        help="the Python interpreter of a virtual environment with vLLM, for --baselines vllm",
     )
     group.add_argument(
         "--baseline-timeout", type=float, default=1800, metavar="SECONDS", help="per baseline (default: %(default)s)"
@@ -111,6 +147,13 @@ def _add_target_options(parser: argparse.ArgumentParser) -> None:
         choices=[1, 2],
         default=2,
         help="engine: model steps sent before the oldest one's output is back (default: %(default)s)",
+    )
+    group.add_argument(
+        "--prefix-caching",
+        dest="enable_prefix_caching",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="engine: prefix caching (default: on; --no-prefix-caching turns it off)",
     )
     group.add_argument(
         "--torch-threads",
@@ -161,6 +204,7 @@ def _engine_config(args: argparse.Namespace, model_dir: Path) -> EngineConfig:
         data_parallel_size=args.data_parallel_size,
         data_parallel_lockstep=args.data_parallel_lockstep,
         fake=FakeRunnerConfig.from_json(args.fake_options, "--fake-options"),
+        enable_prefix_caching=args.enable_prefix_caching,
     )
 
 
@@ -178,6 +222,7 @@ def _workload(args: argparse.Namespace, model_dir: Path) -> WorkloadSpec:
         seed=args.seed,
         concurrency=args.concurrency or None,
         request_rate=args.request_rate,
+        shared_prefix_len=args.shared_prefix_len,
     )
 
 
@@ -185,9 +230,10 @@ def _baseline_kinds(text: str) -> list[str]:
     if text.strip() == "none":
         return []
     kinds = [k.strip() for k in text.split(",") if k.strip()]
-    unknown = [k for k in kinds if k not in BASELINE_KINDS]
+    known = BASELINE_KINDS + OPTIONAL_BASELINE_KINDS
+    unknown = [k for k in kinds if k not in known]
     if unknown:
-        raise ValueError(f"baselines: unknown {unknown[0]!r} (choose from {', '.join(BASELINE_KINDS)}, or none)")
+        raise ValueError(f"baselines: unknown {unknown[0]!r} (choose from {', '.join(known)}, or none)")
     return kinds
 
 
@@ -198,14 +244,17 @@ def _describe(spec: WorkloadSpec) -> str:
     pacing = f"concurrency {spec.concurrency or 'unlimited'}"
     if spec.request_rate:
         pacing += f", {spec.request_rate:g} req/s Poisson"
+    shared = f"a shared prefix of {spec.shared_prefix_len} + " if spec.shared_prefix_len else ""
     return (
-        f"{spec.num_requests} requests, {pacing}, prompts {rng(spec.prompt_len)} tokens, "
+        f"{spec.num_requests} requests, {pacing}, prompts {shared}{rng(spec.prompt_len)} tokens, "
         f"outputs {rng(spec.output_len)} tokens, seed {spec.seed}"
     )
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
     kinds = _baseline_kinds(args.baselines)
+    if "vllm" in kinds and not args.vllm_python:
+        raise ValueError("baselines: vllm needs --vllm-python PATH (a virtual environment with vLLM)")
     model_dir = resolve_model(args.model)
     config = _engine_config(args, model_dir)
     spec = _workload(args, model_dir)
@@ -218,7 +267,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     baselines = {}
     for kind in kinds if config.runner == "hf" else []:
         print(f"trioserve bench: baseline {kind} ...", file=sys.stderr, flush=True)
-        baselines[kind] = run_baseline(kind, config, spec, args.baseline_timeout)
+        baselines[kind] = _run_baseline(kind, args, config, spec)
     meta = {
         "driver": f"WebSocket {args.url}" if args.url else "in-process engine",
         "model": str(model_dir),
@@ -230,6 +279,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
     run = summarize(outcome.records)
     if len(outcome.requests_per_engine) > 1:
         run["requests_per_engine"] = outcome.requests_per_engine
+    if outcome.engine_stats is not None:
+        run["engine"] = engine_figures(outcome.engine_stats)
     result = build_result(run, outcome.peak_rss_bytes, baselines, meta, in_run)
     print(format_table(result))
     if args.json:
@@ -237,6 +288,16 @@ def cmd_bench(args: argparse.Namespace) -> int:
     if args.plot:
         plot_latencies(outcome.records, args.plot, f"trioserve bench: {_describe(spec)}")
     return 1 if result["results"]["num_errors"] else 0
+
+
+def _run_baseline(kind: str, args: argparse.Namespace, config: EngineConfig, spec: WorkloadSpec) -> dict[str, Any]:
+    if kind == "vllm":
+        return run_vllm(args.vllm_python, config, spec, args.baseline_timeout)
+    if kind == "no-prefix-caching":
+        progress = Progress(spec.num_requests, enabled=not args.no_progress)
+        outcome = trio.run(run_in_process, config.replace(enable_prefix_caching=False), spec, progress)
+        return engine_baseline(kind, summarize(outcome.records))
+    return run_baseline(kind, config, spec, args.baseline_timeout)
 
 
 def main(argv: list[str] | None = None) -> int:

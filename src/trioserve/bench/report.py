@@ -1,8 +1,9 @@
 """A benchmark's result as a table, a JSON file and a plot.
 
 The result is one plain dict (``build_result``): the run's figures, the
-peak memory of each process, each baseline's figures, our throughput as a
-ratio of each baseline's, and the issue's targets checked against them.
+peak memory of each process, each baseline's figures, our throughput (and,
+where a baseline measures it, our time to first token) as a ratio of each
+baseline's, and the issues' targets checked against them.
 """
 
 from __future__ import annotations
@@ -13,13 +14,43 @@ from pathlib import Path
 from typing import Any
 
 from trioserve.bench.stats import RequestRecord
+from trioserve.messages import EngineStats
 
 MIB = 1024 * 1024
 BASELINE_NAMES = {
     "model-only": "model-only bound (our runner, one process)",
     "generate-batch": "transformers generate_batch (continuous)",
     "generate": "transformers generate() (static batches)",
+    "no-prefix-caching": "our engine, prefix caching off",
+    "vllm": "vLLM offline engine (same limits)",
 }
+
+
+def engine_figures(stats: EngineStats) -> dict[str, Any]:
+    """The in-process engine's counters after the run (warm-up included)."""
+    return {
+        "prefix_caching": stats.prefix_caching,
+        "prefix_cache_hit_rate": stats.prefix_cache_hit_rate,
+        "prefix_cache_hits": stats.prefix_cache_hits,
+        "prefix_cache_queries": stats.prefix_cache_queries,
+        "num_scheduled_tokens": stats.num_scheduled_tokens,
+        "num_preemptions": stats.num_preemptions,
+    }
+
+
+def engine_baseline(kind: str, run: dict[str, Any]) -> dict[str, Any]:
+    """Another run of our engine (``summarize``'s figures) as a baseline."""
+    return {
+        "kind": kind,
+        "seconds": run["duration_s"],
+        "output_tokens": run["output_tokens"],
+        "output_tokens_per_s": run["output_tokens_per_s"],
+        "requests_per_s": run["requests_per_s"],
+        "ttft_p50_s": run["ttft_s"]["p50"],
+        "ttft_p99_s": run["ttft_s"]["p99"],
+        "itl_p50_s": run["itl_s"]["p50"],
+        "itl_p99_s": run["itl_s"]["p99"],
+    }
 
 
 def build_result(
@@ -32,6 +63,8 @@ def build_result(
     """``in_run``: the worker's own step figures of this run (``bench.steps.in_run_figures``)."""
     ours = run["output_tokens_per_s"]
     ratios = {kind: ours / b["output_tokens_per_s"] for kind, b in baselines.items() if b.get("output_tokens_per_s")}
+    ttft = run["ttft_s"]["p50"]
+    ttft_ratios = {kind: ttft / b["ttft_p50_s"] for kind, b in baselines.items() if b.get("ttft_p50_s")}
     return {
         **meta,
         "results": run,
@@ -39,8 +72,20 @@ def build_result(
         "model_steps_in_run": in_run,
         "baselines": baselines,
         "throughput_ratio": ratios,
-        "targets": check_targets(run, baselines, ratios, in_run),
+        "ttft_p50_ratio": ttft_ratios,
+        "targets": check_targets(run, baselines, ratios, in_run) | prefix_targets(run, ratios, ttft_ratios),
     }
+
+
+def prefix_targets(run: dict[str, Any], ratios: dict[str, float], ttft_ratios: dict[str, float]) -> dict[str, Any]:
+    """Issue 15's targets: with prefix caching, TTFT p50 at least 3x lower
+    than without; and throughput no lower than vLLM's."""
+    targets: dict[str, dict[str, Any]] = {}
+    if "no-prefix-caching" in ttft_ratios and ttft_ratios["no-prefix-caching"] > 0:
+        targets["TTFT p50 >= 3x lower than without caching"] = _target(1 / ttft_ratios["no-prefix-caching"], ">=", 3.0)
+    if "vllm" in ratios:
+        targets["tokens/s >= 1.0x vLLM"] = _target(ratios["vllm"], ">=", 1.0)
+    return targets
 
 
 def check_targets(
@@ -105,12 +150,16 @@ def format_table(result: dict[str, Any]) -> str:
         lines.append(f"  {label + ' p50 / p99':<32}{_ms(d['p50'])} / {_ms(d['p99'])}")
     if "requests_per_engine" in r:
         lines.append(f"  {'requests per engine':<32}{' / '.join(map(str, r['requests_per_engine']))}")
+    engine = r.get("engine")
+    if engine is not None:
+        rate = f"{engine['prefix_cache_hit_rate'] * 100:.1f}%" if engine["prefix_caching"] else "off"
+        lines.append(f"  {'prefix cache hit rate':<32}{rate} of prompt tokens")
     for name, size in result["peak_rss_bytes"].items():
         lines.append(f"  {'peak RSS ' + name:<32}{size / MIB:.0f} MiB")
     lines += _in_run_lines(result.get("model_steps_in_run"))
     lines += _baseline_lines(result)
     if result["targets"]:
-        lines += ["", "  targets (issue 5):"]
+        lines += ["", "  targets (issues 5 and 15):"]
         for name, t in result["targets"].items():
             verdict = "met" if t["met"] else "MISSED"
             lines.append(f"    {name:<46}{t['value']:.2f} {t['unit']} ({t['op']} {t['bar']:g}): {verdict}")
@@ -145,6 +194,12 @@ def _baseline_lines(result: dict[str, Any]) -> list[str]:
         lines.append(f"  {name:<46}{b['output_tokens_per_s']:>9.1f}{ratio:>8.2f}x{rss:>6.0f} MiB")
         if kind == "model-only":
             lines.append(f"  {'  ITL with zero overhead, p50':<46}{_ms(b['itl_p50_s']):>9}")
+        if b.get("ttft_p50_s"):
+            ttft_ratio = result["ttft_p50_ratio"].get(kind, math.nan)
+            lines.append(
+                f"  {'  TTFT p50 / p99 (ours/it p50)':<46}{_ms(b['ttft_p50_s'])} / {_ms(b['ttft_p99_s'])} "
+                f"({ttft_ratio:.2f}x)"
+            )
     return lines
 
 

@@ -24,9 +24,12 @@ from trioserve.bench.stats import RequestRecord
 from trioserve.bench.steps import step_log_env
 from trioserve.bench.workload import BenchRequest, WorkloadSpec, build_requests, warmup_spec
 from trioserve.config import EngineConfig
+from trioserve.messages import EngineStats
 from trioserve.runners.steplog import StepRecord, read_step_log, step_log_path
 
-BASELINE_KINDS = ("model-only", "generate-batch", "generate")
+BASELINE_KINDS = ("model-only", "generate-batch", "generate")  # run by default
+# Run only when asked: our engine again with prefix caching off, and vLLM (bench/vllm_baseline.py).
+OPTIONAL_BASELINE_KINDS = ("no-prefix-caching", "vllm")
 
 
 @dataclass
@@ -35,6 +38,7 @@ class RunOutcome:
     peak_rss_bytes: dict[str, int]
     steps: list[StepRecord] = field(default_factory=list)  # the output worker's own step log, if any
     requests_per_engine: list[int] = field(default_factory=list)  # with several engines: how many each served
+    engine_stats: EngineStats | None = None  # in-process: the engine's counters after the run
 
 
 async def run_in_process(config: EngineConfig, spec: WorkloadSpec, progress: Progress) -> RunOutcome:
@@ -52,6 +56,7 @@ async def run_in_process(config: EngineConfig, spec: WorkloadSpec, progress: Pro
             outcome.requests_per_engine = [
                 b.num_requests - a.num_requests for a, b in zip(before.engines, after.engines, strict=True)
             ]
+            outcome.engine_stats = after
         outcome.steps = read_step_log(step_log_path(os.path.join(tmp, "steps"), 0))
     return outcome
 

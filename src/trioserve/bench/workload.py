@@ -7,6 +7,9 @@ and the baselines build it from the spec, not from each other).
 Prompts are random token ids in ``[FIRST_PROMPT_ID, vocab_size)``: below
 that are the tiny tokenizers' special tokens (pad, BOS, EOS). Every request
 asks for exactly its output length (``ignore_eos``), so that runs compare.
+With ``shared_prefix_len``, every prompt starts with the same random prefix
+of that many tokens (one long system prompt, say), then its own random
+suffix of ``prompt_len`` tokens: the workload of prefix caching.
 """
 
 from __future__ import annotations
@@ -38,6 +41,7 @@ class WorkloadSpec:
     seed: int = 0
     concurrency: int | None = None  # most requests in flight (None: no limit)
     request_rate: float | None = None  # Poisson arrivals per second (None: all at once)
+    shared_prefix_len: int = 0  # tokens every prompt starts with, before its own prompt_len
 
     def __post_init__(self) -> None:
         if self.num_requests < 1:
@@ -52,6 +56,12 @@ class WorkloadSpec:
             raise ValueError("concurrency: must be >= 1")
         if self.request_rate is not None and not self.request_rate > 0:
             raise ValueError("request_rate: must be > 0")
+        if self.shared_prefix_len < 0:
+            raise ValueError("shared_prefix_len: must be >= 0")
+
+    @property
+    def max_prompt_len(self) -> int:
+        return self.shared_prefix_len + self.prompt_len[1]
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -75,10 +85,12 @@ class BenchRequest:
 def build_requests(spec: WorkloadSpec) -> list[BenchRequest]:
     """The spec's requests, in arrival order."""
     rng = random.Random(spec.seed)
+    prefix_rng = random.Random(f"shared prefix {spec.seed}")  # the other lengths leave it as it is
+    prefix = [prefix_rng.randrange(FIRST_PROMPT_ID, spec.vocab_size) for _ in range(spec.shared_prefix_len)]
     requests, clock = [], 0.0
     for i in range(spec.num_requests):
         n_prompt = rng.randint(*spec.prompt_len)
-        prompt = [rng.randrange(FIRST_PROMPT_ID, spec.vocab_size) for _ in range(n_prompt)]
+        prompt = prefix + [rng.randrange(FIRST_PROMPT_ID, spec.vocab_size) for _ in range(n_prompt)]
         if spec.request_rate is not None and i > 0:
             clock += rng.expovariate(spec.request_rate)
         requests.append(BenchRequest(i, prompt, rng.randint(*spec.output_len), clock))

@@ -13,6 +13,10 @@ Invariants:
   it, or will when those steps have run: they append what they sample.
 - ``finish_reason`` is set exactly when ``status`` is FINISHED, and a
   finished request never changes again.
+- ``block_hashes[i]`` is the chained hash of its ``i``-th block of known
+  tokens (prefix caching: ``core/block_hash.py``); the list only grows.
+  ``num_cached_tokens`` is -1 until it is first admitted, then the number
+  of its prompt tokens found in the prefix cache then; it never changes again.
 
 Only the scheduler mutates a request; everyone else reads.
 """
@@ -22,6 +26,7 @@ from __future__ import annotations
 import enum
 from collections.abc import Sequence
 
+from trioserve.core.block_hash import BlockHash
 from trioserve.core.block_manager import cdiv
 from trioserve.messages import FinishReason, SamplingParams
 
@@ -53,6 +58,8 @@ class Request:
         self.num_pending = 0  # tokens being sampled in steps in flight
         self.status = RequestStatus.WAITING
         self.finish_reason: FinishReason | None = None
+        self.block_hashes: list[BlockHash] = []  # of its full blocks of known tokens, when caching
+        self.num_cached_tokens = -1  # prompt tokens served from the prefix cache at its first admission
         self._stop_token_ids = frozenset(params.stop_token_ids)
 
     def __repr__(self) -> str:

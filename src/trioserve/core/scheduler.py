@@ -1,4 +1,5 @@
-"""Continuous batching: chunked prefill, decode, preemption by recompute, fair admission.
+"""Continuous batching: chunked prefill, decode, preemption by recompute,
+fair admission, prefix caching.
 
 There is no separate prefill phase. Every request has ``num_computed_tokens``,
 and each step hands it a slice of the tokens it has not computed yet: all of
@@ -40,7 +41,10 @@ Each ``schedule()``:
    the client with the fewest running requests, in rotation among equals);
    admission stops for the step at the first request that does not fit or that
    still has a token in flight (preempted while a step samples for it), with
-   no skipping ahead, and once any request was preempted for blocks. A request
+   no skipping ahead, and once any request was preempted for blocks. With
+   prefix caching on, an admitted request starts from its longest cached
+   prefix of whole blocks (``core/prefix_cache.py``: never all of its tokens),
+   and the budget counts only the tokens it computes. A request
    that lacks a sequence slot or blocks first preempts running requests that it
    outranks, last first, if that makes it fit (a fairness preemption).
 So a client with waiting requests is served before every client that holds
@@ -78,8 +82,10 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from trioserve.core.block_manager import BlockManager, cdiv
+from trioserve.core.block_manager import BlockManager
 from trioserve.core.fairness import ClientQueues, RunningOrder
+from trioserve.core.invariants import check_scheduler
+from trioserve.core.prefix_cache import PrefixCache
 from trioserve.core.request import Request, RequestStatus
 from trioserve.core.step import Step, StepPlan, sampled_tokens
 from trioserve.messages import EngineStats, FinishReason, RunnerOutput, TokenOutput
@@ -96,6 +102,7 @@ class Scheduler:
         max_num_seqs: int,
         max_num_batched_tokens: int,
         max_model_len: int,
+        enable_prefix_caching: bool = False,
     ) -> None:
         for name, value, least in (
             ("max_num_seqs", max_num_seqs, 1),
@@ -104,7 +111,8 @@ class Scheduler:
         ):
             if value < least:
                 raise ValueError(f"{name}: must be >= {least} (got {value!r})")
-        self.block_manager = BlockManager(num_blocks, block_size)
+        self.block_manager = BlockManager(num_blocks, block_size, enable_caching=enable_prefix_caching)
+        self.prefix_cache = PrefixCache(self.block_manager)
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
@@ -118,6 +126,7 @@ class Scheduler:
         self.num_preemptions = 0  # for blocks
         self.num_fairness_preemptions = 0
         self.num_steps = 0  # steps made by schedule(); the last one's number
+        self.num_scheduled_tokens = 0  # tokens computed by every step made so far
         self.num_requests = 0  # requests taken by add()
 
     # --- requests in and out -------------------------------------------------
@@ -177,7 +186,14 @@ class Scheduler:
             num_steps=self.num_steps,
             num_fairness_preemptions=self.num_fairness_preemptions,
             num_requests=self.num_requests,
+            num_scheduled_tokens=self.num_scheduled_tokens,
+            **self.prefix_cache.stats(),
         )
+
+    def reset_prefix_cache(self) -> int:
+        """Forget every cached prefix (requests running keep their blocks).
+        Returns how many blocks were forgotten."""
+        return self.block_manager.reset_prefix_cache()
 
     # --- one step --------------------------------------------------------------
 
@@ -205,7 +221,9 @@ class Scheduler:
             if req.num_computed_tokens == req.num_tokens + req.num_pending:
                 req.num_pending += 1
                 samplers.append(req)
+            self.prefix_cache.register(req)
         self.num_steps += 1
+        self.num_scheduled_tokens += output.total_num_scheduled_tokens
         return Step(self.num_steps, output, tuple(samplers))
 
     def postprocess(self, step: Step, runner_output: RunnerOutput) -> list[TokenOutput]:
@@ -230,6 +248,7 @@ class Scheduler:
             req.num_pending -= 1
             token_id, logprobs = sampled[req_id]
             req.append_output_token(token_id)
+            self.prefix_cache.register(req)  # the token may fill a block that a step in flight computes
             reason = req.stop_reason(self._max_len)
             if reason is not None:
                 if req.status is RequestStatus.WAITING:
@@ -238,7 +257,8 @@ class Scheduler:
                     finished_running.append(req)
                 self._finish(req, reason)
             new_logprobs = None if logprobs is None else [logprobs]
-            outputs.append(TokenOutput(req_id, [token_id], reason, new_logprobs))
+            cached = self.prefix_cache.reported(req)
+            outputs.append(TokenOutput(req_id, [token_id], reason, new_logprobs, num_cached_tokens=cached))
         self.running.remove(finished_running)
         return outputs
 
@@ -312,26 +332,34 @@ class Scheduler:
         req = self.waiting.next(self.running.num_running)
         if req is None or (before is not None and not self.running.outranks(req, before)):
             return False
-        num_new = min(req.num_tokens, plan.budget)
-        if req.num_pending or not self._make_room_for_newcomer(req, num_new, plan):
-            plan.admitting = False  # no skipping ahead; a token in flight: resume it with that token
+        if req.num_pending:
+            plan.admitting = False  # a token in flight: resume it with that token
+            return False
+        hit = self.prefix_cache.longest_hit(req)
+        num_computed = len(hit) * self.block_manager.block_size
+        num_new = min(req.num_tokens - num_computed, plan.budget)
+        if not self._make_room_for_newcomer(req, num_computed + num_new, hit, plan):
+            plan.admitting = False  # no skipping ahead
             return False
         self.waiting.take(req)
         req.status = RequestStatus.RUNNING
+        req.num_computed_tokens = num_computed
+        self.prefix_cache.admitted(req, hit)
         self.running.add(req)
-        plan.take(req.request_id, num_new, self.block_manager.allocate(req.request_id, num_new))
+        plan.take(req.request_id, num_new, self.block_manager.allocate(req.request_id, num_computed + num_new, hit))
         return True
 
-    def _make_room_for_newcomer(self, req: Request, num_tokens: int, plan: StepPlan) -> bool:
+    def _make_room_for_newcomer(self, req: Request, num_tokens: int, hit: list[int], plan: StepPlan) -> bool:
         """Whether waiting ``req`` gets a sequence slot and the blocks for
-        ``num_tokens``, once the fewest of the running requests it outranks,
-        last first, are preempted for fairness. Preempts none unless that is enough."""
+        ``num_tokens`` (starting with the cached blocks ``hit``), once the
+        fewest of the running requests it outranks, last first, are preempted
+        for fairness. Preempts none unless that is enough."""
         bm = self.block_manager
         num_victims = self.running.num_to_preempt_for(
             req,
             num_seqs=len(self.running) + 1 - self.max_num_seqs,
-            num_blocks=bm.blocks_needed(req.request_id, num_tokens) - bm.num_free_blocks,
-            blocks_of=lambda victim: len(bm.block_table(victim.request_id)),
+            num_blocks=bm.blocks_to_take(req.request_id, num_tokens, hit) - bm.num_free_blocks,
+            blocks_of=lambda victim: bm.num_blocks_freed_by(victim.request_id, keep=hit),
         )
         if num_victims is None:
             return False
@@ -368,36 +396,4 @@ class Scheduler:
     def check_invariants(self, steps_in_flight: Iterable[Step] = ()) -> None:
         """Raise ``RuntimeError`` naming the first broken invariant.
         ``steps_in_flight``: the steps made and not yet postprocessed."""
-        self.block_manager.check_invariants()
-        self.running.check_invariants()
-        self.waiting.check_invariants()
-        running = {r.request_id for r in self.running}
-        waiting = {r.request_id for r in self.waiting}
-        _check(not running & waiting, "a request is both running and waiting")
-        _check(running | waiting == set(self._requests), "running + waiting != unfinished")
-        _check(len(self.running) <= self.max_num_seqs, "more running requests than max_num_seqs")
-        _check(self._on_workers == running, "workers hold requests other than the running")
-        pending: dict[str, int] = {}
-        for step in steps_in_flight:
-            for sampler in step.samplers:
-                if self._requests.get(sampler.request_id) is sampler:
-                    pending[sampler.request_id] = pending.get(sampler.request_id, 0) + 1
-        for req in self._requests.values():
-            _check(req.num_pending == pending.get(req.request_id, 0), f"{req!r}: pending != steps in flight for it")
-            _check(req.num_computed_tokens <= req.num_tokens + req.num_pending, f"{req!r} computed past its tokens")
-        block_size = self.block_manager.block_size
-        for req in self.running:
-            _check(req.status is RequestStatus.RUNNING, f"{req!r} is running but not RUNNING")
-            num_blocks = len(self.block_manager.block_table(req.request_id))
-            _check(
-                num_blocks == cdiv(req.num_computed_tokens, block_size),
-                f"{req!r} holds {num_blocks} blocks for its computed tokens",
-            )
-        for req in self.waiting:
-            _check(req.num_computed_tokens == 0, f"{req!r} is waiting with computed tokens")
-            _check(not self.block_manager.block_table(req.request_id), f"{req!r} waits holding blocks")
-
-
-def _check(condition: bool, message: str) -> None:
-    if not condition:
-        raise RuntimeError(message)
+        check_scheduler(self, steps_in_flight)

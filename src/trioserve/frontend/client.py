@@ -49,7 +49,9 @@ from trioserve.messages import (
     Heartbeat,
     Hello,
     LoadReport,
+    PrefixCacheReset,
     Ready,
+    ResetPrefixCache,
     StartupFailed,
     StartWave,
     StatsReply,
@@ -92,7 +94,7 @@ class EngineCoreClient:
         self.on_wave: Callable[[WaveNotice], None] | None = None
         # Lockstep: this engine core's place among the engines, for its handshake.
         self.data_parallel: DataParallelInit | None = None
-        self._stats_calls: dict[int, tuple[trio.Event, list[EngineStats]]] = {}
+        self._calls: dict[int, tuple[trio.Event, list[StatsReply | PrefixCacheReset]]] = {}  # by call id
         self._call_ids = itertools.count()
         self._stage: StartupStage = "spawn"
         self._startup_failed: StartupFailed | None = None
@@ -274,7 +276,7 @@ class EngineCoreClient:
         for state in self.requests.values():
             state.collector.fail(self._dead)
         self.requests.clear()
-        for event, _ in self._stats_calls.values():
+        for event, _ in self._calls.values():
             event.set()
         if first:
             self._dead_event.set()
@@ -361,15 +363,28 @@ class EngineCoreClient:
 
     async def stats(self) -> EngineStats:
         """Ask the engine core for its statistics. If cancelled, the reply is dropped."""
+        reply = await self._call(GetStats(call_id=next(self._call_ids)))
+        assert isinstance(reply, StatsReply)
+        return reply.stats
+
+    async def reset_prefix_cache(self) -> int:
+        """Make the engine core forget every cached prefix; how many blocks it
+        forgot. If cancelled, the reset may or may not happen."""
+        reply = await self._call(ResetPrefixCache(call_id=next(self._call_ids)))
+        assert isinstance(reply, PrefixCacheReset)
+        return reply.num_blocks
+
+    async def _call(self, msg: GetStats | ResetPrefixCache) -> StatsReply | PrefixCacheReset:
+        """Send ``msg`` and wait for the reply with its call id. Raises
+        ``EngineDeadError`` if the engine core dies first."""
         self.check_alive()
-        call_id = next(self._call_ids)
-        event, result = trio.Event(), list[EngineStats]()
-        self._stats_calls[call_id] = (event, result)
+        event, result = trio.Event(), list[StatsReply | PrefixCacheReset]()
+        self._calls[msg.call_id] = (event, result)
         try:
-            await self._to_engine_send.send(_encode(GetStats(call_id=call_id)))
+            await self._to_engine_send.send(_encode(msg))
             await event.wait()
         finally:
-            del self._stats_calls[call_id]
+            del self._calls[msg.call_id]
         self.check_alive()
         return result[0]
 
@@ -396,10 +411,10 @@ class EngineCoreClient:
                 self._silence.deadline = self._last_heard + self.config.heartbeat_timeout_s
                 if isinstance(msg, EngineOutputs):
                     self._dispatch(msg)
-                elif isinstance(msg, StatsReply):
-                    call = self._stats_calls.get(msg.call_id)
+                elif isinstance(msg, StatsReply | PrefixCacheReset):
+                    call = self._calls.get(msg.call_id)
                     if call is not None:
-                        call[1].append(msg.stats)
+                        call[1].append(msg)
                         call[0].set()
                 elif isinstance(msg, WaveNotice):
                     if self.on_wave is not None:

@@ -242,14 +242,24 @@ class EngineGroup:
             engines.append(await client.stats() if client is not None else _ZERO)
         return _total(engines)
 
+    async def reset_prefix_cache(self) -> int:
+        """Make every engine forget its cached prefixes; how many blocks they
+        forgot. While no engine is ready, waits for one like a request; an
+        engine that is restarting has nothing cached."""
+        if len(self.supervisors) == 1:
+            return await (await self.supervisors[0].ready_client()).reset_prefix_cache()
+        await self._ready_engines()
+        clients = [s.live_client() for s in self.supervisors]
+        return sum([await c.reset_prefix_cache() for c in clients if c is not None])
+
 
 _ZERO = EngineStats(num_running=0, num_waiting=0, num_free_blocks=0, num_total_blocks=0, num_preemptions=0, num_steps=0)
 
 
 def _total(engines: list[EngineStats]) -> EngineStats:
-    fields = [f for f in EngineStats.__struct_fields__ if f != "engines"]
+    fields = [f for f in EngineStats.__struct_fields__ if f not in ("engines", "prefix_caching")]
     sums = {f: sum(getattr(e, f) for e in engines) for f in fields}
-    return EngineStats(**sums, engines=engines)
+    return EngineStats(**sums, prefix_caching=any(e.prefix_caching for e in engines), engines=engines)
 
 
 async def _first_of(waits: list[Callable[[], Awaitable[None]]]) -> None:

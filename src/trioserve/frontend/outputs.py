@@ -25,6 +25,9 @@ class RequestOutput:
     ``cumulative_text`` is all the text so far. ``finish_reason`` is set on the
     last output: ``"stop"`` (EOS, a stop token or a stop string; ``stop_reason``
     says which), ``"length"`` (``max_tokens`` or the context), or ``"abort"``.
+    ``num_cached_tokens`` is how many prompt tokens the engine found in its
+    prefix cache (and did not compute), known from the first token on; None
+    before it (a request aborted before its first token never knows).
     """
 
     request_id: str
@@ -37,6 +40,7 @@ class RequestOutput:
     stop_reason: str | int | None = None
     logprobs: list[SampleLogprobs] | None = None
     index: int = 0  # which of a parent request's n samples (``Engine.stream_n``); 0 otherwise
+    num_cached_tokens: int | None = None
 
     @property
     def finished(self) -> bool:
@@ -50,6 +54,7 @@ class RequestOutput:
         self.num_output_tokens = newer.num_output_tokens
         self.finish_reason = newer.finish_reason
         self.stop_reason = newer.stop_reason
+        self.num_cached_tokens = newer.num_cached_tokens
         if newer.logprobs is not None:
             self.logprobs = (self.logprobs or []) + newer.logprobs
 

@@ -31,6 +31,7 @@ class RequestState:
         self.detokenizer = IncrementalDetokenizer(tokenizer, prompt_token_ids, stop=params.stop)
         self.collector = OutputCollector()
         self.num_output_tokens = 0
+        self.num_cached_tokens: int | None = None  # prompt tokens from the prefix cache, from the first token on
         self.finished = False
         self._on_end = on_end  # told once, when the request ends
         self._started = time.monotonic()
@@ -52,6 +53,8 @@ class RequestState:
         a stop string ended the request here (the engine must be told)."""
         self._time(len(output.new_token_ids))
         self.num_output_tokens += len(output.new_token_ids)
+        if output.num_cached_tokens is not None:
+            self.num_cached_tokens = output.num_cached_tokens
         update = self.detokenizer.update(output.new_token_ids)
         text = update.text_delta
         finish_reason = output.finish_reason
@@ -76,6 +79,7 @@ class RequestState:
                 stop_reason=stop_reason,
                 logprobs=output.new_logprobs,
                 index=self.index,
+                num_cached_tokens=self.num_cached_tokens,
             )
         )
         if finish_reason is not None:

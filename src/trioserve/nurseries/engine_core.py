@@ -54,7 +54,9 @@ from trioserve.messages import (
     Heartbeat,
     Hello,
     LoadReport,
+    PrefixCacheReset,
     Ready,
+    ResetPrefixCache,
     StartupFailed,
     StartWave,
     StatsReply,
@@ -210,6 +212,9 @@ class EngineCore:
             self.scheduler.abort(msg.request_ids)
         elif isinstance(msg, GetStats):
             self._replies.append(StatsReply(call_id=msg.call_id, stats=self.scheduler.stats()))
+        elif isinstance(msg, ResetPrefixCache):
+            num_blocks = self.scheduler.reset_prefix_cache()
+            self._replies.append(PrefixCacheReset(call_id=msg.call_id, num_blocks=num_blocks))
 
     def _add(self, msg: AddRequest) -> None:
         try:
@@ -399,6 +404,7 @@ async def _serve(
             max_num_seqs=config.max_num_seqs,
             max_num_batched_tokens=config.max_num_batched_tokens,
             max_model_len=info.max_model_len,
+            enable_prefix_caching=config.enable_prefix_caching,
         )
         inbox_send, inbox_receive = trio.open_memory_channel[EngineRequest](INBOX_SIZE)
         await nursery.start(input_socket_actor, init.input_address, inbox_send)

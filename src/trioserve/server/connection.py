@@ -68,6 +68,7 @@ class _Flight:
     end_code: str | None = None  # set when the server ends it early; None: the client cancelled
     prompt_tokens: int = 0
     completion_tokens: int = 0
+    cached_tokens: int = 0
 
 
 class Connection:
@@ -244,7 +245,9 @@ class Connection:
     def _ended_early(self, flight: _Flight) -> ServerMessage:
         request_id = flight.request.id
         if flight.end_code is None:  # the client's cancel
-            return protocol.done(request_id, "abort", None, flight.prompt_tokens, flight.completion_tokens)
+            return protocol.done(
+                request_id, "abort", None, flight.prompt_tokens, flight.completion_tokens, flight.cached_tokens
+            )
         if flight.end_code == protocol.ENGINE_DEAD:
             return protocol.error(request_id, protocol.ENGINE_DEAD, "the engine died")
         return protocol.error(request_id, flight.end_code, "the server is shutting down; the request was ended")
@@ -276,6 +279,7 @@ class Connection:
             flight.prompt_tokens = stream.num_prompt_tokens
             async for out in stream:
                 flight.completion_tokens = out.num_output_tokens
+                flight.cached_tokens = out.num_cached_tokens or 0
                 if out.text or out.token_ids:
                     delta = Delta(id=request_id, text=out.text, token_ids=out.token_ids, logprobs=out.logprobs)
                     if not await self._queue_delta(protocol.encode(delta)):
@@ -287,7 +291,12 @@ class Connection:
                         )
                 if out.finish_reason is not None:
                     return protocol.done(
-                        request_id, out.finish_reason, out.stop_reason, out.num_prompt_tokens, out.num_output_tokens
+                        request_id,
+                        out.finish_reason,
+                        out.stop_reason,
+                        out.num_prompt_tokens,
+                        out.num_output_tokens,
+                        out.num_cached_tokens or 0,
                     )
         raise RuntimeError("the stream ended without a finished output")
 

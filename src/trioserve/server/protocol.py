@@ -81,6 +81,7 @@ class Cancel(msgspec.Struct, frozen=True):
 class Usage(msgspec.Struct, frozen=True):
     prompt_tokens: int
     completion_tokens: int
+    cached_tokens: int = 0  # prompt tokens served from the engine's prefix cache
 
 
 class Delta(msgspec.Struct, tag="delta", tag_field="type", omit_defaults=True):
@@ -271,10 +272,11 @@ def done(
     stop_reason: str | int | None,
     prompt_tokens: int,
     completion_tokens: int,
+    cached_tokens: int = 0,
 ) -> Done:
     return Done(
         id=request_id,
         finish_reason=finish_reason,
         stop_reason=stop_reason,
-        usage=Usage(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens),
+        usage=Usage(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens, cached_tokens=cached_tokens),
     )

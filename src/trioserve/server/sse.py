@@ -26,6 +26,7 @@ class Choice:
     logprobs: list[SampleLogprobs] | None = None
     finish_reason: str | None = None
     num_output_tokens: int = 0
+    num_cached_tokens: int = 0  # prompt tokens the engine found in its prefix cache
 
 
 class Choices:
@@ -42,11 +43,17 @@ class Choices:
             choice.logprobs = (choice.logprobs or []) + out.logprobs
         choice.finish_reason = out.finish_reason
         choice.num_output_tokens = out.num_output_tokens
+        choice.num_cached_tokens = out.num_cached_tokens or 0
         return choice
 
     @property
     def completion_tokens(self) -> int:
         return sum(c.num_output_tokens for c in self.items)
+
+    @property
+    def cached_tokens(self) -> int:
+        """The first sample's cached prompt tokens (the prompt is counted once)."""
+        return self.items[0].num_cached_tokens
 
 
 class EventFormat:
@@ -84,7 +91,7 @@ class EventFormat:
                 item["text"] = c.text
             items.append(item)
         body = self._envelope("chat.completion" if self.kind == "chat" else "text_completion", items)
-        body["usage"] = oai.usage(prompt_tokens, choices.completion_tokens)
+        body["usage"] = oai.usage(prompt_tokens, choices.completion_tokens, choices.cached_tokens)
         return body
 
     def opening(self, n: int, include_usage: bool) -> list[dict[str, Any]]:
@@ -114,7 +121,7 @@ class EventFormat:
     def usage_chunk(self, choices: Choices, prompt_tokens: int) -> dict[str, Any]:
         """The last chunk when ``stream_options.include_usage``: no choices, the usage."""
         body = self._envelope("chat.completion.chunk" if self.kind == "chat" else "text_completion", [])
-        body["usage"] = oai.usage(prompt_tokens, choices.completion_tokens)
+        body["usage"] = oai.usage(prompt_tokens, choices.completion_tokens, choices.cached_tokens)
         return body
 
 

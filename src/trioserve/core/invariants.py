@@ -1,0 +1,63 @@
+"""The scheduler's invariants, checked (``Scheduler.check_invariants``).
+
+They are listed in ``core/scheduler.py``'s docstring; this module only
+checks them, reading the scheduler's state (its internals included: it is
+part of the scheduler, kept apart so that the scheduler reads as the
+algorithm). Each failure raises ``RuntimeError`` naming the invariant.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import TYPE_CHECKING
+
+from trioserve.core.block_manager import cdiv
+from trioserve.core.prefix_cache import check_shared_blocks
+from trioserve.core.request import RequestStatus
+from trioserve.core.step import Step
+
+if TYPE_CHECKING:
+    from trioserve.core.scheduler import Scheduler
+
+
+def check_scheduler(sched: Scheduler, steps_in_flight: Iterable[Step]) -> None:
+    """Raise ``RuntimeError`` naming the first broken invariant of ``sched``.
+    ``steps_in_flight``: the steps made and not yet postprocessed."""
+    bm = sched.block_manager
+    bm.check_invariants()
+    sched.running.check_invariants()
+    sched.waiting.check_invariants()
+    requests = sched._requests
+    running = {r.request_id for r in sched.running}
+    waiting = {r.request_id for r in sched.waiting}
+    _check(not running & waiting, "a request is both running and waiting")
+    _check(running | waiting == set(requests), "running + waiting != unfinished")
+    _check(len(sched.running) <= sched.max_num_seqs, "more running requests than max_num_seqs")
+    _check(sched._on_workers == running, "workers hold requests other than the running")
+    pending: dict[str, int] = {}
+    for step in steps_in_flight:
+        for sampler in step.samplers:
+            if requests.get(sampler.request_id) is sampler:
+                pending[sampler.request_id] = pending.get(sampler.request_id, 0) + 1
+    for req in requests.values():
+        _check(req.num_pending == pending.get(req.request_id, 0), f"{req!r}: pending != steps in flight for it")
+        _check(req.num_computed_tokens <= req.num_tokens + req.num_pending, f"{req!r} computed past its tokens")
+        _check(req.num_cached_tokens <= req.num_prompt_tokens, f"{req!r} has more cached tokens than prompt")
+    for req in sched.running:
+        _check(req.status is RequestStatus.RUNNING, f"{req!r} is running but not RUNNING")
+        num_blocks = len(bm.block_table(req.request_id))
+        _check(
+            num_blocks == cdiv(req.num_computed_tokens, bm.block_size),
+            f"{req!r} holds {num_blocks} blocks for its computed tokens",
+        )
+    for req in sched.waiting:
+        _check(req.num_computed_tokens == 0, f"{req!r} is waiting with computed tokens")
+        _check(not bm.block_table(req.request_id), f"{req!r} waits holding blocks")
+    check_shared_blocks(sched.running, bm)
+    cache = sched.prefix_cache
+    _check(0 <= cache.num_hits <= cache.num_queries, "more prefix cache hits than queries")
+
+
+def _check(condition: bool, message: str) -> None:
+    if not condition:
+        raise RuntimeError(message)
