@@ -57,12 +57,16 @@ def _add_engine_options(parser: argparse.ArgumentParser) -> None:
         help="2: plan and send the next model step while the current one runs; 1: one at a time (default: %(default)s)",
     )
     group.add_argument(
-        "--data-parallel-size", type=int, default=1, metavar="N",
+        "--data-parallel-size",
+        type=int,
+        default=1,
+        metavar="N",
         help="engine cores side by side, each with its own workers; new requests go to the least loaded "
         "(default: %(default)s)",
     )
     group.add_argument(
-        "--data-parallel-lockstep", action="store_true",
+        "--data-parallel-lockstep",
+        action="store_true",
         help="step every engine core while any has work (the idle ones with dummy steps), as models whose "
         "data-parallel ranks share collectives need",
     )

@@ -23,6 +23,7 @@ import msgspec
 
 from trioserve.config import EngineConfig
 from trioserve.errors import InvalidRequestError, StartupStage
+from trioserve.rpc import ControlReply, ControlRequest, ShardInfo, WorkerCall, WorkerResult
 
 FinishReason = Literal["stop", "length", "abort", "error"]
 
@@ -202,6 +203,8 @@ class EngineStats(msgspec.Struct, frozen=True):
     # With several engines (data parallel), the totals above are their sums and
     # this holds each engine's own figures, by engine index; empty otherwise.
     engines: list[EngineStats] = msgspec.field(default_factory=list)
+    # Every worker's share and memory, by engine index then rank.
+    workers: list[ShardInfo] = msgspec.field(default_factory=list)
 
 
 class SampleLogprobs(msgspec.Struct, frozen=True, array_like=True):
@@ -281,7 +284,7 @@ class GetStats(msgspec.Struct, tag=True):
     call_id: int
 
 
-EngineRequest = AddRequest | AbortRequests | GetStats
+EngineRequest = AddRequest | AbortRequests | GetStats | ControlRequest
 
 
 # --- engine core -> front-end ----------------------------------------------
@@ -310,7 +313,7 @@ class EngineDead(msgspec.Struct, tag=True):
     reason: str
 
 
-EngineResponse = EngineOutputs | StatsReply | LoadReport | Heartbeat | EngineDead
+EngineResponse = EngineOutputs | StatsReply | LoadReport | Heartbeat | EngineDead | ControlReply
 
 
 # --- engine core <-> worker ------------------------------------------------
@@ -355,9 +358,14 @@ class SchedulerOutput(msgspec.Struct, tag=True):
 
 
 class WorkerInit(msgspec.Struct, tag=True):
+    """``dist_init_file``: with more than one rank, the file (in a private
+    0700 directory) where the ranks meet to form their process group."""
+
     config: EngineConfig
     rank: int
     world_size: int
+    dist_init_file: str = ""
+    engine_index: int = 0
 
 
 class WorkerLoaded(msgspec.Struct, tag=True):
@@ -398,5 +406,18 @@ class WorkerHeartbeat(msgspec.Struct, tag=True):
     ``heartbeat_interval_s``, whatever its model is doing)."""
 
 
-ToWorker = WorkerInit | InitKVCache | SchedulerOutput
-FromWorker = WorkerLoaded | KVCacheReady | RunnerOutput | WorkerFailed | WorkerHeartbeat
+class RpcRequest(msgspec.Struct, tag=True):
+    """A control call for the worker, between two steps (``rpc.WorkerCall``)."""
+
+    call: WorkerCall
+
+
+class RpcReply(msgspec.Struct, tag=True):
+    """The worker's answer to ``RpcRequest``: its result, or what it raised."""
+
+    result: WorkerResult | None = None
+    error: str = ""
+
+
+ToWorker = WorkerInit | InitKVCache | SchedulerOutput | RpcRequest
+FromWorker = WorkerLoaded | KVCacheReady | RunnerOutput | RpcReply | WorkerFailed | WorkerHeartbeat

@@ -121,12 +121,16 @@ def _add_target_options(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto", help="default: %(default)s")
     group.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"], default="auto")
     group.add_argument(
-        "--data-parallel-size", type=int, default=1, metavar="N",
+        "--data-parallel-size",
+        type=int,
+        default=1,
+        metavar="N",
         help="engine cores side by side, each with its own workers; new requests go to the least loaded "
         "(default: %(default)s)",
     )
     group.add_argument(
-        "--data-parallel-lockstep", action="store_true",
+        "--data-parallel-lockstep",
+        action="store_true",
         help="step every engine core while any has work (the idle ones with dummy steps), as models whose "
         "data-parallel ranks share collectives need",
     )

@@ -54,12 +54,13 @@ from trioserve.messages import (
     LoadReport,
     Ready,
     StartupFailed,
-    StatsReply,
     TokenOutput,
 )
 from trioserve.nurseries.child_main import ChildFailed, remove_if_parent_dies
+from trioserve.nurseries.control import Controller
 from trioserve.nurseries.executor import Executor
 from trioserve.nurseries.workers import ExecutorStage, WorkerError
+from trioserve.rpc import ControlRequest
 from trioserve.transport.zmq_trio import TrioZmqSocket
 
 HANDSHAKE_ADDRESS_ENV = "TRIOSERVE_HANDSHAKE_ADDRESS"
@@ -91,6 +92,7 @@ class EngineCore:
         self.depth = executor.config.max_steps_in_flight
         self._unsent: list[TokenOutput] = []  # outputs of the last step postprocessed, not yet in the outbox
         self._replies: list[EngineResponse] = []  # answers to front-end messages, not yet in the outbox
+        self.control = Controller(scheduler, executor, self._replies)  # pause, sleep, calls to the workers
         self._last_load = LoadReport(num_waiting=0, num_running=0)
         self._last_load_at = -math.inf
 
@@ -103,12 +105,18 @@ class EngineCore:
         (up to ``max_steps_in_flight`` are with the workers at once, so they
         go from one step straight to the next); send the last step's outputs
         to the front-end, once the step after it is on its way; then wait
-        for the oldest step and postprocess it. If cancelled, steps still in
-        flight are dropped with the workers.
+        for the oldest step and postprocess it. A control call that can run
+        (``nurseries/control.py``) runs first, once the steps in flight are
+        collected. If cancelled, steps still in flight are dropped with the
+        workers.
         """
         while True:
             await self._wait_for_work(inbox, outbox)
             self._take_messages(inbox)
+            if self.control.has_ready():
+                while self.in_flight:
+                    await self._collect_oldest()
+                await self.control.run_ready(self._add)
             sent = await self._plan_and_send()
             await self._send_outputs(outbox)
             if self.in_flight and (len(self.in_flight) == self.depth or not sent):
@@ -119,8 +127,8 @@ class EngineCore:
     async def _wait_for_work(
         self, inbox: trio.MemoryReceiveChannel[EngineRequest], outbox: trio.MemorySendChannel[EngineResponse]
     ) -> None:
-        """When nothing is in flight or unfinished, flush the outputs and sleep on the inbox."""
-        if not self.in_flight and not self.scheduler.has_unfinished():
+        """When nothing is in flight, unfinished or ready to run, flush the outputs and sleep on the inbox."""
+        if not self.in_flight and not self.scheduler.has_unfinished() and not self.control.has_ready():
             await self._send_outputs(outbox)
             self.apply(await inbox.receive())
 
@@ -150,17 +158,19 @@ class EngineCore:
         self._unsent += self.scheduler.postprocess(step, runner_output)
 
     async def _send_outputs(self, outbox: trio.MemorySendChannel[EngineResponse]) -> None:
-        replies, self._replies = self._replies, []
-        for reply in replies:
-            await outbox.send(reply)
+        """Tokens first, then replies: a request that ended before a pause
+        had its last token sent before the pause is answered."""
         if self._unsent:
             outputs, self._unsent = self._unsent, []
             await outbox.send(EngineOutputs(outputs=outputs))
+        while self._replies:  # the list is shared with the controller: empty it in place
+            await outbox.send(self._replies.pop(0))
         if (report := self._load_changed()) is not None:
             await outbox.send(report)
 
     def load(self) -> LoadReport:
-        return LoadReport(num_waiting=self.scheduler.num_waiting, num_running=self.scheduler.num_running)
+        num_waiting = self.scheduler.num_waiting + self.control.num_held
+        return LoadReport(num_waiting=num_waiting, num_running=self.scheduler.num_running)
 
     def _load_changed(self) -> LoadReport | None:
         """The load, when it changed since the last report and the last
@@ -176,11 +186,15 @@ class EngineCore:
     def apply(self, msg: EngineRequest) -> None:
         """Apply one front-end message; its reply, if any, goes out with the next outputs."""
         if isinstance(msg, AddRequest):
-            self._add(msg)
+            if self.control.admitting:
+                self._add(msg)
+            else:
+                self.control.hold(msg)
         elif isinstance(msg, AbortRequests):
+            self.control.drop_held(msg.request_ids)
             self.scheduler.abort(msg.request_ids)
-        elif isinstance(msg, GetStats):
-            self._replies.append(StatsReply(call_id=msg.call_id, stats=self.scheduler.stats()))
+        elif isinstance(msg, GetStats | ControlRequest):
+            self.control.submit(msg)
 
     def _add(self, msg: AddRequest) -> None:
         try:
@@ -357,7 +371,15 @@ async def _serve(
     config = init.config
     async with trio.open_nursery() as nursery:
         in_flight: deque[Step] = deque()
-        executor = Executor(config, in_flight, on_failure=death.report)
+        address = os.environ[HANDSHAKE_ADDRESS_ENV]
+        private_dir = os.path.dirname(address.removeprefix("ipc://")) if address.startswith("ipc://") else None
+        executor = Executor(
+            config,
+            in_flight,
+            on_failure=death.report,
+            engine_index=int(os.environ.get(ENGINE_INDEX_ENV, "0")),
+            private_dir=private_dir,
+        )
         info = await _start_executor(nursery, executor, handshake)
         scheduler = Scheduler(
             num_blocks=info.num_kv_blocks,

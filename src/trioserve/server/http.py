@@ -137,9 +137,7 @@ def route(
     return None
 
 
-def route_over_capacity(
-    head: RequestHead, *, health: str, max_connections: int, engines: Sequence[str] = ()
-) -> Reply:
+def route_over_capacity(head: RequestHead, *, health: str, max_connections: int, engines: Sequence[str] = ()) -> Reply:
     """What to answer when the connection cap is full: ``/health`` as usual
     (it is cheap, and a full server is not an unhealthy one), anything else
     503 with ``Retry-After``."""
