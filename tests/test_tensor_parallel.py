@@ -56,6 +56,37 @@ async def test_two_ranks_give_the_greedy_tokens_of_one_also_with_preemption(tiny
             assert (await engine.stats()).num_preemptions > 0
 
 
+def write_tiny_gpt2(path):
+    """A tiny GPT-2 (no tensor-parallel plan in transformers) with the tiny test tokenizer."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    from trioserve.gpu.tiny_models import VOCAB_SIZE, build_tokenizer
+
+    GPT2LMHeadModel(GPT2Config(vocab_size=VOCAB_SIZE, n_positions=64, n_embd=32, n_layer=1, n_head=2)).save_pretrained(
+        path
+    )
+    build_tokenizer(path)
+    return path
+
+
+async def test_a_model_without_a_tensor_parallel_plan_is_refused_at_start_naming_its_architecture(tmp_path):
+    model_dir = await trio.to_thread.run_sync(write_tiny_gpt2, tmp_path / "gpt2")
+    config = EngineConfig(model=str(model_dir), tensor_parallel_size=2, torch_threads=1, shutdown_grace_s=3.0)
+    with trio.fail_after(60):
+        with pytest.raises(trioserve.EngineStartupError, match=r"GPT2LMHeadModel .*cannot be sharded") as failed:
+            async with trioserve.open_engine(config=config):
+                pass
+    assert failed.value.stage == "model-load"
+
+
+def test_heads_that_do_not_split_evenly_are_refused(tiny_model_dir):
+    from trioserve.gpu.sharding import NotShardableError, check_shardable
+
+    check_shardable(str(tiny_model_dir("llama")), 2)
+    with pytest.raises(NotShardableError, match=r"LlamaForCausalLM has 4 attention heads and 2 KV heads, .* into 4"):
+        check_shardable(str(tiny_model_dir("llama")), 4)
+
+
 # --- control calls, on one shared engine ------------------------------------------
 
 
@@ -219,7 +250,7 @@ async def _gone_within(pids: list[int], seconds: float) -> bool:
 
 
 async def test_kill_9_of_rank_1_in_a_step_or_at_load_ends_requests_at_once_and_the_group_restarts(
-    tiny_model_dir, caplog
+    tiny_model_dir, caplog, capfd
 ):
     config = EngineConfig(
         model=str(tiny_model_dir("llama")),
@@ -274,4 +305,8 @@ async def test_kill_9_of_rank_1_in_a_step_or_at_load_ends_requests_at_once_and_t
             assert len(set(engine.info.worker_pids) & {*first_pids, rank1[0].pid}) == 0
             assert len(waiting[0].token_ids) == 24
         assert any("restart 1 failed" in r.message and "during model-load" in r.message for r in caplog.records)
+        # Rank 0 was killed as hung both times (it may wait in a collective), not asked to stop with a grace.
+        engine_cores_said = capfd.readouterr().err
+        for pid in (first_pids[0], rank0[0].pid):
+            assert f"worker-0 (pid {pid}) declared hung: SIGKILL" in engine_cores_said
         assert [p for p in await wait_no_children() if p.pid not in others] == []
