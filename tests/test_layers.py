@@ -25,6 +25,7 @@ SRC = Path(trioserve.__file__).parent
 RANKS = {
     "errors": 0,
     "config": 0,
+    "rpc": 0,  # the control calls: a closed union that messages carries
     "messages": 1,
     "core": 2,
     "transport": 3,
@@ -47,6 +48,7 @@ TORCH = {"torch", "transformers", "safetensors", "trioserve.gpu"}
 THIRD_PARTY = {
     "errors": {"trio"},  # lazily: to tell a cancellation from a failure
     "config": set(),
+    "rpc": {"msgspec"},
     "messages": {"msgspec"},
     "core": {"msgspec"},
     "transport": {"msgspec", "trio", "zmq"},

@@ -412,6 +412,29 @@ async def test_keep_alive_serves_several_requests_on_one_connection_and_an_idle_
     assert 0.4 <= waited < 2.0
 
 
+async def test_the_engine_is_paused_slept_and_resumed_over_http_and_health_says_so(config):
+    auth = {"Authorization": "Bearer sesame"}
+    with trio.fail_after(60):
+        async with serving(config(), model_name=MODEL, api_key="sesame") as server:
+            assert (await run(raw_request, server, "POST", "/v1/engine/pause"))[0] == 401
+            paused = await run(raw_request, server, "POST", "/v1/engine/pause?mode=abort", headers=auth)
+            health_paused = await run(raw_request, server, "GET", "/health")
+            bad = await run(raw_request, server, "POST", "/v1/engine/sleep?level=3", headers=auth)
+            asleep = await run(raw_request, server, "POST", "/v1/engine/sleep?level=1", headers=auth)
+            woken = await run(raw_request, server, "POST", "/v1/engine/wake_up", headers=auth)
+            resumed = await run(raw_request, server, "POST", "/v1/engine/resume", headers=auth)
+            answer = await run(
+                client(server, api_key="sesame").completions.create, model=MODEL, prompt="Hi", max_tokens=3
+            )
+    assert (paused[0], json.loads(paused[2])) == (200, {"health": "paused"})
+    assert (health_paused[0], json.loads(health_paused[2])) == (503, {"status": "paused"})
+    assert bad[0] == 400 and "level: must be 1 or 2" in json.loads(bad[2])["error"]["message"]
+    assert (asleep[0], json.loads(asleep[2])) == (200, {"health": "sleeping"})
+    assert (woken[0], json.loads(woken[2])) == (200, {"health": "paused"})  # still paused: only resume ends that
+    assert (resumed[0], json.loads(resumed[2])) == (200, {"health": "ready"})
+    assert answer.choices[0].finish_reason == "length"
+
+
 # --- what a hostile client found (review) ----------------------------------------------
 
 

@@ -37,8 +37,10 @@ class QuietFakeRunner(FakeRunner):
 
 
 class VirtualWorkers:
-    """The executor's face (``config``, ``dispatch``, ``collect``) over a fake
-    runner whose steps take ``STEP_S`` each, back to back."""
+    """The executor's face (``config``, ``engine_index``, ``dispatch``,
+    ``collect``) over a fake runner whose steps take ``STEP_S`` each, back to back."""
+
+    engine_index = 0
 
     def __init__(self, config: EngineConfig) -> None:
         self.config = config

@@ -11,6 +11,7 @@ Public names (the docs list the same; a test checks they agree)::
 from trioserve.api import Engine, open_engine
 from trioserve.config import EngineConfig, FakeRunnerConfig
 from trioserve.errors import (
+    ControlCallError,
     EngineDeadError,
     EngineOverloadedError,
     EngineStartupError,
@@ -22,8 +23,13 @@ from trioserve.errors import (
 from trioserve.frontend.outputs import RequestOutput
 from trioserve.frontend.streams import ParentRequestStream, RequestStream
 from trioserve.messages import EngineInfo, EngineStats, SampleLogprobs, SamplingParams
+from trioserve.rpc import DescribeShard, Echo, EchoReply, ShardInfo
 
 __all__ = [
+    "ControlCallError",
+    "DescribeShard",
+    "Echo",
+    "EchoReply",
     "Engine",
     "EngineConfig",
     "EngineDeadError",
@@ -40,6 +46,7 @@ __all__ = [
     "RequestStream",
     "SampleLogprobs",
     "SamplingParams",
+    "ShardInfo",
     "TrioserveError",
     "open_engine",
 ]

@@ -33,6 +33,21 @@ from trioserve.frontend.streams import ParentRequestStream, RequestStream
 from trioserve.frontend.supervisor import Health
 from trioserve.frontend.tokenizer import Tokenizer
 from trioserve.messages import EngineInfo, EngineStats, SamplingParams
+from trioserve.rpc import (
+    CollectiveCall,
+    CollectiveRpc,
+    ControlCall,
+    ControlReply,
+    DescribeShard,
+    Echo,
+    Pause,
+    PauseMode,
+    Resume,
+    Sleep,
+    SleepLevel,
+    WakeUp,
+    WorkerResult,
+)
 
 log = logging.getLogger("trioserve.api")
 RequestObserver = Callable[[RequestMetrics], None]
@@ -75,6 +90,11 @@ async def open_engine(
                 nursery.cancel_scope.cancel()
     except BaseExceptionGroup as group:
         raise collapse(group) from None
+
+
+def _check_mode(mode: object) -> None:
+    if mode not in ("wait", "abort"):
+        raise InvalidRequestError("mode", f"must be 'wait' or 'abort' (got {mode!r})")
 
 
 def _load_tokenizer(config: EngineConfig) -> tuple[Tokenizer, ChatTemplate | None]:
@@ -252,8 +272,61 @@ class Engine:
     async def stats(self) -> EngineStats:
         """The engine cores' counters (running and waiting requests, free KV
         blocks...): with several engines, the totals, and each engine's own
-        in ``engines``. While no engine is ready, waits like a request."""
+        in ``engines``; every worker's share of the model and its memory in
+        ``workers`` (``ShardInfo``, by engine then rank). While no engine is
+        ready, waits like a request."""
         return await self._group.stats()
+
+    # --- control calls (rpc.py; every engine core of the group) ----------------
+
+    async def pause(self, *, mode: PauseMode = "wait", timeout_s: float | None = None) -> None:
+        """Pause generation: requests made from now on wait (``health`` is
+        ``paused``) until ``resume()``; those already in the engine finish
+        (``mode="wait"``) or end at once with finish reason ``abort``
+        (``"abort"``). Returns once none runs. Raises ``ControlCallError`` if
+        they have not ended within ``timeout_s`` (default
+        ``config.control_timeout_s``): the engine stays paused. If cancelled,
+        the pause may still take effect."""
+        _check_mode(mode)
+        await self._control(Pause(mode=mode), timeout_s)
+
+    async def resume(self, *, timeout_s: float | None = None) -> None:
+        """Generate again after ``pause()``: the requests that waited start."""
+        await self._control(Resume(), timeout_s)
+
+    async def sleep(self, level: SleepLevel = 1, *, mode: PauseMode = "wait", timeout_s: float | None = None) -> None:
+        """Pause (as ``pause(mode=...)``), then free the KV cache (level 1)
+        or the KV cache and the weights (level 2) on every worker, giving the
+        memory back to the machine. ``health`` is ``sleeping``. Requests made
+        while asleep wait for ``wake_up()``, or fail at once with
+        ``RequestError`` when ``config.while_asleep == "fail"``."""
+        _check_mode(mode)
+        if level not in (1, 2):
+            raise InvalidRequestError("level", f"must be 1 or 2 (got {level!r})")
+        await self._control(Sleep(level=level, mode=mode), timeout_s)
+
+    async def wake_up(self, *, timeout_s: float | None = None) -> None:
+        """Restore what ``sleep()`` freed (weights reloaded from the model
+        directory, a zeroed KV cache) and generate again, unless paused."""
+        await self._control(WakeUp(), timeout_s)
+
+    async def collective_rpc(self, call: CollectiveCall, *, timeout_s: float | None = None) -> list[WorkerResult]:
+        """Run ``call`` (``DescribeShard`` or ``Echo``) on every worker of
+        every engine core, between two steps; each rank's result, by engine
+        index then rank. A worker that raises gives ``ControlCallError``
+        naming its rank; the engine serves on. Workers that do not answer
+        within ``timeout_s`` are hung: their engine core dies and restarts."""
+        if not isinstance(call, DescribeShard | Echo):
+            raise InvalidRequestError("call", f"must be DescribeShard or Echo (got {type(call).__name__})")
+        replies = await self._control(CollectiveRpc(call=call), timeout_s)
+        return [result for reply in replies for result in reply.results]
+
+    async def _control(self, call: ControlCall, timeout_s: float | None) -> list[ControlReply]:
+        if timeout_s is None:
+            timeout_s = self.config.control_timeout_s
+        if not (isinstance(timeout_s, int | float) and 0 < timeout_s < float("inf")):
+            raise InvalidRequestError("timeout_s", f"must be a positive number of seconds (got {timeout_s!r})")
+        return await self._group.control(call, float(timeout_s))
 
     @property
     def engine_infos(self) -> list[EngineInfo]:

@@ -73,6 +73,14 @@ def _add_engine_options(parser: argparse.ArgumentParser) -> None:
         "(default: %(default)s)",
     )
     group.add_argument(
+        "--tensor-parallel-size",
+        type=int,
+        default=1,
+        metavar="N",
+        help="worker processes per engine core, each holding a shard of the model (Llama, Qwen2, Qwen3 and "
+        "other architectures with a tensor-parallel plan in transformers; default: %(default)s)",
+    )
+    group.add_argument(
         "--data-parallel-lockstep",
         action="store_true",
         help="step every engine core while any has work (the idle ones with dummy steps), as models whose "
@@ -187,6 +195,7 @@ def _engine_config(args: argparse.Namespace) -> EngineConfig:
         max_steps_in_flight=args.max_steps_in_flight,
         enable_prefix_caching=args.enable_prefix_caching,
         data_parallel_size=args.data_parallel_size,
+        tensor_parallel_size=args.tensor_parallel_size,
         data_parallel_lockstep=args.data_parallel_lockstep,
         max_restarts=args.max_restarts,
         restart_window_s=args.restart_window,

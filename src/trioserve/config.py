@@ -114,6 +114,8 @@ class EngineConfig:
     # data-parallel ranks share collectives each step (docs/architecture.md).
     data_parallel_size: int = 1
     data_parallel_lockstep: bool = False
+    # Workers per engine core, each holding a shard of the model (its share of
+    # the attention heads and MLP columns), in one torch.distributed group.
     tensor_parallel_size: int = 1
     torch_threads: int | None = None  # torch intra-op threads in each worker
 
@@ -145,6 +147,12 @@ class EngineConfig:
     restart_backoff_max_s: float = 10.0
     restart_wait_s: float = 60.0  # how long a new request waits for a restarting engine
 
+    # Control calls (pause, sleep, collective_rpc): how long the workers get
+    # to answer one (past it they count as hung), and what a request that
+    # arrives while the model sleeps does: wait for wake_up, or fail at once.
+    control_timeout_s: float = 60.0
+    while_asleep: Literal["wait", "fail"] = "wait"
+
     fake: FakeRunnerConfig = field(default_factory=FakeRunnerConfig)
 
     def __post_init__(self) -> None:
@@ -165,17 +173,13 @@ class EngineConfig:
         _check(self.max_steps_in_flight in (1, 2), "max_steps_in_flight", "must be 1 or 2")
         _check(isinstance(self.enable_prefix_caching, bool), "enable_prefix_caching", "must be True or False")
         _check(self.max_model_len is None or self.max_model_len >= 2, "max_model_len", "must be >= 2")
-        _check(self.tensor_parallel_size >= 1, "tensor_parallel_size", "must be >= 1")
+        _check(1 <= self.tensor_parallel_size <= 64, "tensor_parallel_size", "must be in [1, 64]")
         _check(1 <= self.data_parallel_size <= 64, "data_parallel_size", "must be in [1, 64]")
-        _check(
-            self.runner == "fake" or self.tensor_parallel_size == 1,
-            "tensor_parallel_size",
-            "the transformers runner does not shard models yet; use 1",
-        )
+        _check(self.while_asleep in ("wait", "fail"), "while_asleep", "must be 'wait' or 'fail'")
         _check(self.torch_threads is None or self.torch_threads >= 1, "torch_threads", "must be >= 1")
         for name in (
             "startup_timeout_s", "model_load_timeout_s", "shutdown_grace_s", "restart_window_s",
-            "heartbeat_interval_s", "step_hang_min_s",
+            "heartbeat_interval_s", "step_hang_min_s", "control_timeout_s",
         ):  # fmt: skip
             _check(getattr(self, name) > 0, name, "must be > 0")
         _check(

@@ -44,6 +44,12 @@ class RequestError(TrioserveError):
     ``ValueError``)."""
 
 
+class ControlCallError(TrioserveError):
+    """A control call (``pause``, ``sleep``, ``collective_rpc``...) failed or
+    was not answered in time; the message names the engine core and, when a
+    worker raised, its rank. The engine serves on."""
+
+
 class EngineOverloadedError(RequestError):
     """The engine holds as many waiting requests as it may
     (``EngineConfig.max_waiting_requests``): the request was not taken.

@@ -23,6 +23,7 @@ import msgspec
 
 from trioserve.config import EngineConfig
 from trioserve.errors import InvalidRequestError, StartupStage
+from trioserve.rpc import ControlReply, ControlRequest, ShardInfo, WorkerCall, WorkerResult
 
 FinishReason = Literal["stop", "length", "abort", "error"]
 
@@ -213,6 +214,8 @@ class EngineStats(msgspec.Struct, frozen=True):
     # With several engines (data parallel), the totals above are their sums and
     # this holds each engine's own figures, by engine index; empty otherwise.
     engines: list[EngineStats] = msgspec.field(default_factory=list)
+    # Every worker's share and memory, by engine index then rank.
+    workers: list[ShardInfo] = msgspec.field(default_factory=list)
 
     @property
     def prefix_cache_hit_rate(self) -> float:
@@ -324,7 +327,7 @@ class StartWave(msgspec.Struct, tag=True):
     exclude: int | None = None
 
 
-EngineRequest = AddRequest | AbortRequests | GetStats | ResetPrefixCache | StartWave
+EngineRequest = AddRequest | AbortRequests | GetStats | ResetPrefixCache | StartWave | ControlRequest
 
 
 # --- engine core -> front-end ----------------------------------------------
@@ -373,7 +376,9 @@ class WaveNotice(msgspec.Struct, tag=True):
     engine: int
 
 
-EngineResponse = EngineOutputs | StatsReply | PrefixCacheReset | LoadReport | Heartbeat | WaveNotice | EngineDead
+EngineResponse = (
+    EngineOutputs | StatsReply | PrefixCacheReset | LoadReport | Heartbeat | WaveNotice | EngineDead | ControlReply
+)
 
 
 # --- engine core <-> worker ------------------------------------------------
@@ -421,10 +426,15 @@ class SchedulerOutput(msgspec.Struct, tag=True):
 
 
 class WorkerInit(msgspec.Struct, tag=True):
+    """``dist_init_file``: with more than one rank, the file (in a private
+    0700 directory) where the ranks meet to form their process group."""
+
     config: EngineConfig
     rank: int
     world_size: int
     data_parallel: DataParallelInit | None = None  # lockstep: rank 0 joins the collective
+    dist_init_file: str = ""  # tensor parallel: the group's file rendezvous
+    engine_index: int = 0
 
 
 class WorkerLoaded(msgspec.Struct, tag=True):
@@ -466,5 +476,18 @@ class WorkerHeartbeat(msgspec.Struct, tag=True):
     ``heartbeat_interval_s``, whatever its model is doing)."""
 
 
-ToWorker = WorkerInit | InitKVCache | SchedulerOutput
-FromWorker = WorkerLoaded | KVCacheReady | RunnerOutput | WorkerFailed | WorkerHeartbeat
+class RpcRequest(msgspec.Struct, tag=True):
+    """A control call for the worker, between two steps (``rpc.WorkerCall``)."""
+
+    call: WorkerCall
+
+
+class RpcReply(msgspec.Struct, tag=True):
+    """The worker's answer to ``RpcRequest``: its result, or what it raised."""
+
+    result: WorkerResult | None = None
+    error: str = ""
+
+
+ToWorker = WorkerInit | InitKVCache | SchedulerOutput | RpcRequest
+FromWorker = WorkerLoaded | KVCacheReady | RunnerOutput | RpcReply | WorkerFailed | WorkerHeartbeat

@@ -172,6 +172,14 @@ def _add_target_options(parser: argparse.ArgumentParser) -> None:
         "(default: %(default)s)",
     )
     group.add_argument(
+        "--tensor-parallel-size",
+        type=int,
+        default=1,
+        metavar="N",
+        help="worker processes per engine core, each holding a shard of the model (Llama, Qwen2, Qwen3 and "
+        "other architectures with a tensor-parallel plan in transformers; default: %(default)s)",
+    )
+    group.add_argument(
         "--data-parallel-lockstep",
         action="store_true",
         help="step every engine core while any has work (the idle ones with dummy steps), as models whose "
@@ -202,6 +210,7 @@ def _engine_config(args: argparse.Namespace, model_dir: Path) -> EngineConfig:
         torch_threads=args.torch_threads,
         max_steps_in_flight=args.max_steps_in_flight,
         data_parallel_size=args.data_parallel_size,
+        tensor_parallel_size=args.tensor_parallel_size,
         data_parallel_lockstep=args.data_parallel_lockstep,
         fake=FakeRunnerConfig.from_json(args.fake_options, "--fake-options"),
         enable_prefix_caching=args.enable_prefix_caching,

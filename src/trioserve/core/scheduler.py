@@ -168,6 +168,10 @@ class Scheduler:
     def has_unfinished(self) -> bool:
         return bool(self._requests)
 
+    def request_ids(self) -> list[str]:
+        """Every unfinished request's id."""
+        return list(self._requests)
+
     @property
     def num_running(self) -> int:
         return len(self.running)

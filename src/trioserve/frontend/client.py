@@ -27,6 +27,7 @@ import zmq
 
 from trioserve.config import EngineConfig
 from trioserve.errors import (
+    ControlCallError,
     EngineDeadError,
     EngineOverloadedError,
     EngineStartupError,
@@ -59,9 +60,11 @@ from trioserve.messages import (
 )
 from trioserve.nurseries.engine_core import ENGINE_INDEX_ENV, HANDSHAKE_ADDRESS_ENV, HANDSHAKE_TIMEOUT_ENV
 from trioserve.nurseries.process import ChildProcess, ProcessExited, supervise_process
+from trioserve.rpc import ControlCall, ControlReply, ControlRequest, Pause, Sleep
 from trioserve.transport.zmq_trio import TrioZmqSocket, private_ipc_dir
 
 TO_ENGINE_SIZE = 1024  # messages queued for the input socket
+CONTROL_REPLY_GRACE_S = 1.0  # beyond a control call's deadline, for its reply to come back
 log = logging.getLogger("trioserve.client")
 _encode = msgspec.msgpack.Encoder().encode
 _decode_handshake: Callable[[bytes], HandshakeMessage] = msgspec.msgpack.Decoder(HandshakeMessage).decode
@@ -95,6 +98,9 @@ class EngineCoreClient:
         # Lockstep: this engine core's place among the engines, for its handshake.
         self.data_parallel: DataParallelInit | None = None
         self._calls: dict[int, tuple[trio.Event, list[StatsReply | PrefixCacheReset]]] = {}  # by call id
+        self._control_calls: dict[int, tuple[trio.Event, list[ControlReply]]] = {}
+        self.paused = False  # generation paused (as of the engine core's last control reply)
+        self.sleep_level = 0  # the workers sleep (1, 2), or 0
         self._call_ids = itertools.count()
         self._stage: StartupStage = "spawn"
         self._startup_failed: StartupFailed | None = None
@@ -278,6 +284,8 @@ class EngineCoreClient:
         self.requests.clear()
         for event, _ in self._calls.values():
             event.set()
+        for event, _ in self._control_calls.values():
+            event.set()
         if first:
             self._dead_event.set()
             if self._on_dead is not None:
@@ -388,6 +396,37 @@ class EngineCoreClient:
         self.check_alive()
         return result[0]
 
+    async def control(self, call: ControlCall, timeout_s: float) -> ControlReply:
+        """Send the engine core a control call; its reply.
+
+        The workers get ``timeout_s`` to answer (past it the engine core
+        kills them as hung and dies); the reply gets ``CONTROL_REPLY_GRACE_S``
+        more. A pause or sleep counts from now for ``health``. Raises
+        ``ControlCallError`` (naming the rank when a worker raised; the
+        engine serves on) or, if the engine core died, ``EngineDeadError``.
+        If cancelled, the reply is dropped (the call may still take effect).
+        """
+        self.check_alive()
+        call_id = next(self._call_ids)
+        event, result = trio.Event(), list[ControlReply]()
+        self._control_calls[call_id] = (event, result)
+        if isinstance(call, Pause | Sleep):
+            self.paused = True  # new requests wait from now on
+        try:
+            await self._to_engine_send.send(_encode(ControlRequest(call_id=call_id, call=call, timeout_s=timeout_s)))
+            with trio.move_on_after(timeout_s + CONTROL_REPLY_GRACE_S):
+                await event.wait()
+        finally:
+            del self._control_calls[call_id]
+        self.check_alive()
+        if not result:
+            raise ControlCallError(f"{self.name}: {type(call).__name__} was not answered within {timeout_s}s")
+        reply = result[0]
+        self.paused, self.sleep_level = reply.paused, reply.sleep_level
+        if reply.error:
+            raise ControlCallError(reply.error)
+        return reply
+
     # --- socket actors ------------------------------------------------------
 
     async def _input_sender(self, sock: TrioZmqSocket) -> None:
@@ -419,6 +458,11 @@ class EngineCoreClient:
                 elif isinstance(msg, WaveNotice):
                     if self.on_wave is not None:
                         self.on_wave(msg)
+                elif isinstance(msg, ControlReply):
+                    control = self._control_calls.get(msg.call_id)
+                    if control is not None:
+                        control[1].append(msg)
+                        control[0].set()
                 elif isinstance(msg, LoadReport):
                     self._report_load(msg)
                 elif isinstance(msg, Heartbeat):

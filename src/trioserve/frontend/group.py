@@ -38,15 +38,18 @@ import trio
 
 from trioserve.config import EngineConfig
 from trioserve.core import waves
-from trioserve.errors import EngineDeadError
+from trioserve.errors import ControlCallError, EngineDeadError
 from trioserve.frontend.client import EngineCoreClient
 from trioserve.frontend.coordinator import Coordinator
 from trioserve.frontend.supervisor import ClientFactory, EngineSupervisor, Health, new_client
 from trioserve.messages import DataParallelInit, EngineInfo, EngineStats, StartWave
+from trioserve.rpc import ControlCall, ControlReply
 from trioserve.transport.zmq_trio import private_ipc_dir
 
 # A group's health is the best of its engines', in this order (failed: all failed).
-_BEST_FIRST: tuple[Health, ...] = ("ready", "stalled", "restarting", "starting", "stopped", "failed")
+_BEST_FIRST: tuple[Health, ...] = (
+    "ready", "stalled", "paused", "sleeping", "restarting", "starting", "stopped", "failed",
+)  # fmt: skip
 
 
 class EngineGroup:
@@ -252,14 +255,46 @@ class EngineGroup:
         clients = [s.live_client() for s in self.supervisors]
         return sum([await c.reset_prefix_cache() for c in clients if c is not None])
 
+    async def control(self, call: ControlCall, timeout_s: float) -> list[ControlReply]:
+        """Send ``call`` to every engine core that is up, at once; their
+        replies, by engine index. While none is up, waits for one like a
+        request. A pause or sleep is also remembered for engine cores started
+        later (after a restart). Raises ``ControlCallError`` (naming each
+        engine core, and the rank, that failed) once every reply is in."""
+        await self.ready_client()
+        replies: dict[int, ControlReply] = {}
+        errors: list[str] = []
+
+        async def one(supervisor: EngineSupervisor, client: EngineCoreClient) -> None:
+            try:
+                replies[supervisor.engine_index] = await client.control(call, timeout_s)
+            except (ControlCallError, EngineDeadError) as exc:
+                errors.append(str(exc))
+
+        async with trio.open_nursery() as nursery:
+            for supervisor in self.supervisors:
+                supervisor.remember(call)
+                if (client := supervisor.live_client()) is not None:
+                    nursery.start_soon(one, supervisor, client)
+        for supervisor in self.supervisors:
+            supervisor.state_changed()  # health reads the replies' state now
+        if errors:
+            raise ControlCallError("; ".join(errors))
+        return [replies[i] for i in sorted(replies)]
+
 
 _ZERO = EngineStats(num_running=0, num_waiting=0, num_free_blocks=0, num_total_blocks=0, num_preemptions=0, num_steps=0)
 
 
 def _total(engines: list[EngineStats]) -> EngineStats:
-    fields = [f for f in EngineStats.__struct_fields__ if f not in ("engines", "prefix_caching")]
+    fields = [f for f in EngineStats.__struct_fields__ if f not in ("engines", "workers", "prefix_caching")]
     sums = {f: sum(getattr(e, f) for e in engines) for f in fields}
-    return EngineStats(**sums, prefix_caching=any(e.prefix_caching for e in engines), engines=engines)
+    return EngineStats(
+        **sums,
+        prefix_caching=any(e.prefix_caching for e in engines),
+        engines=engines,
+        workers=[w for e in engines for w in e.workers],
+    )
 
 
 async def _first_of(waits: list[Callable[[], Awaitable[None]]]) -> None:

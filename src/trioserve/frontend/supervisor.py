@@ -34,11 +34,12 @@ from typing import Literal
 import trio
 
 from trioserve.config import EngineConfig
-from trioserve.errors import EngineDeadError, EngineStartupError, leaves
+from trioserve.errors import ControlCallError, EngineDeadError, EngineStartupError, leaves
 from trioserve.frontend.client import EngineCoreClient
 from trioserve.messages import EngineInfo, LoadReport
+from trioserve.rpc import ControlCall, Pause, Resume, Sleep, WakeUp
 
-Health = Literal["starting", "ready", "stalled", "restarting", "failed", "stopped"]
+Health = Literal["starting", "ready", "stalled", "paused", "sleeping", "restarting", "failed", "stopped"]
 # Makes the client of one engine-core life: (config, engine index, on_dead).
 # Tests give a fake one to drive the supervisor on a virtual clock.
 ClientFactory = Callable[[EngineConfig, int, Callable[[EngineCoreClient], None]], EngineCoreClient]
@@ -83,15 +84,22 @@ class EngineSupervisor:
         self._deaths: deque[float] = deque()
         self._last_reason = "unknown"  # why the latest engine core died
         self._changed = trio.Event()
+        # The pause and sleep asked for and not yet undone: a new engine core is put in the same state.
+        self._wanted: dict[type, ControlCall] = {}
 
     @property
     def health(self) -> Health:
-        """The engine's state; ``stalled`` while it is ready but a hang is
-        suspected (see ``EngineCoreClient.stalled``)."""
+        """The engine's state; while it is ready, ``stalled`` when a hang is
+        suspected (see ``EngineCoreClient.stalled``), ``sleeping`` or
+        ``paused`` when it was put to sleep or paused."""
         client = self.client
-        if self._health == "ready" and client is not None and client.stalled:
+        if self._health != "ready" or client is None:
+            return self._health
+        if client.stalled:
             return "stalled"
-        return self._health
+        if client.sleep_level:
+            return "sleeping"
+        return "paused" if client.paused else "ready"
 
     @property
     def stalled(self) -> str:
@@ -170,12 +178,35 @@ class EngineSupervisor:
                 nursery.cancel_scope.cancel()
 
             info: EngineInfo = await nursery.start(run_client)
+            await self._reapply(client)
             self.client, self.info = client, info
             self._set_health("ready")
             on_ready(info)
             nursery.start_soon(self._stop_when_dead_but_running, client, nursery.cancel_scope)
         # client.run returned: its engine core died, and was reaped.
         self._last_reason = str(client.dead) if client.dead is not None else "it exited"
+
+    def remember(self, call: ControlCall) -> None:
+        """Note a pause or sleep (undone by resume and wake-up), so that an
+        engine core started later is put in the same state."""
+        if isinstance(call, Pause | Sleep):
+            self._wanted[type(call)] = call
+        elif isinstance(call, Resume | WakeUp):
+            self._wanted.pop(Pause if isinstance(call, Resume) else Sleep, None)
+
+    def state_changed(self) -> None:
+        """Wake those waiting for a change: the engine was paused, resumed, put to sleep or woken."""
+        self._changed.set()
+        self._changed = trio.Event()
+
+    async def _reapply(self, client: EngineCoreClient) -> None:
+        """Pause (or put to sleep) a new engine core as the last one was,
+        before any request reaches it. A failure is logged: it serves then."""
+        for call in list(self._wanted.values()):
+            try:
+                await client.control(call, self.config.control_timeout_s)
+            except (ControlCallError, EngineDeadError) as exc:
+                log.error("%s: could not %s the new engine core: %s", self.name, type(call).__name__, exc)
 
     def _on_dead(self, client: EngineCoreClient) -> None:
         """Called by the client the moment its engine core is known dead."""
@@ -217,8 +248,7 @@ class EngineSupervisor:
         if health != self._health:
             log.info("%s: %s -> %s", self.name, self._health, health)
         self._health = health
-        self._changed.set()
-        self._changed = trio.Event()
+        self.state_changed()
 
     # --- for requests ---------------------------------------------------------
 

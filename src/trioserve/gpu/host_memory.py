@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import os
 import sys
 
 _M_TRIM_THRESHOLD = -1  # glibc's mallopt parameter numbers (malloc.h)
@@ -45,3 +46,29 @@ def keep_freed_memory() -> bool:
     mallopt.argtypes = [ctypes.c_int, ctypes.c_int]
     mallopt.restype = ctypes.c_int
     return bool(mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD)) and bool(mallopt(_M_TRIM_THRESHOLD, TRIM_THRESHOLD))
+
+
+def release_freed_memory() -> bool:
+    """Give the heap's free memory back to the system now (``malloc_trim``):
+    after the KV cache or the weights are freed on purpose (``sleep``), the
+    thresholds above would keep what the heap held. True if done (glibc)."""
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        malloc_trim = libc.malloc_trim
+    except (OSError, AttributeError):
+        return False
+    malloc_trim.argtypes = [ctypes.c_size_t]
+    malloc_trim.restype = ctypes.c_int
+    malloc_trim(0)
+    return True
+
+
+def resident_bytes() -> int:
+    """This process's resident memory (RSS), from ``/proc``; 0 where there is none."""
+    try:
+        with open("/proc/self/statm") as statm:
+            return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return 0

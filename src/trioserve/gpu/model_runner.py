@@ -23,8 +23,9 @@ from typing import TYPE_CHECKING
 import torch
 
 from trioserve.config import EngineConfig
+from trioserve.gpu import sharding
 from trioserve.gpu.attention import ATTENTION_NAME, METADATA_KWARG, KVCache, build_metadata
-from trioserve.gpu.host_memory import keep_freed_memory
+from trioserve.gpu.host_memory import keep_freed_memory, release_freed_memory, resident_bytes
 from trioserve.gpu.sampler import SamplingBatch, sample
 from trioserve.messages import (
     CachedRequestData,
@@ -35,6 +36,7 @@ from trioserve.messages import (
     SchedulerOutput,
     WorkerLoaded,
 )
+from trioserve.rpc import ShardInfo
 from trioserve.runners.steplog import STEP_LOG_ENV, StepRecord, format_step, step_log_path
 
 if TYPE_CHECKING:
@@ -43,12 +45,16 @@ if TYPE_CHECKING:
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-def resolve_device(name: str) -> torch.device:
-    """``"auto"`` is CUDA when there is one, else the CPU."""
+def resolve_device(name: str, rank: int | None = None) -> torch.device:
+    """``"auto"`` is CUDA when there is one, else the CPU. With tensor
+    parallelism (``rank`` given), rank r uses CUDA device r."""
     if name == "auto":
         name = "cuda" if torch.cuda.is_available() else "cpu"
     if name == "cuda" and not torch.cuda.is_available():
         raise ValueError("device: 'cuda' was asked for but torch sees no CUDA device")
+    if name == "cuda" and rank is not None:
+        torch.cuda.set_device(rank)
+        return torch.device("cuda", rank)
     return torch.device(name)
 
 
@@ -100,11 +106,23 @@ class ModelRunner:
     (``trioserve.runners.steplog``).
     """
 
-    def __init__(self, config: EngineConfig, rank: int = 0, world_size: int = 1) -> None:
+    def __init__(
+        self,
+        config: EngineConfig,
+        rank: int = 0,
+        world_size: int = 1,
+        *,
+        dist_init_file: str = "",
+        engine_index: int = 0,
+    ) -> None:
         self.config = config
         self.rank = rank
         self.world_size = world_size
-        self.device = resolve_device(config.device)
+        self.engine_index = engine_index
+        self._dist_init_file = dist_init_file  # where the ranks meet (tensor parallelism)
+        self.device = resolve_device(config.device, rank if world_size > 1 else None)
+        self.sleep_level = 0
+        self.architecture = ""  # the model class, once loaded
         self.dtype = resolve_dtype(config.dtype, self.device)
         self.block_size = config.block_size
         self.model: torch.nn.Module | None = None
@@ -126,26 +144,42 @@ class ModelRunner:
     # --- start-up -----------------------------------------------------------
 
     def load(self) -> WorkerLoaded:
-        """Load the model; say how many KV blocks the memory budget allows."""
-        from transformers import AutoModelForCausalLM
+        """Load the model (with tensor parallelism, join the ranks' process
+        group and load this rank's shard); say how many KV blocks the memory
+        budget allows. A model that cannot be sharded raises
+        ``NotShardableError`` naming its architecture, before any collective."""
         from transformers.utils import logging as hf_logging
 
         hf_logging.disable_progress_bar()  # a worker's stderr is the operator's log
-        torch.manual_seed(self.config.seed)
-        model = AutoModelForCausalLM.from_pretrained(
-            self.config.model, attn_implementation=ATTENTION_NAME, dtype=self.dtype
-        )
-        self.model = torch.nn.Module.to(model, self.device).eval().requires_grad_(False)
+        if self.world_size > 1:
+            sharding.check_shardable(self.config.model, self.world_size)
+            timeout_s = max(self.config.model_load_timeout_s, self.config.step_timeout_s or 0.0)
+            sharding.init_process_group(self.rank, self.world_size, self._dist_init_file, self.device, timeout_s)
+        model = self._load_model()
         text = model.config.get_text_config()
+        self.architecture = type(model).__name__
         self.vocab_size = text.vocab_size
         self.num_layers = text.num_hidden_layers
-        self.num_kv_heads = getattr(text, "num_key_value_heads", None) or text.num_attention_heads
+        num_kv_heads = getattr(text, "num_key_value_heads", None) or text.num_attention_heads
+        heads = (
+            sharding.kv_heads_per_rank(model.tp_plan, num_kv_heads, self.world_size) if self.world_size > 1 else None
+        )
+        self.num_kv_heads = heads or num_kv_heads  # this rank's share
         self.head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
         max_model_len = self.config.max_model_len or text.max_position_embeddings
         info = ModelInfo(vocab_size=self.vocab_size, max_model_len=max_model_len, eos_token_ids=_eos_token_ids(model))
         return WorkerLoaded(
             model=info, max_num_kv_blocks=self.config.num_kv_blocks or self._blocks_for_budget(max_model_len)
         )
+
+    def _load_model(self) -> PreTrainedModel:
+        """Load the weights (this rank's shard) onto the device: ``self.model``."""
+        torch.manual_seed(self.config.seed)
+        model = sharding.load_model(
+            self.config.model, self.world_size, attn_implementation=ATTENTION_NAME, dtype=self.dtype
+        )
+        self.model = torch.nn.Module.to(model, self.device).eval().requires_grad_(False)
+        return model
 
     def _blocks_for_budget(self, max_model_len: int) -> int:
         """As many blocks as the memory budget holds, but no more than every
@@ -168,6 +202,42 @@ class ModelRunner:
         pool = torch.zeros(shape, dtype=self.dtype, device=self.device)  # one allocation
         self.kv_caches = [(pool[layer, 0], pool[layer, 1]) for layer in range(self.num_layers)]  # [N, bs, KVH, D]
         self.num_blocks = num_blocks
+
+    # --- control calls (between steps) -------------------------------------
+
+    def sleep(self, level: int) -> None:
+        """Free the KV cache (level 1) and the weights too (level 2), giving
+        the memory back to the system. The requests' state stays: the engine
+        core sleeps only once none is running. Sleeping again only frees more."""
+        self.kv_caches = []
+        if level >= 2:
+            self.model = None
+        self.sleep_level = max(self.sleep_level, level)
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+        else:
+            release_freed_memory()
+
+    def wake_up(self) -> None:
+        """Load what ``sleep`` freed: the weights (from the model directory,
+        with the same process group) and a zeroed KV cache of the same size."""
+        if self.model is None:
+            self._load_model()
+        if not self.kv_caches:
+            self.init_kv_cache(self.num_blocks)
+        self.sleep_level = 0
+
+    def describe(self) -> ShardInfo:
+        """This rank's share of the weights and the KV cache, and its memory."""
+        num_params, param_bytes = sharding.local_parameters(self.model) if self.model is not None else (0, 0)
+        kv_bytes = self.bytes_per_block * self.num_blocks if self.kv_caches else 0
+        device_bytes = torch.cuda.memory_allocated(self.device) if self.device.type == "cuda" else 0
+        return ShardInfo(
+            engine_index=self.engine_index, rank=self.rank, world_size=self.world_size, pid=os.getpid(),
+            architecture=self.architecture, num_parameters=num_params, parameter_bytes=param_bytes,
+            num_kv_heads=self.num_kv_heads, num_kv_blocks=self.num_blocks, kv_cache_bytes=kv_bytes,
+            rss_bytes=resident_bytes(), device_memory_bytes=device_bytes, sleep_level=self.sleep_level,
+        )  # fmt: skip
 
     # --- one step -----------------------------------------------------------
 
@@ -192,7 +262,7 @@ class ModelRunner:
     @torch.inference_mode()
     def _execute(self, sched: SchedulerOutput) -> RunnerOutput:
         if self.model is None or not self.kv_caches:
-            raise RuntimeError("execute() before load() and init_kv_cache()")
+            raise RuntimeError("execute() before load() and init_kv_cache(), or while asleep")
         self._update_requests(sched)
         if not sched.num_scheduled_tokens:
             return RunnerOutput(req_ids=[], sampled_token_ids=[])

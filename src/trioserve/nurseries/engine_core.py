@@ -59,13 +59,14 @@ from trioserve.messages import (
     ResetPrefixCache,
     StartupFailed,
     StartWave,
-    StatsReply,
     TokenOutput,
     WaveNotice,
 )
 from trioserve.nurseries.child_main import ChildFailed, remove_if_parent_dies
+from trioserve.nurseries.control import Controller
 from trioserve.nurseries.executor import Executor
 from trioserve.nurseries.workers import ExecutorStage, WorkerError
+from trioserve.rpc import ControlRequest
 from trioserve.transport.zmq_trio import TrioZmqSocket
 
 HANDSHAKE_ADDRESS_ENV = "TRIOSERVE_HANDSHAKE_ADDRESS"
@@ -105,6 +106,7 @@ class EngineCore:
         self.depth = 1 if waves is not None else executor.config.max_steps_in_flight
         self._unsent: list[TokenOutput] = []  # outputs of the last step postprocessed, not yet in the outbox
         self._replies: list[EngineResponse] = []  # answers to front-end messages, not yet in the outbox
+        self.control = Controller(scheduler, executor, self._replies)  # pause, sleep, calls to the workers
         self._last_load = LoadReport(num_waiting=0, num_running=0)
         self._last_load_at = -math.inf
 
@@ -117,12 +119,18 @@ class EngineCore:
         (up to ``max_steps_in_flight`` are with the workers at once, so they
         go from one step straight to the next); send the last step's outputs
         to the front-end, once the step after it is on its way; then wait
-        for the oldest step and postprocess it. If cancelled, steps still in
-        flight are dropped with the workers.
+        for the oldest step and postprocess it. A control call that can run
+        (``nurseries/control.py``) runs first, once the steps in flight are
+        collected. If cancelled, steps still in flight are dropped with the
+        workers.
         """
         while True:
             await self._wait_for_work(inbox, outbox)
             self._take_messages(inbox)
+            if self.control.has_ready():
+                while self.in_flight:
+                    await self._collect_oldest()
+                await self.control.run_ready(self._admit)
             sent = await self._plan_and_send()
             await self._send_outputs(outbox)
             if self.in_flight and (len(self.in_flight) == self.depth or not sent):
@@ -133,9 +141,9 @@ class EngineCore:
     async def _wait_for_work(
         self, inbox: trio.MemoryReceiveChannel[EngineRequest], outbox: trio.MemorySendChannel[EngineResponse]
     ) -> None:
-        """When nothing is in flight or unfinished (and, in lockstep, no wave
-        runs), flush the outputs and sleep on the inbox."""
-        if not self.in_flight and not self._due():
+        """When nothing is in flight, unfinished or ready to run (and, in
+        lockstep, no wave runs), flush the outputs and sleep on the inbox."""
+        if not self.in_flight and not self._due() and not self.control.has_ready():
             await self._send_outputs(outbox)
             self.apply(await inbox.receive())
 
@@ -176,17 +184,19 @@ class EngineCore:
                 self._replies.append(WaveNotice(kind="complete", wave=done.wave, engine=self.waves.engine))
 
     async def _send_outputs(self, outbox: trio.MemorySendChannel[EngineResponse]) -> None:
-        replies, self._replies = self._replies, []
-        for reply in replies:
-            await outbox.send(reply)
+        """Tokens first, then replies: a request that ended before a pause
+        had its last token sent before the pause is answered."""
         if self._unsent:
             outputs, self._unsent = self._unsent, []
             await outbox.send(EngineOutputs(outputs=outputs))
+        while self._replies:  # the list is shared with the controller: empty it in place
+            await outbox.send(self._replies.pop(0))
         if (report := self._load_changed()) is not None:
             await outbox.send(report)
 
     def load(self) -> LoadReport:
-        return LoadReport(num_waiting=self.scheduler.num_waiting, num_running=self.scheduler.num_running)
+        num_waiting = self.scheduler.num_waiting + self.control.num_held
+        return LoadReport(num_waiting=num_waiting, num_running=self.scheduler.num_running)
 
     def _load_changed(self) -> LoadReport | None:
         """The load, when it changed since the last report and the last
@@ -202,19 +212,28 @@ class EngineCore:
     def apply(self, msg: EngineRequest) -> None:
         """Apply one front-end message; its reply, if any, goes out with the next outputs."""
         if isinstance(msg, AddRequest):
-            self._add(msg)
-            if self.waves is not None and (notice := self.waves.add_request(msg.wave)) is not None:
-                self._replies.append(WaveNotice(kind="start_requested", wave=notice.wave, engine=notice.engine))
+            if self.control.admitting:
+                self._admit(msg)
+            else:
+                self.control.hold(msg)
         elif isinstance(msg, StartWave):
             if self.waves is not None:
                 self.waves.start_wave(waves.StartWave(msg.wave, msg.exclude))
         elif isinstance(msg, AbortRequests):
+            self.control.drop_held(msg.request_ids)
             self.scheduler.abort(msg.request_ids)
-        elif isinstance(msg, GetStats):
-            self._replies.append(StatsReply(call_id=msg.call_id, stats=self.scheduler.stats()))
         elif isinstance(msg, ResetPrefixCache):
             num_blocks = self.scheduler.reset_prefix_cache()
             self._replies.append(PrefixCacheReset(call_id=msg.call_id, num_blocks=num_blocks))
+        elif isinstance(msg, GetStats | ControlRequest):
+            self.control.submit(msg)
+
+    def _admit(self, msg: AddRequest) -> None:
+        """Give a request to the scheduler; in lockstep, its wave stamp may
+        ask the other engines to start a wave."""
+        self._add(msg)
+        if self.waves is not None and (notice := self.waves.add_request(msg.wave)) is not None:
+            self._replies.append(WaveNotice(kind="start_requested", wave=notice.wave, engine=notice.engine))
 
     def _add(self, msg: AddRequest) -> None:
         try:
@@ -396,7 +415,16 @@ async def _serve(
         remove_if_parent_dies(os.path.dirname(init.data_parallel.rendezvous))
     async with trio.open_nursery() as nursery:
         in_flight: deque[Step] = deque()
-        executor = Executor(config, in_flight, on_failure=death.report, data_parallel=init.data_parallel)
+        address = os.environ[HANDSHAKE_ADDRESS_ENV]
+        private_dir = os.path.dirname(address.removeprefix("ipc://")) if address.startswith("ipc://") else None
+        executor = Executor(
+            config,
+            in_flight,
+            on_failure=death.report,
+            data_parallel=init.data_parallel,
+            engine_index=int(os.environ.get(ENGINE_INDEX_ENV, "0")),
+            private_dir=private_dir,
+        )
         info = await _start_executor(nursery, executor, handshake)
         scheduler = Scheduler(
             num_blocks=info.num_kv_blocks,

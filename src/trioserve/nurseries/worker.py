@@ -3,8 +3,11 @@
 The engine core starts it with ``python -m trioserve.nurseries.entry worker``; the
 stream's socket arrives as an inherited fd (``TRIOSERVE_WORKER_FD``). The
 worker answers, in order: ``WorkerInit`` -> ``WorkerLoaded``, ``InitKVCache``
--> ``KVCacheReady``, then one ``RunnerOutput`` for each ``SchedulerOutput``,
-until the engine core closes the stream. From ``WorkerInit`` on, a thread of
+-> ``KVCacheReady``, then one ``RunnerOutput`` for each ``SchedulerOutput``
+and one ``RpcReply`` for each ``RpcRequest`` (a control call between steps),
+until the engine core closes the stream. A control call that raises is
+answered with its error, and the worker serves on; a step that raises ends
+the worker. From ``WorkerInit`` on, a thread of
 its own also sends ``WorkerHeartbeat`` every ``heartbeat_interval_s``, so the
 engine core tells a busy worker from a stopped one.
 
@@ -30,10 +33,11 @@ from typing import Any, Protocol
 import msgspec
 import trio
 
-from trioserve.config import EngineConfig
 from trioserve.messages import (
     InitKVCache,
     KVCacheReady,
+    RpcReply,
+    RpcRequest,
     SchedulerOutput,
     ToWorker,
     WorkerFailed,
@@ -42,25 +46,59 @@ from trioserve.messages import (
     WorkerStage,
 )
 from trioserve.nurseries.child_main import ChildFailed
+from trioserve.rpc import DescribeShard, Echo, EchoReply, SleepShard, WakeShard, WorkerCall, WorkerResult
 from trioserve.runners import Runner
 from trioserve.transport.framing import BlockingFrames, socket_from_fd
 
 WORKER_FD_ENV = "TRIOSERVE_WORKER_FD"
+WORKER_RANK_ENV = "TRIOSERVE_WORKER_RANK"  # for people and tools: the rank arrives in WorkerInit
 LAST_WORD_S = 1.0  # how long a failing worker waits for its WorkerFailed to be written
 
 log = logging.getLogger("trioserve.worker")
 
 
-def make_runner(config: EngineConfig, rank: int, world_size: int) -> Runner:
-    """The runner ``config.runner`` names. The transformers runner's imports
-    (torch and all) happen here, so call this off the Trio thread."""
-    if config.runner == "fake":
+def make_runner(init: WorkerInit) -> Runner:
+    """The runner ``init.config.runner`` names. The transformers runner's
+    imports (torch and all) happen here, so call this off the Trio thread."""
+    if init.config.runner == "fake":
         from trioserve.runners.fake import FakeRunner
 
-        return FakeRunner(config, rank, world_size)
+        return FakeRunner(init.config, init.rank, init.world_size, engine_index=init.engine_index)
     from trioserve.gpu.model_runner import ModelRunner
 
-    return ModelRunner(config, rank, world_size)
+    return ModelRunner(
+        init.config, init.rank, init.world_size, dist_init_file=init.dist_init_file, engine_index=init.engine_index
+    )
+
+
+class EchoFailure(RuntimeError):
+    """``Echo(fail_on_rank=r)`` on rank r: a control call that fails on purpose."""
+
+
+def run_call(runner: Runner, call: WorkerCall, rank: int) -> WorkerResult:
+    """Run one control call on this worker's runner (between steps)."""
+    match call:
+        case DescribeShard():
+            return runner.describe()
+        case SleepShard(level=level):
+            runner.sleep(level)
+            return runner.describe()
+        case WakeShard():
+            runner.wake_up()
+            return runner.describe()
+        case Echo(text=text, fail_on_rank=fail_on_rank):
+            if fail_on_rank == rank:
+                raise EchoFailure(f"echo: rank {rank} fails, as asked (fail_on_rank={fail_on_rank})")
+            return EchoReply(rank=rank, pid=os.getpid(), text=text)
+
+
+def answer_call(runner: Runner, request: RpcRequest, rank: int) -> RpcReply:
+    """``RpcReply`` with the call's result, or with what it raised (logged here)."""
+    try:
+        return RpcReply(result=run_call(runner, request.call, rank))
+    except Exception as exc:
+        log.warning("control call %s failed: %s", type(request.call).__name__, exc)
+        return RpcReply(error="".join(traceback.format_exception_only(exc)).strip())
 
 
 class _Conversation:
@@ -142,7 +180,7 @@ def serve(sock: socket.socket) -> None:
     try:
         init: WorkerInit = talk.expect(WorkerInit)
         heartbeats = talk.start_heartbeats(init.config.heartbeat_interval_s)
-        runner = make_runner(init.config, init.rank, init.world_size)
+        runner = make_runner(init)
         collective = make_dp_collective(init)
         talk.send(runner.load())
         stage = "kv-cache"
@@ -151,11 +189,15 @@ def serve(sock: socket.socket) -> None:
         talk.send(KVCacheReady())
         stage = "step"
         while (msg := talk.receive()) is not None:
-            if not isinstance(msg, SchedulerOutput):
-                raise RuntimeError(f"worker expected SchedulerOutput, got {type(msg).__name__}")
-            output = runner.execute(msg)
-            if msg.dp_unfinished is not None and collective is not None:
-                output.dp_any_unfinished = collective.any_of(msg.dp_unfinished)
+            if isinstance(msg, SchedulerOutput):
+                step_output = runner.execute(msg)
+                if msg.dp_unfinished is not None and collective is not None:
+                    step_output.dp_any_unfinished = collective.any_of(msg.dp_unfinished)
+                output: msgspec.Struct = step_output
+            elif isinstance(msg, RpcRequest):
+                output = answer_call(runner, msg, init.rank)
+            else:
+                raise RuntimeError(f"worker expected SchedulerOutput or RpcRequest, got {type(msg).__name__}")
             try:
                 talk.send(output)
             except (BrokenPipeError, ConnectionResetError):

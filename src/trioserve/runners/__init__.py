@@ -9,13 +9,15 @@ from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:
     from trioserve.messages import RunnerOutput, SchedulerOutput, WorkerLoaded
+    from trioserve.rpc import ShardInfo
 
 
 class Runner(Protocol):
     """One model (or one shard of it) over a paged KV cache, in one worker.
 
     Called in this order, from one thread: ``load()`` once, then
-    ``init_kv_cache(n)`` once, then ``execute(step)`` once per scheduler step.
+    ``init_kv_cache(n)`` once, then ``execute(step)`` once per scheduler step,
+    and between steps the control calls (``describe``, ``sleep``, ``wake_up``).
     A runner keeps each request's token list and appends every token it
     samples, so a step can be planned before the previous one's tokens are
     back in the engine core. Errors raise; the worker reports them.
@@ -31,4 +33,16 @@ class Runner(Protocol):
 
     def execute(self, step: SchedulerOutput) -> RunnerOutput:
         """Run one step and return the tokens it sampled."""
+        ...
+
+    def describe(self) -> ShardInfo:
+        """This rank's share of the model and of the KV cache, and its memory."""
+        ...
+
+    def sleep(self, level: int) -> None:
+        """Free the KV cache (level 1), and the weights too (level 2)."""
+        ...
+
+    def wake_up(self) -> None:
+        """Restore what ``sleep`` freed; a no-op when awake."""
         ...

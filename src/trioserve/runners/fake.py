@@ -21,6 +21,7 @@ import trio
 
 from trioserve.config import EngineConfig
 from trioserve.messages import ModelInfo, RunnerOutput, SchedulerOutput, WorkerLoaded
+from trioserve.rpc import ShardInfo
 
 FAULT_SIGNAL = signal.SIGUSR1
 
@@ -44,12 +45,15 @@ class FakeRunner:
     process starts) still has its default effect and kills the worker.
     """
 
-    def __init__(self, config: EngineConfig, rank: int = 0, world_size: int = 1) -> None:
+    def __init__(self, config: EngineConfig, rank: int = 0, world_size: int = 1, *, engine_index: int = 0) -> None:
         self.config = config
         self.fake = config.fake
         self.rank = rank
         self.world_size = world_size
+        self.engine_index = engine_index
         self.num_steps = 0
+        self.num_blocks = 0
+        self.sleep_level = 0
         self.vocab_size = self.fake.vocab_size or self._model_vocab_size()
         self._tokens: dict[str, list[int]] = {}
         self._fault_requested = False  # set by SIGUSR1
@@ -97,6 +101,21 @@ class FakeRunner:
     def init_kv_cache(self, num_blocks: int) -> None:
         self.num_blocks = num_blocks
 
+    def describe(self) -> ShardInfo:
+        """No model: sizes are 0 but for the blocks; a copy per rank, not a shard."""
+        return ShardInfo(
+            engine_index=self.engine_index, rank=self.rank, world_size=self.world_size, pid=os.getpid(),
+            architecture="fake", num_parameters=0, parameter_bytes=0, num_kv_heads=0,
+            num_kv_blocks=self.num_blocks, kv_cache_bytes=0, rss_bytes=0, device_memory_bytes=0,
+            sleep_level=self.sleep_level,
+        )  # fmt: skip
+
+    def sleep(self, level: int) -> None:
+        self.sleep_level = max(self.sleep_level, level)
+
+    def wake_up(self) -> None:
+        self.sleep_level = 0
+
     def next_token(self, tokens: list[int]) -> int:
         """The deterministic token that follows ``tokens``."""
         fake = self.fake
@@ -123,6 +142,8 @@ class FakeRunner:
                 time.sleep(3600)
 
     def execute(self, sched: SchedulerOutput) -> RunnerOutput:
+        if self.sleep_level:
+            raise RuntimeError("fake runner: a step while asleep")
         self.num_steps += 1
         self._inject_faults()
         for req_id in sched.finished_req_ids:

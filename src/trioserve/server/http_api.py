@@ -1,4 +1,4 @@
-"""The OpenAI-compatible API and ``/metrics``: one HTTP request each.
+"""The OpenAI-compatible API, ``/metrics`` and the engine's control calls: one HTTP request each.
 
 ``route_api`` (a plain function) decides which endpoint answers, or which
 error; ``HttpApi.handle`` reads the body, runs the request through the
@@ -12,6 +12,11 @@ A request still running when the shutdown grace is over is aborted and
 answered like one the engine failed: a 503 ``shutdown`` (``engine_dead``
 when the engine died for good), or in a stream an event holding that error
 object, then ``[DONE]``.
+
+``POST /v1/engine/pause`` (``?mode=wait|abort``), ``/v1/engine/resume``,
+``/v1/engine/sleep`` (``?level=1|2&mode=...``) and ``/v1/engine/wake_up``
+(each also ``?timeout_s=``) run the engine's control call and answer
+``{"health": ...}`` once it is done (docs/openai-api.md).
 """
 
 from __future__ import annotations
@@ -21,11 +26,18 @@ import logging
 import secrets
 from collections.abc import Callable
 from typing import Any, Literal
+from urllib.parse import parse_qs, urlsplit
 
 import trio
 
 from trioserve.api import Engine
-from trioserve.errors import EngineDeadError, EngineOverloadedError, InvalidRequestError, RequestError
+from trioserve.errors import (
+    ControlCallError,
+    EngineDeadError,
+    EngineOverloadedError,
+    InvalidRequestError,
+    RequestError,
+)
 from trioserve.frontend.outputs import RequestOutput
 from trioserve.frontend.streams import ParentRequestStream
 from trioserve.server import openai_protocol as oai
@@ -38,12 +50,15 @@ from trioserve.server.sse import Choices, EventFormat, chat_format, completion_f
 from trioserve.server.state import ServerState
 
 log = logging.getLogger("trioserve.server")
-Endpoint = Literal["metrics", "models", "completions", "chat"]
+Endpoint = Literal["metrics", "models", "completions", "chat", "control"]
+_CONTROL_PREFIX = "/v1/engine/"
+_CONTROL_CALLS = ("pause", "resume", "sleep", "wake_up")
 _ENDPOINTS: dict[str, tuple[Endpoint, str]] = {
     METRICS_PATH: ("metrics", "GET"),
     "/v1/models": ("models", "GET"),
     "/v1/completions": ("completions", "POST"),
     "/v1/chat/completions": ("chat", "POST"),
+    **{_CONTROL_PREFIX + call: ("control", "POST") for call in _CONTROL_CALLS},
 }
 RETRY_AFTER_S = 5  # for a 503 while the engine is busy, starting or restarting
 
@@ -117,6 +132,8 @@ class HttpApi:
         if endpoint == "metrics":
             payload = await self.metrics.render(self._state.engine)
             await conn.send_body(200, payload, CONTENT_TYPE, head_only=head.method == "HEAD")
+        elif endpoint == "control":
+            await self._control(conn, head)
         elif endpoint == "models":
             engine = self._engine()
             models = oai.models_list(self.model_name, engine.info.max_model_len, self._started)
@@ -142,6 +159,36 @@ class HttpApi:
                     nursery.cancel_scope.cancel()
             if scope.cancelled_caught:
                 log.debug("a client went away: its request was aborted")
+
+    async def _control(self, conn: HttpConnection, head: RequestHead) -> None:
+        """Run the control call the path names; 200 with the engine's health
+        after it, 400 for a bad query value, 500 when the call failed. If
+        cancelled (the client went away), the call may still take effect."""
+        engine = self._engine()
+        call = head.path.rstrip("/").removeprefix(_CONTROL_PREFIX)
+        query = {k: v[-1] for k, v in parse_qs(urlsplit(head.target).query).items()}
+        try:
+            timeout_s = float(query.get("timeout_s", engine.config.control_timeout_s))
+            mode: Any = query.get("mode", "wait")
+            if call == "pause":
+                await engine.pause(mode=mode, timeout_s=timeout_s)
+            elif call == "resume":
+                await engine.resume(timeout_s=timeout_s)
+            elif call == "sleep":
+                level: Any = int(query.get("level", "1"))
+                await engine.sleep(level, mode=mode, timeout_s=timeout_s)
+            else:
+                await engine.wake_up(timeout_s=timeout_s)
+        except ValueError as exc:  # InvalidRequestError, or a number that does not parse
+            error = OpenAIError(400, f"{call}: {exc}", code="invalid_value")
+        except ControlCallError as exc:
+            error = OpenAIError(500, str(exc), type="server_error", code="control_failed")
+        except EngineDeadError as exc:
+            error = engine_error(exc, {})
+        else:
+            await conn.send_json(200, {"health": engine.health})
+            return
+        await conn.send_json(error.status, error.body(), _error_headers(error))
 
     def _engine(self) -> Engine:
         engine = self._state.engine

@@ -1,0 +1,130 @@
+"""Tensor parallelism: the ranks' process group, and the model loaded as this rank's shard.
+
+The sharding itself is transformers' (``from_pretrained(...,
+distributed_config=DistributedConfig(tp_size=N))``): it applies the model's
+own tensor-parallel plan (``base_model_tp_plan`` in its config, plus the
+model class's plan for the embeddings and the LM head). For Llama, Qwen2
+and Qwen3 that plan makes ``q_proj``, ``k_proj``, ``v_proj``, ``gate_proj``
+and ``up_proj`` column-parallel (each rank computes its share of the heads
+and MLP columns), ``o_proj`` and ``down_proj`` row-parallel (each rank's
+partial product, then one all-reduce), the embedding vocabulary-parallel
+(an all-reduce) and the LM head column-parallel with its output gathered,
+so every rank gets the whole logits and samples the same token. Each rank's
+attention layers see only its own heads, so our paged attention function
+works unchanged, over a KV cache that holds this rank's KV heads.
+
+Checked on the CPU with gloo in transformers 5.23 (docs/architecture.md):
+the sharded model's logits match the whole model's within 5e-6.
+
+The process group meets through a file in the engine core's private 0700
+directory (``file://`` rendezvous: no port at all for that), and its
+collectives (gloo's TCP pairs, NCCL's bootstrap) are bound to the loopback
+interface: nothing listens beyond this machine.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from datetime import timedelta
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
+
+
+class NotShardableError(ValueError):
+    """The model cannot be split across this many ranks; the message names
+    its architecture and why."""
+
+
+def loopback_interface() -> str:
+    """The name of the loopback network interface (``lo`` on Linux)."""
+    for _, name in socket.if_nameindex():
+        if name.startswith("lo"):
+            return name
+    return "lo"
+
+
+def kv_heads_per_rank(plan: dict[str, str], num_kv_heads: int, world_size: int) -> int | None:
+    """How many KV heads each rank holds under ``plan`` (all of them when the
+    keys are not split), or None when they do not divide evenly."""
+    from transformers.distributed.tensor_parallel import get_kv_heads_per_rank
+
+    heads = get_kv_heads_per_rank(plan, num_kv_heads, world_size)
+    return heads if isinstance(heads, int) else None
+
+
+def check_shardable(model_dir: str, world_size: int) -> None:
+    """Raise ``NotShardableError`` naming the architecture when the model in
+    ``model_dir`` has no tensor-parallel plan, or heads that do not split
+    into ``world_size`` equal shares. Reads only the config: every rank
+    fails the same way, before any collective."""
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(model_dir)
+    text = config.get_text_config()
+    arch = ", ".join(getattr(config, "architectures", None) or [config.model_type])
+    plan = getattr(text, "base_model_tp_plan", None)
+    if not plan:
+        raise NotShardableError(
+            f"tensor_parallel_size={world_size}: {arch} (model type {config.model_type!r}) cannot be sharded: "
+            "transformers has no tensor-parallel plan for it (base_model_tp_plan). Use tensor_parallel_size=1, "
+            "or a model that has one (Llama, Qwen2, Qwen3, Mistral, Gemma, ...; see the README)"
+        )
+    num_heads = text.num_attention_heads
+    num_kv_heads = getattr(text, "num_key_value_heads", None) or num_heads
+    if num_heads % world_size or kv_heads_per_rank(plan, num_kv_heads, world_size) is None:
+        raise NotShardableError(
+            f"tensor_parallel_size={world_size}: {arch} has {num_heads} attention heads and {num_kv_heads} KV "
+            f"heads, which do not split into {world_size} equal shares"
+        )
+
+
+def init_process_group(rank: int, world_size: int, init_file: str, device: torch.device, timeout_s: float) -> None:
+    """Join this engine core's process group: gloo on the CPU, NCCL on CUDA.
+
+    Blocks until every rank has joined (at most ``timeout_s``, which also
+    bounds each collective later). Sets the variables transformers reads
+    (``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``)."""
+    import torch.distributed as dist
+
+    loopback = loopback_interface()
+    os.environ["GLOO_SOCKET_IFNAME"] = loopback
+    os.environ["NCCL_SOCKET_IFNAME"] = loopback
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size))
+    cuda = device.type == "cuda"
+    dist.init_process_group(
+        backend="nccl" if cuda else "gloo",
+        init_method=f"file://{init_file}",
+        rank=rank,
+        world_size=world_size,
+        timeout=timedelta(seconds=timeout_s),
+        device_id=device if cuda else None,
+    )
+
+
+def load_model(model_dir: str, world_size: int, **kwargs: Any) -> PreTrainedModel:
+    """``from_pretrained``: the whole model, or with ``world_size`` > 1 (in a
+    process group) this rank's shard of it."""
+    from transformers import AutoModelForCausalLM
+
+    if world_size > 1:
+        from transformers.distributed.configuration_utils import DistributedConfig
+
+        kwargs["distributed_config"] = DistributedConfig(tp_size=world_size)
+    return AutoModelForCausalLM.from_pretrained(model_dir, **kwargs)
+
+
+def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
+    """This rank's part of ``tensor`` (a sharded ``DTensor``), or itself."""
+    to_local = getattr(tensor, "to_local", None)
+    return to_local() if callable(to_local) else tensor
+
+
+def local_parameters(model: torch.nn.Module) -> tuple[int, int]:
+    """Elements and bytes of this rank's own weights."""
+    tensors = [local_tensor(p) for p in model.parameters()]
+    return sum(t.numel() for t in tensors), sum(t.numel() * t.element_size() for t in tensors)

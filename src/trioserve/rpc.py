@@ -1,0 +1,146 @@
+"""Control calls: the closed, typed set of things the front-end may ask an
+engine core, and an engine core its workers, besides serving requests.
+
+Nothing here is code: every call is a ``msgspec.Struct`` of a tagged union,
+decoded with its type, and each worker answers it with a typed result. A new
+kind of call is a new struct here and a branch in the code that runs it
+(``nurseries/control.py`` in the engine core, ``nurseries/worker.py`` in a
+worker); nothing else can cross.
+
+Two levels:
+
+- ``WorkerCall``: run by every worker of an engine core, between two model
+  steps (``collective_rpc``); each rank answers with a ``WorkerResult``.
+- ``ControlCall``: sent by the front-end to every engine core, each with a
+  ``call_id`` and a deadline (``ControlRequest``); answered with one
+  ``ControlReply`` per engine core. Besides passing a ``WorkerCall`` on
+  (``CollectiveRpc``), they pause and resume generation and put the model
+  to sleep and wake it up.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import msgspec
+
+PauseMode = Literal["wait", "abort"]  # running requests finish, or are aborted
+SleepLevel = Literal[1, 2]  # 1: the KV cache is freed; 2: the weights too
+
+
+# --- worker calls ------------------------------------------------------------
+
+
+class DescribeShard(msgspec.Struct, tag=True, frozen=True):
+    """Each rank's share of the model and of the KV cache, and its memory."""
+
+
+class SleepShard(msgspec.Struct, tag=True, frozen=True):
+    """Free the KV cache (level 1), and the weights too (level 2)."""
+
+    level: SleepLevel = 1
+
+
+class WakeShard(msgspec.Struct, tag=True, frozen=True):
+    """Load what ``SleepShard`` freed (the weights from the model directory,
+    a zeroed KV cache of the same size). A no-op when awake."""
+
+
+class Echo(msgspec.Struct, tag=True, frozen=True):
+    """A diagnostic: every rank answers ``text`` with its rank and pid; the
+    rank ``fail_on_rank`` (if any) raises instead, which shows what a failing
+    call looks like without harming anything."""
+
+    text: str = ""
+    fail_on_rank: int | None = None
+
+
+WorkerCall = DescribeShard | SleepShard | WakeShard | Echo
+# What ``collective_rpc`` may run: sleeping and waking go through ``Sleep``
+# and ``WakeUp``, which the engine core must know about.
+CollectiveCall = DescribeShard | Echo
+
+
+class ShardInfo(msgspec.Struct, tag=True, frozen=True):
+    """One rank's part of the model (``DescribeShard``, and the answer to
+    ``SleepShard`` and ``WakeShard``). Sizes are of this rank's own shard:
+    with tensor parallelism the sharded weights and the KV heads are split
+    across ranks, and what is replicated (norms) counts on every rank."""
+
+    engine_index: int
+    rank: int
+    world_size: int
+    pid: int
+    architecture: str  # the model class, e.g. LlamaForCausalLM ("fake" for the fake runner)
+    num_parameters: int  # elements of this rank's weights (0 while asleep at level 2)
+    parameter_bytes: int
+    num_kv_heads: int  # KV heads this rank's cache holds, per layer
+    num_kv_blocks: int
+    kv_cache_bytes: int  # 0 while asleep
+    rss_bytes: int  # the worker process's resident memory
+    device_memory_bytes: int  # allocated on the accelerator (0 on the CPU)
+    sleep_level: int  # 0: awake
+
+
+class EchoReply(msgspec.Struct, tag=True, frozen=True):
+    rank: int
+    pid: int
+    text: str
+
+
+WorkerResult = ShardInfo | EchoReply
+
+
+# --- control calls (front-end -> engine core) -------------------------------
+
+
+class Pause(msgspec.Struct, tag=True, frozen=True):
+    """Stop generating: requests that arrive wait until ``Resume``; those the
+    engine core holds already finish (``wait``) or are aborted (``abort``).
+    Answered once none runs."""
+
+    mode: PauseMode = "wait"
+
+
+class Resume(msgspec.Struct, tag=True, frozen=True):
+    """Generate again after ``Pause``: the requests that waited start."""
+
+
+class Sleep(msgspec.Struct, tag=True, frozen=True):
+    """Pause (in ``mode``), then free memory on every worker (``SleepShard``).
+    Requests that arrive while asleep wait or fail
+    (``EngineConfig.while_asleep``)."""
+
+    level: SleepLevel = 1
+    mode: PauseMode = "wait"
+
+
+class WakeUp(msgspec.Struct, tag=True, frozen=True):
+    """Restore what ``Sleep`` freed and generate again (unless also paused)."""
+
+
+class CollectiveRpc(msgspec.Struct, tag=True, frozen=True):
+    """Run ``call`` on every worker between two steps; every rank's result."""
+
+    call: CollectiveCall
+
+
+ControlCall = Pause | Resume | Sleep | WakeUp | CollectiveRpc
+
+
+class ControlRequest(msgspec.Struct, tag=True):
+    call_id: int
+    call: ControlCall
+    timeout_s: float  # what the workers get to answer; past it they count as hung
+
+
+class ControlReply(msgspec.Struct, tag=True):
+    """One engine core's answer: each rank's result (``CollectiveRpc``,
+    ``Sleep``, ``WakeUp``), or ``error`` naming the rank that failed; and
+    the engine core's state after the call."""
+
+    call_id: int
+    results: list[WorkerResult] = msgspec.field(default_factory=list)
+    error: str = ""
+    paused: bool = False
+    sleep_level: int = 0

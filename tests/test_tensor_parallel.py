@@ -1,0 +1,312 @@
+"""Tensor parallelism with the transformers runner on tiny models, 2 ranks on
+the CPU (gloo), and the control calls (pause, sleep, collective_rpc) that
+reach every rank.
+
+The tests of control calls share one engine (``HostedEngine``): llama over 2
+ranks, with a KV cache of 64 MiB per rank, so that freeing it shows in the
+workers' resident memory.
+"""
+
+from __future__ import annotations
+
+import glob
+import math
+import os
+import signal
+import time
+
+import psutil
+import pytest
+import trio
+from helpers.fakes import wait_no_children
+from helpers.hosted import HostedEngine
+
+import trioserve
+from test_engine_models import make_prompts, reference_greedy, run_concurrently
+from trioserve import ControlCallError, DescribeShard, Echo, EchoReply, EngineConfig, SamplingParams, ShardInfo
+
+pytestmark = pytest.mark.model
+
+GREEDY = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+
+
+# --- the same tokens as one rank ------------------------------------------------
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
+async def test_two_ranks_give_the_greedy_tokens_of_one_also_with_preemption(tiny_model_dir, arch):
+    """The tokens of one rank are transformers' own greedy generate() of the
+    whole model, one prompt at a time: what the engine gives with one rank
+    (test_engine_models checks that, on these prompts)."""
+    model_dir = tiny_model_dir(arch)
+    # 80 blocks of 4 tokens hold the 8 prompts (3-47 tokens) with 12 output tokens each, not with 48.
+    config = EngineConfig(
+        model=str(model_dir), tensor_parallel_size=2, block_size=4, num_kv_blocks=80, torch_threads=1,
+        shutdown_grace_s=3.0,
+    )  # fmt: skip
+    with trio.fail_after(120):
+        async with trioserve.open_engine(config=config) as engine:
+            prompts = make_prompts(engine.info.vocab_size)
+            expected = await trio.to_thread.run_sync(reference_greedy, model_dir, prompts, 48)
+            short = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+            assert await run_concurrently(engine, prompts, short) == [e[:12] for e in expected]
+            assert (await engine.stats()).num_preemptions == 0
+            long = SamplingParams(max_tokens=48, temperature=0, ignore_eos=True)
+            assert await run_concurrently(engine, prompts, long) == expected
+            assert (await engine.stats()).num_preemptions > 0
+
+
+def write_tiny_gpt2(path):
+    """A tiny GPT-2 (no tensor-parallel plan in transformers) with the tiny test tokenizer."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    from trioserve.gpu.tiny_models import VOCAB_SIZE, build_tokenizer
+
+    GPT2LMHeadModel(GPT2Config(vocab_size=VOCAB_SIZE, n_positions=64, n_embd=32, n_layer=1, n_head=2)).save_pretrained(
+        path
+    )
+    build_tokenizer(path)
+    return path
+
+
+async def test_a_model_without_a_tensor_parallel_plan_is_refused_at_start_naming_its_architecture(tmp_path):
+    model_dir = await trio.to_thread.run_sync(write_tiny_gpt2, tmp_path / "gpt2")
+    config = EngineConfig(model=str(model_dir), tensor_parallel_size=2, torch_threads=1, shutdown_grace_s=3.0)
+    with trio.fail_after(60):
+        with pytest.raises(trioserve.EngineStartupError, match=r"GPT2LMHeadModel .*cannot be sharded") as failed:
+            async with trioserve.open_engine(config=config):
+                pass
+    assert failed.value.stage == "model-load"
+
+
+def test_heads_that_do_not_split_evenly_are_refused(tiny_model_dir):
+    from trioserve.gpu.sharding import NotShardableError, check_shardable
+
+    check_shardable(str(tiny_model_dir("llama")), 2)
+    with pytest.raises(NotShardableError, match=r"LlamaForCausalLM has 4 attention heads and 2 KV heads, .* into 4"):
+        check_shardable(str(tiny_model_dir("llama")), 4)
+
+
+# --- control calls, on one shared engine ------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def tp_engine(tiny_model_dir):
+    config = EngineConfig(
+        model=str(tiny_model_dir("llama")),
+        tensor_parallel_size=2,
+        block_size=16,
+        num_kv_blocks=16384,  # 64 MiB per rank: 2 layers x K and V x 1 KV head x 16 x 4 bytes x 16 tokens
+        torch_threads=1,
+        shutdown_grace_s=3.0,
+    )
+    host = HostedEngine(config)
+    yield host
+    host.close()
+    assert trio.run(wait_no_children) == []
+
+
+def whole_model_parameters(model_dir) -> tuple[int, int]:
+    """Elements of the whole model's weights, and of those that every rank keeps whole (the norms)."""
+    from safetensors import safe_open
+
+    total = replicated = 0
+    with safe_open(os.path.join(model_dir, "model.safetensors"), framework="pt") as weights:
+        for name in weights.keys():  # noqa: SIM118 - safe_open is not a dict
+            n = math.prod(weights.get_slice(name).get_shape())
+            total += n
+            replicated += n if "norm" in name else 0
+    return total, replicated
+
+
+def test_each_rank_holds_its_share_of_the_weights_and_of_the_kv_cache(tp_engine, tiny_model_dir):
+    shards = tp_engine.call(lambda engine: engine.collective_rpc(DescribeShard()))
+    assert [type(s) for s in shards] == [ShardInfo, ShardInfo]
+    assert [(s.rank, s.world_size) for s in shards] == [(0, 2), (1, 2)]
+    assert len({s.pid for s in shards}) == 2
+    total, replicated = whole_model_parameters(tiny_model_dir("llama"))
+    # The sharded weights split in two (the vocabulary's odd row goes to rank 0); the norms are on both.
+    assert sum(s.num_parameters for s in shards) == total + replicated
+    assert all(abs(s.num_parameters - (total + replicated) / 2) <= 64 for s in shards)
+    # 2 KV heads in the model: one each, and a cache of one head's size.
+    assert [s.num_kv_heads for s in shards] == [1, 1]
+    assert all(s.kv_cache_bytes == 2 * 2 * 1 * 16 * 4 * 16 * 16384 for s in shards)
+    stats = tp_engine.call(lambda engine: engine.stats())
+    assert [w.rank for w in stats.workers] == [0, 1]
+
+
+async def _stream_all(engine, prompt, params, results, key, first_token: trio.Event | None = None):
+    """Stream a request; its outputs' tokens and finish reason go to ``results[key]``."""
+    tokens: list[int] = []
+    async with engine.stream(prompt, params) as stream:
+        async for out in stream:
+            tokens += out.token_ids
+            if first_token is not None:
+                first_token.set()
+    results[key] = (tokens, out.finish_reason)
+
+
+def test_pause_waits_for_running_requests_or_aborts_them_and_resume_starts_the_waiting(tp_engine):
+    long = SamplingParams(max_tokens=64, temperature=0, ignore_eos=True)
+
+    async def scenario(engine: trioserve.Engine) -> None:
+        expected = (await engine.generate([5, 6, 7], long)).token_ids
+        for mode in ("wait", "abort"):
+            results: dict[str, tuple[list[int], str | None]] = {}
+            async with trio.open_nursery() as nursery:
+                started = [trio.Event(), trio.Event()]
+                for i in range(2):
+                    nursery.start_soon(_stream_all, engine, [5, 6, 7], long, results, f"running-{i}", started[i])
+                for event in started:
+                    await event.wait()
+                await engine.pause(mode=mode)
+                assert engine.health == "paused"
+                # Both ended by now: all their tokens, or aborted part way.
+                ends = {results[f"running-{i}"][1] for i in range(2)}
+                assert ends == ({"length"} if mode == "wait" else {"abort"})
+                if mode == "abort":
+                    assert all(0 < len(results[f"running-{i}"][0]) < 64 for i in range(2))
+                async with engine.stream([5, 6, 7], long) as waiting:  # submitted: held while paused
+                    stats = await engine.stats()
+                    assert (stats.num_running, stats.num_waiting) == (0, 1)
+                    await engine.resume()
+                    assert engine.health == "ready"
+                    tokens = [t async for out in waiting for t in out.token_ids]
+                assert tokens == expected
+            if mode == "wait":
+                assert results["running-0"][0] == results["running-1"][0] == expected
+
+    tp_engine.call(scenario)
+
+
+def test_sleep_gives_the_kv_cache_back_and_wake_up_serves_the_same_tokens(tp_engine):
+    async def scenario(engine: trioserve.Engine) -> None:
+        expected = (await engine.generate([9, 10, 11, 12], GREEDY)).token_ids
+        awake = (await engine.stats()).workers
+        await engine.sleep(level=1)
+        assert engine.health == "sleeping"
+        asleep = (await engine.stats()).workers
+        for before, after in zip(awake, asleep, strict=True):
+            assert after.kv_cache_bytes == 0 and after.sleep_level == 1
+            assert before.rss_bytes - after.rss_bytes >= before.kv_cache_bytes / 2, (before, after)
+        # A request made while asleep waits for the wake-up.
+        async with engine.stream([9, 10, 11, 12], GREEDY) as waiting:
+            assert (await engine.stats()).num_waiting == 1
+            await engine.wake_up()
+            assert engine.health == "ready"
+            assert [t async for out in waiting for t in out.token_ids] == expected
+        # Level 2 frees the weights too; they are loaded again from the model directory.
+        await engine.sleep(level=2)
+        assert all(w.num_parameters == 0 for w in (await engine.stats()).workers)
+        await engine.wake_up()
+        assert all(w.num_parameters > 0 and w.kv_cache_bytes > 0 for w in (await engine.stats()).workers)
+        assert (await engine.generate([9, 10, 11, 12], GREEDY)).token_ids == expected
+
+    tp_engine.call(scenario, bound_s=90)
+
+
+def test_a_control_call_that_raises_on_one_rank_names_it_and_the_engine_serves_on(tp_engine):
+    async def scenario(engine: trioserve.Engine) -> None:
+        with pytest.raises(ControlCallError, match=r"engine-core-0: worker-1 \(rank 1\) failed Echo: .*fail_on_rank=1"):
+            await engine.collective_rpc(Echo("hello", fail_on_rank=1))
+        replies = await engine.collective_rpc(Echo("hello"))
+        assert [(r.rank, r.text) for r in replies if isinstance(r, EchoReply)] == [(0, "hello"), (1, "hello")]
+        assert len((await engine.generate([3, 4, 5], GREEDY)).token_ids) == 24
+        assert engine.num_restarts == 0
+
+    tp_engine.call(scenario)
+
+
+# --- a rank killed --------------------------------------------------------------
+
+
+def _workers_of_rank(rank: int, exclude: set[int]) -> list[psutil.Process]:
+    found = []
+    for proc in psutil.Process().children(recursive=True):
+        try:
+            if proc.pid not in exclude and proc.environ().get("TRIOSERVE_WORKER_RANK") == str(rank):
+                found.append(proc)
+        except psutil.Error:
+            pass  # gone meanwhile
+    return found
+
+
+def _rendezvous_files(worker: psutil.Process) -> list[str]:
+    """The files where the ranks of ``worker``'s group meet (in its engine core's private directory)."""
+    address = psutil.Process(worker.ppid()).environ()["TRIOSERVE_HANDSHAKE_ADDRESS"]
+    return glob.glob(os.path.join(os.path.dirname(address.removeprefix("ipc://")), "tp-*"))
+
+
+async def _generate_into(engine: trioserve.Engine, results: list[trioserve.RequestOutput]) -> None:
+    results.append(await engine.generate([5, 6, 7], GREEDY))
+
+
+async def _gone_within(pids: list[int], seconds: float) -> bool:
+    with trio.move_on_after(seconds):
+        while any(psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE for p in pids):
+            await trio.sleep(0.02)
+        return True
+    return False
+
+
+async def test_kill_9_of_rank_1_in_a_step_or_at_load_ends_requests_at_once_and_the_group_restarts(
+    tiny_model_dir, caplog, capfd
+):
+    config = EngineConfig(
+        model=str(tiny_model_dir("llama")),
+        tensor_parallel_size=2,
+        torch_threads=1,
+        shutdown_grace_s=3.0,
+        restart_backoff_s=0.1,
+    )
+    long = SamplingParams(max_tokens=400, temperature=0, ignore_eos=True)
+    others = {p.pid for p in psutil.Process().children(recursive=True)}  # an engine another test shares
+    with trio.fail_after(150):
+        async with trioserve.open_engine(config=config) as engine:
+            first_pids = list(engine.info.worker_pids)
+            # Not the processes of an engine another test shares, nor this one's first.
+            known = {p.pid for p in psutil.Process().children(recursive=True)}
+            ended_at: list[float] = []
+
+            async def doomed(started: trio.Event) -> None:
+                with pytest.raises(trioserve.EngineDeadError, match=r"worker-1 .* killed by SIGKILL during step"):
+                    async with engine.stream([5, 6, 7], long) as stream:
+                        async for _ in stream:
+                            started.set()
+                ended_at.append(time.monotonic())
+
+            # 1. During a step: every request in flight ends within a second, and rank 0 is gone as fast.
+            async with trio.open_nursery() as nursery:
+                events = [trio.Event() for _ in range(4)]
+                for event in events:
+                    nursery.start_soon(doomed, event)
+                for event in events:
+                    await event.wait()
+                killed_at = time.monotonic()
+                os.kill(first_pids[1], signal.SIGKILL)
+            assert len(ended_at) == 4 and max(ended_at) - killed_at < 1.0
+            assert await _gone_within(first_pids, 1.0)
+
+            # 2. During the restart's model load, once the ranks meet: that start fails, its rank 0
+            #    (perhaps waiting for rank 1 in the rendezvous) is gone within a second. A request
+            #    made meanwhile waits for the group that comes up next.
+            while not (rank1 := _workers_of_rank(1, known)) or not _rendezvous_files(rank1[0]):
+                await trio.sleep(0.02)
+            rank0 = _workers_of_rank(0, known)
+            assert engine.health == "restarting"
+            async with trio.open_nursery() as nursery:
+                waiting: list[trioserve.RequestOutput] = []
+                nursery.start_soon(lambda: _generate_into(engine, waiting))
+                rank1[0].kill()
+                assert await _gone_within([p.pid for p in rank0], 1.0)
+
+            # 3. The group starts again, as one, and serves.
+            assert engine.health == "ready" and engine.num_restarts == 2
+            assert len(set(engine.info.worker_pids) & {*first_pids, rank1[0].pid}) == 0
+            assert len(waiting[0].token_ids) == 24
+        assert any("restart 1 failed" in r.message and "during model-load" in r.message for r in caplog.records)
+        # Rank 0 was killed as hung both times (it may wait in a collective), not asked to stop with a grace.
+        engine_cores_said = capfd.readouterr().err
+        for pid in (first_pids[0], rank0[0].pid):
+            assert f"worker-0 (pid {pid}) declared hung: SIGKILL" in engine_cores_said
+        assert [p for p in await wait_no_children() if p.pid not in others] == []
