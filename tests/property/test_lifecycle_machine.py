@@ -1,5 +1,7 @@
 """The engine's life cycle under random faults: a hypothesis state machine
-over a real engine (the fake runner in real processes, real sockets).
+over a real engine (the fake runner in real processes, real sockets), with
+one engine core or two side by side (data parallel), each supervised on its
+own.
 
 The engine runs in a background thread's ``trio.run`` (``EngineHarness``),
 which holds the engine, a nursery of request consumers, and every piece of
@@ -7,32 +9,38 @@ the machine's model; rules and invariants call into it with
 ``trio.from_thread.run``, so that the model is only ever touched from the
 Trio thread.
 
-Rules: submit requests (each read by a consumer task that records every
-output and its terminal event; some cancel themselves after k tokens, 0
-meaning right after submission), cancel a running request, stall a consumer
-(it stops reading for a while, then resumes or cancels the request), inject
-a fault (kill -9 a worker, kill -9 the engine core, or SIGUSR1 to a worker
-so that its next step raises, see ``FakeRunner``), let time pass, wait for
-the requests to finish, shut down (exit ``open_engine``; a new engine then
-starts for the rest of the run).
+Rules: start one engine core or two and submit a first few requests, submit
+requests (each read by a consumer task that records every output and its
+terminal event; some cancel themselves after k tokens, 0 meaning right after
+submission), cancel a running request, stall a consumer (it stops reading
+for a while, then resumes or cancels the request), inject a fault into one
+engine (kill -9 one of its workers, kill -9 its engine
+core, or SIGUSR1 to one of its workers so that its next step raises, see
+``FakeRunner``), let time pass, wait for the requests to finish, shut down
+(exit ``open_engine``; a new engine then starts for the rest of the run).
 
 The model of outcomes: a request that no fault touched finishes, with
 exactly the fake runner's tokens, or is cancelled if it was cancelled. A
-request in flight at a fault (or submitted while a SIGUSR1 is pending)
-finishes or raises ``EngineDeadError``; if it was in flight on the engine
-core that died, within ``DEATH_BOUND_S`` of the death (of its consumer
-resuming, if stalled). The supervisor restarts the engine core after each
-death (the restart budget is never reached here), so a request submitted
-after a death was noticed waits for the new engine core and finishes.
+request in flight on an engine core at a fault of its engine (or sent to an
+engine core with a SIGUSR1 pending) finishes or raises ``EngineDeadError``;
+if it was in flight on the engine core that died, within ``DEATH_BOUND_S``
+of the death (of its consumer resuming, if stalled). A fault is one
+engine's: requests on the other engine never notice it, they finish as if
+nothing happened. Each engine's supervisor restarts its engine core after
+each death (the restart budget is never reached here), so a request
+submitted after a death was noticed goes to another engine, or waits for the
+new engine core, and finishes.
 
 Checked after every step and at teardown: every request gets exactly one
 terminal event, and none hangs; the live trioserve processes are exactly
-the engine's current ones (no orphan, no zombie); the front-end holds, and
-the engine core runs or queues, no more requests than have not ended, and
-with none running every KV block is free (so, once idle: nothing at all);
-the number of restarts equals the number of deaths. At every shutdown: it
-finishes within its bound, every request has ended once, no process
-remains, and no file descriptor leaked.
+every engine's current ones (no orphan, no zombie); at each engine, the
+front-end holds, and the engine core runs or queues, no more requests than
+have not ended there, and with none running every KV block is free (so,
+once idle: nothing at all); each engine's number of restarts equals the
+number of its engine core's deaths, and an engine core dies only of a fault
+injected into its own engine. At every shutdown: it finishes within its
+bound, every request has ended once, no process remains, and no file
+descriptor leaked.
 
 The examples are derandomized (the same on every run) and nothing is
 written to a ``.hypothesis`` database.
@@ -70,6 +78,7 @@ import trioserve
 from trioserve import EngineConfig, FakeRunnerConfig, SamplingParams
 from trioserve.errors import EngineDeadError, RequestError
 from trioserve.frontend.outputs import RequestOutput
+from trioserve.frontend.supervisor import EngineSupervisor
 from trioserve.transport.zmq_trio import zmq_context
 
 NUM_KV_BLOCKS = 32
@@ -78,17 +87,29 @@ SHUTDOWN_GRACE_S = 0.5
 
 DEATH_BOUND_S = 1.0  # a request in flight when its engine dies ends within this (the issue's bound)
 ORPHAN_BOUND_S = 2.0  # a process of a dead (or stopped) engine is gone within this
-HANG_BOUND_S = 15.0  # any request ends within this of its submission, stalls not counted
-RESTART_BOUND_S = 10.0  # a dead engine is ready again within this
+# Bounds about time that are not the issue's are generous: the machine may be loaded (2 cores, other tests).
+HANG_BOUND_S = 45.0  # any request ends within this of its submission, stalls not counted
+RESTART_BOUND_S = 30.0  # a dead engine is ready again within this
 SHUTDOWN_BOUND_S = 2 * SHUTDOWN_GRACE_S + 1.0  # open_engine's exit: at worst a SIGTERM and a SIGKILL away
-START_BOUND_S = 30.0
-CALL_BOUND_S = 60.0  # any one call into the Trio thread (a rule's or invariant's work)
+START_BOUND_S = 90.0
+CALL_BOUND_S = 120.0  # any one call into the Trio thread (a rule's or invariant's work)
 MIN_REQUESTS_BEFORE_SHUTDOWN = 4  # a shutdown ends an engine's life: let it see some traffic first
 
 T = TypeVar("T")
 
+# One to three requests: (prompt, max_tokens, cancel_after).
+REQUEST_SPECS = st.lists(
+    st.tuples(
+        st.lists(st.integers(3, VOCAB - 1), min_size=1, max_size=8),
+        st.sampled_from([1, 5, 30, 120, 1000]),
+        st.sampled_from([None, None, 0, 1, 8, 40]),
+    ),
+    min_size=1,
+    max_size=3,
+)
 
-def engine_config(model: str, tensor_parallel_size: int) -> EngineConfig:
+
+def engine_config(model: str, tensor_parallel_size: int, data_parallel_size: int) -> EngineConfig:
     return EngineConfig(
         model=model,
         runner="fake",
@@ -97,15 +118,17 @@ def engine_config(model: str, tensor_parallel_size: int) -> EngineConfig:
         max_num_seqs=4,
         max_num_batched_tokens=32,
         tensor_parallel_size=tensor_parallel_size,
+        data_parallel_size=data_parallel_size,
         shutdown_grace_s=SHUTDOWN_GRACE_S,
-        startup_timeout_s=10.0,
-        model_load_timeout_s=10.0,
-        step_timeout_s=10.0,
+        startup_timeout_s=30.0,
+        model_load_timeout_s=30.0,
+        step_timeout_s=30.0,
+        heartbeat_timeout_s=30.0,  # no hang here: only the faults injected kill an engine core
         max_restarts=1000,  # never out of restarts here (tests/test_supervision.py covers the budget)
         restart_window_s=300.0,
         restart_backoff_s=0.02,
         restart_backoff_max_s=0.1,
-        restart_wait_s=10.0,
+        restart_wait_s=RESTART_BOUND_S,
         fake=FakeRunnerConfig(eos_token_id=EOS, num_kv_blocks=NUM_KV_BLOCKS, step_delay_s=0.004),
     )
 
@@ -160,6 +183,12 @@ def still_there(proc: psutil.Process) -> bool:
         return False
 
 
+def supervisors(engine: trioserve.Engine) -> list[EngineSupervisor]:
+    """The engine's supervisors, one per engine core, by engine index: the
+    public API has no per-engine restart count nor requests held."""
+    return engine._group.supervisors
+
+
 # --- the model of one request ------------------------------------------------
 
 
@@ -179,7 +208,10 @@ class Req:
     problems: list[str] = field(default_factory=list)
     entered_at: float | None = None  # submitted to an engine core (the stream's block entered)
     entered_pid: int | None = None  # ...to this one
-    exposed: bool = False  # a fault may end it: in flight at a death, or submitted while a fault was pending
+    engine_index: int | None = None  # ...of this engine
+    # Engine cores whose fault may end it if it went to them: one died while it was in flight there, or
+    # before it got in (it may have been handed to it just before), or had a SIGUSR1 pending meanwhile.
+    risky_pids: set[int] = field(default_factory=set)
     death_deadline: float = math.inf  # in flight at a death: must end by then
     pending_death: bool = False  # in flight at a death while stalled: the deadline starts when it resumes
     cancel_requested: bool = False
@@ -191,7 +223,16 @@ class Req:
     read_scope: trio.CancelScope | None = None
 
     def __repr__(self) -> str:
-        return f"<request {self.n}>"
+        where = "" if self.engine_index is None else f" on engine {self.engine_index} (pid {self.entered_pid})"
+        return f"<request {self.n}{where}>"
+
+    @property
+    def exposed(self) -> bool:
+        """A fault may end it: one of the engine core it went to, or (if it
+        never got in) of one it may have been about to go to."""
+        if self.entered_pid is None:
+            return bool(self.risky_pids)
+        return self.entered_pid in self.risky_pids
 
     @property
     def over(self) -> bool:
@@ -221,11 +262,11 @@ class Req:
         if self.over:
             return
         if self.entered_pid is None:
-            self.exposed = True  # it may have been handed to that engine core just before it died
+            self.risky_pids.add(engine_pid)  # it may have been handed to that engine core just before it died
             return
         if self.entered_pid != engine_pid:
-            return  # in flight on another (later) engine core
-        self.exposed = True
+            return  # in flight on another engine's engine core, or a later one of this engine
+        self.risky_pids.add(engine_pid)
         if self.stalled:
             self.pending_death = True
         else:
@@ -249,7 +290,7 @@ class Req:
                 )
         elif kind == "dead":
             if not self.exposed:
-                found.append(f"{self!r}: EngineDeadError although no fault touched it: {detail}")
+                found.append(f"{self!r}: EngineDeadError although no fault touched its engine core: {detail}")
         elif kind != "cancelled":
             found.append(f"{self!r}: ended with {kind}: {detail}")
         if when > self.death_deadline + 0.05:  # 50 ms for the consumer's own bookkeeping
@@ -351,11 +392,17 @@ class LifecycleMachine(RuleBasedStateMachine):
         self.fds_before = fd_table()
         self.harness: EngineHarness | None = None
         self.tensor_parallel_size = 1
+        self.data_parallel_size = 1
         self.reqs: list[Req] = []
-        self.gen: Generation | None = None
+        # Per engine (by engine index): its current engine core (None while restarting), how often its
+        # engine core died, whether a SIGUSR1 was sent to one of its workers and its death not yet seen,
+        # and how many faults were injected into its current engine core (a death needs one).
+        self.gens: list[Generation | None] = [None]
+        self.num_deaths = [0]
+        self.fault_pending = [False]
+        self.num_faults = [0]
+        self.unexplained_deaths: list[str] = []  # engine cores that died with no fault of their own
         self.retired: dict[int, psutil.Process] = {}  # processes of dead engine cores
-        self.num_deaths = 0
-        self.fault_pending = False  # a SIGUSR1 was sent and its death not yet seen
         self.requests_at_last_fault = 0
         self.stopped = False
 
@@ -371,13 +418,15 @@ class LifecycleMachine(RuleBasedStateMachine):
         return self.harness.call(fn, *args)
 
     def _open(self) -> None:
-        harness = EngineHarness(engine_config(self.model_dir, self.tensor_parallel_size))
+        config = engine_config(self.model_dir, self.tensor_parallel_size, self.data_parallel_size)
+        harness = EngineHarness(config)
         harness.start()
         self.harness = harness
         self.reqs = []
-        self.gen = None
-        self.num_deaths = 0
-        self.fault_pending = False
+        self.gens = [None] * self.data_parallel_size
+        self.num_deaths = [0] * self.data_parallel_size
+        self.fault_pending = [False] * self.data_parallel_size
+        self.num_faults = [0] * self.data_parallel_size
         self.requests_at_last_fault = 0
         self.call(self._observe_async)
 
@@ -385,68 +434,87 @@ class LifecycleMachine(RuleBasedStateMachine):
         self._observe()
 
     def _observe(self) -> None:
-        """(Trio thread) Notice an engine core's death, and a new one's birth."""
+        """(Trio thread) Notice each engine's engine core dying, and a new one's birth."""
+        for index in range(self.data_parallel_size):
+            self._observe_engine(index)
+
+    def _observe_engine(self, index: int) -> None:
         engine = self.engine
+        health, info = engine.engine_healths[index], engine.engine_infos[index]
         at = now()
-        if self.gen is not None and (engine.health != "ready" or engine.info.engine_pid != self.gen.engine_pid):
-            dead, self.gen = self.gen, None
-            dead.died_at = at
-            self.retired.update(dead.procs)
-            self.num_deaths += 1
-            self.fault_pending = False
+        gen = self.gens[index]
+        if gen is not None and (health != "ready" or info.engine_pid != gen.engine_pid):
+            self.gens[index] = None
+            gen.died_at = at
+            self.retired.update(gen.procs)
+            self.num_deaths[index] += 1
+            self.fault_pending[index] = False
+            if self.num_faults[index] == 0:  # a fault of another engine, say, took it down too
+                self.unexplained_deaths.append(f"engine {index}'s engine core (pid {gen.engine_pid})")
+            self.num_faults[index] = 0  # (several faults of one engine core: one death)
             for req in self.reqs:
-                req.death(at, dead.engine_pid)  # (after a kill: its deadline was set by the kill)
-        if self.gen is None and engine.health == "ready":
-            info = engine.info
+                req.death(at, gen.engine_pid)  # (after a kill: its deadline was set by the kill)
+        if self.gens[index] is None and health == "ready":
             procs = {}
             for pid in (info.engine_pid, *info.worker_pids):
                 try:
                     procs[pid] = psutil.Process(pid)
                 except psutil.NoSuchProcess:
                     pass  # died already: noticed next time
-            self.gen = Generation(info.engine_pid, list(info.worker_pids), procs)
+            self.gens[index] = Generation(info.engine_pid, list(info.worker_pids), procs)
 
-    async def _wait_ready(self) -> None:
-        """(Trio thread) Wait for a restarting engine to be ready again."""
+    async def _wait_ready(self, index: int) -> Generation:
+        """(Trio thread) Wait for engine ``index`` to be ready (again, if it
+        is restarting); its current engine core."""
         engine = self.engine
         with trio.move_on_after(RESTART_BOUND_S):
-            while engine.health != "ready":
+            while engine.engine_healths[index] != "ready":
                 self._observe()
                 await trio.sleep(0.005)
-        assert engine.health == "ready", f"engine is {engine.health!r} {RESTART_BOUND_S}s after a death"
+        health = engine.engine_healths[index]
+        assert health == "ready", f"engine {index} is {health!r} {RESTART_BOUND_S}s after a death"
         self._observe()
+        gen = self.gens[index]
+        assert gen is not None
+        return gen
 
     # --- rules ----------------------------------------------------------------
 
-    @initialize(tensor_parallel_size=st.sampled_from([1, 2]))
-    def start(self, tensor_parallel_size: int) -> None:
+    @initialize(
+        tensor_parallel_size=st.sampled_from([1, 2]),
+        data_parallel_size=st.sampled_from([1, 2]),
+        specs=REQUEST_SPECS,
+    )
+    def start(
+        self, tensor_parallel_size: int, data_parallel_size: int, specs: list[tuple[list[int], int, int | None]]
+    ) -> None:
+        """Start an engine of ``data_parallel_size`` engine cores and submit
+        a first few requests (so that every example has some, even one whose
+        rules do not include ``submit``)."""
         self.tensor_parallel_size = tensor_parallel_size
+        self.data_parallel_size = data_parallel_size
         self._open()
+        self._submit_all(specs)
 
     @precondition(lambda self: not self.stopped)
-    @rule(
-        specs=st.lists(
-            st.tuples(
-                st.lists(st.integers(3, VOCAB - 1), min_size=1, max_size=8),
-                st.sampled_from([1, 5, 30, 120, 1000]),
-                st.sampled_from([None, None, 0, 1, 8, 40]),
-            ),
-            min_size=1,
-            max_size=3,
-        ),
-    )
+    @rule(specs=REQUEST_SPECS)
     def submit(self, specs: list[tuple[list[int], int, int | None]]) -> None:
         """Submit one to three requests (prompt, max_tokens, cancel_after),
         each read by its own consumer; one with ``cancel_after=k`` is
         cancelled by its consumer once it has read ``k`` tokens (0: as soon
         as it is submitted)."""
+        self._submit_all(specs)
+
+    def _submit_all(self, specs: list[tuple[list[int], int, int | None]]) -> None:
         for prompt, max_tokens, cancel_after in specs:
             self.call(self._submit, prompt, max_tokens, cancel_after)
 
     async def _submit(self, prompt: list[int], max_tokens: int, cancel_after: int | None) -> None:
         self._observe()
         req = Req(len(self.reqs), prompt, max_tokens, submitted_at=now(), cancel_after=cancel_after)
-        req.exposed = self.fault_pending
+        for gen, pending in zip(self.gens, self.fault_pending, strict=True):
+            if pending and gen is not None:  # if it goes there, the next step may fail it
+                req.risky_pids.add(gen.engine_pid)
         self.reqs.append(req)
         assert self.harness is not None and self.harness.consumers is not None
         self.harness.consumers.start_soon(self._consume, req)
@@ -457,8 +525,10 @@ class LifecycleMachine(RuleBasedStateMachine):
             with req.cancel_scope:
                 try:
                     async with engine.stream(req.prompt, SamplingParams(max_tokens=req.max_tokens)) as stream:
-                        req.entered_at, req.entered_pid = now(), engine.info.engine_pid
-                        req.expected_len = min(req.max_tokens, engine.info.max_model_len - len(req.prompt))
+                        assert stream.engine_index is not None
+                        info = engine.engine_infos[stream.engine_index]
+                        req.entered_at, req.entered_pid, req.engine_index = now(), info.engine_pid, stream.engine_index
+                        req.expected_len = min(req.max_tokens, info.max_model_len - len(req.prompt))
                         await self._read(req, stream)
                 except EngineDeadError as exc:
                     req.terminal("dead", str(exc))
@@ -552,34 +622,40 @@ class LifecycleMachine(RuleBasedStateMachine):
             req.read_scope.cancel()  # stop reading now: the read loses nothing
 
     @precondition(lambda self: not self.stopped and len(self.reqs) > self.requests_at_last_fault)
-    @rule(fault=st.sampled_from(["kill -9 worker", "kill -9 engine core", "SIGUSR1 worker"]), rank=st.integers(0, 1))
-    def inject(self, fault: str, rank: int) -> None:
-        """A fault: kill -9 a worker or the engine core, or make a worker's
+    @rule(
+        fault=st.sampled_from(["kill -9 worker", "kill -9 engine core", "SIGUSR1 worker"]),
+        engine=st.integers(0, 1),
+        rank=st.integers(0, 1),
+    )
+    def inject(self, fault: str, engine: int, rank: int) -> None:
+        """A fault of one engine (``engine``, modulo their number): kill -9
+        one of its workers or its engine core, or make one of its workers'
         next step raise (SIGUSR1). ``rank`` picks the worker. (At most one
         fault per submission, so that most requests still run to the end.)"""
         self.requests_at_last_fault = len(self.reqs)
+        index = engine % self.data_parallel_size
         if fault == "SIGUSR1 worker":
-            self.call(self._raise_in_next_step, rank)
+            self.call(self._raise_in_next_step, index, rank)
         else:
-            self.call(self._kill, fault.removeprefix("kill -9 "), rank)
+            self.call(self._kill, fault.removeprefix("kill -9 "), index, rank)
 
-    async def _kill(self, what: str, rank: int) -> None:
-        await self._wait_ready()
-        assert self.gen is not None
-        pid = self.gen.engine_pid if what == "engine core" else self.gen.worker_pids[rank % len(self.gen.worker_pids)]
+    async def _kill(self, what: str, index: int, rank: int) -> None:
+        gen = await self._wait_ready(index)
+        pid = gen.engine_pid if what == "engine core" else gen.worker_pids[rank % len(gen.worker_pids)]
         try:
-            self.gen.procs[pid].kill()  # psutil: never a reused pid
+            gen.procs[pid].kill()  # psutil: never a reused pid
         except psutil.NoSuchProcess:
             return  # it died of something else meanwhile: noticed by the invariants
+        self.num_faults[index] += 1
         killed_at = now()
         for req in self.reqs:
-            req.death(killed_at, self.gen.engine_pid)
+            req.death(killed_at, gen.engine_pid)
         with trio.move_on_after(DEATH_BOUND_S):
-            while self.gen is not None:
+            while self.gens[index] is gen:
                 await trio.sleep(0.005)
                 self._observe()
-        assert self.gen is None, (
-            f"the front-end did not notice within {DEATH_BOUND_S}s that {what} (pid {pid}) was killed"
+        assert self.gens[index] is not gen, (
+            f"the front-end did not notice within {DEATH_BOUND_S}s that engine {index}'s {what} (pid {pid}) was killed"
         )
         # The requests in flight must end by their deadline: wait for them (a bounded wait).
         while any(not r.over and not r.stalled and r.death_deadline < math.inf for r in self.reqs):
@@ -587,18 +663,19 @@ class LifecycleMachine(RuleBasedStateMachine):
                 break
             await trio.sleep(0.005)
 
-    async def _raise_in_next_step(self, rank: int) -> None:
-        await self._wait_ready()
-        assert self.gen is not None
-        pid = self.gen.worker_pids[rank % len(self.gen.worker_pids)]
+    async def _raise_in_next_step(self, index: int, rank: int) -> None:
+        gen = await self._wait_ready(index)
+        pid = gen.worker_pids[rank % len(gen.worker_pids)]
         try:
-            self.gen.procs[pid].send_signal(signal.SIGUSR1)
+            gen.procs[pid].send_signal(signal.SIGUSR1)
         except psutil.NoSuchProcess:
             return
-        self.fault_pending = True  # its next step fails: any request from now on may end dead
+        self.num_faults[index] += 1
+        # Its next step fails: any request on this engine core, or sent to it from now on, may end dead.
+        self.fault_pending[index] = True
         for req in self.reqs:
-            if not req.over:
-                req.exposed = True
+            if not req.over and req.entered_pid in (None, gen.engine_pid):
+                req.risky_pids.add(gen.engine_pid)
 
     @precondition(lambda self: not self.stopped)
     @rule(seconds=st.sampled_from([0.02, 0.2]))
@@ -687,11 +764,21 @@ class LifecycleMachine(RuleBasedStateMachine):
                 problems.append(f"pid {pid} of a dead engine core is still there")
             else:
                 del self.retired[pid]
-        if self.gen is not None:  # ready: exactly its processes
-            expected = {self.gen.engine_pid, *self.gen.worker_pids}
-            running = {p.pid for p in live if not is_zombie(p)}
+        known = [gen for gen in self.gens if gen is not None]
+        expected = {pid for gen in known for pid in (gen.engine_pid, *gen.worker_pids)}
+        running = {p.pid for p in live if not is_zombie(p)}
+        if len(known) == len(self.gens):  # every engine ready: exactly their processes
             if running != expected:
-                problems.append(f"trioserve processes {sorted(running)} are not the engine's {sorted(expected)}")
+                problems.append(f"trioserve processes {sorted(running)} are not the engines' {sorted(expected)}")
+        else:  # one restarting: its new processes are not known yet, but no more than one engine's each
+            if not expected <= running:
+                problems.append(f"processes {sorted(expected - running)} of ready engines are gone")
+            room = (len(self.gens) - len(known)) * (1 + self.tensor_parallel_size)
+            if len(running - expected) > room:
+                problems.append(
+                    f"trioserve processes {sorted(running - expected)} beyond the ready engines' are more than "
+                    f"the {room} of the engines restarting"
+                )
         return problems
 
     @invariant()
@@ -701,12 +788,24 @@ class LifecycleMachine(RuleBasedStateMachine):
         self.call(self._check_restarts)
 
     async def _check_restarts(self) -> None:
+        """Each engine restarted once per death of its engine core, and its
+        engine core died only of a fault injected into it."""
         self._observe()
+        assert not self.unexplained_deaths, (
+            f"engine cores died with no fault injected into their engine: {self.unexplained_deaths}"
+        )
         engine = self.engine
         assert engine.health in ("ready", "restarting"), f"engine health is {engine.health!r} with restarts left"
-        if self.gen is not None:
-            assert engine.num_restarts == self.num_deaths, (
-                f"{engine.num_restarts} restarts after {self.num_deaths} deaths of the engine core"
+        for index, (health, gen) in enumerate(zip(engine.engine_healths, self.gens, strict=True)):
+            assert health in ("ready", "restarting"), f"engine {index}'s health is {health!r} with restarts left"
+            restarts = supervisors(engine)[index].num_restarts
+            if gen is not None:
+                assert restarts == self.num_deaths[index], (
+                    f"engine {index}: {restarts} restarts after {self.num_deaths[index]} deaths of its engine core"
+                )
+        if all(gen is not None for gen in self.gens):
+            assert engine.num_restarts == sum(self.num_deaths), (
+                f"{engine.num_restarts} restarts in all after {sum(self.num_deaths)} deaths of engine cores"
             )
 
     @invariant()
@@ -720,23 +819,34 @@ class LifecycleMachine(RuleBasedStateMachine):
 
     async def _check_request_state(self) -> None:
         self._observe()
-        if self.gen is None:
-            return  # restarting: the next engine core starts empty
+        if all(gen is None for gen in self.gens):
+            return  # all restarting: their next engine cores start empty
         engine = self.engine
         live = [r for r in self.reqs if not r.over]  # counted before stats: an abort sent later is not seen by it
-        held = engine.num_requests_in_flight()
+        held_in_all = engine.num_requests_in_flight()
+        held = [0 if s.client is None else len(s.client.requests) for s in supervisors(engine)]
         try:
             stats = await engine.stats()
         except EngineDeadError:
             # A pending SIGUSR1 fails the next step (of any request, one cancelled meanwhile too).
-            assert self.fault_pending, "the engine core died with no fault pending"
+            assert any(self.fault_pending), "an engine core died with no fault pending"
             return
-        in_use = stats.num_total_blocks - stats.num_free_blocks
-        assert held <= len(live) and stats.num_running + stats.num_waiting <= len(live), (
-            f"{len(live)} request(s) not ended {live}, yet the front-end holds {held} and the engine core has "
-            f"{stats.num_running} running and {stats.num_waiting} waiting ({in_use} KV blocks in use)"
+        assert held_in_all <= len(live), (
+            f"{len(live)} request(s) not ended {live}, yet the front-end holds {held_in_all}"
         )
-        assert stats.num_running > 0 or in_use == 0, f"no request running, yet {in_use} KV blocks in use"
+        for index, (gen, counts) in enumerate(zip(self.gens, stats.engines or [stats], strict=True)):
+            if gen is None:
+                continue  # restarting: its next engine core starts empty
+            here = [r for r in live if r.engine_index in (None, index)]  # (None: on its way to an engine)
+            in_use = counts.num_total_blocks - counts.num_free_blocks
+            assert held[index] <= len(here) and counts.num_running + counts.num_waiting <= len(here), (
+                f"{len(here)} request(s) not ended at engine {index} {here}, yet the front-end holds {held[index]} "
+                f"there and its engine core has {counts.num_running} running and {counts.num_waiting} waiting "
+                f"({in_use} KV blocks in use)"
+            )
+            assert counts.num_running > 0 or in_use == 0, (
+                f"engine {index}: no request running, yet {in_use} KV blocks in use"
+            )
 
     # --- shutdown and teardown ------------------------------------------------
 
@@ -754,9 +864,10 @@ class LifecycleMachine(RuleBasedStateMachine):
         self._check_fds()
 
     def _check_nothing_left(self) -> None:
-        if self.gen is not None:
-            self.retired.update(self.gen.procs)
-            self.gen = None
+        for gen in self.gens:
+            if gen is not None:
+                self.retired.update(gen.procs)
+        self.gens = [None] * self.data_parallel_size
         deadline = now() + ORPHAN_BOUND_S
         while True:
             left = [p for p in trioserve_processes() if still_there(p)]
@@ -803,9 +914,11 @@ def warm_up_process_wide_state() -> None:
     zmq_context().socket(zmq.PULL).close()
 
 
+# Starting an engine costs seconds (up to six processes on a loaded machine): ten examples keep
+# the test near a minute.
 LIFECYCLE_SETTINGS = settings(
-    max_examples=25,
-    stateful_step_count=30,
+    max_examples=10,
+    stateful_step_count=25,
     deadline=None,
     derandomize=True,  # the same examples on every run: no database, nothing written
     database=None,
