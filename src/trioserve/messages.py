@@ -327,7 +327,12 @@ class StartWave(msgspec.Struct, tag=True):
     exclude: int | None = None
 
 
-EngineRequest = AddRequest | AbortRequests | GetStats | ResetPrefixCache | StartWave | ControlRequest
+class Ping(msgspec.Struct, tag=True):
+    """The front-end is alive: sent every ``heartbeat_interval_s`` to an engine
+    core on another host, which has no parent pipe to tell it so."""
+
+
+EngineRequest = AddRequest | AbortRequests | GetStats | ResetPrefixCache | StartWave | Ping | ControlRequest
 
 
 # --- engine core -> front-end ----------------------------------------------

@@ -41,6 +41,7 @@ from trioserve.core import waves
 from trioserve.errors import ControlCallError, EngineDeadError
 from trioserve.frontend.client import EngineCoreClient
 from trioserve.frontend.coordinator import Coordinator
+from trioserve.frontend.remote import RemoteEngineCoreClient, RemoteEngines
 from trioserve.frontend.supervisor import ClientFactory, EngineSupervisor, Health, new_client
 from trioserve.messages import DataParallelInit, EngineInfo, EngineStats, StartWave
 from trioserve.rpc import ControlCall, ControlReply
@@ -66,17 +67,26 @@ class EngineGroup:
         self.generation = 0  # lockstep: bumped when the engines restart together
         self._generation_of: dict[int, int] = {}  # id(client) -> the generation it was started in
         self._rendezvous_dir = ""
+        # Engines on other hosts join through the hub (frontend/remote.py).
+        self.remote = RemoteEngines(config) if config.num_remote_engines else None
         self.supervisors = [
             EngineSupervisor(
                 config,
                 i,
-                client_factory=client_factory,
+                client_factory=client_factory if i < config.num_local_engines else self._remote_client,
                 on_load=None if self.coordinator is None else self.coordinator.report_nowait,
                 on_new_client=self._lockstep_client if self.lockstep else None,
                 on_engine_dead=self._lockstep_death if self.lockstep else None,
+                remote=i >= config.num_local_engines,
             )
             for i in range(n)
         ]
+
+    def _remote_client(
+        self, config: EngineConfig, engine_index: int, on_dead: Callable[[EngineCoreClient], None]
+    ) -> EngineCoreClient:
+        assert self.remote is not None
+        return RemoteEngineCoreClient(config, engine_index, self.remote, on_dead=on_dead)
 
     async def run(self, *, task_status: trio.TaskStatus[EngineInfo] = trio.TASK_STATUS_IGNORED) -> None:
         """Start every engine, report the first's ``EngineInfo``, then keep
@@ -95,8 +105,14 @@ class EngineGroup:
         async with trio.open_nursery() as nursery:
             if self.coordinator is not None:
                 await nursery.start(self.coordinator.run)
-            infos = await self._start_all(nursery)
-            task_status.started(infos[0])
+            if self.remote is not None:
+                await nursery.start(self.remote.run)
+                for supervisor in self.supervisors[self.config.num_local_engines :]:
+                    nursery.start_soon(supervisor.run)
+            await self._start_all(nursery)
+            while all(s.info is None for s in self.supervisors):  # no local engine: the first to join
+                await self._any_change()
+            task_status.started(self.info)
             await self.wait_failed()
             nursery.cancel_scope.cancel()  # the coordinator has nothing left to do
 
@@ -107,9 +123,9 @@ class EngineGroup:
             infos[supervisor.engine_index] = await nursery.start(supervisor.run)
 
         async with trio.open_nursery() as starting:
-            for supervisor in self.supervisors:
+            for supervisor in self.supervisors[: self.config.num_local_engines]:
                 starting.start_soon(start, supervisor)
-        return [infos[i] for i in range(len(self.supervisors))]
+        return [infos[i] for i in range(self.config.num_local_engines)]
 
     # --- lockstep ------------------------------------------------------------
 

@@ -54,6 +54,7 @@ from trioserve.messages import (
     Heartbeat,
     Hello,
     LoadReport,
+    Ping,
     PrefixCacheReset,
     Ready,
     ResetPrefixCache,
@@ -67,6 +68,7 @@ from trioserve.nurseries.control import Controller
 from trioserve.nurseries.executor import Executor
 from trioserve.nurseries.workers import ExecutorStage, WorkerError
 from trioserve.rpc import ControlRequest
+from trioserve.transport.curve import load_keys
 from trioserve.transport.zmq_trio import TrioZmqSocket
 
 HANDSHAKE_ADDRESS_ENV = "TRIOSERVE_HANDSHAKE_ADDRESS"
@@ -74,6 +76,10 @@ ENGINE_INDEX_ENV = "TRIOSERVE_ENGINE_INDEX"
 # How long the engine core waits for the front-end's HandshakeInit: the
 # front-end sets it to its startup_timeout_s.
 HANDSHAKE_TIMEOUT_ENV = "TRIOSERVE_HANDSHAKE_TIMEOUT_S"
+# On TCP (an engine core on another host than its front-end): the directory
+# of the deployment's CURVE keys, or INSECURE_TCP_ENV=1 to go without.
+CURVE_KEYS_ENV = "TRIOSERVE_CURVE_KEYS"
+INSECURE_TCP_ENV = "TRIOSERVE_INSECURE_TCP"
 DEFAULT_HANDSHAKE_TIMEOUT_S = 30.0  # EngineConfig.startup_timeout_s's default
 INBOX_SIZE = 1024  # requests and aborts waiting for the step loop
 LOAD_REPORT_INTERVAL_S = 0.02  # the most often the load goes out when it changes
@@ -248,26 +254,70 @@ class EngineCore:
 async def input_socket_actor(
     address: str,
     inbox: trio.MemorySendChannel[EngineRequest],
+    heard: Callable[[], None] | None = None,
     *,
     task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
 ) -> None:
-    """Own the input socket: decode each message and pass it to the step loop.
+    """Own the input socket: decode each message and pass it to the step loop
+    (``heard`` is told of every message; a ``Ping`` goes no further).
 
     A message that does not decode is logged and dropped: bad input never
     kills the engine. If cancelled, the socket is closed; nothing is half-read.
     """
     decoder = msgspec.msgpack.Decoder(EngineRequest)
-    with TrioZmqSocket.connect(zmq.PULL, address, linger=0) as sock:
+    with TrioZmqSocket.connect(zmq.PULL, address, linger=0, **socket_options(address)) as sock:
         task_status.started()
         async with inbox:
             while True:
                 raw = await sock.recv()
+                if heard is not None:
+                    heard()
                 try:
                     msg = decoder.decode(raw)
                 except msgspec.DecodeError as exc:
                     log.warning("dropping a malformed message from the front-end: %s", exc)
                     continue
-                await inbox.send(msg)
+                if not isinstance(msg, Ping):
+                    await inbox.send(msg)
+
+
+def socket_options(address: str) -> dict[str, object]:
+    """Options for a socket connecting to the front-end at ``address``: on
+    TCP, CURVE with the keys in ``$TRIOSERVE_CURVE_KEYS``, or nothing with
+    ``$TRIOSERVE_INSECURE_TCP=1``; ``EngineStartupError`` with neither."""
+    if not address.startswith("tcp://"):
+        return {}
+    keys_dir = os.environ.get(CURVE_KEYS_ENV)
+    if keys_dir:
+        try:
+            return load_keys(keys_dir).client_options()
+        except ValueError as exc:
+            raise EngineStartupError(str(exc), stage="handshake") from None
+    if os.environ.get(INSECURE_TCP_ENV) == "1":
+        return {}
+    raise EngineStartupError(
+        f"{address} is TCP: set {CURVE_KEYS_ENV} to the CURVE keys' directory (or {INSECURE_TCP_ENV}=1)",
+        stage="handshake",
+    )
+
+
+class FrontEndWatch:
+    """On TCP there is no parent pipe: the front-end sends a ``Ping`` every
+    ``heartbeat_interval_s``, and when nothing at all comes from it for
+    ``heartbeat_timeout_s``, it is gone, and ``run`` raises: the engine core
+    stops its workers and exits (its headless supervisor reconnects)."""
+
+    def __init__(self, timeout_s: float) -> None:
+        self.timeout_s = timeout_s
+        self._scope = trio.CancelScope(deadline=trio.current_time() + timeout_s)
+
+    def heard(self) -> None:
+        self._scope.deadline = trio.current_time() + self.timeout_s
+
+    async def run(self) -> None:
+        with self._scope:
+            await trio.sleep_forever()
+        raise ChildFailed(f"the front-end sent nothing for {self.timeout_s}s (heartbeat_timeout_s): it is gone")
 
 
 async def output_socket_actor(
@@ -280,7 +330,7 @@ async def output_socket_actor(
     """Own the output socket: send every message from the outbox, in order;
     a death report that found the outbox full goes right after the message
     being sent."""
-    with TrioZmqSocket.connect(zmq.PUSH, address, linger=1000) as sock:
+    with TrioZmqSocket.connect(zmq.PUSH, address, linger=1000, **socket_options(address)) as sock:
         task_status.started()
         async for msg in outbox:
             await sock.send(_encode(msg))
@@ -373,7 +423,7 @@ async def engine_core_main() -> None:
     if handshake_address.startswith("ipc://"):
         # The front-end's private directory: if the front-end dies (kill -9), nobody else removes it.
         remove_if_parent_dies(os.path.dirname(handshake_address.removeprefix("ipc://")))
-    handshake = TrioZmqSocket.connect(zmq.DEALER, handshake_address, linger=1000)
+    handshake = TrioZmqSocket.connect(zmq.DEALER, handshake_address, linger=1000, **socket_options(handshake_address))
     with handshake:
         timeout = handshake_timeout_s()
         with trio.move_on_after(timeout) as scope:
@@ -435,7 +485,10 @@ async def _serve(
             enable_prefix_caching=config.enable_prefix_caching,
         )
         inbox_send, inbox_receive = trio.open_memory_channel[EngineRequest](INBOX_SIZE)
-        await nursery.start(input_socket_actor, init.input_address, inbox_send)
+        watch = FrontEndWatch(config.heartbeat_timeout_s) if address.startswith("tcp://") else None
+        if watch is not None:
+            nursery.start_soon(watch.run)
+        await nursery.start(input_socket_actor, init.input_address, inbox_send, watch and watch.heard)
         await handshake.send(_encode(Ready(info=info)))
         lockstep = None if init.data_parallel is None else EngineWaves(init.data_parallel.rank)
         core = EngineCore(scheduler, executor, info, in_flight, lockstep)
