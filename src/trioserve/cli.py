@@ -19,7 +19,9 @@ from trioserve.errors import EngineDeadError, EngineStartupError, TrioserveError
 from trioserve.messages import SamplingParams
 from trioserve.nurseries.headless import HeadlessConfig, run_headless
 from trioserve.server import Server, ServerConfig
+from trioserve.server.api_servers import ApiServers
 from trioserve.server.listener import fds_needed, raise_fd_limit
+from trioserve.server.server import model_name
 
 API_KEY_ENV = "TRIOSERVE_API_KEY"  # never passed on to a child process (nurseries.process.SECRET_ENV_NAMES)
 
@@ -407,6 +409,15 @@ def _add_server_options(parser: argparse.ArgumentParser) -> None:
         help="close an HTTP connection that sends no new request for this long after a response (default: %(default)s)",
     )
     group.add_argument(
+        "--api-server-count",
+        type=int,
+        default=1,
+        metavar="M",
+        help="API-server processes sharing the port, each connected to every engine core, for when one process's "
+        "tokenizing and streaming is the bottleneck; with M > 1, serve itself only supervises them and the engine "
+        "cores (docs/deployment.md; default: %(default)s)",
+    )
+    group.add_argument(
         "--served-model-name",
         metavar="NAME",
         help="the model's name in the OpenAI API ('model' in requests, /v1/models) "
@@ -542,9 +553,47 @@ def cmd_headless(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+async def _serve_api_servers(servers: ApiServers) -> None:
+    """The supervising process of several API servers, until SIGINT or SIGTERM
+    (then every process is stopped and reaped). Raises what ``ApiServers.run`` raises."""
+    with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+        async with trio.open_nursery() as nursery:
+            port = await nursery.start(servers.run)
+            host = servers.server_config.host
+            host = f"[{host}]" if ":" in host else host
+            name = servers.server_config.model_name or model_name(servers.engine_config)
+            print(
+                f"trioserve: serving on ws://{host}:{port} (health: http://{host}:{port}/health, "
+                f"OpenAI API: http://{host}:{port}/v1, model {name!r}; {servers.count} API servers, "
+                f"pids {', '.join(str(pid) for pid in servers.pids)})",
+                flush=True,
+            )
+            async for signum in signals:
+                print(f"trioserve: {signal.Signals(signum).name}: shutting down", file=sys.stderr, flush=True)
+                nursery.cancel_scope.cancel()
+
+
+def cmd_api_servers(args: argparse.Namespace) -> int:
+    servers = ApiServers(_engine_config(args), _server_config(args), args.api_server_count)
+    raise_fd_limit(fds_needed(servers.server_config.max_connections))  # inherited by the API servers
+    try:
+        trio.run(_serve_api_servers, servers)
+    except OSError as exc:  # the address is taken, or not ours
+        print(f"trioserve: cannot listen on {args.host}:{args.port}: {exc.strerror or exc}", file=sys.stderr)
+        return EXIT_ERROR
+    except BaseExceptionGroup as group:
+        raise collapse(group) from None
+    print("trioserve: stopped", file=sys.stderr)
+    return EXIT_OK
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
     if args.headless:
         return cmd_headless(args)
+    if args.api_server_count < 1:
+        raise ValueError("--api-server-count: must be >= 1")
+    if args.api_server_count > 1:
+        return cmd_api_servers(args)
     server_config = _server_config(args)  # its errors come before any model is built
     server = Server(_engine_config(args), server_config)
     raise_fd_limit(fds_needed(server.config.max_connections))  # the process is ours

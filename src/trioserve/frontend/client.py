@@ -45,6 +45,7 @@ from trioserve.messages import (
     EngineOutputs,
     EngineResponse,
     EngineStats,
+    FrontEndsInit,
     GetStats,
     HandshakeInit,
     HandshakeMessage,
@@ -107,6 +108,9 @@ class EngineCoreClient:
         self.on_wave: Callable[[WaveNotice], None] | None = None
         # Lockstep: this engine core's place among the engines, for its handshake.
         self.data_parallel: DataParallelInit | None = None
+        # Several API-server processes: where the engine core listens for them too.
+        self.frontends: FrontEndsInit | None = None
+        self.frontend_index = -1  # this front-end's index among the API servers (-1: the engine core's own)
         self._calls: dict[int, tuple[trio.Event, list[StatsReply | PrefixCacheReset]]] = {}  # by call id
         self._control_calls: dict[int, tuple[trio.Event, list[ControlReply]]] = {}
         self.paused = False  # generation paused (as of the engine core's last control reply)
@@ -230,6 +234,7 @@ class EngineCoreClient:
                 )
             init = HandshakeInit(
                 data_parallel=self.data_parallel,
+                frontends=self.frontends,
                 config=self.config,
                 input_address=input_address,
                 output_address=output_address,
@@ -344,7 +349,9 @@ class EngineCoreClient:
                 f"(max_num_seqs + max_waiting_requests = {limit}); retry later"
             )
         try:
-            payload = _encode(state.add_request(wave))
+            add = state.add_request(wave)
+            add.frontend = self.frontend_index
+            payload = _encode(add)
         except (OverflowError, msgspec.EncodeError, UnicodeEncodeError) as exc:
             raise InvalidRequestError("request", f"cannot be encoded for the engine: {exc}") from None
         if state.request_id in self.requests:

@@ -28,7 +28,6 @@ handshake messages.
 from __future__ import annotations
 
 import logging
-from collections import deque
 from collections.abc import Sequence
 from types import TracebackType
 
@@ -41,6 +40,7 @@ from trioserve.errors import EngineStartupError
 from trioserve.frontend.client import EngineCoreClient
 from trioserve.messages import EngineInfo, HandshakeMessage, Hello, Ping
 from trioserve.transport.curve import CurveAuthenticator, load_keys
+from trioserve.transport.router import SocketLoop
 from trioserve.transport.zmq_trio import TrioZmqSocket
 
 LINK_SIZE = 64  # handshake messages (heartbeats while the workers load) waiting for their life
@@ -63,8 +63,7 @@ class RemoteEngines:
         self._hellos: dict[int, list[bytes]] = {}  # engine index -> its latest Hello's frames
         self._links: dict[bytes, trio.MemorySendChannel[list[bytes]]] = {}  # identity -> its life
         self._live: dict[int, RemoteEngineCoreClient] = {}
-        self._outgoing: deque[Sequence[bytes]] = deque()
-        self._recv_scope: trio.CancelScope | None = None
+        self._loop = SocketLoop(self._received)
         self._changed = trio.Event()
         self.num_hellos = 0  # Hellos received (from authenticated peers only)
 
@@ -81,21 +80,11 @@ class RemoteEngines:
                 await nursery.start(self.authenticator.run)
             with TrioZmqSocket.bind(zmq.ROUTER, self.address, linger=0, **self.socket_options()) as sock:
                 task_status.started()
-                await self._serve(sock)
-
-    async def _serve(self, sock: TrioZmqSocket) -> None:
-        while True:
-            while self._outgoing:
-                await sock.send_multipart(self._outgoing.popleft())
-            with trio.CancelScope() as self._recv_scope:
-                self._received(await sock.recv_multipart())  # sync: a send_nowait cannot split the two
-            self._recv_scope = None
+                await self._loop.run(sock)
 
     def send_nowait(self, frames: Sequence[bytes]) -> None:
         """Queue ``frames`` (identity first) for the hub's task to send."""
-        self._outgoing.append(frames)
-        if self._recv_scope is not None:
-            self._recv_scope.cancel()  # a cancelled receive takes nothing off the socket
+        self._loop.send_nowait(frames)
 
     def _received(self, frames: list[bytes]) -> None:
         if len(frames) != 2:

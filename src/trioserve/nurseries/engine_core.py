@@ -63,6 +63,7 @@ from trioserve.messages import (
     TokenOutput,
     WaveNotice,
 )
+from trioserve.nurseries.api_servers import ApiServers
 from trioserve.nurseries.child_main import ChildFailed, remove_if_parent_dies
 from trioserve.nurseries.control import Controller
 from trioserve.nurseries.executor import Executor
@@ -255,19 +256,24 @@ async def input_socket_actor(
     address: str,
     inbox: trio.MemorySendChannel[EngineRequest],
     heard: Callable[[], None] | None = None,
+    bind: bool = False,
+    note: Callable[[EngineRequest], None] | None = None,
     *,
     task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
 ) -> None:
-    """Own the input socket: decode each message and pass it to the step loop
-    (``heard`` is told of every message; a ``Ping`` goes no further).
+    """Own the input socket (connected to ``address``, or bound there with
+    ``bind``): decode each message and pass it to the step loop (``heard`` is
+    told of every message, ``note`` is shown each one passed on; a ``Ping``
+    goes no further). Closes a clone of ``inbox``, not ``inbox``.
 
     A message that does not decode is logged and dropped: bad input never
     kills the engine. If cancelled, the socket is closed; nothing is half-read.
     """
     decoder = msgspec.msgpack.Decoder(EngineRequest)
-    with TrioZmqSocket.connect(zmq.PULL, address, linger=0, **socket_options(address)) as sock:
+    attach = TrioZmqSocket.bind if bind else TrioZmqSocket.connect
+    with attach(zmq.PULL, address, linger=0, **socket_options(address)) as sock:
         task_status.started()
-        async with inbox:
+        async with inbox.clone() as mine:
             while True:
                 raw = await sock.recv()
                 if heard is not None:
@@ -278,7 +284,9 @@ async def input_socket_actor(
                     log.warning("dropping a malformed message from the front-end: %s", exc)
                     continue
                 if not isinstance(msg, Ping):
-                    await inbox.send(msg)
+                    if note is not None:
+                        note(msg)
+                    await mine.send(msg)
 
 
 def socket_options(address: str) -> dict[str, object]:
@@ -324,18 +332,21 @@ async def output_socket_actor(
     address: str,
     outbox: trio.MemoryReceiveChannel[EngineResponse],
     death: DeathReport | None = None,
+    api_servers: ApiServers | None = None,
     *,
     task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
 ) -> None:
-    """Own the output socket: send every message from the outbox, in order;
+    """Own the output socket: send every message from the outbox, in order
+    (with several API servers, each gets its share first: ``ApiServers.route``);
     a death report that found the outbox full goes right after the message
     being sent."""
     with TrioZmqSocket.connect(zmq.PUSH, address, linger=1000, **socket_options(address)) as sock:
         task_status.started()
         async for msg in outbox:
-            await sock.send(_encode(msg))
-            if death is not None and (dead := death.take_unsent()) is not None:
-                await sock.send(_encode(dead))
+            for one in (msg, death.take_unsent() if death is not None else None):
+                routed = one if api_servers is None or one is None else api_servers.route(one)
+                if routed is not None:
+                    await sock.send(_encode(routed))
 
 
 async def _handshake(sock: TrioZmqSocket, engine_index: int) -> HandshakeInit:
@@ -437,11 +448,12 @@ async def engine_core_main() -> None:
             )
         outbox_send, outbox_receive = trio.open_memory_channel[EngineResponse](OUTBOX_SIZE)
         death = DeathReport(outbox_send)
+        api_servers = ApiServers() if init.frontends is not None else None
         async with trio.open_nursery() as outer:
             # The output socket outlives the rest, so that a failure can be reported.
-            await outer.start(output_socket_actor, init.output_address, outbox_receive, death)
+            await outer.start(output_socket_actor, init.output_address, outbox_receive, death, api_servers)
             try:
-                await _serve(init, handshake, outbox_send, death)
+                await _serve(init, handshake, outbox_send, death, (outer, api_servers))
             except BaseException as exc:  # a failure can come beside a stop's Cancelled (a BaseExceptionGroup)
                 if not any(isinstance(leaf, Exception) for leaf in meaningful_leaves(exc)):
                     raise  # a stop, or KeyboardInterrupt and the like: not a failure to report
@@ -458,7 +470,10 @@ async def _serve(
     handshake: TrioZmqSocket,
     outbox: trio.MemorySendChannel[EngineResponse],
     death: DeathReport,
+    api_servers: tuple[trio.Nursery, ApiServers | None] | None = None,
 ) -> None:
+    """Serve ``init``; the API servers' sockets (if any) run in the nursery
+    given with them, so that a death report still reaches them."""
     config = init.config
     if init.data_parallel is not None:
         # The lockstep rendezvous directory is the front-end's, as above.
@@ -489,6 +504,8 @@ async def _serve(
         if watch is not None:
             nursery.start_soon(watch.run)
         await nursery.start(input_socket_actor, init.input_address, inbox_send, watch and watch.heard)
+        if api_servers is not None and api_servers[1] is not None and init.frontends is not None:
+            await api_servers[0].start(api_servers[1].run, init.frontends, info, inbox_send)
         await handshake.send(_encode(Ready(info=info)))
         lockstep = None if init.data_parallel is None else EngineWaves(init.data_parallel.rank)
         core = EngineCore(scheduler, executor, info, in_flight, lockstep)

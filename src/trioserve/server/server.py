@@ -47,7 +47,7 @@ from pathlib import Path
 import trio
 from trio_websocket import wrap_server_stream
 
-from trioserve.api import Engine, open_engine
+from trioserve.api import Engine, open_attached_engine, open_engine
 from trioserve.config import EngineConfig
 from trioserve.errors import EngineDeadError, collapse
 from trioserve.server import http
@@ -75,8 +75,21 @@ class Server:
     nursery.start(server.run)`` (started once listening; ``await
     server.wait_ready()`` for the engine) and stop with ``server.shutdown()``."""
 
-    def __init__(self, engine_config: EngineConfig, config: ServerConfig | None = None) -> None:
+    def __init__(
+        self,
+        engine_config: EngineConfig,
+        config: ServerConfig | None = None,
+        *,
+        listen_socket: socket.socket | None = None,
+        attach: tuple[int, str] | None = None,
+    ) -> None:
+        """``listen_socket``: accept on this listening socket (handed down
+        by the supervising process) instead of binding ``config.host:port``.
+        ``attach``: this is API server ``attach[0]`` of several; the engine
+        cores are the supervising process's, listening in ``attach[1]``."""
         self.engine_config = engine_config
+        self._listen_socket = listen_socket
+        self._attach = attach
         self.config = config if config is not None else ServerConfig()
         self.state = ServerState()
         self.admission = Admission(self.config.max_connections)  # connections open, by kind of slot
@@ -133,7 +146,10 @@ class Server:
         aborted, and every engine process stopped and reaped.
         """
         self._check_fd_limit()
-        listeners = await trio.open_tcp_listeners(self.config.port, host=self.config.host)
+        if self._listen_socket is not None:
+            listeners = [trio.SocketListener(trio.socket.from_stdlib_socket(self._listen_socket))]
+        else:
+            listeners = await trio.open_tcp_listeners(self.config.port, host=self.config.host)
         self.port = listeners[0].socket.getsockname()[1]
         try:
             async with trio.open_nursery() as nursery:
@@ -154,7 +170,12 @@ class Server:
         WebSocket to end (cancelling stragglers) before stopping the engine.
         If cancelled, the engine's processes are stopped and reaped."""
         with self._startup_scope:
-            async with open_engine(config=self.engine_config) as engine:
+            opening = (
+                open_engine(config=self.engine_config)
+                if self._attach is None
+                else open_attached_engine(self.engine_config, *self._attach)
+            )
+            async with opening as engine:
                 engine.add_request_observer(self.metrics.observe)
                 self.state.set_ready(engine)
                 if not self.state.stopping.is_set():

@@ -1,0 +1,185 @@
+"""``serve --api-server-count 2``: a supervising process, two API-server
+processes on one port, the engine core (docs/deployment.md). Real processes,
+the fake runner, the command as an operator runs it."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+from contextlib import ExitStack
+from typing import Any
+
+import psutil
+import pytest
+import trio
+from helpers.fakes import fake_tokens
+from helpers.serving import running, serve_argv, spawned, tree_of, wait_for_url, wait_gone
+from websockets.exceptions import ConnectionClosed
+
+from test_server import Received, collect, generate, in_thread, open_ws
+
+
+def api_servers(pid: int) -> list[int]:
+    """The API-server processes under the supervising process ``pid``."""
+    found = []
+    for p in psutil.Process(pid).children():
+        try:
+            if p.cmdline()[-2:] == ["-m", "trioserve.server"] and p.status() != psutil.STATUS_ZOMBIE:
+                found.append(p.pid)
+        except psutil.NoSuchProcess:
+            pass
+    return found
+
+
+def port_of(url: str) -> int:
+    return int(url.rsplit(":", 1)[1])
+
+
+def accepted_by(pids: list[int], port: int) -> dict[int, int]:
+    """Connections to ``port`` each of ``pids`` holds open now."""
+    counts = {}
+    for pid in pids:
+        conns = psutil.Process(pid).net_connections(kind="tcp")
+        counts[pid] = sum(1 for c in conns if c.laddr and c.laddr.port == port and c.status == "ESTABLISHED")
+    return counts
+
+
+def argv(model: str, *options: str) -> list[str]:
+    return serve_argv("--model", model, "--runner", "fake", "--api-server-count", "2", *options)
+
+
+async def wait_until(predicate: Any, timeout: float) -> None:
+    with trio.fail_after(timeout):
+        while not predicate():
+            await trio.sleep(0.05)
+
+
+def open_on_both(stack: ExitStack, url: str, pids: list[int], limit: int = 64) -> list[Any]:
+    """Open WebSockets (closed with ``stack``) until each API server holds at least one; all of them."""
+    sockets: list[Any] = []
+    port = port_of(url)
+    while len(sockets) < limit:
+        sockets.append(stack.enter_context(open_ws(url)))
+        if all(accepted_by(pids, port).values()):
+            return sockets
+    raise AssertionError(f"{limit} connections never reached both API servers: {accepted_by(pids, port)}")
+
+
+def owner(ws: Any, pids: list[int], port: int) -> int:
+    """The API server holding ``ws``'s connection."""
+    local = ws.socket.getsockname()[1]
+    for pid in pids:
+        for c in psutil.Process(pid).net_connections(kind="tcp"):
+            if c.laddr and c.laddr.port == port and c.raddr and c.raddr.port == local:
+                return pid
+    raise AssertionError("no API server holds this connection")
+
+
+def stream_on(ws: Any, prompts: dict[str, list[int]], **params: Any) -> dict[str, Received]:
+    for request_id, prompt in prompts.items():
+        ws.send(generate(request_id, prompt, **params))
+    received, others = collect(ws, set(prompts))
+    assert not others, others
+    return received
+
+
+@pytest.mark.parametrize("engines", ["1", "2"])
+async def test_two_api_servers_share_the_port_and_stream_the_runners_greedy_tokens(tiny_model_dir, engines):
+    model = str(tiny_model_dir("llama"))
+    with trio.fail_after(90), spawned(argv(model, "--data-parallel-size", engines)) as proc:
+        url = await in_thread(wait_for_url, proc, 60)
+        pids = api_servers(proc.pid)
+        assert len(pids) == 2
+        with ExitStack() as stack:
+            sockets = await in_thread(open_on_both, stack, url, pids)
+            prompts = {f"r{i}": [3 + i, 40 + i, 7] for i in range(4)}
+            for ws in sockets:
+                received = await in_thread(stream_on, ws, prompts, max_tokens=12, ignore_eos=True)
+                for request_id, prompt in prompts.items():
+                    assert received[request_id].token_ids == fake_tokens(prompt, 12)
+                    assert received[request_id].terminal["type"] == "done"  # type: ignore[index]
+        proc.send_signal(signal.SIGTERM)
+        tree = [proc.pid, *tree_of(proc.pid)]
+        assert await in_thread(proc.wait, 20) == 0
+        assert not any(running(pid) for pid in tree)
+
+
+def stream_until_closed(ws: Any) -> str:
+    """Send a long request on ``ws``; how its stream ended."""
+    ws.send(generate("long", [5, 6], max_tokens=100_000, ignore_eos=True))
+    try:
+        while True:
+            msg = json.loads(ws.recv(timeout=30))
+            if msg["type"] != "delta":
+                return msg["type"]
+    except ConnectionClosed:
+        return "closed"
+
+
+async def test_kill_9_of_one_api_server_drops_only_its_connections_and_it_is_restarted(tiny_model_dir):
+    options = ("--fake-options", '{"step_delay_s": 0.01}')
+    with trio.fail_after(120), spawned(argv(str(tiny_model_dir("llama")), *options)) as proc:
+        url = await in_thread(wait_for_url, proc, 60)
+        pids = api_servers(proc.pid)
+        port = port_of(url)
+        stack = ExitStack()
+        sockets = await in_thread(open_on_both, stack, url, pids)
+        owners = [await in_thread(owner, ws, pids, port) for ws in sockets]
+        victim, survivor = owners[-1], next(pid for pid in pids if pid != owners[-1])
+        doomed = next(ws for ws, pid in zip(sockets, owners, strict=True) if pid == victim)
+        spared = next(ws for ws, pid in zip(sockets, owners, strict=True) if pid == survivor)
+        outcome: dict[str, str | dict[str, Received]] = {}
+        try:
+            async with trio.open_nursery() as nursery:
+
+                async def doomed_stream() -> None:
+                    outcome["doomed"] = await in_thread(stream_until_closed, doomed)
+
+                async def spared_streams() -> None:
+                    prompts = {f"s{i}": [9, i] for i in range(3)}
+                    outcome["spared"] = await in_thread(stream_on, spared, prompts, max_tokens=150, ignore_eos=True)
+
+                nursery.start_soon(doomed_stream)
+                nursery.start_soon(spared_streams)
+                await trio.sleep(0.5)  # both streaming
+                os.kill(victim, signal.SIGKILL)
+                killed_at = time.monotonic()
+            assert outcome["doomed"] == "closed"
+            spared_received = outcome["spared"]
+            assert isinstance(spared_received, dict)
+            for r in spared_received.values():
+                assert r.terminal is not None and r.terminal["type"] == "done" and len(r.token_ids) == 150
+            # Restarted: a new API server takes the victim's place and serves.
+            await wait_until(lambda: len(api_servers(proc.pid)) == 2 and victim not in api_servers(proc.pid), 20)
+            restarted_after = time.monotonic() - killed_at
+            assert restarted_after < 20
+            fresh = await in_thread(open_on_both, stack, url, api_servers(proc.pid))
+            for ws in fresh:
+                received = await in_thread(stream_on, ws, {"x": [11, 12]}, max_tokens=5, ignore_eos=True)
+                assert received["x"].token_ids == fake_tokens([11, 12], 5)
+        finally:
+            stack.close()
+        tree = [proc.pid, *tree_of(proc.pid)]
+        proc.send_signal(signal.SIGTERM)
+        assert await in_thread(proc.wait, 20) == 0
+        assert not any(running(pid) for pid in tree)
+
+
+async def test_kill_9_of_the_supervising_process_leaves_no_process_after_2s(tiny_model_dir):
+    with trio.fail_after(90), spawned(argv(str(tiny_model_dir("llama")))) as proc:
+        await in_thread(wait_for_url, proc, 60)
+        tree = tree_of(proc.pid)
+        assert len(tree) >= 4  # two API servers, an engine core, its worker
+        os.kill(proc.pid, signal.SIGKILL)
+        gone_after = await in_thread(wait_gone, tree, time.monotonic(), 10)
+        assert gone_after <= 2.0, f"the tree took {gone_after:.2f}s to go"
+
+
+@pytest.mark.parametrize("count", ["0", "-1"])
+def test_api_server_count_below_1_is_a_usage_error(count, tiny_model_dir):
+    from trioserve.cli import EXIT_USAGE, main
+
+    model = str(tiny_model_dir("llama"))
+    assert main(["serve", "--model", model, "--runner", "fake", "--api-server-count", count]) == EXIT_USAGE
