@@ -11,6 +11,7 @@ import time
 from contextlib import ExitStack
 from typing import Any
 
+import msgspec
 import psutil
 import pytest
 import trio
@@ -19,6 +20,7 @@ from helpers.serving import running, serve_argv, spawned, tree_of, wait_for_url,
 from websockets.exceptions import ConnectionClosed
 
 from test_server import Received, collect, generate, in_thread, open_ws
+from trioserve.server.api_servers import API_SERVER_ENV, ApiServerInit
 
 
 def api_servers(pid: int) -> list[int]:
@@ -172,9 +174,18 @@ async def test_kill_9_of_the_supervising_process_leaves_no_process_after_2s(tiny
         await in_thread(wait_for_url, proc, 60)
         tree = tree_of(proc.pid)
         assert len(tree) >= 4  # two API servers, an engine core, its worker
+        directory = api_servers_directory(api_servers(proc.pid)[0])
+        assert os.path.isdir(directory)
         os.kill(proc.pid, signal.SIGKILL)
         gone_after = await in_thread(wait_gone, tree, time.monotonic(), 10)
         assert gone_after <= 2.0, f"the tree took {gone_after:.2f}s to go"
+        assert not os.path.exists(directory)  # the private directory went with them
+
+
+def api_servers_directory(pid: int) -> str:
+    """The private directory where the engine cores listen for the API servers, as API server ``pid`` was told."""
+    raw = psutil.Process(pid).environ()[API_SERVER_ENV]
+    return msgspec.msgpack.decode(bytes.fromhex(raw), type=ApiServerInit).directory
 
 
 @pytest.mark.parametrize("count", ["0", "-1"])
@@ -183,3 +194,40 @@ def test_api_server_count_below_1_is_a_usage_error(count, tiny_model_dir):
 
     model = str(tiny_model_dir("llama"))
     assert main(["serve", "--model", model, "--runner", "fake", "--api-server-count", count]) == EXIT_USAGE
+
+
+def engine_cores(pid: int) -> list[int]:
+    """The engine-core processes under the supervising process ``pid``."""
+    return [
+        p.pid
+        for p in psutil.Process(pid).children()
+        if p.cmdline()[-1:] == ["engine-core"] and p.status() != psutil.STATUS_ZOMBIE
+    ]
+
+
+async def test_kill_9_of_the_engine_core_ends_every_api_servers_streams_at_once_and_both_reattach(tiny_model_dir):
+    options = ("--fake-options", '{"step_delay_s": 0.01}')
+    with trio.fail_after(120), spawned(argv(str(tiny_model_dir("llama")), *options)) as proc, ExitStack() as stack:
+        url = await in_thread(wait_for_url, proc, 60)
+        sockets = await in_thread(open_on_both, stack, url, api_servers(proc.pid))
+        ends: list[str] = []
+        (engine,) = engine_cores(proc.pid)
+        async with trio.open_nursery() as nursery:
+
+            async def one(ws: Any) -> None:
+                ws.send(generate("long", [5, 6], max_tokens=100_000, ignore_eos=True))
+                while (msg := json.loads(await in_thread(ws.recv, 30)))["type"] == "delta":
+                    pass
+                ends.append(msg["code"])
+
+            for ws in sockets:
+                nursery.start_soon(one, ws)
+            await trio.sleep(0.5)
+            os.kill(engine, signal.SIGKILL)
+            killed_at = time.monotonic()
+        assert ends == ["engine_dead"] * len(sockets)
+        assert time.monotonic() - killed_at < 2.0  # not the heartbeat timeout: the connection's end tells
+        for ws in sockets:  # the restarted engine core serves every API server
+            received = await in_thread(stream_on, ws, {"x": [11, 12]}, max_tokens=5, ignore_eos=True)
+            assert received["x"].token_ids == fake_tokens([11, 12], 5)
+        assert engine_cores(proc.pid) != [engine]

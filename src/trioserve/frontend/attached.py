@@ -16,6 +16,7 @@ same addresses. Nothing here starts, stops or restarts a process.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 
 import msgspec
@@ -62,7 +63,21 @@ class AttachedEngineCoreClient(EngineCoreClient):
             output_sock.close()
             raise
         self._serve_sockets(nursery, input_sock, output_sock)
+        nursery.start_soon(self._watch_connection, output_sock)
         return info
+
+    async def _watch_connection(self, sock: TrioZmqSocket) -> None:
+        """The engine core is dead the moment its end of the ROUTER
+        connection closes (an ``ipc://`` connection closes when its process
+        dies, even by ``kill -9``): sooner than its silence would tell."""
+        monitor = TrioZmqSocket(sock.socket.get_monitor_socket(zmq.EVENT_DISCONNECTED))
+        try:
+            await monitor.recv_multipart()
+        finally:
+            with contextlib.suppress(zmq.ZMQError):
+                sock.socket.disable_monitor()
+            monitor.close()
+        self._die("its connection to the API servers closed: the engine core is gone")
 
     async def _attach(self, sock: TrioZmqSocket) -> EngineInfo:
         """Say ``Attach`` until the engine core answers (as long as it takes:
