@@ -231,3 +231,47 @@ async def test_kill_9_of_the_engine_core_ends_every_api_servers_streams_at_once_
             received = await in_thread(stream_on, ws, {"x": [11, 12]}, max_tokens=5, ignore_eos=True)
             assert received["x"].token_ids == fake_tokens([11, 12], 5)
         assert engine_cores(proc.pid) != [engine]
+
+
+def stream_to_close(ws: Any, started: Any) -> tuple[str, int | None]:
+    """A long request on ``ws`` until the server closes it: how its stream
+    ended (``done`` or the error's code), and the close code."""
+    ws.send(generate("long", [5, 6], max_tokens=100_000, ignore_eos=True))
+    assert json.loads(ws.recv(timeout=30))["type"] == "delta"
+    started()
+    while (msg := json.loads(ws.recv(timeout=30)))["type"] == "delta":
+        pass
+    end = msg["type"] if msg["type"] == "done" else msg["code"]
+    with pytest.raises(ConnectionClosed) as info:
+        ws.recv(timeout=10)
+    return end, info.value.rcvd.code if info.value.rcvd else None
+
+
+async def test_sigterm_drains_every_api_servers_streams_then_exits_0_leaving_nothing(tiny_model_dir):
+    grace = 1.0
+    options = ("--fake-options", '{"step_delay_s": 0.01}', "--shutdown-grace", str(grace))
+    with trio.fail_after(90), spawned(argv(str(tiny_model_dir("llama")), *options)) as proc, ExitStack() as stack:
+        url = await in_thread(wait_for_url, proc, 60)
+        pids = api_servers(proc.pid)
+        sockets = await in_thread(open_on_both, stack, url, pids)
+        streaming = trio.Semaphore(0)
+        ends: list[tuple[str, int | None]] = []
+        async with trio.open_nursery() as nursery:
+
+            async def one(ws: Any) -> None:
+                def started() -> None:
+                    trio.from_thread.run_sync(streaming.release)
+
+                ends.append(await in_thread(stream_to_close, ws, started))
+
+            for ws in sockets:
+                nursery.start_soon(one, ws)
+            for _ in sockets:
+                await streaming.acquire()
+            tree = [proc.pid, *tree_of(proc.pid)]
+            signalled = time.monotonic()
+            proc.send_signal(signal.SIGTERM)
+        assert ends == [("shutdown", 1001)] * len(sockets)
+        assert await in_thread(proc.wait, grace + 15) == 0
+        gone_after = await in_thread(wait_gone, tree, signalled, grace + 15)
+        assert gone_after < grace + 5, f"{gone_after:.2f}s"

@@ -570,7 +570,19 @@ async def _serve_api_servers(servers: ApiServers) -> None:
             )
             async for signum in signals:
                 print(f"trioserve: {signal.Signals(signum).name}: shutting down", file=sys.stderr, flush=True)
-                nursery.cancel_scope.cancel()
+                first = not servers.draining
+                servers.drain()  # again: the API servers end their grace at once
+                if first:
+                    nursery.start_soon(_stop_when_drained, servers, nursery.cancel_scope)
+
+
+async def _stop_when_drained(servers: ApiServers, scope: trio.CancelScope) -> None:
+    """Once every API server has drained (at most its grace and close time,
+    and a margin), stop the engines and everything else."""
+    config = servers.server_config
+    with trio.move_on_after(config.shutdown_grace_s + config.close_timeout_s + 5):
+        await servers.wait_drained()
+    scope.cancel()
 
 
 def cmd_api_servers(args: argparse.Namespace) -> int:

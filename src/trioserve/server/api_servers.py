@@ -29,16 +29,20 @@ Each API server is a supervised child: one that dies is restarted after
 ``restart_backoff_s`` (doubling), at most ``max_restarts`` times within
 ``restart_window_s`` (the engines' budget), past which ``serve`` stops
 (exit 1). Its clients see their connections close; the other API servers'
-see nothing. ``kill -9`` of the supervising process: the API servers and
+see nothing. SIGTERM or SIGINT to the supervising process drains them
+(``drain``: each shuts down gracefully, as a single server does), then stops
+the engine cores. ``kill -9`` of the supervising process: the API servers and
 engine cores see their parent-watch pipes end and go, with the workers,
 within about a second.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import os
+import signal
 import socket
 import sys
 from collections import deque
@@ -59,6 +63,7 @@ from trioserve.transport.zmq_trio import private_ipc_dir
 API_SERVER_ENV = "TRIOSERVE_API_SERVER"  # ApiServerInit, msgpack, hex
 LISTEN_FD_ENV = "TRIOSERVE_LISTEN_FD"
 READY_FD_ENV = "TRIOSERVE_READY_FD"  # the API server writes b"r" there once it serves
+DRAIN_SIGNAL = signal.SIGUSR1  # to an API server: shut down gracefully (again: end the grace now)
 BACKLOG = 4096
 log = logging.getLogger("trioserve.api_servers")
 
@@ -96,6 +101,24 @@ class ApiServers:
         self.num_restarts = [0] * count
         self.port: int | None = None
         self.group: EngineGroup | None = None
+        self.draining = False  # drain() was called: API servers that exit are not restarted
+        self._num_running = 0
+        self._none_running = trio.Event()
+
+    def drain(self) -> None:
+        """Shut every API server down gracefully (``DRAIN_SIGNAL``: its
+        server's ``shutdown()``: requests in flight get the grace, each
+        connection closes with 1001); a second call ends the grace at once.
+        None is restarted after this. Never blocks."""
+        self.draining = True
+        for pid in self.pids:
+            if pid is not None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, DRAIN_SIGNAL)
+
+    async def wait_drained(self) -> None:
+        """Wait until no API server runs (after ``drain``)."""
+        await self._none_running.wait()
 
     async def run(self, *, task_status: trio.TaskStatus[int] = trio.TASK_STATUS_IGNORED) -> None:
         """Bind the port, start the engines, then the API servers; report the
@@ -119,12 +142,26 @@ class ApiServers:
         env = {**os.environ, API_SERVER_ENV: msgspec.msgpack.encode(init).hex(), LISTEN_FD_ENV: str(fd)}
         deaths: deque[float] = deque()
         ready: Callable[[], None] = functools.partial(task_status.started, None)
+        self._num_running += 1
+        try:
+            await self._keep_running(k, fd, env, ready, deaths)
+        finally:
+            self._num_running -= 1
+            if self._num_running == 0:
+                self._none_running.set()
+
+    async def _keep_running(
+        self, k: int, fd: int, env: dict[str, str], ready: Callable[[], None], deaths: deque[float]
+    ) -> None:
         while True:
             try:
                 await self._run_one(k, fd, env, ready)
             except* ProcessExited as group:
-                log.warning("api-server-%d: %s", k, group.exceptions[0])
+                if not self.draining:  # else it exited as asked
+                    log.warning("api-server-%d: %s", k, group.exceptions[0])
             self.pids[k] = None
+            if self.draining:
+                return
             ready = _nothing
             now = trio.current_time()
             deaths.append(now)
@@ -181,8 +218,19 @@ async def api_server_main() -> None:
     server = Server(
         init.engine_config, init.server_config, listen_socket=listen_socket, attach=(init.index, init.directory)
     )
-    async with trio.open_nursery() as nursery:
-        nursery.start_soon(server.run)
-        if await server.wait_ready():
-            os.write(ready_fd, b"r")
-            os.close(ready_fd)
+    with trio.open_signal_receiver(DRAIN_SIGNAL) as drains:  # before anyone can send one
+        async with trio.open_nursery() as nursery:
+
+            async def drain_on_signal() -> None:
+                async for _ in drains:
+                    server.shutdown()
+
+            async def run() -> None:
+                await server.run()  # returns once a shutdown has run its course
+                nursery.cancel_scope.cancel()
+
+            nursery.start_soon(drain_on_signal)
+            nursery.start_soon(run)
+            if await server.wait_ready():
+                os.write(ready_fd, b"r")
+                os.close(ready_fd)
