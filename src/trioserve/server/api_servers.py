@@ -94,6 +94,10 @@ class ApiServers:
     def __init__(self, engine_config: EngineConfig, server_config: ServerConfig, count: int) -> None:
         if count < 2:
             raise ValueError("api_server_count: the supervising process is for 2 or more API servers")
+        if engine_config.num_remote_engines:
+            raise ValueError("api_server_count: more than 1 is not supported with engines on other hosts yet")
+        if engine_config.data_parallel_lockstep:
+            raise ValueError("api_server_count: more than 1 is not supported with data_parallel_lockstep yet")
         self.engine_config = engine_config
         self.server_config = server_config
         self.count = count
