@@ -289,3 +289,24 @@ async def test_without_reconnect_a_headless_process_exits_when_its_head_is_gone(
         code = await trio.to_thread.run_sync(functools.partial(proc.wait, timeout=HEARTBEAT_TIMEOUT_S + 10))
         assert code == EXIT_ENGINE_DEAD
         assert not any(running(p) for p in tree)
+
+
+async def test_a_head_with_no_engine_of_its_own_serves_once_a_headless_one_joins(fake_config, keys_dir):
+    port = free_port()
+    config = fake_config(
+        data_parallel_size=1,
+        data_parallel_size_local=0,
+        data_parallel_rpc_port=port,
+        curve_keys_dir=keys_dir,
+        heartbeat_interval_s=0.25,
+        heartbeat_timeout_s=HEARTBEAT_TIMEOUT_S,
+    )
+    argv = headless_argv(port, keys_dir)
+    argv[argv.index("--data-parallel-size") + 1] = "1"
+    argv[argv.index("--data-parallel-start-rank") + 1] = "0"
+    with headless(argv), trio.fail_after(60):
+        async with trioserve.open_engine(config=config) as engine:  # ready once engine 0 joined
+            assert engine.health == "ready"
+            await check_served_by(engine, 0, [4, 5, 6])
+            assert engine._group.supervisors[0].remote
+    assert await wait_no_children() == []
