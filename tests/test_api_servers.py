@@ -39,15 +39,6 @@ def port_of(url: str) -> int:
     return int(url.rsplit(":", 1)[1])
 
 
-def accepted_by(pids: list[int], port: int) -> dict[int, int]:
-    """Connections to ``port`` each of ``pids`` holds open now."""
-    counts = {}
-    for pid in pids:
-        conns = psutil.Process(pid).net_connections(kind="tcp")
-        counts[pid] = sum(1 for c in conns if c.laddr and c.laddr.port == port and c.status == "ESTABLISHED")
-    return counts
-
-
 def argv(model: str, *options: str) -> list[str]:
     return serve_argv("--model", model, "--runner", "fake", "--api-server-count", "2", *options)
 
@@ -58,15 +49,23 @@ async def wait_until(predicate: Any, timeout: float) -> None:
             await trio.sleep(0.05)
 
 
-def open_on_both(stack: ExitStack, url: str, pids: list[int], limit: int = 64) -> list[Any]:
-    """Open WebSockets (closed with ``stack``) until each API server holds at least one; all of them."""
-    sockets: list[Any] = []
+def open_on_both(stack: ExitStack, url: str, pids: list[int], timeout: float = 30) -> list[Any]:
+    """One WebSocket held by each API server in ``pids`` (closed with ``stack``),
+    opening (and closing again) connections until each has taken one."""
     port = port_of(url)
-    while len(sockets) < limit:
-        sockets.append(stack.enter_context(open_ws(url)))
-        if all(accepted_by(pids, port).values()):
-            return sockets
-    raise AssertionError(f"{limit} connections never reached both API servers: {accepted_by(pids, port)}")
+    kept: dict[int, Any] = {}
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        with ExitStack() as attempt:
+            ws = attempt.enter_context(open_ws(url))
+            pid = owner(ws, pids, port)
+            if pid not in kept:
+                kept[pid] = ws
+                stack.push(attempt.pop_all())
+        if len(kept) == len(pids):
+            return list(kept.values())
+        time.sleep(0.02)
+    raise AssertionError(f"the connections never reached every API server: {sorted(kept)} of {pids}")
 
 
 def owner(ws: Any, pids: list[int], port: int) -> int:

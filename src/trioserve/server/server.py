@@ -154,7 +154,7 @@ class Server:
         try:
             async with trio.open_nursery() as nursery:
                 for listener in listeners:
-                    nursery.start_soon(accept_loop, listener, self._admit_to(nursery), self._num_open)
+                    nursery.start_soon(self._accept, listener, nursery)
                 task_status.started(self)
                 try:
                     await self._run_engine()
@@ -164,6 +164,15 @@ class Server:
             raise collapse(group) from None
         if self.state.phase == "dead":
             raise self._engine_failure or EngineDeadError("the engine died; the server stopped")
+
+    async def _accept(self, listener: trio.SocketListener, nursery: trio.Nursery) -> None:
+        """Accept connections on ``listener``. On a socket shared with other
+        API servers, only once the engine is ready: until then the others
+        take every connection (one that is restarting never answers 503 to a
+        client they could serve)."""
+        if self._listen_socket is not None and not await self.wait_ready():
+            return
+        await accept_loop(listener, self._admit_to(nursery), self._num_open)
 
     async def _run_engine(self) -> None:
         """Start the engine, serve until the stop, then wait for every
