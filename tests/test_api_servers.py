@@ -283,3 +283,24 @@ async def test_sigterm_drains_every_api_servers_streams_then_exits_0_leaving_not
         assert await in_thread(proc.wait, grace + 15) == 0
         gone_after = await in_thread(wait_gone, tree, signalled, grace + 15)
         assert gone_after < grace + 5, f"{gone_after:.2f}s"
+
+
+async def test_the_usual_exit_codes_hold_3_when_the_engine_cannot_start(tiny_model_dir):
+    options = ("--fake-options", '{"hang_at_load": true}', "--model-load-timeout", "1")
+    with trio.fail_after(60), spawned(argv(str(tiny_model_dir("llama")), *options)) as proc:
+        assert await in_thread(proc.wait, 45) == 3
+        assert "model-load" in (proc.stderr.read() if proc.stderr else "")
+
+
+async def test_the_usual_exit_codes_hold_4_when_the_engine_is_out_of_restarts(tiny_model_dir):
+    options = ("--fake-options", '{"die_at_step": 2}', "--max-restarts", "0")
+    with trio.fail_after(60), spawned(argv(str(tiny_model_dir("llama")), *options)) as proc:
+        url = await in_thread(wait_for_url, proc, 45)
+        tree = [proc.pid, *tree_of(proc.pid)]
+        with open_ws(url) as ws:
+            ws.send(generate("a", [5, 6], max_tokens=10, ignore_eos=True))
+            while (msg := json.loads(await in_thread(ws.recv, 10)))["type"] == "delta":
+                pass
+            assert msg["code"] == "engine_dead"
+        assert await in_thread(proc.wait, 30) == 4
+        assert not any(running(pid) for pid in tree)
