@@ -79,17 +79,35 @@ async def open_engine(
         config = EngineConfig(model=model, **options)
     elif model is not None or options:
         raise ValueError("config: give either config=... or model and options, not both")
+    async with _open(config, EngineGroup(config)) as engine:
+        yield engine
+
+
+@contextlib.asynccontextmanager
+async def open_attached_engine(config: EngineConfig, api_server: int, directory: str) -> AsyncIterator[Engine]:
+    """As ``open_engine``, for API server ``api_server`` of several
+    (``serve --api-server-count``): the engine cores are another process's
+    children, listening for API servers in ``directory``; this attaches to
+    each (``frontend/attached.py``) and starts no process."""
+    async with _open(config, EngineGroup(config, attach=(api_server, directory)), f"api{api_server}") as engine:
+        yield engine
+
+
+@contextlib.asynccontextmanager
+async def _open(config: EngineConfig, group: EngineGroup, id_prefix: str | None = None) -> AsyncIterator[Engine]:
     tokenizer, chat_template = await trio.to_thread.run_sync(_load_tokenizer, config)
     try:
         async with trio.open_nursery() as nursery:
-            group = EngineGroup(config)
             await nursery.start(group.run)
             try:
-                yield Engine(group, tokenizer, chat_template)
+                engine = Engine(group, tokenizer, chat_template)
+                if id_prefix is not None:
+                    engine._id_prefix = f"{id_prefix}-{engine._id_prefix}"  # unique among the API servers
+                yield engine
             finally:
                 nursery.cancel_scope.cancel()
-    except BaseExceptionGroup as group:
-        raise collapse(group) from None
+    except BaseExceptionGroup as exc:
+        raise collapse(exc) from None
 
 
 def _check_mode(mode: object) -> None:

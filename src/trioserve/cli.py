@@ -15,10 +15,13 @@ import trio
 from trioserve.api import open_engine
 from trioserve.bench.cli import add_bench_parser
 from trioserve.config import EngineConfig, FakeRunnerConfig
-from trioserve.errors import EngineDeadError, EngineStartupError, TrioserveError
+from trioserve.errors import EngineDeadError, EngineStartupError, TrioserveError, collapse
 from trioserve.messages import SamplingParams
+from trioserve.nurseries.headless import HeadlessConfig, run_headless
 from trioserve.server import Server, ServerConfig
+from trioserve.server.api_servers import ApiServers
 from trioserve.server.listener import fds_needed, raise_fd_limit
+from trioserve.server.server import model_name
 
 API_KEY_ENV = "TRIOSERVE_API_KEY"  # never passed on to a child process (nurseries.process.SECRET_ENV_NAMES)
 
@@ -153,6 +156,65 @@ def _add_engine_options(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def _add_hosts_options(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("engines on several hosts (docs/deployment.md)")
+    group.add_argument(
+        "--data-parallel-size-local",
+        type=int,
+        default=None,
+        metavar="K",
+        help="engine cores on this host (ranks 0..K-1 on the head, possibly none); the other "
+        "--data-parallel-size - K join over TCP from hosts running --headless (default: all of them)",
+    )
+    group.add_argument(
+        "--data-parallel-address",
+        default="127.0.0.1",
+        metavar="HOST",
+        help="the head's address, as the other hosts reach it: the head listens there for engine cores, "
+        "a --headless host connects to it (default: %(default)s)",
+    )
+    group.add_argument(
+        "--data-parallel-rpc-port",
+        type=int,
+        default=29550,
+        metavar="PORT",
+        help="the head's TCP port for engine cores joining from other hosts (default: %(default)s)",
+    )
+    group.add_argument(
+        "--headless",
+        action="store_true",
+        help="run no API server: run --data-parallel-size-local engine cores of ranks "
+        "--data-parallel-start-rank onwards, joining the head at --data-parallel-address",
+    )
+    group.add_argument(
+        "--data-parallel-start-rank",
+        type=int,
+        default=0,
+        metavar="R",
+        help="with --headless: the rank of this host's first engine core (default: %(default)s)",
+    )
+    group.add_argument(
+        "--headless-reconnect",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="with --headless: when the head goes (silent for --heartbeat-timeout) an engine core stops its "
+        "workers and joins again once the head is back; --no-headless-reconnect: exit instead (default: on)",
+    )
+    keys = group.add_mutually_exclusive_group()
+    keys.add_argument(
+        "--curve-keys",
+        metavar="DIR",
+        help="authenticate and encrypt the engines' TCP sockets with the CURVE key pair in DIR "
+        "(written by `trioserve keys DIR`; the same directory on every host, mode 0700)",
+    )
+    keys.add_argument(
+        "--insecure-tcp",
+        action="store_true",
+        help="let engine cores join over TCP without keys: unauthenticated and unencrypted, anyone who can "
+        "reach the port can pose as an engine and read the prompts. For a trusted, isolated network only",
+    )
+
+
 def _add_sampling_options(parser: argparse.ArgumentParser, *, max_tokens: int = 64) -> None:
     group = parser.add_argument_group("sampling")
     group.add_argument("--max-tokens", type=int, default=max_tokens, help="tokens to generate (default: %(default)s)")
@@ -197,6 +259,11 @@ def _engine_config(args: argparse.Namespace) -> EngineConfig:
         data_parallel_size=args.data_parallel_size,
         tensor_parallel_size=args.tensor_parallel_size,
         data_parallel_lockstep=args.data_parallel_lockstep,
+        data_parallel_size_local=getattr(args, "data_parallel_size_local", None),
+        data_parallel_address=getattr(args, "data_parallel_address", "127.0.0.1"),
+        data_parallel_rpc_port=getattr(args, "data_parallel_rpc_port", 0),
+        curve_keys_dir=getattr(args, "curve_keys", None),
+        insecure_tcp=getattr(args, "insecure_tcp", False),
         max_restarts=args.max_restarts,
         restart_window_s=args.restart_window,
         startup_timeout_s=args.startup_timeout,
@@ -342,6 +409,15 @@ def _add_server_options(parser: argparse.ArgumentParser) -> None:
         help="close an HTTP connection that sends no new request for this long after a response (default: %(default)s)",
     )
     group.add_argument(
+        "--api-server-count",
+        type=int,
+        default=1,
+        metavar="M",
+        help="API-server processes sharing the port, each connected to every engine core, for when one process's "
+        "tokenizing and streaming is the bottleneck; with M > 1, serve itself only supervises them and the engine "
+        "cores (docs/deployment.md; default: %(default)s)",
+    )
+    group.add_argument(
         "--served-model-name",
         metavar="NAME",
         help="the model's name in the OpenAI API ('model' in requests, /v1/models) "
@@ -422,7 +498,114 @@ async def _serve(server: Server) -> None:
         raise failure[0]
 
 
+def cmd_keys(args: argparse.Namespace) -> int:
+    from trioserve.transport.curve import write_keys
+
+    keys = write_keys(args.directory)
+    print(f"trioserve: wrote a CURVE key pair in {args.directory} (public key {keys.public.decode()})")
+    print("copy the directory, keeping it private (mode 0700, files 0600), to every host; pass --curve-keys DIR")
+    return EXIT_OK
+
+
+async def _run_headless(config: HeadlessConfig) -> None:
+    """The headless engine cores until SIGINT or SIGTERM (then they are stopped)."""
+    with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+        async with trio.open_nursery() as nursery:
+            await nursery.start(run_headless, config)
+            last = config.start_rank + config.num_engines - 1
+            print(
+                f"trioserve: headless engine cores {config.start_rank}..{last} joining {config.handshake_address}",
+                flush=True,
+            )
+            async for signum in signals:
+                print(f"trioserve: {signal.Signals(signum).name}: stopping", file=sys.stderr, flush=True)
+                nursery.cancel_scope.cancel()
+
+
+def cmd_headless(args: argparse.Namespace) -> int:
+    size = args.data_parallel_size
+    local = (
+        args.data_parallel_size_local
+        if args.data_parallel_size_local is not None
+        else size - args.data_parallel_start_rank
+    )
+    if args.data_parallel_start_rank + local > size:
+        raise ValueError(
+            f"--data-parallel-start-rank {args.data_parallel_start_rank} + --data-parallel-size-local {local} "
+            f"exceeds --data-parallel-size {size}"
+        )
+    config = HeadlessConfig(
+        start_rank=args.data_parallel_start_rank,
+        num_engines=local,
+        address=args.data_parallel_address,
+        rpc_port=args.data_parallel_rpc_port,
+        curve_keys_dir=None if args.curve_keys is None else os.path.abspath(args.curve_keys),
+        insecure_tcp=args.insecure_tcp,
+        reconnect=args.headless_reconnect,
+        handshake_timeout_s=args.startup_timeout,
+        shutdown_grace_s=min(5.0, args.shutdown_grace),
+    )
+    try:
+        trio.run(_run_headless, config)
+    except BaseExceptionGroup as group:
+        raise collapse(group) from None
+    print("trioserve: stopped", file=sys.stderr)
+    return EXIT_OK
+
+
+async def _serve_api_servers(servers: ApiServers) -> None:
+    """The supervising process of several API servers, until SIGINT or SIGTERM
+    (then every process is stopped and reaped). Raises what ``ApiServers.run`` raises."""
+    with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+        async with trio.open_nursery() as nursery:
+            port = await nursery.start(servers.run)
+            host = servers.server_config.host
+            host = f"[{host}]" if ":" in host else host
+            name = servers.server_config.model_name or model_name(servers.engine_config)
+            print(
+                f"trioserve: serving on ws://{host}:{port} (health: http://{host}:{port}/health, "
+                f"OpenAI API: http://{host}:{port}/v1, model {name!r}; {servers.count} API servers, "
+                f"pids {', '.join(str(pid) for pid in servers.pids)})",
+                flush=True,
+            )
+            async for signum in signals:
+                print(f"trioserve: {signal.Signals(signum).name}: shutting down", file=sys.stderr, flush=True)
+                first = not servers.draining
+                servers.drain()  # again: the API servers end their grace at once
+                if first:
+                    nursery.start_soon(_stop_when_drained, servers, nursery.cancel_scope)
+
+
+async def _stop_when_drained(servers: ApiServers, scope: trio.CancelScope) -> None:
+    """Once every API server has drained (at most its grace and close time,
+    and a margin), stop the engines and everything else."""
+    config = servers.server_config
+    with trio.move_on_after(config.shutdown_grace_s + config.close_timeout_s + 5):
+        await servers.wait_drained()
+    scope.cancel()
+
+
+def cmd_api_servers(args: argparse.Namespace) -> int:
+    servers = ApiServers(_engine_config(args), _server_config(args), args.api_server_count)
+    raise_fd_limit(fds_needed(servers.server_config.max_connections))  # inherited by the API servers
+    try:
+        trio.run(_serve_api_servers, servers)
+    except OSError as exc:  # the address is taken, or not ours
+        print(f"trioserve: cannot listen on {args.host}:{args.port}: {exc.strerror or exc}", file=sys.stderr)
+        return EXIT_ERROR
+    except BaseExceptionGroup as group:
+        raise collapse(group) from None
+    print("trioserve: stopped", file=sys.stderr)
+    return EXIT_OK
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
+    if args.headless:
+        return cmd_headless(args)
+    if args.api_server_count < 1:
+        raise ValueError("--api-server-count: must be >= 1")
+    if args.api_server_count > 1:
+        return cmd_api_servers(args)
     server_config = _server_config(args)  # its errors come before any model is built
     server = Server(_engine_config(args), server_config)
     raise_fd_limit(fds_needed(server.config.max_connections))  # the process is ours
@@ -460,7 +643,17 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _add_server_options(serve)
     _add_engine_options(serve)
+    _add_hosts_options(serve)
     serve.set_defaults(func=cmd_serve)
+    keys = commands.add_parser(
+        "keys",
+        help="write a CURVE key pair for engines on several hosts",
+        description="Write a new CURVE key pair into DIR (created with mode 0700; files 0600). Copy DIR to every "
+        "host of the deployment and pass --curve-keys DIR to `serve` there: engine sockets on TCP then let in "
+        "only peers holding this pair, and encrypt everything (docs/deployment.md).",
+    )
+    keys.add_argument("directory", metavar="DIR", help="where to write the key pair (must not hold one already)")
+    keys.set_defaults(func=cmd_keys)
     chat = commands.add_parser(
         "chat",
         help="chat with a model at the terminal, replies streamed",
@@ -478,6 +671,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    args.log_level = getattr(args, "log_level", "WARNING")
     if not isinstance(logging.getLevelName(args.log_level.upper()), int):
         print(f"trioserve: invalid input: --log-level: unknown level {args.log_level!r}", file=sys.stderr)
         return EXIT_USAGE

@@ -117,6 +117,17 @@ class EngineConfig:
     # Workers per engine core, each holding a shard of the model (its share of
     # the attention heads and MLP columns), in one torch.distributed group.
     tensor_parallel_size: int = 1
+    # Engines on other hosts (docs/deployment.md): this host runs engine cores
+    # 0 .. data_parallel_size_local - 1 (all of them when None); the others
+    # are headless engine cores that join over TCP at
+    # tcp://data_parallel_address:data_parallel_rpc_port, authenticated and
+    # encrypted with the CURVE keys in curve_keys_dir (or, with insecure_tcp,
+    # in the clear and unauthenticated: for a trusted network only).
+    data_parallel_size_local: int | None = None
+    data_parallel_address: str = "127.0.0.1"
+    data_parallel_rpc_port: int = 0
+    curve_keys_dir: str | None = None
+    insecure_tcp: bool = False
     torch_threads: int | None = None  # torch intra-op threads in each worker
 
     # Deadlines and grace periods, in seconds.
@@ -175,6 +186,23 @@ class EngineConfig:
         _check(self.max_model_len is None or self.max_model_len >= 2, "max_model_len", "must be >= 2")
         _check(1 <= self.tensor_parallel_size <= 64, "tensor_parallel_size", "must be in [1, 64]")
         _check(1 <= self.data_parallel_size <= 64, "data_parallel_size", "must be in [1, 64]")
+        _check(
+            self.data_parallel_size_local is None or 0 <= self.data_parallel_size_local <= self.data_parallel_size,
+            "data_parallel_size_local",
+            "must be in [0, data_parallel_size]",
+        )
+        if self.num_remote_engines:
+            _check(
+                0 < self.data_parallel_rpc_port < 65536,
+                "data_parallel_rpc_port",
+                "must be a TCP port when engines join from other hosts (data_parallel_size_local < data_parallel_size)",
+            )
+            _check(
+                self.curve_keys_dir is not None or self.insecure_tcp,
+                "curve_keys_dir",
+                "engines on other hosts join over TCP: give CURVE keys (`trioserve keys DIR`), or say insecure_tcp",
+            )
+            _check(not self.data_parallel_lockstep, "data_parallel_lockstep", "is not supported across hosts yet")
         _check(self.while_asleep in ("wait", "fail"), "while_asleep", "must be 'wait' or 'fail'")
         _check(self.torch_threads is None or self.torch_threads >= 1, "torch_threads", "must be >= 1")
         for name in (
@@ -192,6 +220,17 @@ class EngineConfig:
         _check(self.max_restarts >= 0, "max_restarts", "must be >= 0")
         for name in ("restart_backoff_s", "restart_backoff_max_s", "restart_wait_s"):
             _check(getattr(self, name) >= 0, name, "must be >= 0")
+
+    @property
+    def num_local_engines(self) -> int:
+        """Engine cores this host runs (ranks 0 .. num_local_engines - 1)."""
+        local = self.data_parallel_size_local
+        return self.data_parallel_size if local is None else local
+
+    @property
+    def num_remote_engines(self) -> int:
+        """Engine cores that join from other hosts."""
+        return self.data_parallel_size - self.num_local_engines
 
     def replace(self, **changes: Any) -> EngineConfig:
         """A copy with some fields changed (validated again)."""

@@ -251,11 +251,21 @@ class DataParallelInit(msgspec.Struct, frozen=True):
     rendezvous: str
 
 
+class FrontEndsInit(msgspec.Struct, frozen=True):
+    """With several API-server processes: where the engine core also listens
+    for them (it binds both): a PULL for their requests, and a ROUTER on which
+    each says ``Attach`` and gets its requests' outputs and every heartbeat."""
+
+    input_address: str
+    output_address: str
+
+
 class HandshakeInit(msgspec.Struct, tag=True):
     config: EngineConfig
     input_address: str
     output_address: str
     data_parallel: DataParallelInit | None = None  # lockstep only
+    frontends: FrontEndsInit | None = None  # several API-server processes only
 
 
 class Ready(msgspec.Struct, tag=True):
@@ -304,6 +314,7 @@ class AddRequest(msgspec.Struct, tag=True):
     params: SamplingParams
     client_id: str = ""  # waiting requests of different clients are admitted in turn
     wave: int = 0  # lockstep: the request wave the coordinator believed current (core/waves.py)
+    frontend: int = -1  # the API server (by index) that sent it, or -1: the engine core's own front-end
 
 
 class AbortRequests(msgspec.Struct, tag=True):
@@ -327,7 +338,12 @@ class StartWave(msgspec.Struct, tag=True):
     exclude: int | None = None
 
 
-EngineRequest = AddRequest | AbortRequests | GetStats | ResetPrefixCache | StartWave | ControlRequest
+class Ping(msgspec.Struct, tag=True):
+    """The front-end is alive: sent every ``heartbeat_interval_s`` to an engine
+    core on another host, which has no parent pipe to tell it so."""
+
+
+EngineRequest = AddRequest | AbortRequests | GetStats | ResetPrefixCache | StartWave | Ping | ControlRequest
 
 
 # --- engine core -> front-end ----------------------------------------------
@@ -376,8 +392,29 @@ class WaveNotice(msgspec.Struct, tag=True):
     engine: int
 
 
+class Attach(msgspec.Struct, tag=True):
+    """API server -> engine core, on the API servers' ROUTER: send me my
+    requests' outputs, and every heartbeat (repeated until ``Attached``)."""
+
+    frontend: int
+
+
+class Attached(msgspec.Struct, tag=True):
+    """The engine core's answer to ``Attach``."""
+
+    info: EngineInfo
+
+
 EngineResponse = (
-    EngineOutputs | StatsReply | PrefixCacheReset | LoadReport | Heartbeat | WaveNotice | EngineDead | ControlReply
+    EngineOutputs
+    | StatsReply
+    | PrefixCacheReset
+    | LoadReport
+    | Heartbeat
+    | WaveNotice
+    | EngineDead
+    | ControlReply
+    | Attached
 )
 
 

@@ -19,7 +19,8 @@ import itertools
 import logging
 import os
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from typing import Protocol
 
 import msgspec
 import trio
@@ -44,6 +45,7 @@ from trioserve.messages import (
     EngineOutputs,
     EngineResponse,
     EngineStats,
+    FrontEndsInit,
     GetStats,
     HandshakeInit,
     HandshakeMessage,
@@ -70,6 +72,14 @@ _encode = msgspec.msgpack.Encoder().encode
 _decode_handshake: Callable[[bytes], HandshakeMessage] = msgspec.msgpack.Decoder(HandshakeMessage).decode
 
 
+class HandshakeSocket(Protocol):
+    """What the handshake needs of its socket: a ROUTER's frames (identity, message)."""
+
+    async def recv_multipart(self) -> list[bytes]: ...
+
+    async def send_multipart(self, frames: Sequence[bytes]) -> None: ...
+
+
 class EngineCoreClient:
     def __init__(
         self,
@@ -86,6 +96,7 @@ class EngineCoreClient:
         self.name = f"engine-core-{engine_index}"
         self.engine_index = engine_index
         self.info: EngineInfo | None = None
+        self.handshake_init: HandshakeInit | None = None  # what the engine core was told at its handshake
         self.process: ChildProcess | None = None
         self.requests: dict[str, RequestState] = {}
         # Encoded messages for the input socket: a request is encoded when it is
@@ -97,6 +108,9 @@ class EngineCoreClient:
         self.on_wave: Callable[[WaveNotice], None] | None = None
         # Lockstep: this engine core's place among the engines, for its handshake.
         self.data_parallel: DataParallelInit | None = None
+        # Several API-server processes: where the engine core listens for them too.
+        self.frontends: FrontEndsInit | None = None
+        self.frontend_index = -1  # this front-end's index among the API servers (-1: the engine core's own)
         self._calls: dict[int, tuple[trio.Event, list[StatsReply | PrefixCacheReset]]] = {}  # by call id
         self._control_calls: dict[int, tuple[trio.Event, list[ControlReply]]] = {}
         self.paused = False  # generation paused (as of the engine core's last control reply)
@@ -132,8 +146,10 @@ class EngineCoreClient:
 
     async def _start(self, nursery: trio.Nursery, ipc_dir: str) -> EngineInfo:
         handshake = TrioZmqSocket.bind(zmq.ROUTER, f"ipc://{ipc_dir}/handshake", linger=0)
-        input_sock = TrioZmqSocket.bind(zmq.PUSH, f"ipc://{ipc_dir}/input-{self.engine_index}", linger=0)
-        output_sock = TrioZmqSocket.bind(zmq.PULL, f"ipc://{ipc_dir}/output", linger=0)
+        input_address = f"ipc://{ipc_dir}/input-{self.engine_index}"
+        output_address = f"ipc://{ipc_dir}/output"
+        input_sock = TrioZmqSocket.bind(zmq.PUSH, input_address, linger=0)
+        output_sock = TrioZmqSocket.bind(zmq.PULL, output_address, linger=0)
         with handshake:
             env = {
                 **os.environ,
@@ -142,12 +158,16 @@ class EngineCoreClient:
                 HANDSHAKE_TIMEOUT_ENV: str(self.config.startup_timeout_s),
             }
             self.process = await nursery.start(self._supervise, env, nursery.cancel_scope)
-            info = await self._handshake(handshake, ipc_dir)
+            info = await self._handshake(handshake, input_address, output_address)
+        self._serve_sockets(nursery, input_sock, output_sock)
+        return info
+
+    def _serve_sockets(self, nursery: trio.Nursery, input_sock: TrioZmqSocket, output_sock: TrioZmqSocket) -> None:
+        """After the handshake: the socket actors, and the watchdog."""
         self._last_heard = trio.current_time()
         nursery.start_soon(self._input_sender, input_sock)
         nursery.start_soon(self._output_handler, output_sock)
         nursery.start_soon(self._watchdog)
-        return info
 
     async def _supervise(
         self,
@@ -179,11 +199,15 @@ class EngineCoreClient:
         timeout = self.config.heartbeat_timeout_s
         with trio.CancelScope(deadline=self._last_heard + timeout) as self._silence:
             await trio.sleep_forever()  # every message heard moves the deadline on
-        pid = self.process.pid if self.process is not None else "?"
+        pid = self.process.pid if self.process is not None else self.info.engine_pid if self.info else "?"
         self._die(
             f"{self.name} (pid {pid}) sent nothing for {self._silent_for():.1f}s "
             f"(heartbeat_timeout_s={timeout}s): hung (stopped, or stuck), killed"
         )
+        self._hung()
+
+    def _hung(self) -> None:
+        """The engine core is declared hung: kill it (and its process group)."""
         if self.process is not None:
             self.process.declare_hung()
 
@@ -199,7 +223,7 @@ class EngineCoreClient:
             return f"{self.name} silent for {silent:.1f}s"
         return self._engine_stalled
 
-    async def _handshake(self, sock: TrioZmqSocket, ipc_dir: str) -> EngineInfo:
+    async def _handshake(self, sock: HandshakeSocket, input_address: str, output_address: str) -> EngineInfo:
         self._stage = "handshake"
         with trio.fail_after(self.config.startup_timeout_s):
             identity, raw = await sock.recv_multipart()
@@ -210,10 +234,12 @@ class EngineCoreClient:
                 )
             init = HandshakeInit(
                 data_parallel=self.data_parallel,
+                frontends=self.frontends,
                 config=self.config,
-                input_address=f"ipc://{ipc_dir}/input-{self.engine_index}",
-                output_address=f"ipc://{ipc_dir}/output",
+                input_address=input_address,
+                output_address=output_address,
             )
+            self.handshake_init = init
             await sock.send_multipart([identity, _encode(init)])
         self._stage = "model-load"
         reply = await self._wait_ready(sock)
@@ -227,7 +253,7 @@ class EngineCoreClient:
             raise EngineStartupError(f"unexpected handshake message {reply!r}", stage="handshake", process=self.name)
         return reply.info
 
-    async def _wait_ready(self, sock: TrioZmqSocket) -> HandshakeMessage:
+    async def _wait_ready(self, sock: HandshakeSocket) -> HandshakeMessage:
         """The engine core's answer once its workers are loaded (``Ready`` or
         ``StartupFailed``), reading past its heartbeats. An engine core that
         sends nothing for ``heartbeat_timeout_s`` is killed as hung; the
@@ -240,8 +266,7 @@ class EngineCoreClient:
             with trio.move_on_at(min(deadline, silent_until)) as wait:
                 _, raw = await sock.recv_multipart()
             if wait.cancelled_caught:
-                if self.process is not None:
-                    self.process.declare_hung()
+                self._hung()
                 hung = trio.current_time() >= silent_until
                 why = f"sent nothing for {self.config.heartbeat_timeout_s}s: hung (stopped, or stuck), killed"
                 raise EngineStartupError(
@@ -324,7 +349,9 @@ class EngineCoreClient:
                 f"(max_num_seqs + max_waiting_requests = {limit}); retry later"
             )
         try:
-            payload = _encode(state.add_request(wave))
+            add = state.add_request(wave)
+            add.frontend = self.frontend_index
+            payload = _encode(add)
         except (OverflowError, msgspec.EncodeError, UnicodeEncodeError) as exc:
             raise InvalidRequestError("request", f"cannot be encoded for the engine: {exc}") from None
         if state.request_id in self.requests:
@@ -352,8 +379,7 @@ class EngineCoreClient:
         one may be stuck in their collective): its requests fail with
         ``reason`` and it is killed (its process group too), then reaped."""
         self._die(reason)
-        if self.process is not None:
-            self.process.declare_hung()
+        self._hung()
 
     def _send_nowait(self, payload: bytes) -> None:
         try:

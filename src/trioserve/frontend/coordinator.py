@@ -106,8 +106,9 @@ class Coordinator:
         max_running: int = 2**31,
         *,
         broadcast: Callable[[waves.StartWave], None] | None = None,
+        shared: bool = False,
     ) -> None:
-        self.picture = LoadPicture(num_engines, max_running)
+        self.picture = LoadPicture(num_engines, max_running, shared=shared)
         self._broadcast = broadcast
         self.waves = waves.CoordinatorWaves() if broadcast is not None else None
         self._send, self._receive = trio.open_memory_channel[LoadEvent](INBOX_SIZE)

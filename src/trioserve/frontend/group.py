@@ -39,10 +39,12 @@ import trio
 from trioserve.config import EngineConfig
 from trioserve.core import waves
 from trioserve.errors import ControlCallError, EngineDeadError
+from trioserve.frontend.attached import AttachedEngineCoreClient, api_server_addresses
 from trioserve.frontend.client import EngineCoreClient
 from trioserve.frontend.coordinator import Coordinator
+from trioserve.frontend.remote import RemoteEngineCoreClient, RemoteEngines
 from trioserve.frontend.supervisor import ClientFactory, EngineSupervisor, Health, new_client
-from trioserve.messages import DataParallelInit, EngineInfo, EngineStats, StartWave
+from trioserve.messages import DataParallelInit, EngineInfo, EngineStats, FrontEndsInit, StartWave
 from trioserve.rpc import ControlCall, ControlReply
 from trioserve.transport.zmq_trio import private_ipc_dir
 
@@ -57,26 +59,65 @@ class EngineGroup:
     nursery.start(group.run)``; it reports the first engine's ``EngineInfo``
     once every engine is ready."""
 
-    def __init__(self, config: EngineConfig, *, client_factory: ClientFactory = new_client) -> None:
+    def __init__(
+        self,
+        config: EngineConfig,
+        *,
+        client_factory: ClientFactory = new_client,
+        api_servers_dir: str | None = None,
+        attach: tuple[int, str] | None = None,
+    ) -> None:
+        """``api_servers_dir``: the engine cores also listen for API-server
+        processes there. ``attach``: this is API server ``attach[0]``, and the
+        engine cores (another process's children) listen for it in ``attach[1]``
+        (``frontend/attached.py``)."""
         self.config = config
         n = config.data_parallel_size
         self.lockstep = n > 1 and config.data_parallel_lockstep
+        if self.lockstep and (api_servers_dir is not None or attach is not None):
+            raise ValueError("data_parallel_lockstep: not supported with several API servers yet")
+        self._api_servers_dir = api_servers_dir
+        self._attach = attach
         broadcast = self._broadcast if self.lockstep else None
-        self.coordinator = Coordinator(n, config.max_num_seqs, broadcast=broadcast) if n > 1 else None
+        # Several API servers send to the engines: each one's picture counts the others' through the reports.
+        shared = attach is not None
+        self.coordinator = Coordinator(n, config.max_num_seqs, broadcast=broadcast, shared=shared) if n > 1 else None
         self.generation = 0  # lockstep: bumped when the engines restart together
         self._generation_of: dict[int, int] = {}  # id(client) -> the generation it was started in
         self._rendezvous_dir = ""
+        # Engines on other hosts join through the hub (frontend/remote.py).
+        self.remote = RemoteEngines(config) if config.num_remote_engines else None
         self.supervisors = [
             EngineSupervisor(
                 config,
                 i,
-                client_factory=client_factory,
+                client_factory=self._client_factory(i, client_factory),
                 on_load=None if self.coordinator is None else self.coordinator.report_nowait,
-                on_new_client=self._lockstep_client if self.lockstep else None,
+                on_new_client=self._new_client,
                 on_engine_dead=self._lockstep_death if self.lockstep else None,
+                remote=attach is not None or i >= config.num_local_engines,
             )
             for i in range(n)
         ]
+
+    def _client_factory(self, engine_index: int, local: ClientFactory) -> ClientFactory:
+        if self._attach is not None:
+            frontend, directory = self._attach
+            return lambda config, i, on_dead: AttachedEngineCoreClient(config, i, frontend, directory, on_dead=on_dead)
+        return local if engine_index < self.config.num_local_engines else self._remote_client
+
+    def _new_client(self, client: EngineCoreClient) -> None:
+        """A new engine core's client, before it starts: its place among the engines."""
+        if self._api_servers_dir is not None:
+            client.frontends = FrontEndsInit(*api_server_addresses(self._api_servers_dir, client.engine_index))
+        if self.lockstep:
+            self._lockstep_client(client)
+
+    def _remote_client(
+        self, config: EngineConfig, engine_index: int, on_dead: Callable[[EngineCoreClient], None]
+    ) -> EngineCoreClient:
+        assert self.remote is not None
+        return RemoteEngineCoreClient(config, engine_index, self.remote, on_dead=on_dead)
 
     async def run(self, *, task_status: trio.TaskStatus[EngineInfo] = trio.TASK_STATUS_IGNORED) -> None:
         """Start every engine, report the first's ``EngineInfo``, then keep
@@ -95,8 +136,15 @@ class EngineGroup:
         async with trio.open_nursery() as nursery:
             if self.coordinator is not None:
                 await nursery.start(self.coordinator.run)
-            infos = await self._start_all(nursery)
-            task_status.started(infos[0])
+            if self.remote is not None:
+                await nursery.start(self.remote.run)
+            for supervisor in self.supervisors:
+                if supervisor.remote:
+                    nursery.start_soon(supervisor.run)
+            await self._start_all(nursery)
+            while all(s.info is None for s in self.supervisors):  # no local engine: the first to join
+                await self._any_change()
+            task_status.started(self.info)
             await self.wait_failed()
             nursery.cancel_scope.cancel()  # the coordinator has nothing left to do
 
@@ -108,8 +156,9 @@ class EngineGroup:
 
         async with trio.open_nursery() as starting:
             for supervisor in self.supervisors:
-                starting.start_soon(start, supervisor)
-        return [infos[i] for i in range(len(self.supervisors))]
+                if not supervisor.remote:
+                    starting.start_soon(start, supervisor)
+        return [infos[i] for i in sorted(infos)]
 
     # --- lockstep ------------------------------------------------------------
 

@@ -68,8 +68,10 @@ class EngineSupervisor:
         on_load: Callable[[int, LoadReport | None], None] | None = None,
         on_new_client: Callable[[EngineCoreClient], None] | None = None,
         on_engine_dead: Callable[[EngineCoreClient], None] | None = None,
+        remote: bool = False,
     ) -> None:
         self.config = config
+        self.remote = remote  # an engine core on another host: it joins, it is not started here
         self._client_factory = client_factory
         self._on_load = on_load
         self._on_new_client = on_new_client  # a new engine core's client, before it starts
@@ -117,6 +119,8 @@ class EngineSupervisor:
         are stopped and reaped before this returns.
         """
         try:
+            if self.remote:
+                await self._run_remote(task_status)
             await self._start_first(task_status)
             while True:
                 if not self._may_restart():
@@ -144,6 +148,33 @@ class EngineSupervisor:
             if error is None or started:
                 raise
             raise error from None
+
+    async def _run_remote(self, task_status: trio.TaskStatus[EngineInfo]) -> None:
+        """A remote engine core's lives, one after another, until cancelled.
+        None is started here (its host's ``serve --headless`` does that), so
+        none counts against the restart budget: health is ``starting`` until
+        it first joins, ``restarting`` while it is away, and routing passes
+        it by meanwhile. ``task_status`` hears of its first join."""
+        reported = False
+
+        def ready(info: EngineInfo) -> None:
+            nonlocal reported
+            if not reported:
+                reported = True
+                task_status.started(info)
+
+        while True:
+            try:
+                await self._run_generation(ready)
+            except BaseExceptionGroup as group:
+                error = _startup_error(group)
+                if error is None:
+                    raise
+                log.warning("%s: a join failed: %s", self.name, error)
+            if reported:
+                self.num_restarts += 1
+                self._set_health("restarting")
+            await trio.sleep(self.config.restart_backoff_s)
 
     async def _restart(self) -> None:
         """Wait out the backoff, then run a new engine core until it dies.

@@ -54,6 +54,7 @@ from trioserve.messages import (
     Heartbeat,
     Hello,
     LoadReport,
+    Ping,
     PrefixCacheReset,
     Ready,
     ResetPrefixCache,
@@ -62,11 +63,13 @@ from trioserve.messages import (
     TokenOutput,
     WaveNotice,
 )
+from trioserve.nurseries.api_servers import ApiServers
 from trioserve.nurseries.child_main import ChildFailed, remove_if_parent_dies
 from trioserve.nurseries.control import Controller
 from trioserve.nurseries.executor import Executor
 from trioserve.nurseries.workers import ExecutorStage, WorkerError
 from trioserve.rpc import ControlRequest
+from trioserve.transport.curve import load_keys
 from trioserve.transport.zmq_trio import TrioZmqSocket
 
 HANDSHAKE_ADDRESS_ENV = "TRIOSERVE_HANDSHAKE_ADDRESS"
@@ -74,6 +77,10 @@ ENGINE_INDEX_ENV = "TRIOSERVE_ENGINE_INDEX"
 # How long the engine core waits for the front-end's HandshakeInit: the
 # front-end sets it to its startup_timeout_s.
 HANDSHAKE_TIMEOUT_ENV = "TRIOSERVE_HANDSHAKE_TIMEOUT_S"
+# On TCP (an engine core on another host than its front-end): the directory
+# of the deployment's CURVE keys, or INSECURE_TCP_ENV=1 to go without.
+CURVE_KEYS_ENV = "TRIOSERVE_CURVE_KEYS"
+INSECURE_TCP_ENV = "TRIOSERVE_INSECURE_TCP"
 DEFAULT_HANDSHAKE_TIMEOUT_S = 30.0  # EngineConfig.startup_timeout_s's default
 INBOX_SIZE = 1024  # requests and aborts waiting for the step loop
 LOAD_REPORT_INTERVAL_S = 0.02  # the most often the load goes out when it changes
@@ -248,44 +255,98 @@ class EngineCore:
 async def input_socket_actor(
     address: str,
     inbox: trio.MemorySendChannel[EngineRequest],
+    heard: Callable[[], None] | None = None,
+    bind: bool = False,
+    note: Callable[[EngineRequest], None] | None = None,
     *,
     task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
 ) -> None:
-    """Own the input socket: decode each message and pass it to the step loop.
+    """Own the input socket (connected to ``address``, or bound there with
+    ``bind``): decode each message and pass it to the step loop (``heard`` is
+    told of every message, ``note`` is shown each one passed on; a ``Ping``
+    goes no further). Closes a clone of ``inbox``, not ``inbox``.
 
     A message that does not decode is logged and dropped: bad input never
     kills the engine. If cancelled, the socket is closed; nothing is half-read.
     """
     decoder = msgspec.msgpack.Decoder(EngineRequest)
-    with TrioZmqSocket.connect(zmq.PULL, address, linger=0) as sock:
+    attach = TrioZmqSocket.bind if bind else TrioZmqSocket.connect
+    with attach(zmq.PULL, address, linger=0, **socket_options(address)) as sock:
         task_status.started()
-        async with inbox:
+        async with inbox.clone() as mine:
             while True:
                 raw = await sock.recv()
+                if heard is not None:
+                    heard()
                 try:
                     msg = decoder.decode(raw)
                 except msgspec.DecodeError as exc:
                     log.warning("dropping a malformed message from the front-end: %s", exc)
                     continue
-                await inbox.send(msg)
+                if not isinstance(msg, Ping):
+                    if note is not None:
+                        note(msg)
+                    await mine.send(msg)
+
+
+def socket_options(address: str) -> dict[str, object]:
+    """Options for a socket connecting to the front-end at ``address``: on
+    TCP, CURVE with the keys in ``$TRIOSERVE_CURVE_KEYS``, or nothing with
+    ``$TRIOSERVE_INSECURE_TCP=1``; ``EngineStartupError`` with neither."""
+    if not address.startswith("tcp://"):
+        return {}
+    keys_dir = os.environ.get(CURVE_KEYS_ENV)
+    if keys_dir:
+        try:
+            return load_keys(keys_dir).client_options()
+        except ValueError as exc:
+            raise EngineStartupError(str(exc), stage="handshake") from None
+    if os.environ.get(INSECURE_TCP_ENV) == "1":
+        return {}
+    raise EngineStartupError(
+        f"{address} is TCP: set {CURVE_KEYS_ENV} to the CURVE keys' directory (or {INSECURE_TCP_ENV}=1)",
+        stage="handshake",
+    )
+
+
+class FrontEndWatch:
+    """On TCP there is no parent pipe: the front-end sends a ``Ping`` every
+    ``heartbeat_interval_s``, and when nothing at all comes from it for
+    ``heartbeat_timeout_s``, it is gone, and ``run`` raises: the engine core
+    stops its workers and exits (its headless supervisor reconnects)."""
+
+    def __init__(self, timeout_s: float) -> None:
+        self.timeout_s = timeout_s
+        self._scope = trio.CancelScope(deadline=trio.current_time() + timeout_s)
+
+    def heard(self) -> None:
+        self._scope.deadline = trio.current_time() + self.timeout_s
+
+    async def run(self) -> None:
+        with self._scope:
+            await trio.sleep_forever()
+        raise ChildFailed(f"the front-end sent nothing for {self.timeout_s}s (heartbeat_timeout_s): it is gone")
 
 
 async def output_socket_actor(
     address: str,
     outbox: trio.MemoryReceiveChannel[EngineResponse],
     death: DeathReport | None = None,
+    api_servers: ApiServers | None = None,
     *,
     task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
 ) -> None:
-    """Own the output socket: send every message from the outbox, in order;
+    """Own the output socket: send every message from the outbox, in order
+    (with several API servers, each gets its share first: ``ApiServers.route``);
     a death report that found the outbox full goes right after the message
     being sent."""
-    with TrioZmqSocket.connect(zmq.PUSH, address, linger=1000) as sock:
+    with TrioZmqSocket.connect(zmq.PUSH, address, linger=1000, **socket_options(address)) as sock:
         task_status.started()
         async for msg in outbox:
-            await sock.send(_encode(msg))
-            if death is not None and (dead := death.take_unsent()) is not None:
-                await sock.send(_encode(dead))
+            for one in (msg, death.take_unsent() if death is not None else None):
+                routed = one if api_servers is None or one is None else api_servers.route(one)
+                if routed is not None:
+                    await sock.send(_encode(routed))
 
 
 async def _handshake(sock: TrioZmqSocket, engine_index: int) -> HandshakeInit:
@@ -373,7 +434,7 @@ async def engine_core_main() -> None:
     if handshake_address.startswith("ipc://"):
         # The front-end's private directory: if the front-end dies (kill -9), nobody else removes it.
         remove_if_parent_dies(os.path.dirname(handshake_address.removeprefix("ipc://")))
-    handshake = TrioZmqSocket.connect(zmq.DEALER, handshake_address, linger=1000)
+    handshake = TrioZmqSocket.connect(zmq.DEALER, handshake_address, linger=1000, **socket_options(handshake_address))
     with handshake:
         timeout = handshake_timeout_s()
         with trio.move_on_after(timeout) as scope:
@@ -387,11 +448,12 @@ async def engine_core_main() -> None:
             )
         outbox_send, outbox_receive = trio.open_memory_channel[EngineResponse](OUTBOX_SIZE)
         death = DeathReport(outbox_send)
+        api_servers = ApiServers() if init.frontends is not None else None
         async with trio.open_nursery() as outer:
             # The output socket outlives the rest, so that a failure can be reported.
-            await outer.start(output_socket_actor, init.output_address, outbox_receive, death)
+            await outer.start(output_socket_actor, init.output_address, outbox_receive, death, api_servers)
             try:
-                await _serve(init, handshake, outbox_send, death)
+                await _serve(init, handshake, outbox_send, death, (outer, api_servers))
             except BaseException as exc:  # a failure can come beside a stop's Cancelled (a BaseExceptionGroup)
                 if not any(isinstance(leaf, Exception) for leaf in meaningful_leaves(exc)):
                     raise  # a stop, or KeyboardInterrupt and the like: not a failure to report
@@ -408,7 +470,10 @@ async def _serve(
     handshake: TrioZmqSocket,
     outbox: trio.MemorySendChannel[EngineResponse],
     death: DeathReport,
+    api_servers: tuple[trio.Nursery, ApiServers | None] | None = None,
 ) -> None:
+    """Serve ``init``; the API servers' sockets (if any) run in the nursery
+    given with them, so that a death report still reaches them."""
     config = init.config
     if init.data_parallel is not None:
         # The lockstep rendezvous directory is the front-end's, as above.
@@ -435,7 +500,12 @@ async def _serve(
             enable_prefix_caching=config.enable_prefix_caching,
         )
         inbox_send, inbox_receive = trio.open_memory_channel[EngineRequest](INBOX_SIZE)
-        await nursery.start(input_socket_actor, init.input_address, inbox_send)
+        watch = FrontEndWatch(config.heartbeat_timeout_s) if address.startswith("tcp://") else None
+        if watch is not None:
+            nursery.start_soon(watch.run)
+        await nursery.start(input_socket_actor, init.input_address, inbox_send, watch and watch.heard)
+        if api_servers is not None and api_servers[1] is not None and init.frontends is not None:
+            await api_servers[0].start(api_servers[1].run, init.frontends, info, inbox_send)
         await handshake.send(_encode(Ready(info=info)))
         lockstep = None if init.data_parallel is None else EngineWaves(init.data_parallel.rank)
         core = EngineCore(scheduler, executor, info, in_flight, lockstep)

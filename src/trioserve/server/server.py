@@ -47,7 +47,7 @@ from pathlib import Path
 import trio
 from trio_websocket import wrap_server_stream
 
-from trioserve.api import Engine, open_engine
+from trioserve.api import Engine, open_attached_engine, open_engine
 from trioserve.config import EngineConfig
 from trioserve.errors import EngineDeadError, collapse
 from trioserve.server import http
@@ -75,8 +75,21 @@ class Server:
     nursery.start(server.run)`` (started once listening; ``await
     server.wait_ready()`` for the engine) and stop with ``server.shutdown()``."""
 
-    def __init__(self, engine_config: EngineConfig, config: ServerConfig | None = None) -> None:
+    def __init__(
+        self,
+        engine_config: EngineConfig,
+        config: ServerConfig | None = None,
+        *,
+        listen_socket: socket.socket | None = None,
+        attach: tuple[int, str] | None = None,
+    ) -> None:
+        """``listen_socket``: accept on this listening socket (handed down
+        by the supervising process) instead of binding ``config.host:port``.
+        ``attach``: this is API server ``attach[0]`` of several; the engine
+        cores are the supervising process's, listening in ``attach[1]``."""
         self.engine_config = engine_config
+        self._listen_socket = listen_socket
+        self._attach = attach
         self.config = config if config is not None else ServerConfig()
         self.state = ServerState()
         self.admission = Admission(self.config.max_connections)  # connections open, by kind of slot
@@ -133,12 +146,15 @@ class Server:
         aborted, and every engine process stopped and reaped.
         """
         self._check_fd_limit()
-        listeners = await trio.open_tcp_listeners(self.config.port, host=self.config.host)
+        if self._listen_socket is not None:
+            listeners = [trio.SocketListener(trio.socket.from_stdlib_socket(self._listen_socket))]
+        else:
+            listeners = await trio.open_tcp_listeners(self.config.port, host=self.config.host)
         self.port = listeners[0].socket.getsockname()[1]
         try:
             async with trio.open_nursery() as nursery:
                 for listener in listeners:
-                    nursery.start_soon(accept_loop, listener, self._admit_to(nursery), self._num_open)
+                    nursery.start_soon(self._accept, listener, nursery)
                 task_status.started(self)
                 try:
                     await self._run_engine()
@@ -149,12 +165,26 @@ class Server:
         if self.state.phase == "dead":
             raise self._engine_failure or EngineDeadError("the engine died; the server stopped")
 
+    async def _accept(self, listener: trio.SocketListener, nursery: trio.Nursery) -> None:
+        """Accept connections on ``listener``. On a socket shared with other
+        API servers, only once the engine is ready: until then the others
+        take every connection (one that is restarting never answers 503 to a
+        client they could serve)."""
+        if self._listen_socket is not None and not await self.wait_ready():
+            return
+        await accept_loop(listener, self._admit_to(nursery), self._num_open)
+
     async def _run_engine(self) -> None:
         """Start the engine, serve until the stop, then wait for every
         WebSocket to end (cancelling stragglers) before stopping the engine.
         If cancelled, the engine's processes are stopped and reaped."""
         with self._startup_scope:
-            async with open_engine(config=self.engine_config) as engine:
+            opening = (
+                open_engine(config=self.engine_config)
+                if self._attach is None
+                else open_attached_engine(self.engine_config, *self._attach)
+            )
+            async with opening as engine:
                 engine.add_request_observer(self.metrics.observe)
                 self.state.set_ready(engine)
                 if not self.state.stopping.is_set():

@@ -1,0 +1,232 @@
+"""Engine cores on other hosts (``serve --headless`` there), as the head sees them.
+
+``RemoteEngines`` owns the head's one TCP handshake socket (a ROUTER bound at
+``tcp://data_parallel_address:data_parallel_rpc_port``, a CURVE server unless
+``insecure_tcp``) that every remote engine core connects to, and the
+process's ZAP handler (``transport/curve.py``). A ``Hello`` from engine
+index ``i`` is kept as ``i``'s latest; the client of ``i``'s next life takes
+it. The handshake messages that follow from the same connection (ZeroMQ
+identity) go to the life that took its ``Hello``.
+
+``RemoteEngineCoreClient`` is an ``EngineCoreClient`` without a process. A
+life begins when a ``Hello`` for its index arrives (it waits as long as that
+takes), binds its input and output sockets on ``tcp://data_parallel_address:0``
+(CURVE too), hands their addresses over in ``HandshakeInit``, and then
+serves like a local engine core, sending a ``Ping`` every
+``heartbeat_interval_s`` (the engine core's proof that the head lives). When
+the engine core sends nothing for ``heartbeat_timeout_s`` (its host died, its
+tree was killed, the network broke), its requests fail with
+``EngineDeadError`` and the life ends; the next one waits for the engine core
+to join again. A ``Hello`` for an index whose life is live means that engine
+core was replaced (its headless tree restarted): the live one is dead at once.
+
+Invariants: only the hub's task touches the ROUTER socket (others queue
+frames with ``send_nowait``); at most one life holds a given connection's
+handshake messages.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from types import TracebackType
+
+import msgspec
+import trio
+import zmq
+
+from trioserve.config import EngineConfig
+from trioserve.errors import EngineStartupError
+from trioserve.frontend.client import EngineCoreClient
+from trioserve.messages import EngineInfo, HandshakeMessage, Hello, Ping
+from trioserve.transport.curve import CurveAuthenticator, load_keys
+from trioserve.transport.router import SocketLoop
+from trioserve.transport.zmq_trio import TrioZmqSocket
+
+LINK_SIZE = 64  # handshake messages (heartbeats while the workers load) waiting for their life
+log = logging.getLogger("trioserve.remote")
+_encode = msgspec.msgpack.Encoder().encode
+_decode = msgspec.msgpack.Decoder(HandshakeMessage).decode
+
+
+class RemoteEngines:
+    """The head's handshake socket for engine cores on other hosts (see the
+    module docstring). Run it (``await nursery.start(hub.run)``) before the
+    remote engines' supervisors."""
+
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        self.address = f"tcp://{config.data_parallel_address}:{config.data_parallel_rpc_port}"
+        self.keys = None if config.curve_keys_dir is None else load_keys(config.curve_keys_dir)
+        self.authenticator = None if self.keys is None else CurveAuthenticator(self.keys)
+        self._remote = range(config.num_local_engines, config.data_parallel_size)
+        self._hellos: dict[int, list[bytes]] = {}  # engine index -> its latest Hello's frames
+        self._links: dict[bytes, trio.MemorySendChannel[list[bytes]]] = {}  # identity -> its life
+        self._live: dict[int, RemoteEngineCoreClient] = {}
+        self._loop = SocketLoop(self._received)
+        self._changed = trio.Event()
+        self.num_hellos = 0  # Hellos received (from authenticated peers only)
+
+    def socket_options(self) -> dict[str, object]:
+        """Options for a socket the head binds for remote engine cores."""
+        return {} if self.keys is None else self.keys.server_options()
+
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        """Listen for remote engine cores until cancelled (then the socket and
+        the ZAP handler are closed). ``OSError``-like ``zmq.ZMQError`` if the
+        address cannot be bound."""
+        async with trio.open_nursery() as nursery:
+            if self.authenticator is not None:
+                await nursery.start(self.authenticator.run)
+            with TrioZmqSocket.bind(zmq.ROUTER, self.address, linger=0, **self.socket_options()) as sock:
+                task_status.started()
+                await self._loop.run(sock)
+
+    def send_nowait(self, frames: Sequence[bytes]) -> None:
+        """Queue ``frames`` (identity first) for the hub's task to send."""
+        self._loop.send_nowait(frames)
+
+    def _received(self, frames: list[bytes]) -> None:
+        if len(frames) != 2:
+            log.warning("dropping a handshake message of %d frames", len(frames))
+            return
+        identity, raw = frames
+        try:
+            msg = _decode(raw)
+        except msgspec.DecodeError as exc:
+            log.warning("dropping a malformed handshake message: %s", exc)
+            return
+        if isinstance(msg, Hello):
+            self._hello(msg, frames)
+        elif (link := self._links.get(identity)) is not None:
+            try:
+                link.send_nowait(frames)
+            except (trio.WouldBlock, trio.BrokenResourceError):
+                pass  # a heartbeat while loading: the next one will do
+
+    def _hello(self, hello: Hello, frames: list[bytes]) -> None:
+        self.num_hellos += 1
+        if hello.engine_index not in self._remote:
+            log.warning(
+                "engine-core-%d (pid %d) joined, but this head takes remote engines %d..%d only: ignored",
+                hello.engine_index,
+                hello.pid,
+                self._remote.start,
+                self._remote.stop - 1,
+            )
+            return
+        log.info("engine-core-%d (remote pid %d) joined", hello.engine_index, hello.pid)
+        self._hellos[hello.engine_index] = frames
+        live = self._live.get(hello.engine_index)
+        if live is not None:
+            live.replaced(hello.pid)
+        self._changed.set()
+        self._changed = trio.Event()
+
+    async def link(self, client: RemoteEngineCoreClient) -> HandshakeLink:
+        """Wait (as long as it takes) for a ``Hello`` for ``client``'s engine
+        index; the link to that engine core's handshake messages. If
+        cancelled, the ``Hello`` stays for the next life."""
+        while (hello := self._hellos.pop(client.engine_index, None)) is None:
+            await self._changed.wait()
+        send, receive = trio.open_memory_channel[list[bytes]](LINK_SIZE)
+        send.send_nowait(hello)
+        self._links[hello[0]] = send
+        self._live[client.engine_index] = client
+        return HandshakeLink(self, hello[0], receive)
+
+    def unlink(self, identity: bytes) -> None:
+        self._links.pop(identity, None)
+
+    def gone(self, client: RemoteEngineCoreClient) -> None:
+        """``client``'s life is over."""
+        if self._live.get(client.engine_index) is client:
+            del self._live[client.engine_index]
+
+
+class HandshakeLink:
+    """One remote engine core's handshake messages, as a ROUTER's frames
+    (the socket the handshake expects: ``client.HandshakeSocket``)."""
+
+    def __init__(self, hub: RemoteEngines, identity: bytes, receive: trio.MemoryReceiveChannel[list[bytes]]) -> None:
+        self._hub = hub
+        self.identity = identity
+        self._receive = receive
+
+    async def recv_multipart(self) -> list[bytes]:
+        return await self._receive.receive()
+
+    async def send_multipart(self, frames: Sequence[bytes]) -> None:
+        await trio.lowlevel.checkpoint()
+        self._hub.send_nowait(frames)
+
+    def __enter__(self) -> HandshakeLink:
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self._hub.unlink(self.identity)
+        self._receive.close()
+
+
+class RemoteEngineCoreClient(EngineCoreClient):
+    """The client of an engine core on another host (see the module docstring)."""
+
+    def __init__(self, config: EngineConfig, engine_index: int, hub: RemoteEngines, **kwargs: object) -> None:
+        super().__init__(config, engine_index, **kwargs)  # type: ignore[arg-type]
+        self.hub = hub
+        self._life: trio.CancelScope | None = None
+
+    async def _start(self, nursery: trio.Nursery, ipc_dir: str) -> EngineInfo:
+        self._life = nursery.cancel_scope
+        self._stage = "handshake"
+        host = self.config.data_parallel_address
+        with await self.hub.link(self) as link:
+            opts = self.hub.socket_options()
+            input_sock = TrioZmqSocket.bind(zmq.PUSH, f"tcp://{host}:0", linger=0, **opts)
+            output_sock = TrioZmqSocket.bind(zmq.PULL, f"tcp://{host}:0", linger=0, **opts)
+            try:
+                info = await self._handshake(link, _endpoint(input_sock), _endpoint(output_sock))
+            except BaseException:
+                input_sock.close()
+                output_sock.close()
+                raise
+        self._serve_sockets(nursery, input_sock, output_sock)
+        nursery.start_soon(self._pinger)
+        return info
+
+    async def run(self, *, task_status: trio.TaskStatus[EngineInfo] = trio.TASK_STATUS_IGNORED) -> None:
+        """As ``EngineCoreClient.run``, for one life of the remote engine core:
+        it returns when the engine core is dead (silent, replaced, or it said so)."""
+        try:
+            await super().run(task_status=task_status)
+        finally:
+            self.hub.gone(self)
+        if self.info is None:  # the life ended during the handshake: replaced, or found hung
+            raise EngineStartupError(
+                f"{self.name}: {self.dead or 'the handshake did not finish'}", stage="handshake", process=self.name
+            )
+
+    async def _pinger(self) -> None:
+        ping = _encode(Ping())
+        while True:
+            self._send_nowait(ping)
+            await trio.sleep(self.config.heartbeat_interval_s)
+
+    def _hung(self) -> None:
+        """No process to kill here: the life ends (its sockets close), and the
+        engine core, hearing nothing more, stops its workers and rejoins."""
+        if self._life is not None:
+            self._life.cancel()
+
+    def replaced(self, pid: int) -> None:
+        """A new engine core with this index joined (remote pid ``pid``)."""
+        self._die(f"a new engine core (remote pid {pid}) joined in its place: this one is gone")
+        self._hung()
+
+
+def _endpoint(sock: TrioZmqSocket) -> str:
+    endpoint = sock.socket.getsockopt(zmq.LAST_ENDPOINT)
+    assert isinstance(endpoint, bytes)
+    return endpoint.decode()

@@ -1,0 +1,117 @@
+"""``trioserve serve --headless``: engine cores for a head on another host.
+
+Task tree (one ``trio.run``)::
+
+    run_headless
+    └── keep_engine × K          engine core of rank R + i, started again each time it ends
+        └── engine-core process  leads its own process group; its workers join it
+
+Each engine core connects to the head's handshake socket
+(``tcp://data_parallel_address:data_parallel_rpc_port``, CURVE unless
+``insecure_tcp``), takes its configuration from the head's ``HandshakeInit``,
+starts its workers and serves. It ends when the head does not answer its
+``Hello`` within the handshake timeout, when the head has sent nothing (not
+even a ``Ping``) for ``heartbeat_timeout_s``, or when it fails; each time, its
+workers are stopped with it (and its process group is killed). With
+``reconnect`` (the default) it is started again after ``backoff_s``, and so
+rejoins a head that comes back; without, the headless process exits
+(``EngineDeadError``), having stopped its other engine cores.
+
+``kill -9`` of this process: its engine cores see their parent-watch pipes
+end and go, workers first, within a second (``child_main.py``).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+from dataclasses import dataclass
+
+import trio
+
+from trioserve.errors import EngineDeadError
+from trioserve.nurseries.engine_core import (
+    CURVE_KEYS_ENV,
+    ENGINE_INDEX_ENV,
+    HANDSHAKE_ADDRESS_ENV,
+    HANDSHAKE_TIMEOUT_ENV,
+    INSECURE_TCP_ENV,
+)
+from trioserve.nurseries.process import ProcessExited, supervise_process
+from trioserve.transport.curve import load_keys
+
+log = logging.getLogger("trioserve.headless")
+
+
+@dataclass(frozen=True, kw_only=True)
+class HeadlessConfig:
+    """What ``serve --headless`` needs: which ranks, where the head is, the keys."""
+
+    start_rank: int
+    num_engines: int
+    address: str  # the head's data_parallel_address
+    rpc_port: int
+    curve_keys_dir: str | None = None
+    insecure_tcp: bool = False
+    reconnect: bool = True
+    handshake_timeout_s: float = 30.0
+    backoff_s: float = 1.0
+    shutdown_grace_s: float = 5.0
+
+    def __post_init__(self) -> None:
+        if self.start_rank < 0:
+            raise ValueError("data_parallel_start_rank: must be >= 0")
+        if self.num_engines < 1:
+            raise ValueError("data_parallel_size_local: a headless host runs at least one engine core")
+        if not 0 < self.rpc_port < 65536:
+            raise ValueError("data_parallel_rpc_port: must be a TCP port")
+        if self.curve_keys_dir is None and not self.insecure_tcp:
+            raise ValueError("curve_keys_dir: engine cores join the head over TCP: give CURVE keys, or insecure_tcp")
+        if self.curve_keys_dir is not None:
+            load_keys(self.curve_keys_dir)  # its permissions and contents, before anything starts
+
+    @property
+    def handshake_address(self) -> str:
+        return f"tcp://{self.address}:{self.rpc_port}"
+
+    @property
+    def ranks(self) -> range:
+        return range(self.start_rank, self.start_rank + self.num_engines)
+
+
+async def run_headless(
+    config: HeadlessConfig, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED
+) -> None:
+    """Run the engine cores of ``config.ranks`` until cancelled (then each is
+    stopped with its workers, and reaped), or, without ``reconnect``, until
+    one ends (``EngineDeadError``)."""
+    async with trio.open_nursery() as nursery:
+        for rank in config.ranks:
+            nursery.start_soon(keep_engine, config, rank)
+        task_status.started()
+
+
+async def keep_engine(config: HeadlessConfig, rank: int) -> None:
+    """Engine core ``rank``, started again each time it ends (see the module docstring)."""
+    env = {
+        **os.environ,
+        HANDSHAKE_ADDRESS_ENV: config.handshake_address,
+        ENGINE_INDEX_ENV: str(rank),
+        HANDSHAKE_TIMEOUT_ENV: str(config.handshake_timeout_s),
+    }
+    if config.curve_keys_dir is not None:
+        env[CURVE_KEYS_ENV] = config.curve_keys_dir
+    elif config.insecure_tcp:
+        env[INSECURE_TCP_ENV] = "1"
+    argv = [sys.executable, "-m", "trioserve.nurseries.entry", "engine-core"]
+    while True:
+        try:
+            await supervise_process(
+                argv, name=f"engine-core-{rank}", env=env, grace_s=config.shutdown_grace_s, new_process_group=True
+            )
+        except ProcessExited as exc:
+            if not config.reconnect:
+                raise EngineDeadError(f"{exc}; not reconnecting (--no-headless-reconnect)") from None
+            log.warning("%s: joining %s again in %.1fs", exc, config.handshake_address, config.backoff_s)
+        await trio.sleep(config.backoff_s)

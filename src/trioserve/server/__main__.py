@@ -1,0 +1,16 @@
+"""Entry point of an API-server process: ``python -m trioserve.server``
+(started by ``serve --api-server-count M``; see ``api_servers.py``)."""
+
+from __future__ import annotations
+
+import logging
+import os
+
+from trioserve.nurseries.process import run_child_main
+from trioserve.server.api_servers import api_server_main
+
+logging.basicConfig(
+    level=os.environ.get("TRIOSERVE_LOG_LEVEL", "WARNING"),
+    format="%(levelname)s api-server[%(process)d] %(name)s: %(message)s",
+)
+run_child_main(api_server_main, name="trioserve-api-server")

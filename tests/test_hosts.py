@@ -1,0 +1,312 @@
+"""Engines on several hosts (docs/deployment.md): CURVE keys, a head and a
+headless process tree joining it over TCP, on 127.0.0.1. Real processes,
+the fake runner."""
+
+from __future__ import annotations
+
+import functools
+import os
+import signal
+import socket
+import stat
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import msgspec
+import pytest
+import trio
+import zmq
+from helpers.fakes import fake_tokens, wait_no_children
+from helpers.serving import REPO, running, tree_of
+
+import trioserve
+from trioserve import SamplingParams
+from trioserve.cli import EXIT_ENGINE_DEAD, EXIT_USAGE, main
+from trioserve.errors import EngineDeadError
+from trioserve.frontend.client import EngineCoreClient
+from trioserve.messages import AddRequest, EngineOutputs, Hello, TokenOutput
+from trioserve.transport.curve import load_keys, write_keys
+from trioserve.transport.zmq_trio import TrioZmqSocket
+
+HEARTBEAT_TIMEOUT_S = 1.5
+_encode = msgspec.msgpack.Encoder().encode
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+        return port
+
+
+@pytest.fixture
+def keys_dir(tmp_path: Path) -> str:
+    directory = tmp_path / "keys"
+    write_keys(directory)
+    return str(directory)
+
+
+@pytest.fixture
+def head_config(fake_config, keys_dir):
+    """A head of two engines, one of them here: engine 1 joins over TCP."""
+    return functools.partial(
+        fake_config,
+        data_parallel_size=2,
+        data_parallel_size_local=1,
+        data_parallel_rpc_port=free_port(),
+        curve_keys_dir=keys_dir,
+        heartbeat_interval_s=0.25,
+        heartbeat_timeout_s=HEARTBEAT_TIMEOUT_S,
+        restart_backoff_s=0.05,
+        restart_wait_s=10.0,
+        num_kv_blocks=256,
+    )
+
+
+def headless_argv(port: int, keys_dir: str | None, *options: str) -> list[str]:
+    keys = ["--curve-keys", keys_dir] if keys_dir is not None else ["--insecure-tcp"]
+    return [
+        sys.executable, "-m", "trioserve.cli", "serve", "--headless",
+        "--data-parallel-size", "2", "--data-parallel-size-local", "1", "--data-parallel-start-rank", "1",
+        "--data-parallel-address", "127.0.0.1", "--data-parallel-rpc-port", str(port), *keys, *options,
+    ]  # fmt: skip
+
+
+@contextmanager
+def headless(argv: list[str]) -> Iterator[subprocess.Popen[str]]:
+    """A headless process tree; on the way out, whatever of it is left is killed."""
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO)
+    try:
+        yield proc
+    finally:
+        kill_tree(proc.pid)
+        proc.communicate(timeout=10)
+
+
+def kill_tree(pid: int) -> list[int]:
+    """``kill -9`` of ``pid`` and every descendant, at once; their pids."""
+    pids = [pid, *tree_of(pid)]
+    for p in pids:
+        try:
+            os.kill(p, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    return pids
+
+
+async def wait_joined(engine: trioserve.Engine, index: int = 1, timeout: float = 30) -> int:
+    """Wait until remote engine ``index`` has joined; its engine core's pid."""
+    supervisor = engine._group.supervisors[index]
+    with trio.fail_after(timeout):
+        while supervisor.live_client() is None:
+            await supervisor.wait_changed()
+    client = supervisor.live_client()
+    assert client is not None and client.info is not None
+    return client.info.engine_pid
+
+
+PARAMS = SamplingParams(max_tokens=6, ignore_eos=True)
+
+
+async def check_served_by(engine: trioserve.Engine, index: int, prompt: list[int]) -> None:
+    out = await engine.generate(prompt, PARAMS, engine_index=index)
+    assert out.token_ids == fake_tokens(prompt, 6)
+
+
+# --- keys --------------------------------------------------------------------
+
+
+def test_keys_are_written_private_and_looser_permissions_are_refused(tmp_path, capsys):
+    directory = tmp_path / "keys"
+    assert main(["keys", str(directory)]) == 0
+    assert stat.S_IMODE(directory.stat().st_mode) == 0o700
+    for file in directory.iterdir():
+        assert stat.S_IMODE(file.stat().st_mode) == 0o600
+    keys = load_keys(directory)
+    assert keys.public.decode() in capsys.readouterr().out and keys.secret.decode() not in repr(keys)
+    assert main(["keys", str(directory)]) == EXIT_USAGE  # never overwrites a pair
+    os.chmod(directory, 0o755)
+    with pytest.raises(ValueError, match="mode 0755"):
+        load_keys(directory)
+    os.chmod(directory, 0o700)
+    os.chmod(directory / "trioserve.key_secret", 0o640)
+    with pytest.raises(ValueError, match=r"secret key file .* mode 0640"):
+        load_keys(directory)
+
+
+def test_tcp_without_keys_is_refused_unless_insecure_tcp_says_so(fake_config, tiny_model_dir, capsys):
+    with pytest.raises(ValueError, match="curve_keys_dir"):
+        fake_config(data_parallel_size=2, data_parallel_size_local=1, data_parallel_rpc_port=free_port())
+    fake_config(data_parallel_size=2, data_parallel_size_local=1, data_parallel_rpc_port=1234, insecure_tcp=True)
+    model = str(tiny_model_dir("llama"))
+    head = ["serve", "--model", model, "--runner", "fake", "--data-parallel-size", "2"]
+    assert main([*head, "--data-parallel-size-local", "1"]) == EXIT_USAGE
+    assert "curve_keys_dir" in capsys.readouterr().err
+    assert main(headless_argv(1234, None)[3:-1]) == EXIT_USAGE  # --headless, no --curve-keys nor --insecure-tcp
+    assert "curve_keys_dir" in capsys.readouterr().err
+
+
+# --- who gets in -------------------------------------------------------------
+
+
+async def test_a_peer_without_the_key_or_with_another_key_never_reaches_an_engine(head_config, tmp_path, keys_dir):
+    other = write_keys(tmp_path / "other")
+    ours = load_keys(keys_dir)
+    config = head_config()
+    intruders = {
+        "no key": {},
+        "another key": {
+            "curve_serverkey": ours.public,
+            "curve_publickey": other.public,
+            "curve_secretkey": other.secret,
+        },
+    }
+    hello = _encode(Hello(engine_index=1, pid=1))
+    add = _encode(AddRequest(request_id="evil", prompt_token_ids=[5, 6, 7], params=PARAMS))
+    with trio.fail_after(60):
+        async with trioserve.open_engine(config=config) as engine:
+            hub = engine._group.remote
+            assert hub is not None and hub.authenticator is not None
+            # At the handshake port: posing as engine 1, and sending a request.
+            sockets = [TrioZmqSocket.connect(zmq.DEALER, hub.address, **opts) for opts in intruders.values()]
+            for sock in sockets:
+                with trio.move_on_after(0.5):
+                    await sock.send(hello)
+                    await sock.send(add)
+            with headless(headless_argv(config.data_parallel_rpc_port, keys_dir)):
+                await wait_joined(engine)
+                client = engine._group.supervisors[1].live_client()
+                assert client is not None
+                # At the joined engine's own sockets: stealing its requests, faking its outputs.
+                input_address, output_address = _addresses(client)
+                thieves = [TrioZmqSocket.connect(zmq.PULL, input_address, **opts) for opts in intruders.values()]
+                fakers = [TrioZmqSocket.connect(zmq.PUSH, output_address, **opts) for opts in intruders.values()]
+                fake = _encode(EngineOutputs(outputs=[TokenOutput("x", [1], finish_reason="stop")]))
+                for sock in fakers:
+                    with trio.move_on_after(0.5):
+                        await sock.send(add)
+                        await sock.send(fake)
+                for i in range(4):
+                    await check_served_by(engine, 1, [9 + i, 8])
+                for thief in thieves:
+                    with trio.move_on_after(0.3):
+                        raise AssertionError(f"a thief got {await thief.recv()!r}")
+                stats = await engine.stats()
+                assert [e.num_requests for e in stats.engines] == [0, 4]  # the intruders' never got in
+                assert hub.num_hellos == 1  # the real engine core's only
+                assert hub.authenticator.num_refused >= 2 and hub.authenticator.num_allowed == 3
+                for sock in sockets + thieves + fakers:
+                    sock.close()
+    assert await wait_no_children() == []
+
+
+def _addresses(client: EngineCoreClient) -> tuple[str, str]:
+    """The TCP endpoints a remote engine's client bound, as its ``HandshakeInit`` gave them."""
+    assert client.handshake_init is not None
+    return client.handshake_init.input_address, client.handshake_init.output_address
+
+
+# --- a head and a headless tree ---------------------------------------------
+
+
+async def test_head_and_headless_serve_on_both_engines_and_a_killed_headless_tree_fails_fast_and_rejoins(
+    head_config, keys_dir
+):
+    config = head_config(step_delay_s=0.02)
+    argv = headless_argv(config.data_parallel_rpc_port, keys_dir)
+    long = SamplingParams(max_tokens=100_000, ignore_eos=True)
+    with trio.fail_after(90):
+        async with trioserve.open_engine(config=config) as engine:
+            assert engine.health == "ready"  # the head's own engine: it serves before any remote one joins
+            await check_served_by(engine, 0, [5, 6])
+            with headless(argv) as proc:
+                await wait_joined(engine)
+                await check_served_by(engine, 0, [7, 8])
+                await check_served_by(engine, 1, [7, 8])
+                # A stream on each engine; then kill -9 of the whole headless tree.
+                async with (
+                    engine.stream([3, 4], long, engine_index=0) as local,
+                    engine.stream([3, 4], long, engine_index=1) as remote,
+                ):
+                    await local.__anext__()
+                    await remote.__anext__()
+                    pids = kill_tree(proc.pid)
+                    killed_at = trio.current_time()
+                    with pytest.raises(EngineDeadError, match="sent nothing"):
+                        async for _ in remote:
+                            pass
+                    assert trio.current_time() - killed_at < HEARTBEAT_TIMEOUT_S + 1.5
+                    assert (await local.__anext__()).token_ids  # the head's engine goes on
+                    # New requests go to the head's engine, at once.
+                    with trio.fail_after(5):
+                        for i in range(3):
+                            out = await engine.generate([20 + i], PARAMS)
+                            assert out.token_ids == fake_tokens([20 + i], 6)
+                assert not any(running(pid) for pid in pids)
+            # A new headless tree: it rejoins and serves.
+            with headless(argv) as proc:
+                await wait_joined(engine)
+                await check_served_by(engine, 1, [11, 12])
+                assert engine._group.supervisors[1].num_restarts == 1
+                proc.send_signal(signal.SIGTERM)
+                assert await trio.to_thread.run_sync(proc.wait) == 0
+    assert await wait_no_children() == []
+
+
+async def test_a_headless_engine_whose_head_is_gone_stops_its_workers_and_joins_the_next_head(head_config, keys_dir):
+    config = head_config()
+    with headless(headless_argv(config.data_parallel_rpc_port, keys_dir)) as proc:
+        with trio.fail_after(90):
+            async with trioserve.open_engine(config=config) as engine:
+                first = await wait_joined(engine)
+                workers = tree_of(first)
+                assert workers
+                await check_served_by(engine, 1, [5])
+            gone_at = time.monotonic()
+            # The head is gone: the engine core notices within its deadline and goes, workers first.
+            while any(running(p) for p in (first, *workers)):
+                assert time.monotonic() - gone_at < HEARTBEAT_TIMEOUT_S + 3
+                await trio.sleep(0.05)
+            assert proc.poll() is None  # the headless process stays, to join again
+            async with trioserve.open_engine(config=config) as engine:
+                second = await wait_joined(engine)
+                assert second != first
+                await check_served_by(engine, 1, [6])
+
+
+async def test_without_reconnect_a_headless_process_exits_when_its_head_is_gone(head_config, keys_dir):
+    config = head_config()
+    argv = headless_argv(config.data_parallel_rpc_port, keys_dir, "--no-headless-reconnect")
+    with headless(argv) as proc, trio.fail_after(60):
+        async with trioserve.open_engine(config=config) as engine:
+            pid = await wait_joined(engine)
+            tree = [proc.pid, *tree_of(proc.pid)]
+            assert pid in tree
+        code = await trio.to_thread.run_sync(functools.partial(proc.wait, timeout=HEARTBEAT_TIMEOUT_S + 10))
+        assert code == EXIT_ENGINE_DEAD
+        assert not any(running(p) for p in tree)
+
+
+async def test_a_head_with_no_engine_of_its_own_serves_once_a_headless_one_joins(fake_config, keys_dir):
+    port = free_port()
+    config = fake_config(
+        data_parallel_size=1,
+        data_parallel_size_local=0,
+        data_parallel_rpc_port=port,
+        curve_keys_dir=keys_dir,
+        heartbeat_interval_s=0.25,
+        heartbeat_timeout_s=HEARTBEAT_TIMEOUT_S,
+    )
+    argv = headless_argv(port, keys_dir)
+    argv[argv.index("--data-parallel-size") + 1] = "1"
+    argv[argv.index("--data-parallel-start-rank") + 1] = "0"
+    with headless(argv), trio.fail_after(60):
+        async with trioserve.open_engine(config=config) as engine:  # ready once engine 0 joined
+            assert engine.health == "ready"
+            await check_served_by(engine, 0, [4, 5, 6])
+            assert engine._group.supervisors[0].remote
+    assert await wait_no_children() == []
