@@ -10,6 +10,12 @@ Channels:
   ``StartupFailed``.
 - front-end -> engine core (ZMQ PUSH -> PULL): ``EngineRequest``.
 - engine core -> front-end (ZMQ PUSH -> PULL): ``EngineResponse``.
+- API server -> engine core, with several API-server processes: the
+  same ``EngineRequest``s (PUSH -> the engine core's second PULL), and
+  ``Attach`` on a ROUTER, answered ``Attached``, then that API server's share
+  of the ``EngineResponse``s (``nurseries/api_servers.py``).
+- On TCP (an engine core on another host), the same channels, CURVE-secured,
+  and ``Ping`` (front-end -> engine core) as the front-end's heartbeat.
 - engine core <-> worker (length-prefixed frames on a socketpair):
   ``ToWorker`` and ``FromWorker``.
 """

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+from collections.abc import Callable
 
 import msgspec
 import trio
@@ -42,9 +43,15 @@ class AttachedEngineCoreClient(EngineCoreClient):
     """See the module docstring."""
 
     def __init__(
-        self, config: EngineConfig, engine_index: int, frontend: int, directory: str, **kwargs: object
+        self,
+        config: EngineConfig,
+        engine_index: int,
+        frontend: int,
+        directory: str,
+        *,
+        on_dead: Callable[[EngineCoreClient], None] | None = None,
     ) -> None:
-        super().__init__(config, engine_index, **kwargs)  # type: ignore[arg-type]
+        super().__init__(config, engine_index, on_dead=on_dead)
         self.frontend_index = frontend
         self._addresses = api_server_addresses(directory, engine_index)
         self._call_ids = itertools.count(frontend << 32)

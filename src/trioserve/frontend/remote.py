@@ -28,7 +28,7 @@ handshake messages.
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from types import TracebackType
 
 import msgspec
@@ -173,8 +173,15 @@ class HandshakeLink:
 class RemoteEngineCoreClient(EngineCoreClient):
     """The client of an engine core on another host (see the module docstring)."""
 
-    def __init__(self, config: EngineConfig, engine_index: int, hub: RemoteEngines, **kwargs: object) -> None:
-        super().__init__(config, engine_index, **kwargs)  # type: ignore[arg-type]
+    def __init__(
+        self,
+        config: EngineConfig,
+        engine_index: int,
+        hub: RemoteEngines,
+        *,
+        on_dead: Callable[[EngineCoreClient], None] | None = None,
+    ) -> None:
+        super().__init__(config, engine_index, on_dead=on_dead)
         self.hub = hub
         self._life: trio.CancelScope | None = None
 
