@@ -13,7 +13,9 @@ import math
 from pathlib import Path
 from typing import Any
 
+from trioserve.bench.flops import ModelShape, utilisation, workload_flops
 from trioserve.bench.stats import RequestRecord
+from trioserve.bench.workload import WorkloadSpec, build_requests
 from trioserve.messages import EngineStats
 
 MIB = 1024 * 1024
@@ -75,6 +77,23 @@ def build_result(
         "ttft_p50_ratio": ttft_ratios,
         "targets": check_targets(run, baselines, ratios, in_run) | prefix_targets(run, ratios, ttft_ratios),
     }
+
+
+def flops_figures(
+    model_dir: Path, spec: WorkloadSpec, peak: dict[str, Any], run: dict[str, Any], baselines: dict[str, Any]
+) -> dict[str, Any]:
+    """The workload's model FLOPs (``bench.flops``) and each system's model FLOP
+    utilisation: those FLOPs over its run time, as a fraction of ``peak``
+    (the ``peak-gemm`` kind: this machine's best GEMM rate, same dtype and threads)."""
+    shape = ModelShape.from_config(json.loads((Path(model_dir) / "config.json").read_text()))
+    flops = workload_flops(shape, [(len(r.prompt_token_ids), r.max_tokens) for r in build_requests(spec)])
+    figures: dict[str, Any] = {"workload_flops": flops, "peak_gemm": peak, "utilisation": {}}
+    rate = peak.get("flops_per_s")
+    if not rate:
+        return figures
+    systems = {"ours": run.get("duration_s")} | {k: b.get("seconds") for k, b in baselines.items()}
+    figures["utilisation"] = {k: utilisation(flops, s, rate) for k, s in systems.items() if s}
+    return figures
 
 
 def prefix_targets(run: dict[str, Any], ratios: dict[str, float], ttft_ratios: dict[str, float]) -> dict[str, Any]:
@@ -157,6 +176,7 @@ def format_table(result: dict[str, Any]) -> str:
     for name, size in result["peak_rss_bytes"].items():
         lines.append(f"  {'peak RSS ' + name:<32}{size / MIB:.0f} MiB")
     lines += _in_run_lines(result.get("model_steps_in_run"))
+    lines += _flops_lines(result.get("model_flops"))
     lines += _baseline_lines(result)
     if result["targets"]:
         lines += ["", "  targets (issues 5 and 15):"]
@@ -177,6 +197,24 @@ def _in_run_lines(in_run: dict[str, Any] | None) -> list[str]:
         f"  {'  worker idle between steps, p50 / mean':<46}"
         f"{_ms(in_run['idle_between_steps_p50_s'])} / {_ms(in_run['idle_between_steps_mean_s'])}",
     ]
+
+
+def _flops_lines(figures: dict[str, Any] | None) -> list[str]:
+    if not figures:
+        return []
+    peak = figures["peak_gemm"]
+    if "error" in peak:
+        return ["", f"  {'peak GEMM rate':<46}failed: {peak['error']}"]
+    lines = [
+        "",
+        f"  {'workload model FLOPs':<46}{figures['workload_flops'] / 1e12:>8.2f} TFLOP",
+        f"  {'peak GEMM rate (' + peak['dtype'] + ', ' + str(peak['torch_threads']) + ' threads)':<46}"
+        f"{peak['flops_per_s'] / 1e9:>8.1f} GFLOP/s ({peak['path']})",
+    ]
+    for system, value in figures["utilisation"].items():
+        name = "ours" if system == "ours" else BASELINE_NAMES.get(system, system)
+        lines.append(f"  {'  model FLOP utilisation, ' + name:<46}{value * 100:>8.1f}%")
+    return lines
 
 
 def _baseline_lines(result: dict[str, Any]) -> list[str]:
