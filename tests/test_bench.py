@@ -157,6 +157,7 @@ def test_bench_command_with_a_real_model_and_every_baseline(tiny_model_dir, tmp_
     assert set(flops["utilisation"]) == {"ours", "model-only", "generate-batch", "generate"}
     assert all(0 < u < 1 for u in flops["utilisation"].values())
     assert "model FLOP utilisation, ours" in done.stdout
+    assert "model FLOP utilisation >= 0.7 (issue 13)" in result["targets"]
 
 
 def test_workload_flops_count_dense_attention_and_sampled_lm_head():

@@ -17,6 +17,7 @@ from trioserve.bench.report import (
     engine_baseline,
     engine_figures,
     flops_figures,
+    flops_targets,
     format_table,
     plot_latencies,
     write_json,
@@ -296,6 +297,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     result = build_result(run, outcome.peak_rss_bytes, baselines, meta, in_run)
     if peak is not None:
         result["model_flops"] = flops_figures(model_dir, spec, peak, run, baselines)
+        result["targets"] |= flops_targets(result["model_flops"])
     print(format_table(result))
     if args.json:
         write_json(result, args.json)

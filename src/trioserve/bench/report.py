@@ -104,7 +104,14 @@ def prefix_targets(run: dict[str, Any], ratios: dict[str, float], ttft_ratios: d
         targets["TTFT p50 >= 3x lower than without caching"] = _target(1 / ttft_ratios["no-prefix-caching"], ">=", 3.0)
     if "vllm" in ratios:
         targets["tokens/s >= 1.0x vLLM"] = _target(ratios["vllm"], ">=", 1.0)
+        targets["tokens/s >= 1.2x vLLM (issue 13)"] = _target(ratios["vllm"], ">=", 1.2)
     return targets
+
+
+def flops_targets(figures: dict[str, Any]) -> dict[str, Any]:
+    """Issue 13's: model FLOP utilisation at least 70% of the measured peak GEMM rate."""
+    ours = figures.get("utilisation", {}).get("ours")
+    return {} if ours is None else {"model FLOP utilisation >= 0.7 (issue 13)": _target(ours, ">=", 0.7)}
 
 
 def check_targets(
@@ -179,7 +186,7 @@ def format_table(result: dict[str, Any]) -> str:
     lines += _flops_lines(result.get("model_flops"))
     lines += _baseline_lines(result)
     if result["targets"]:
-        lines += ["", "  targets (issues 5 and 15):"]
+        lines += ["", "  targets (issues 5, 13 and 15):"]
         for name, t in result["targets"].items():
             verdict = "met" if t["met"] else "MISSED"
             lines.append(f"    {name:<46}{t['value']:.2f} {t['unit']} ({t['op']} {t['bar']:g}): {verdict}")
