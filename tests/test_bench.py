@@ -19,6 +19,7 @@ import trio
 from helpers.fakes import VOCAB
 
 from trioserve.bench.drivers import Progress
+from trioserve.bench.flops import ModelShape, utilisation, workload_flops
 from trioserve.bench.report import build_result, format_table, write_json
 from trioserve.bench.run import run_against_server, run_in_process
 from trioserve.bench.stats import RequestRecord, percentile, summarize
@@ -150,6 +151,28 @@ def test_bench_command_with_a_real_model_and_every_baseline(tiny_model_dir, tmp_
         "ITL p50 <= model-only ITL p50 + 1 ms",
     } <= set(result["targets"])
     assert "model-only bound" in done.stdout and "model busy" in done.stdout
+    flops = result["model_flops"]  # measured on this machine before the run
+    assert flops["peak_gemm"]["flops_per_s"] > 0 and flops["peak_gemm"]["dtype"] == "float32"
+    assert flops["workload_flops"] > 0
+    assert set(flops["utilisation"]) == {"ours", "model-only", "generate-batch", "generate"}
+    assert all(0 < u < 1 for u in flops["utilisation"].values())
+    assert "model FLOP utilisation, ours" in done.stdout
+    assert "model FLOP utilisation >= 0.7 (issue 13)" in result["targets"]
+
+
+def test_workload_flops_count_dense_attention_and_sampled_lm_head():
+    shape = ModelShape(hidden=4, layers=2, heads=2, kv_heads=1, head_dim=2, mlp=8, vocab=10)
+    # Per layer: 2 x 4 x (2*2*2 + 2*1*2) for q, k, v, o and 2 x 3 x 4 x 8 for the MLP.
+    assert shape.dense_flops_per_token == 2 * (2 * 4 * 12 + 2 * 3 * 4 * 8)
+    # A prompt of 3 and 2 outputs: 4 tokens computed (the last output is never fed back),
+    # attending over 1, 2, 3, 4 positions; the LM head runs for the 2 sampled tokens.
+    expected = 4 * shape.dense_flops_per_token + 2 * 4 * 2 * 2 * (1 + 2 + 3 + 4) + 2 * 2 * 4 * 10
+    assert workload_flops(shape, [(3, 2)]) == expected
+    assert utilisation(expected, 2.0, expected) == 0.5
+    smollm2 = {"hidden_size": 576, "num_hidden_layers": 30, "num_attention_heads": 9, "num_key_value_heads": 3,
+               "head_dim": 64, "intermediate_size": 1536, "vocab_size": 49152}  # fmt: skip
+    # 134.5M parameters, of which 28.3M are the tied embedding: 2 x 106.2M per token.
+    assert ModelShape.from_config(smollm2).dense_flops_per_token == 2 * 106_168_320
 
 
 def test_step_log_round_trips_and_skips_a_cut_line(tmp_path):

@@ -145,6 +145,7 @@ def test_vllm_result_ratios_and_target():
     result = build_result(run, {}, {"vllm": vllm}, {"driver": "x", "workload_text": "y", "model": "z"})
     assert result["throughput_ratio"]["vllm"] == 1.5 and result["ttft_p50_ratio"]["vllm"] == 0.5
     assert result["targets"]["tokens/s >= 1.0x vLLM"]["met"]
+    assert result["targets"]["tokens/s >= 1.2x vLLM (issue 13)"]["met"]  # 1.5x
     assert "vLLM offline engine" in format_table(result)
 
 

@@ -132,11 +132,12 @@ def make_prompts(lengths: list[int], seed: int = 1234) -> list[list[int]]:
     return [[1] + [rng.randrange(3, 259) for _ in range(n - 1)] for n in lengths]
 
 
-def reference_greedy(model_dir, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
+def reference_greedy(model_dir, prompts: list[list[int]], max_tokens: int, dtype=None) -> list[list[int]]:
     """transformers' greedy generate() with eager attention, one prompt at a time, no early stop."""
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(model_dir, attn_implementation="eager", dtype=torch.float32).eval()
+    dtype = dtype or torch.float32
+    model = AutoModelForCausalLM.from_pretrained(model_dir, attn_implementation="eager", dtype=dtype).eval()
     results = []
     for prompt in prompts:
         ids = torch.tensor([prompt])
@@ -300,6 +301,19 @@ def test_logprobs_and_bfloat16_run_end_to_end(tiny_model_dir):
     out = sched.step()
     assert out.req_ids == ["a"] and len(out.logprobs) == 1
     assert len(out.logprobs[0].top_token_ids) == 2 and out.logprobs[0].top_token_ids[0] == out.sampled_token_ids[0]
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_bfloat16_greedy_matches_generate_at_bfloat16(tiny_model_dir, arch):
+    model_dir = tiny_model_dir(arch)
+    prompts = make_prompts([5, 23, 41, 2], seed=7)
+    expected = reference_greedy(model_dir, prompts, GREEDY.max_tokens, dtype=torch.bfloat16)
+    runner, _ = make_runner(model_dir, dtype="bfloat16")
+    sched = MiniScheduler(runner, num_blocks=128, block_size=4, token_budget=24)
+    for i, prompt in enumerate(prompts):
+        sched.add(f"r{i}", prompt)
+    outputs = sched.run()
+    assert [outputs[f"r{i}"] for i in range(len(prompts))] == expected
 
 
 def test_bad_scheduler_output_raises_value_error(tiny_model_dir):

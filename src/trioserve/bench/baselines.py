@@ -16,6 +16,11 @@ prints one JSON object on stdout. ``KIND``:
 - ``generate``: ``transformers`` ``model.generate()`` in static batches of
   ``concurrency`` requests, left-padded, each batch generating its longest
   asked output.
+- ``peak-gemm``: not a baseline but the yardstick of model FLOP utilisation:
+  the best rate of one matrix multiply of the model's MLP shapes (a full
+  step's token budget of rows), on the engine's device, dtype and threads,
+  through ``F.linear`` and, where the runner uses them, oneDNN's pre-packed
+  weights (``gpu/cpu_linear.py``); the faster of the two.
 
 Every kind decodes greedily and ignores EOS, and warms up on two short
 requests first. Output tokens counted are the ones the workload asked for.
@@ -31,6 +36,7 @@ import resource
 import sys
 import time
 from collections import deque
+from pathlib import Path
 from typing import Any
 
 import msgspec
@@ -234,7 +240,55 @@ def _throughput(kind: str, requests: list[BenchRequest], seconds: float, **extra
     }
 
 
-KINDS = {"model-only": run_model_only, "generate-batch": run_generate_batch, "generate": run_generate}
+def run_peak_gemm(config: EngineConfig, spec: WorkloadSpec) -> dict[str, Any]:
+    """The best FLOP/s of ``[rows, hidden] x [hidden, mlp]`` and its transpose
+    (``rows``: the step's token budget), over half a second per path and shape."""
+    import torch.nn.functional as F
+
+    from trioserve.bench.flops import ModelShape
+    from trioserve.gpu.cpu_linear import PackedLinear, packing_supported
+    from trioserve.gpu.model_runner import resolve_device, resolve_dtype
+
+    shape = ModelShape.from_config(json.loads((Path(config.model) / "config.json").read_text()))
+    device = resolve_device(config.device)
+    dtype = resolve_dtype(config.dtype, device)
+    rows = config.max_num_batched_tokens
+    best: dict[str, float] = {}
+    for n_in, n_out in ((shape.hidden, shape.mlp), (shape.mlp, shape.hidden)):
+        x = torch.randn(rows, n_in, device=device).to(dtype)
+        linear = torch.nn.Linear(n_in, n_out, bias=False, device=device, dtype=dtype).requires_grad_(False)
+        paths = {"F.linear": lambda x=x, w=linear.weight: F.linear(x, w)}
+        if packing_supported(device, dtype):
+            paths["oneDNN packed"] = PackedLinear(linear)
+        for name, fn in paths.items():
+            rate = _best_rate(fn, x, 2 * rows * n_in * n_out, device)
+            best[name] = max(best.get(name, 0.0), rate)
+    path = max(best, key=best.__getitem__)
+    return {"kind": "peak-gemm", "flops_per_s": best[path], "path": path, "rates": best,
+            "dtype": str(dtype).removeprefix("torch."), "torch_threads": torch.get_num_threads()}  # fmt: skip
+
+
+def _best_rate(fn: Any, x: torch.Tensor, flops: int, device: torch.device, budget_s: float = 0.5) -> float:
+    """The best of repeated timed calls (the least disturbed by other tenants)."""
+    best = float("inf")
+    with torch.inference_mode():
+        fn(x)
+        deadline = time.perf_counter() + budget_s
+        while time.perf_counter() < deadline:
+            started = time.perf_counter()
+            fn(x)
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            best = min(best, time.perf_counter() - started)
+    return flops / best
+
+
+KINDS = {
+    "model-only": run_model_only,
+    "generate-batch": run_generate_batch,
+    "generate": run_generate,
+    "peak-gemm": run_peak_gemm,
+}
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -11,11 +11,13 @@ from typing import Any
 import trio
 
 from trioserve.bench.drivers import Progress
-from trioserve.bench.models import BENCH_MODELS, resolve_model
+from trioserve.bench.models import BENCH_MODELS, REAL_MODELS, resolve_model
 from trioserve.bench.report import (
     build_result,
     engine_baseline,
     engine_figures,
+    flops_figures,
+    flops_targets,
     format_table,
     plot_latencies,
     write_json,
@@ -112,7 +114,8 @@ def _add_target_options(parser: argparse.ArgumentParser) -> None:
         "--model",
         default=DEFAULT_MODEL,
         metavar="NAME|DIR",
-        help=f"a model directory, or a named benchmark model built on first use: {', '.join(BENCH_MODELS)} "
+        help="a model directory, or a named benchmark model built on first use: "
+        f"{', '.join([*BENCH_MODELS, *REAL_MODELS])} "
         "(default: %(default)s). With --url, the model the server runs (for the prompts' vocabulary and the baselines)",
     )
     group.add_argument(
@@ -269,6 +272,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     spec = _workload(args, model_dir)
     progress = Progress(spec.num_requests, enabled=not args.no_progress)
     print(f"trioserve bench: {_describe(spec)}", file=sys.stderr)
+    peak = run_baseline("peak-gemm", config, spec, args.baseline_timeout) if config.runner == "hf" else None
     if args.url:
         outcome = trio.run(run_against_server, args.url, args.api_key, spec, progress)
     else:
@@ -291,6 +295,9 @@ def cmd_bench(args: argparse.Namespace) -> int:
     if outcome.engine_stats is not None:
         run["engine"] = engine_figures(outcome.engine_stats)
     result = build_result(run, outcome.peak_rss_bytes, baselines, meta, in_run)
+    if peak is not None:
+        result["model_flops"] = flops_figures(model_dir, spec, peak, run, baselines)
+        result["targets"] |= flops_targets(result["model_flops"])
     print(format_table(result))
     if args.json:
         write_json(result, args.json)

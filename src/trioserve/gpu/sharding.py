@@ -126,5 +126,11 @@ def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
 
 def local_parameters(model: torch.nn.Module) -> tuple[int, int]:
     """Elements and bytes of this rank's own weights."""
+    from trioserve.gpu.cpu_linear import packed_parameters
+
     tensors = [local_tensor(p) for p in model.parameters()]
-    return sum(t.numel() for t in tensors), sum(t.numel() * t.element_size() for t in tensors)
+    packed_numel, packed_bytes = packed_parameters(model)
+    return (
+        sum(t.numel() for t in tensors) + packed_numel,
+        sum(t.numel() * t.element_size() for t in tensors) + packed_bytes,
+    )
