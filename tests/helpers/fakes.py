@@ -40,8 +40,16 @@ def make_fake_config(model: str, **options: Any) -> EngineConfig:
 
 
 def children() -> list[psutil.Process]:
-    """This process's descendants that are still alive."""
-    return [p for p in psutil.Process().children(recursive=True) if p.status() != psutil.STATUS_ZOMBIE]
+    """This process's descendants that are still alive (one that exits
+    while they are listed is not one of them)."""
+    alive = []
+    for proc in psutil.Process().children(recursive=True):
+        try:
+            if proc.status() != psutil.STATUS_ZOMBIE:
+                alive.append(proc)
+        except psutil.NoSuchProcess:
+            pass
+    return alive
 
 
 async def wait_no_children(timeout: float = 2.0) -> list[psutil.Process]:
