@@ -14,6 +14,7 @@ import trio
 
 from trioserve.api import open_engine
 from trioserve.bench.cli import add_bench_parser
+from trioserve.cli_options import add_parallel_options
 from trioserve.config import EngineConfig, FakeRunnerConfig
 from trioserve.errors import EngineDeadError, EngineStartupError, TrioserveError, collapse
 from trioserve.messages import SamplingParams
@@ -67,28 +68,7 @@ def _add_engine_options(parser: argparse.ArgumentParser) -> None:
         help="reuse the KV cache of prompt prefixes seen before (one long system prompt, a resent conversation): "
         "a prompt computes only what follows its longest cached prefix (default: on; --no-prefix-caching: off)",
     )
-    group.add_argument(
-        "--data-parallel-size",
-        type=int,
-        default=1,
-        metavar="N",
-        help="engine cores side by side, each with its own workers; new requests go to the least loaded "
-        "(default: %(default)s)",
-    )
-    group.add_argument(
-        "--tensor-parallel-size",
-        type=int,
-        default=1,
-        metavar="N",
-        help="worker processes per engine core, each holding a shard of the model (Llama, Qwen2, Qwen3 and "
-        "other architectures with a tensor-parallel plan in transformers; default: %(default)s)",
-    )
-    group.add_argument(
-        "--data-parallel-lockstep",
-        action="store_true",
-        help="step every engine core while any has work (the idle ones with dummy steps), as models whose "
-        "data-parallel ranks share collectives need",
-    )
+    add_parallel_options(group)
     group.add_argument("--runner", choices=["hf", "fake"], default="hf", help=argparse.SUPPRESS)
     # FakeRunnerConfig fields as a JSON object (tests drive faults through real servers).
     group.add_argument("--fake-options", default="{}", help=argparse.SUPPRESS)

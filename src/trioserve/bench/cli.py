@@ -33,6 +33,7 @@ from trioserve.bench.stats import run_window, summarize
 from trioserve.bench.steps import in_run_figures
 from trioserve.bench.vllm_baseline import run_vllm
 from trioserve.bench.workload import WorkloadSpec, parse_range
+from trioserve.cli_options import add_parallel_options
 from trioserve.config import EngineConfig, FakeRunnerConfig
 
 DEFAULT_MODEL = "bench-llama-40m"
@@ -166,28 +167,7 @@ def _add_target_options(parser: argparse.ArgumentParser) -> None:
     )
     group.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto", help="default: %(default)s")
     group.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"], default="auto")
-    group.add_argument(
-        "--data-parallel-size",
-        type=int,
-        default=1,
-        metavar="N",
-        help="engine cores side by side, each with its own workers; new requests go to the least loaded "
-        "(default: %(default)s)",
-    )
-    group.add_argument(
-        "--tensor-parallel-size",
-        type=int,
-        default=1,
-        metavar="N",
-        help="worker processes per engine core, each holding a shard of the model (Llama, Qwen2, Qwen3 and "
-        "other architectures with a tensor-parallel plan in transformers; default: %(default)s)",
-    )
-    group.add_argument(
-        "--data-parallel-lockstep",
-        action="store_true",
-        help="step every engine core while any has work (the idle ones with dummy steps), as models whose "
-        "data-parallel ranks share collectives need",
-    )
+    add_parallel_options(group)
     group.add_argument("--runner", choices=["hf", "fake"], default="hf", help=argparse.SUPPRESS)
     # FakeRunnerConfig fields as a JSON object (a fixed step time: the engine's own overhead, or data parallelism).
     group.add_argument("--fake-options", default="{}", help=argparse.SUPPRESS)

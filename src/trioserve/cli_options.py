@@ -1,0 +1,32 @@
+"""Command-line options that every command running an engine shares
+(``trioserve serve``, ``generate``, ``chat`` and ``bench``), written once."""
+
+from __future__ import annotations
+
+import argparse
+
+
+def add_parallel_options(group: argparse._ArgumentGroup) -> None:
+    """``--data-parallel-size``, ``--tensor-parallel-size``, ``--data-parallel-lockstep``."""
+    group.add_argument(
+        "--data-parallel-size",
+        type=int,
+        default=1,
+        metavar="N",
+        help="engine cores side by side, each with its own workers; new requests go to the least loaded "
+        "(default: %(default)s)",
+    )
+    group.add_argument(
+        "--tensor-parallel-size",
+        type=int,
+        default=1,
+        metavar="N",
+        help="worker processes per engine core, each holding a shard of the model (Llama, Qwen2, Qwen3 and "
+        "other architectures with a tensor-parallel plan in transformers; default: %(default)s)",
+    )
+    group.add_argument(
+        "--data-parallel-lockstep",
+        action="store_true",
+        help="step every engine core while any has work (the idle ones with dummy steps), as models whose "
+        "data-parallel ranks share collectives need",
+    )
