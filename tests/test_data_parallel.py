@@ -15,7 +15,7 @@ import trio
 from helpers.fakes import children, fake_tokens, wait_no_children
 
 import trioserve
-from test_supervision import Outcome
+from test_supervision import Outcome, consume_stream
 from trioserve import SamplingParams
 from trioserve.errors import EngineDeadError
 
@@ -95,7 +95,7 @@ async def test_kill_9_of_one_engine_ends_only_its_requests_and_it_comes_back(dp_
                     stream = engine.stream([3 + i, 4, 5], SamplingParams(max_tokens=300, ignore_eos=True))
                     outcome = Outcome()
                     outcomes.append((outcome, stream))
-                    nursery.start_soon(_consume_stream, stream, outcome)
+                    nursery.start_soon(consume_stream, stream, outcome)
                 for outcome, _ in outcomes:
                     await outcome.started.wait()
                 info = engine._group.supervisors[1].info  # engine 1's processes
@@ -129,19 +129,6 @@ async def test_kill_9_of_one_engine_ends_only_its_requests_and_it_comes_back(dp_
             }
             assert {p.pid for p in children()} == expected and len(expected) == 4
         assert await wait_no_children() == []
-
-
-async def _consume_stream(stream: trioserve.RequestStream, outcome: Outcome) -> None:
-    try:
-        async with stream:
-            async for out in stream:
-                outcome.token_ids += out.token_ids
-                outcome.started.set()
-                outcome.finish_reason = out.finish_reason
-    except EngineDeadError as exc:
-        outcome.error = exc
-    outcome.ended_at = time.monotonic()
-    outcome.started.set()
 
 
 async def test_a_failed_start_of_one_engine_names_it_and_leaves_no_process(dp_config):
@@ -229,7 +216,7 @@ async def test_in_lockstep_one_engine_dying_restarts_them_all_and_they_serve_aga
                     stream = engine.stream([3 + i, 4], SamplingParams(max_tokens=10_000, ignore_eos=True))
                     outcome = Outcome()
                     outcomes.append((outcome, stream))
-                    nursery.start_soon(_consume_stream, stream, outcome)
+                    nursery.start_soon(consume_stream, stream, outcome)
                 for outcome, _ in outcomes:
                     await outcome.started.wait()
                 info = engine._group.supervisors[1].info

@@ -54,8 +54,13 @@ class Outcome:
 
 
 async def consume(engine: trioserve.Engine, prompt: list[int], params: SamplingParams, outcome: Outcome) -> None:
+    await consume_stream(engine.stream(prompt, params), outcome)
+
+
+async def consume_stream(stream: trioserve.RequestStream, outcome: Outcome) -> None:
+    """Enter ``stream`` and read it to its end, recording what came in ``outcome``."""
     try:
-        async with engine.stream(prompt, params) as stream:
+        async with stream:
             async for out in stream:
                 outcome.token_ids += out.token_ids
                 outcome.started.set()
