@@ -1,10 +1,15 @@
-"""Shared fixtures: tiny random-weight models, written once per test session."""
+"""Shared fixtures: tiny random-weight models, written once per test session;
+and the guard that no test leaves a private directory behind."""
 
 from __future__ import annotations
 
 import functools
+import os
 import pathlib
-from collections.abc import Callable
+import shutil
+import tempfile
+import time
+from collections.abc import Callable, Iterator
 
 import pytest
 from helpers.fakes import make_fake_config
@@ -36,3 +41,53 @@ def fake_config(tiny_model_dir: Callable[..., pathlib.Path]) -> Callable[..., En
     """``fake_config(**options) -> EngineConfig``: an engine on the fake
     runner over the tiny llama's tokenizer (``helpers.fakes.make_fake_config``)."""
     return functools.partial(make_fake_config, str(tiny_model_dir("llama")))
+
+
+# --- no private directory left behind ----------------------------------------
+#
+# Every engine, API server and lockstep group makes private directories
+# (``trioserve-*``) under the temporary directory, and must remove them however
+# it ends (kill -9 of a parent included: ``remove_if_parent_dies``). Each test
+# process (the one pytest process, or each xdist worker) gets a temporary
+# directory of its own, which its children inherit through ``TMPDIR``, so that
+# what is left there is this process's tests' doing and no other's.
+
+LEAK_WAIT_S = 5.0  # a process that is stopping may still be removing its directory
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    # pytest's own tmp_path stays where it was (short paths: ipc:// socket names are limited to ~107 bytes).
+    os.environ.setdefault("PYTEST_DEBUG_TEMPROOT", tempfile.gettempdir())
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "main")
+    own = tempfile.mkdtemp(prefix=f"ts{worker}-")
+    os.environ["TMPDIR"] = own
+    tempfile.tempdir = own
+
+
+def _private_dirs() -> set[str]:
+    return {entry.name for entry in os.scandir(tempfile.gettempdir()) if entry.name.startswith("trioserve-")}
+
+
+_made_by: dict[str, str] = {}  # a private directory still there after its test -> that test
+
+
+@pytest.fixture(autouse=True)
+def _note_private_directories(request: pytest.FixtureRequest) -> Iterator[None]:
+    before = _private_dirs()
+    yield
+    for name in _private_dirs() - before:  # a shared engine's may outlive the test: judged at the end
+        _made_by.setdefault(name, request.node.nodeid)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _no_private_directory_left() -> Iterator[None]:
+    """After the last test (and every shared engine) of this process: no
+    ``trioserve-*`` directory remains."""
+    yield
+    deadline = time.monotonic() + LEAK_WAIT_S
+    while (left := _private_dirs()) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not left, "private directories left behind: " + "; ".join(
+        f"{name} (after {_made_by.get(name, 'an unknown test')})" for name in sorted(left)
+    )
+    shutil.rmtree(tempfile.gettempdir(), ignore_errors=True)  # what else libraries put there (torch's caches)

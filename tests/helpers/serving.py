@@ -30,13 +30,17 @@ def spawned(argv: list[str], env: dict[str, str] | None = None) -> Iterator[subp
         yield proc
     finally:
         try:
-            leftovers = psutil.Process(proc.pid).children(recursive=True)
+            tree = psutil.Process(proc.pid).children(recursive=True)
         except psutil.NoSuchProcess:
-            leftovers = []
-        for p in leftovers:
-            p.kill()
+            tree = []
+        # kill -9 of the top alone, as an operator would: its children see it
+        # go and stop, removing the private directories they share. Killing
+        # every process at once would leave those directories behind.
         proc.kill()
         proc.communicate(timeout=10)
+        _, leftovers = psutil.wait_procs(tree, timeout=5)
+        for p in leftovers:
+            p.kill()
 
 
 def wait_for_url(proc: subprocess.Popen[str], timeout: float) -> str:

@@ -42,6 +42,8 @@ def api_server_addresses(directory: str, engine_index: int) -> tuple[str, str]:
 class AttachedEngineCoreClient(EngineCoreClient):
     """See the module docstring."""
 
+    USES_PRIVATE_DIR = False
+
     def __init__(
         self,
         config: EngineConfig,

@@ -15,11 +15,13 @@ or neither.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import logging
 import os
 import sys
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Protocol
 
 import msgspec
@@ -81,6 +83,11 @@ class HandshakeSocket(Protocol):
 
 
 class EngineCoreClient:
+    # Each life binds its sockets as ipc:// files in a private directory of its
+    # own. A client whose engine core is not its child (attached, remote) says
+    # False: a directory it never uses would be left behind by a kill -9.
+    USES_PRIVATE_DIR = True
+
     def __init__(
         self,
         config: EngineConfig,
@@ -133,7 +140,7 @@ class EngineCoreClient:
         the engine core is asked to stop, then terminated, and always reaped.
         """
         try:
-            with private_ipc_dir() as ipc_dir:
+            with private_ipc_dir() if self.USES_PRIVATE_DIR else contextlib.nullcontext(Path()) as ipc_dir:
                 async with trio.open_nursery() as nursery:
                     self.info = await self._start(nursery, str(ipc_dir))
                     task_status.started(self.info)

@@ -173,6 +173,8 @@ class HandshakeLink:
 class RemoteEngineCoreClient(EngineCoreClient):
     """The client of an engine core on another host (see the module docstring)."""
 
+    USES_PRIVATE_DIR = False
+
     def __init__(
         self,
         config: EngineConfig,
