@@ -195,15 +195,6 @@ def test_api_server_count_below_1_is_a_usage_error(count, tiny_model_dir):
     assert main(["serve", "--model", model, "--runner", "fake", "--api-server-count", count]) == EXIT_USAGE
 
 
-def test_several_api_servers_with_engines_on_other_hosts_are_refused_for_now(tiny_model_dir, capsys):
-    from trioserve.cli import EXIT_USAGE, main
-
-    head = ["serve", "--model", str(tiny_model_dir("llama")), "--runner", "fake", "--api-server-count", "2"]
-    remote = ["--data-parallel-size", "2", "--data-parallel-size-local", "1", "--insecure-tcp"]
-    assert main([*head, *remote]) == EXIT_USAGE
-    assert "engines on other hosts" in capsys.readouterr().err
-
-
 def engine_cores(pid: int) -> list[int]:
     """The engine-core processes under the supervising process ``pid``."""
     return [

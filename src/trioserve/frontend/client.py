@@ -110,6 +110,7 @@ class EngineCoreClient:
         self.data_parallel: DataParallelInit | None = None
         # Several API-server processes: where the engine core listens for them too.
         self.frontends: FrontEndsInit | None = None
+        self.frontends_bound: FrontEndsInit | None = None  # ... and where it did, as its Ready said
         self.frontend_index = -1  # this front-end's index among the API servers (-1: the engine core's own)
         self._calls: dict[int, tuple[trio.Event, list[StatsReply | PrefixCacheReset]]] = {}  # by call id
         self._control_calls: dict[int, tuple[trio.Event, list[ControlReply]]] = {}
@@ -251,6 +252,7 @@ class EngineCoreClient:
             raise self._startup_error(None)
         if not isinstance(reply, Ready):
             raise EngineStartupError(f"unexpected handshake message {reply!r}", stage="handshake", process=self.name)
+        self.frontends_bound = reply.frontends
         return reply.info
 
     async def _wait_ready(self, sock: HandshakeSocket) -> HandshakeMessage:
