@@ -20,6 +20,14 @@ Health: ``ready`` while at least one engine is ready; otherwise ``stalled``,
 ``restarting``, ``starting`` (the best any engine is), or ``failed`` once
 every engine has failed for good; ``stopped`` after shutdown.
 
+Several API-server processes (``serve --api-server-count M``): in the
+supervising process (``api_servers_dir``), each engine core also listens for
+them (a local one on ``ipc://`` there, a remote one on TCP on its host), and
+``engine-<i>.addr`` there says where while it is ready; in each API server
+(``attach``), the clients attach to engine cores that the supervising
+process runs or takes the joins of (``frontend/attached.py``), and no
+handshake socket is bound.
+
 Lockstep (``data_parallel_lockstep``): every step of every engine joins one
 collective across them (``core/waves.py``), so they run as one: the
 coordinator stamps requests with request waves and starts the paused

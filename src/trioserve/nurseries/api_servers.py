@@ -17,15 +17,16 @@ Where. On the head's host, ``ipc://`` addresses in the supervisor's private
 directory. On another host (``BIND_TCP``), TCP: on ``$TRIOSERVE_API_SERVERS_HOST``
 (``serve --headless --headless-address``), by default this host's address on
 the route to the head (the source address the kernel picks for it), and on
-``$TRIOSERVE_API_SERVERS_PORT`` and the port after it (``--headless-port``),
-by default ports the kernel picks. There both sockets are CURVE servers,
-and this process runs the ZAP handler (``transport/curve.py``): a peer
-without the deployment's key never reaches the step loop. The engine core
-binds rather than connecting to each API server because the API servers
-come and go (each restart would have to reach every engine core with its
-new addresses) while an engine core's addresses change only with its life,
-which its supervisor sees anyway; the cost is that the head must reach this
-host, on these ports.
+``$TRIOSERVE_API_SERVERS_PORT`` (the PULL) and the port after it (the
+ROUTER; ``--headless-port``), by default ports the kernel picks. There both
+sockets are CURVE servers (unless ``$TRIOSERVE_INSECURE_TCP``), and this
+process runs the ZAP handler (``transport/curve.py``): a peer without the
+deployment's key never reaches the step loop. The engine core binds, rather
+than connecting to each API server as vLLM's do, because our API servers
+are restarted one by one (each restart would have to reach every engine
+core with its new addresses), while an engine core's addresses change only
+with its life, which its supervisor sees anyway; the cost is that the head
+must reach this host, on these ports.
 
 Invariants: a request's outputs go to the API server that sent it, and only
 to it, until its last one (then it is forgotten; an abort forgets it too);

@@ -14,7 +14,9 @@ the executor, and the outbox. Start-up: connect to the front-end's handshake
 socket, send ``Hello``, receive ``HandshakeInit`` (within
 ``TRIOSERVE_HANDSHAKE_TIMEOUT_S``, which the front-end sets to its
 ``startup_timeout_s``), start the workers, reply ``Ready`` (or
-``StartupFailed`` naming the stage, the process and its exit code).
+``StartupFailed`` naming the stage, the process and its exit code). Given
+``HandshakeInit.frontends`` (several API-server processes), it binds their
+sockets first and says in ``Ready`` where (``nurseries/api_servers.py``).
 
 Any failure after that (a worker that exits, raises, or does not finish a
 step within ``step_timeout_s``) is reported to the front-end as
