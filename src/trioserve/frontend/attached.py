@@ -91,6 +91,8 @@ def read_engine_addresses(directory: str, engine_index: int) -> FrontEndsInit | 
 class AttachedEngineCoreClient(EngineCoreClient):
     """See the module docstring."""
 
+    uses_ipc_dir = False
+
     def __init__(
         self,
         config: EngineConfig,

@@ -15,11 +15,13 @@ or neither.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import logging
 import os
 import sys
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Protocol
 
 import msgspec
@@ -81,6 +83,11 @@ class HandshakeSocket(Protocol):
 
 
 class EngineCoreClient:
+    # Each life binds its sockets in a private directory of its own; a client
+    # that starts no engine core (remote, attached) sets this False and makes
+    # none (so that a kill -9 of its process cannot leave one behind).
+    uses_ipc_dir = True
+
     def __init__(
         self,
         config: EngineConfig,
@@ -133,10 +140,13 @@ class EngineCoreClient:
         later one) fails with ``EngineDeadError`` and this returns. If cancelled,
         the engine core is asked to stop, then terminated, and always reaped.
         """
+        directory: contextlib.AbstractContextManager[Path | None] = (
+            private_ipc_dir() if self.uses_ipc_dir else contextlib.nullcontext()
+        )
         try:
-            with private_ipc_dir() as ipc_dir:
+            with directory as ipc_dir:
                 async with trio.open_nursery() as nursery:
-                    self.info = await self._start(nursery, str(ipc_dir))
+                    self.info = await self._start(nursery, str(ipc_dir or ""))
                     task_status.started(self.info)
         except* ProcessExited as group:
             exited = group.exceptions[0]

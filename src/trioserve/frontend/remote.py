@@ -175,6 +175,8 @@ class HandshakeLink:
 class RemoteEngineCoreClient(EngineCoreClient):
     """The client of an engine core on another host (see the module docstring)."""
 
+    uses_ipc_dir = False
+
     def __init__(
         self,
         config: EngineConfig,
