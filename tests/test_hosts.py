@@ -5,6 +5,7 @@ the fake runner."""
 from __future__ import annotations
 
 import functools
+import logging
 import os
 import signal
 import socket
@@ -251,6 +252,30 @@ async def test_a_peer_without_the_key_never_reaches_a_headless_engine_through_it
                     assert [e.num_requests for e in stats.engines] == [0, 4]  # the intruders' never got in
                     for sock in pushers + dealers:
                         sock.close()
+            head.cancel_scope.cancel()
+    assert await wait_no_children() == []
+
+
+async def test_a_headless_engine_core_that_cannot_listen_for_the_api_servers_says_so_and_joins_once_it_can(
+    head_config, keys_dir, caplog
+):
+    caplog.set_level(logging.WARNING, logger="trioserve.supervisor")
+    config = head_config()
+    argv = headless_argv(config.data_parallel_rpc_port, keys_dir, "--headless-port", str(free_port()))
+    taken = socket.create_server(("127.0.0.1", int(argv[-1])))  # the engine core's first port
+    with taken, private_ipc_dir("trioserve-api-") as directory, trio.fail_after(60):
+        group = EngineGroup(config, api_servers_dir=str(directory))
+        async with trio.open_nursery() as head:
+            await head.start(group.run)
+            with headless(argv):
+                with trio.fail_after(20):
+                    while not any("cannot listen for the API servers" in r.getMessage() for r in caplog.records):
+                        await trio.sleep(0.05)
+                assert group.supervisors[1].live_client() is None
+                taken.close()
+                async with open_attached_engine(config, 0, str(directory)) as engine:
+                    await wait_joined(engine)
+                    await check_served_by(engine, 1, [4, 2])
             head.cancel_scope.cancel()
     assert await wait_no_children() == []
 

@@ -257,8 +257,9 @@ class EngineCoreClient:
         if isinstance(reply, StartupFailed):
             self._startup_failed = reply
             self._stage = reply.stage
-            with trio.move_on_after(self.config.shutdown_grace_s):
-                await trio.sleep_forever()  # its exit arrives as ProcessExited
+            if self.process is not None:  # one of ours: its exit arrives as ProcessExited
+                with trio.move_on_after(self.config.shutdown_grace_s):
+                    await trio.sleep_forever()
             raise self._startup_error(None)
         if not isinstance(reply, Ready):
             raise EngineStartupError(f"unexpected handshake message {reply!r}", stage="handshake", process=self.name)

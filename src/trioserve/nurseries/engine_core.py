@@ -26,6 +26,7 @@ process exits 1.
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 import os
@@ -50,6 +51,7 @@ from trioserve.messages import (
     EngineOutputs,
     EngineRequest,
     EngineResponse,
+    FrontEndsInit,
     GetStats,
     HandshakeInit,
     HandshakeMessage,
@@ -528,12 +530,31 @@ async def _serve(
         await nursery.start(input_socket_actor, init.input_address, inbox_send, watch and watch.heard)
         bound = None  # where the API servers connect
         if api_servers is not None and api_servers[1] is not None and init.frontends is not None:
-            bound = await api_servers[0].start(api_servers[1].run, init.frontends, info, inbox_send)
+            start = functools.partial(api_servers[1].run, init.frontends, info, inbox_send)
+            bound = await _listen_for_api_servers(api_servers[0], start, handshake)
         await handshake.send(_encode(Ready(info=info, frontends=bound)))
         lockstep = None if init.data_parallel is None else EngineWaves(init.data_parallel.rank)
         core = EngineCore(scheduler, executor, info, in_flight, lockstep)
         nursery.start_soon(_heartbeats, outbox.send, executor, core.load)
         await core.step_loop(inbox_receive, outbox)
+
+
+async def _listen_for_api_servers(
+    nursery: trio.Nursery, run: Callable[..., Awaitable[None]], handshake: TrioZmqSocket
+) -> FrontEndsInit:
+    """Start the API servers' sockets (``ApiServers.run``) in ``nursery``;
+    where they listen. A failure to bind (a port in use, an address not this
+    host's, no route to the head) is told to the front-end as
+    ``StartupFailed`` and raised (``EngineStartupError``)."""
+    try:
+        bound: FrontEndsInit = await nursery.start(run)
+        return bound
+    except* (OSError, zmq.ZMQError) as group:
+        message = f"cannot listen for the API servers: {group.exceptions[0]}"
+        process = f"engine-core-{os.environ.get(ENGINE_INDEX_ENV, '0')}"
+        with trio.CancelScope(shield=True), trio.move_on_after(1):
+            await handshake.send(_encode(StartupFailed(stage="handshake", message=message, process=process)))
+        raise EngineStartupError(message, stage="handshake", process=process) from None
 
 
 async def _start_executor(nursery: trio.Nursery, executor: Executor, handshake: TrioZmqSocket) -> EngineInfo:
