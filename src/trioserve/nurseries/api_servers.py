@@ -88,7 +88,8 @@ class ApiServers:
     ) -> None:
         """Bind both sockets (see the module docstring), report where they
         listen, and serve the API servers until cancelled (then the sockets
-        and the ZAP handler are closed). ``zmq.ZMQError`` if they cannot be bound."""
+        and the ZAP handler are closed). ``zmq.ZMQError`` if they cannot be
+        bound, ``OSError`` if there is no route to the head to bind on."""
         # The engine core imports this module.
         from trioserve.nurseries.engine_core import (
             HANDSHAKE_ADDRESS_ENV,
