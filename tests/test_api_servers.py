@@ -7,8 +7,11 @@ from __future__ import annotations
 import json
 import os
 import signal
+import threading
 import time
-from contextlib import ExitStack
+from collections.abc import AsyncIterator, Callable
+from contextlib import ExitStack, asynccontextmanager
+from pathlib import Path
 from typing import Any
 
 import msgspec
@@ -19,8 +22,11 @@ from helpers.fakes import fake_tokens
 from helpers.serving import running, serve_argv, spawned, tree_of, wait_for_url, wait_gone
 from websockets.exceptions import ConnectionClosed
 
+from test_hosts import free_port, headless, headless_argv, kill_tree
 from test_server import Received, collect, generate, in_thread, open_ws
+from trioserve.api import Engine, open_attached_engine
 from trioserve.server.api_servers import API_SERVER_ENV, ApiServerInit
+from trioserve.transport.curve import write_keys
 
 
 def api_servers(pid: int) -> list[int]:
@@ -195,15 +201,6 @@ def test_api_server_count_below_1_is_a_usage_error(count, tiny_model_dir):
     assert main(["serve", "--model", model, "--runner", "fake", "--api-server-count", count]) == EXIT_USAGE
 
 
-def test_several_api_servers_with_engines_on_other_hosts_are_refused_for_now(tiny_model_dir, capsys):
-    from trioserve.cli import EXIT_USAGE, main
-
-    head = ["serve", "--model", str(tiny_model_dir("llama")), "--runner", "fake", "--api-server-count", "2"]
-    remote = ["--data-parallel-size", "2", "--data-parallel-size-local", "1", "--insecure-tcp"]
-    assert main([*head, *remote]) == EXIT_USAGE
-    assert "engines on other hosts" in capsys.readouterr().err
-
-
 def engine_cores(pid: int) -> list[int]:
     """The engine-core processes under the supervising process ``pid``."""
     return [
@@ -239,6 +236,8 @@ async def test_kill_9_of_the_engine_core_ends_every_api_servers_streams_at_once_
             received = await in_thread(stream_on, ws, {"x": [11, 12]}, max_tokens=5, ignore_eos=True)
             assert received["x"].token_ids == fake_tokens([11, 12], 5)
         assert engine_cores(proc.pid) != [engine]
+        proc.send_signal(signal.SIGTERM)  # not a kill on the way out: that would leave the private directories
+        assert await in_thread(proc.wait, 20) == 0
 
 
 def stream_to_close(ws: Any, started: Any) -> tuple[str, int | None]:
@@ -283,6 +282,8 @@ async def test_sigterm_drains_every_api_servers_streams_then_exits_0_leaving_not
         assert await in_thread(proc.wait, grace + 15) == 0
         gone_after = await in_thread(wait_gone, tree, signalled, grace + 15)
         assert gone_after < grace + 5, f"{gone_after:.2f}s"
+        assert proc.stderr is not None
+        assert "unexpectedly" not in proc.stderr.read()  # they exited as asked
 
 
 async def test_the_usual_exit_codes_hold_3_when_the_engine_cannot_start(tiny_model_dir):
@@ -303,4 +304,184 @@ async def test_the_usual_exit_codes_hold_4_when_the_engine_is_out_of_restarts(ti
                 pass
             assert msg["code"] == "engine_dead"
         assert await in_thread(proc.wait, 30) == 4
+        assert not any(running(pid) for pid in tree)
+
+
+# --- with an engine on another host -------------------------------------------
+
+HEARTBEAT_TIMEOUT_S = 1.5
+
+
+def head_argv(model: str, port: int, keys: str, *options: str) -> list[str]:
+    """Two API servers, engine 0 here, engine 1 joining from a headless tree."""
+    return argv(
+        model,
+        *("--data-parallel-size", "2", "--data-parallel-size-local", "1", "--data-parallel-rpc-port", str(port)),
+        *("--curve-keys", keys, "--heartbeat-interval", "0.25", "--heartbeat-timeout", str(HEARTBEAT_TIMEOUT_S)),
+        *("--fake-options", '{"step_delay_s": 0.01}'),
+        *options,
+    )
+
+
+def new_keys(tmp_path: Path) -> str:
+    write_keys(tmp_path / "keys")
+    return str(tmp_path / "keys")
+
+
+@asynccontextmanager
+async def observer(pid: int) -> AsyncIterator[Engine]:
+    """An API server of the test's own (index 9), attached beside those of the
+    supervising process ``pid``: it sees every engine core's counters."""
+    raw = psutil.Process(api_servers(pid)[0]).environ()[API_SERVER_ENV]
+    init = msgspec.msgpack.decode(bytes.fromhex(raw), type=ApiServerInit)
+    async with open_attached_engine(init.engine_config, 9, init.directory) as engine:
+        yield engine
+
+
+async def wait_live(engine: Engine, index: int, timeout: float = 20) -> None:
+    supervisor = engine._group.supervisors[index]
+    with trio.fail_after(timeout):
+        while supervisor.live_client() is None:
+            await supervisor.wait_changed()
+
+
+async def num_requests(engine: Engine) -> list[int]:
+    return [e.num_requests for e in (await engine.stats()).engines]
+
+
+async def lands_on_both_engines(seen: Engine, ws: Any, tag: str, timeout: float = 10) -> None:
+    """Streams on ``ws`` (4 at once, as the API server spreads them) until a
+    batch has reached both engines; each one the runner's greedy tokens."""
+    with trio.fail_after(timeout):
+        for attempt in range(1000):
+            before = await num_requests(seen)
+            prompts = {f"{tag}{attempt}-{i}": [3 + i, 40 + attempt % 50, 7] for i in range(4)}
+            received = await in_thread(stream_on, ws, prompts, max_tokens=8, ignore_eos=True)
+            for request_id, prompt in prompts.items():
+                assert received[request_id].token_ids == fake_tokens(prompt, 8)
+            after = await num_requests(seen)
+            if all(a > b for a, b in zip(after, before, strict=True)):
+                return
+            await trio.sleep(0.2)  # this API server has not attached to engine 1 yet
+
+
+async def test_two_api_servers_stream_on_the_head_engine_and_a_headless_one_with_the_runners_greedy_tokens(
+    tiny_model_dir, tmp_path
+):
+    keys, port = new_keys(tmp_path), free_port()
+    head = head_argv(str(tiny_model_dir("llama")), port, keys)
+    with trio.fail_after(60), spawned(head) as proc, headless(headless_argv(port, keys)) as remote:
+        url = await in_thread(wait_for_url, proc, 45)
+        pids = api_servers(proc.pid)
+        async with observer(proc.pid) as seen:
+            await wait_live(seen, 1)
+            with ExitStack() as stack:
+                for n, ws in enumerate(await in_thread(open_on_both, stack, url, pids)):
+                    await lands_on_both_engines(seen, ws, f"api{n}-")
+        tree = [proc.pid, *tree_of(proc.pid), remote.pid, *tree_of(remote.pid)]
+        proc.send_signal(signal.SIGTERM)
+        remote.send_signal(signal.SIGTERM)
+        assert await in_thread(proc.wait, 20) == 0
+        assert await in_thread(remote.wait, 20) == 0
+        assert not any(running(pid) for pid in tree)
+
+
+def long_streams(ws: Any, tag: str, started: Callable[[], None], killed: threading.Event) -> tuple[dict, set[str]]:
+    """4 long streams on ``ws``; once each has its first delta, ``started()``;
+    once ``killed`` is set, read for the heartbeat deadline and a margin.
+    How the streams that ended did (code, seconds after the kill), and those
+    still streaming at the end."""
+    ids = [f"{tag}{i}" for i in range(4)]
+    for i, request_id in enumerate(ids):
+        ws.send(generate(request_id, [5, 6 + i], max_tokens=100_000, ignore_eos=True))
+    first: set[str] = set()
+    while first != set(ids):
+        msg = json.loads(ws.recv(timeout=30))
+        assert msg["type"] == "delta", msg
+        first.add(msg["id"])
+    started()
+    assert killed.wait(30)
+    killed_at = time.monotonic()
+    ends: dict[str, tuple[str, float]] = {}
+    streaming: set[str] = set()
+    deadline = killed_at + HEARTBEAT_TIMEOUT_S + 1.5
+    while (left := deadline - time.monotonic()) > 0:
+        try:
+            msg = json.loads(ws.recv(timeout=left))
+        except TimeoutError:
+            break
+        if msg["type"] == "delta":
+            assert msg["id"] not in ends, msg
+            if time.monotonic() > deadline - 0.5:
+                streaming.add(msg["id"])
+        else:
+            ends[msg["id"]] = (msg.get("code", msg["type"]), time.monotonic() - killed_at)
+    return ends, streaming
+
+
+def stop_tree(pid: int) -> list[int]:
+    """SIGSTOP of ``pid`` and every descendant: a host gone silent, its connections left open."""
+    pids = [pid, *tree_of(pid)]
+    for p in pids:
+        os.kill(p, signal.SIGSTOP)
+    return pids
+
+
+@pytest.mark.parametrize("fault", ["kill -9", "SIGSTOP"])
+async def test_a_headless_tree_killed_or_silent_ends_its_streams_on_both_api_servers_and_both_use_it_again_once_back(
+    tiny_model_dir, tmp_path, fault
+):
+    """kill -9: its connections close, and the API servers know at once;
+    SIGSTOP (as a host that vanished): they know from its silence, within
+    the heartbeat deadline."""
+    keys, port = new_keys(tmp_path), free_port()
+    head = head_argv(str(tiny_model_dir("llama")), port, keys)
+    with trio.fail_after(60), spawned(head) as proc:
+        url = await in_thread(wait_for_url, proc, 45)
+        pids = api_servers(proc.pid)
+        async with observer(proc.pid) as seen:
+            with headless(headless_argv(port, keys)) as remote:
+                await wait_live(seen, 1)
+                with ExitStack() as stack:
+                    sockets = await in_thread(open_on_both, stack, url, pids)
+                    streaming, killed = trio.Semaphore(0), threading.Event()
+                    outcomes: list[tuple[dict, set[str]]] = []
+                    async with trio.open_nursery() as nursery:
+
+                        async def watch(ws: Any, tag: str) -> None:
+                            def started() -> None:
+                                trio.from_thread.run_sync(streaming.release)
+
+                            outcomes.append(await in_thread(long_streams, ws, tag, started, killed))
+
+                        for n, ws in enumerate(sockets):
+                            nursery.start_soon(watch, ws, f"api{n}-")
+                        for _ in sockets:
+                            await streaming.acquire()
+                        stale = await num_requests(seen)
+                        assert stale[1] >= 2  # each API server's streams are spread over both engines
+                        killed_tree = (kill_tree if fault == "kill -9" else stop_tree)(remote.pid)
+                        killed.set()
+                for ends, still in outcomes:
+                    assert ends, "no stream of this API server was on the headless engine"
+                    assert {code for code, _ in ends.values()} == {"engine_dead"}, ends
+                    assert max(after for _, after in ends.values()) < HEARTBEAT_TIMEOUT_S + 1.0, ends
+                    assert still and not still & set(ends)  # its streams on the head's engine go on
+            # (Stopped ones were killed on the way out, just now.)
+            assert await in_thread(wait_gone, killed_tree, time.monotonic(), 5) < 5
+            with ExitStack() as stack:  # the head's engine takes every new request meanwhile
+                for n, ws in enumerate(await in_thread(open_on_both, stack, url, pids)):
+                    received = await in_thread(stream_on, ws, {f"x{n}": [11, 12]}, max_tokens=5, ignore_eos=True)
+                    assert received[f"x{n}"].token_ids == fake_tokens([11, 12], 5)
+            # A new headless tree joins: both API servers attach to it and use it again.
+            with headless(headless_argv(port, keys)) as remote:
+                await wait_live(seen, 1)
+                with ExitStack() as stack:
+                    for n, ws in enumerate(await in_thread(open_on_both, stack, url, pids)):
+                        await lands_on_both_engines(seen, ws, f"again{n}-")
+                remote.send_signal(signal.SIGTERM)
+                assert await in_thread(remote.wait, 20) == 0
+        tree = [proc.pid, *tree_of(proc.pid)]
+        proc.send_signal(signal.SIGTERM)
+        assert await in_thread(proc.wait, 20) == 0
         assert not any(running(pid) for pid in tree)

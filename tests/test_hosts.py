@@ -5,6 +5,7 @@ the fake runner."""
 from __future__ import annotations
 
 import functools
+import logging
 import os
 import signal
 import socket
@@ -25,12 +26,16 @@ from helpers.serving import REPO, running, tree_of
 
 import trioserve
 from trioserve import SamplingParams
+from trioserve.api import open_attached_engine
 from trioserve.cli import EXIT_ENGINE_DEAD, EXIT_USAGE, main
 from trioserve.errors import EngineDeadError
+from trioserve.frontend.attached import read_engine_addresses
 from trioserve.frontend.client import EngineCoreClient
-from trioserve.messages import AddRequest, EngineOutputs, Hello, TokenOutput
+from trioserve.frontend.group import EngineGroup
+from trioserve.messages import AddRequest, Attach, EngineOutputs, Hello, TokenOutput
+from trioserve.nurseries.headless import HeadlessConfig
 from trioserve.transport.curve import load_keys, write_keys
-from trioserve.transport.zmq_trio import TrioZmqSocket
+from trioserve.transport.zmq_trio import TrioZmqSocket, private_ipc_dir
 
 HEARTBEAT_TIMEOUT_S = 1.5
 _encode = msgspec.msgpack.Encoder().encode
@@ -202,6 +207,86 @@ async def test_a_peer_without_the_key_or_with_another_key_never_reaches_an_engin
                 for sock in sockets + thieves + fakers:
                     sock.close()
     assert await wait_no_children() == []
+
+
+async def test_a_peer_without_the_key_never_reaches_a_headless_engine_through_its_api_server_sockets(
+    head_config, tmp_path, keys_dir
+):
+    """The head of several API servers (its engine group, here in the test) and
+    one API server of its (attached, here too); engine 1 on a headless tree,
+    on fixed ports: intruders at those ports get nothing in, and nothing out."""
+    other = write_keys(tmp_path / "other")
+    ours = load_keys(keys_dir)
+    intruders = [
+        {},
+        {"curve_serverkey": ours.public, "curve_publickey": other.public, "curve_secretkey": other.secret},
+    ]
+    config = head_config()
+    api_port = free_port()
+    argv = headless_argv(config.data_parallel_rpc_port, keys_dir, "--headless-address", "127.0.0.1")
+    with private_ipc_dir("trioserve-api-") as directory, trio.fail_after(60):
+        group = EngineGroup(config, api_servers_dir=str(directory))
+        async with trio.open_nursery() as head:
+            await head.start(group.run)
+            with headless([*argv, "--headless-port", str(api_port)]):
+                async with open_attached_engine(config, 0, str(directory)) as engine:
+                    await wait_joined(engine)
+                    addresses = read_engine_addresses(str(directory), 1)
+                    assert addresses is not None
+                    expected = (f"tcp://127.0.0.1:{api_port}", f"tcp://127.0.0.1:{api_port + 1}")
+                    assert (addresses.input_address, addresses.output_address) == expected
+                    # Posing as API server 1: sending requests, attaching to take outputs and heartbeats.
+                    pushers = [TrioZmqSocket.connect(zmq.PUSH, addresses.input_address, **o) for o in intruders]
+                    dealers = [TrioZmqSocket.connect(zmq.DEALER, addresses.output_address, **o) for o in intruders]
+                    add = _encode(AddRequest(request_id="evil", prompt_token_ids=[5, 6], params=PARAMS, frontend=1))
+                    for pusher, dealer in zip(pushers, dealers, strict=True):
+                        with trio.move_on_after(0.5):
+                            await pusher.send(add)
+                            await dealer.send(_encode(Attach(frontend=1, engine=1)))
+                    for i in range(4):
+                        await check_served_by(engine, 1, [9 + i, 8])
+                    for dealer in dealers:
+                        with trio.move_on_after(0.3):
+                            raise AssertionError(f"an intruder got {await dealer.recv()!r}")
+                    stats = await engine.stats()
+                    assert [e.num_requests for e in stats.engines] == [0, 4]  # the intruders' never got in
+                    for sock in pushers + dealers:
+                        sock.close()
+            head.cancel_scope.cancel()
+    assert await wait_no_children() == []
+
+
+async def test_a_headless_engine_core_that_cannot_listen_for_the_api_servers_says_so_and_joins_once_it_can(
+    head_config, keys_dir, caplog
+):
+    caplog.set_level(logging.WARNING, logger="trioserve.supervisor")
+    config = head_config()
+    argv = headless_argv(config.data_parallel_rpc_port, keys_dir, "--headless-port", str(free_port()))
+    taken = socket.create_server(("127.0.0.1", int(argv[-1])))  # the engine core's first port
+    with taken, private_ipc_dir("trioserve-api-") as directory, trio.fail_after(60):
+        group = EngineGroup(config, api_servers_dir=str(directory))
+        async with trio.open_nursery() as head:
+            await head.start(group.run)
+            with headless(argv):
+                with trio.fail_after(20):
+                    while not any("cannot listen for the API servers" in r.getMessage() for r in caplog.records):
+                        await trio.sleep(0.05)
+                assert group.supervisors[1].live_client() is None
+                taken.close()
+                async with open_attached_engine(config, 0, str(directory)) as engine:
+                    await wait_joined(engine)
+                    await check_served_by(engine, 1, [4, 2])
+            head.cancel_scope.cancel()
+    assert await wait_no_children() == []
+
+
+def test_a_headless_address_must_be_one_the_head_can_reach_and_its_ports_must_fit():
+    config = functools.partial(HeadlessConfig, start_rank=1, num_engines=2, address="10.0.0.1", rpc_port=1)
+    with pytest.raises(ValueError, match="headless_address"):
+        config(insecure_tcp=True, api_address="0.0.0.0")
+    with pytest.raises(ValueError, match="headless_port"):
+        config(insecure_tcp=True, api_port=65533)
+    assert config(insecure_tcp=True, api_address="10.0.0.2", api_port=65532).api_port == 65532
 
 
 def _addresses(client: EngineCoreClient) -> tuple[str, str]:

@@ -87,7 +87,8 @@ async def open_engine(
 async def open_attached_engine(config: EngineConfig, api_server: int, directory: str) -> AsyncIterator[Engine]:
     """As ``open_engine``, for API server ``api_server`` of several
     (``serve --api-server-count``): the engine cores are another process's
-    children, listening for API servers in ``directory``; this attaches to
+    (its children, or engine cores on other hosts that joined it), and
+    ``directory`` says where each listens for API servers; this attaches to
     each (``frontend/attached.py``) and starts no process."""
     async with _open(config, EngineGroup(config, attach=(api_server, directory)), f"api{api_server}") as engine:
         yield engine

@@ -180,6 +180,21 @@ def _add_hosts_options(parser: argparse.ArgumentParser) -> None:
         help="with --headless: when the head goes (silent for --heartbeat-timeout) an engine core stops its "
         "workers and joins again once the head is back; --no-headless-reconnect: exit instead (default: on)",
     )
+    group.add_argument(
+        "--headless-address",
+        metavar="HOST",
+        help="with --headless, when the head runs several API servers: the address of this host that they "
+        "connect to, where its engine cores listen for them (default: this host's address on the route to "
+        "--data-parallel-address)",
+    )
+    group.add_argument(
+        "--headless-port",
+        type=int,
+        default=0,
+        metavar="PORT",
+        help="with --headless, when the head runs several API servers: this host's engine core i listens for "
+        "them on ports PORT+2i and PORT+2i+1, for a firewall to open (default: ports the kernel picks)",
+    )
     keys = group.add_mutually_exclusive_group()
     keys.add_argument(
         "--curve-keys",
@@ -522,6 +537,8 @@ def cmd_headless(args: argparse.Namespace) -> int:
         curve_keys_dir=None if args.curve_keys is None else os.path.abspath(args.curve_keys),
         insecure_tcp=args.insecure_tcp,
         reconnect=args.headless_reconnect,
+        api_address=args.headless_address,
+        api_port=args.headless_port,
         handshake_timeout_s=args.startup_timeout,
         shutdown_grace_s=min(5.0, args.shutdown_grace),
     )

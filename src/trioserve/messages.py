@@ -257,10 +257,18 @@ class DataParallelInit(msgspec.Struct, frozen=True):
     rendezvous: str
 
 
+# In ``HandshakeInit.frontends``, for an engine core on another host: bind
+# TCP where that host says (nurseries/api_servers.py), and report the endpoints.
+BIND_TCP = "tcp://"
+
+
 class FrontEndsInit(msgspec.Struct, frozen=True):
     """With several API-server processes: where the engine core also listens
     for them (it binds both): a PULL for their requests, and a ROUTER on which
-    each says ``Attach`` and gets its requests' outputs and every heartbeat."""
+    each says ``Attach`` and gets its requests' outputs and every heartbeat.
+    In ``HandshakeInit``, an ``ipc://`` address, or ``BIND_TCP`` for each:
+    the engine core picks the TCP endpoints; in ``Ready``, the endpoints it
+    bound, where the API servers connect."""
 
     input_address: str
     output_address: str
@@ -276,6 +284,7 @@ class HandshakeInit(msgspec.Struct, tag=True):
 
 class Ready(msgspec.Struct, tag=True):
     info: EngineInfo
+    frontends: FrontEndsInit | None = None  # where it listens for the API servers (when asked to)
 
 
 class StartupFailed(msgspec.Struct, tag=True):
@@ -400,9 +409,13 @@ class WaveNotice(msgspec.Struct, tag=True):
 
 class Attach(msgspec.Struct, tag=True):
     """API server -> engine core, on the API servers' ROUTER: send me my
-    requests' outputs, and every heartbeat (repeated until ``Attached``)."""
+    requests' outputs, and every heartbeat (repeated until ``Attached``).
+    ``engine`` is the engine index the API server means: an engine core
+    answers only its own (or -1), so an API server that reached a stale
+    address never takes another engine core for the one it wanted."""
 
     frontend: int
+    engine: int = -1
 
 
 class Attached(msgspec.Struct, tag=True):

@@ -83,10 +83,10 @@ class HandshakeSocket(Protocol):
 
 
 class EngineCoreClient:
-    # Each life binds its sockets as ipc:// files in a private directory of its
-    # own. A client whose engine core is not its child (attached, remote) says
-    # False: a directory it never uses would be left behind by a kill -9.
-    USES_PRIVATE_DIR = True
+    # Each life binds its sockets in a private directory of its own; a client
+    # that starts no engine core (remote, attached) sets this False and makes
+    # none (so that a kill -9 of its process cannot leave one behind).
+    uses_ipc_dir = True
 
     def __init__(
         self,
@@ -117,6 +117,7 @@ class EngineCoreClient:
         self.data_parallel: DataParallelInit | None = None
         # Several API-server processes: where the engine core listens for them too.
         self.frontends: FrontEndsInit | None = None
+        self.frontends_bound: FrontEndsInit | None = None  # ... and where it did, as its Ready said
         self.frontend_index = -1  # this front-end's index among the API servers (-1: the engine core's own)
         self._calls: dict[int, tuple[trio.Event, list[StatsReply | PrefixCacheReset]]] = {}  # by call id
         self._control_calls: dict[int, tuple[trio.Event, list[ControlReply]]] = {}
@@ -139,10 +140,13 @@ class EngineCoreClient:
         later one) fails with ``EngineDeadError`` and this returns. If cancelled,
         the engine core is asked to stop, then terminated, and always reaped.
         """
+        directory: contextlib.AbstractContextManager[Path | None] = (
+            private_ipc_dir() if self.uses_ipc_dir else contextlib.nullcontext()
+        )
         try:
-            with private_ipc_dir() if self.USES_PRIVATE_DIR else contextlib.nullcontext(Path()) as ipc_dir:
+            with directory as ipc_dir:
                 async with trio.open_nursery() as nursery:
-                    self.info = await self._start(nursery, str(ipc_dir))
+                    self.info = await self._start(nursery, str(ipc_dir or ""))
                     task_status.started(self.info)
         except* ProcessExited as group:
             exited = group.exceptions[0]
@@ -253,11 +257,13 @@ class EngineCoreClient:
         if isinstance(reply, StartupFailed):
             self._startup_failed = reply
             self._stage = reply.stage
-            with trio.move_on_after(self.config.shutdown_grace_s):
-                await trio.sleep_forever()  # its exit arrives as ProcessExited
+            if self.process is not None:  # one of ours: its exit arrives as ProcessExited
+                with trio.move_on_after(self.config.shutdown_grace_s):
+                    await trio.sleep_forever()
             raise self._startup_error(None)
         if not isinstance(reply, Ready):
             raise EngineStartupError(f"unexpected handshake message {reply!r}", stage="handshake", process=self.name)
+        self.frontends_bound = reply.frontends
         return reply.info
 
     async def _wait_ready(self, sock: HandshakeSocket) -> HandshakeMessage:

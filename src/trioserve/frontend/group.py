@@ -20,6 +20,14 @@ Health: ``ready`` while at least one engine is ready; otherwise ``stalled``,
 ``restarting``, ``starting`` (the best any engine is), or ``failed`` once
 every engine has failed for good; ``stopped`` after shutdown.
 
+Several API-server processes (``serve --api-server-count M``): in the
+supervising process (``api_servers_dir``), each engine core also listens for
+them (a local one on ``ipc://`` there, a remote one on TCP on its host), and
+``engine-<i>.addr`` there says where while it is ready; in each API server
+(``attach``), the clients attach to engine cores that the supervising
+process runs or takes the joins of (``frontend/attached.py``), and no
+handshake socket is bound.
+
 Lockstep (``data_parallel_lockstep``): every step of every engine joins one
 collective across them (``core/waves.py``), so they run as one: the
 coordinator stamps requests with request waves and starts the paused
@@ -39,12 +47,17 @@ import trio
 from trioserve.config import EngineConfig
 from trioserve.core import waves
 from trioserve.errors import ControlCallError, EngineDeadError
-from trioserve.frontend.attached import AttachedEngineCoreClient, api_server_addresses
+from trioserve.frontend.attached import (
+    AttachedEngineCoreClient,
+    api_server_addresses,
+    forget_engine_addresses,
+    write_engine_addresses,
+)
 from trioserve.frontend.client import EngineCoreClient
 from trioserve.frontend.coordinator import Coordinator
 from trioserve.frontend.remote import RemoteEngineCoreClient, RemoteEngines
 from trioserve.frontend.supervisor import ClientFactory, EngineSupervisor, Health, new_client
-from trioserve.messages import DataParallelInit, EngineInfo, EngineStats, FrontEndsInit, StartWave
+from trioserve.messages import BIND_TCP, DataParallelInit, EngineInfo, EngineStats, FrontEndsInit, StartWave
 from trioserve.rpc import ControlCall, ControlReply
 from trioserve.transport.zmq_trio import private_ipc_dir
 
@@ -68,9 +81,10 @@ class EngineGroup:
         attach: tuple[int, str] | None = None,
     ) -> None:
         """``api_servers_dir``: the engine cores also listen for API-server
-        processes there. ``attach``: this is API server ``attach[0]``, and the
-        engine cores (another process's children) listen for it in ``attach[1]``
-        (``frontend/attached.py``)."""
+        processes (there, or on TCP for those on other hosts), and each one's
+        addresses are written there while it is ready. ``attach``: this is API
+        server ``attach[0]``, and the engine cores (another process's, local
+        or remote) are found through ``attach[1]`` (``frontend/attached.py``)."""
         self.config = config
         n = config.data_parallel_size
         self.lockstep = n > 1 and config.data_parallel_lockstep
@@ -85,8 +99,9 @@ class EngineGroup:
         self.generation = 0  # lockstep: bumped when the engines restart together
         self._generation_of: dict[int, int] = {}  # id(client) -> the generation it was started in
         self._rendezvous_dir = ""
-        # Engines on other hosts join through the hub (frontend/remote.py).
-        self.remote = RemoteEngines(config) if config.num_remote_engines else None
+        # Engines on other hosts join through the hub (frontend/remote.py); an API
+        # server of several attaches to them as to local ones.
+        self.remote = RemoteEngines(config) if config.num_remote_engines and attach is None else None
         self.supervisors = [
             EngineSupervisor(
                 config,
@@ -94,7 +109,8 @@ class EngineGroup:
                 client_factory=self._client_factory(i, client_factory),
                 on_load=None if self.coordinator is None else self.coordinator.report_nowait,
                 on_new_client=self._new_client,
-                on_engine_dead=self._lockstep_death if self.lockstep else None,
+                on_engine_ready=self._engine_ready if api_servers_dir is not None else None,
+                on_engine_dead=self._engine_dead,
                 remote=attach is not None or i >= config.num_local_engines,
             )
             for i in range(n)
@@ -109,9 +125,26 @@ class EngineGroup:
     def _new_client(self, client: EngineCoreClient) -> None:
         """A new engine core's client, before it starts: its place among the engines."""
         if self._api_servers_dir is not None:
-            client.frontends = FrontEndsInit(*api_server_addresses(self._api_servers_dir, client.engine_index))
+            if client.engine_index < self.config.num_local_engines:
+                client.frontends = FrontEndsInit(*api_server_addresses(self._api_servers_dir, client.engine_index))
+            else:  # on another host: it binds TCP there, and says where in its Ready
+                client.frontends = FrontEndsInit(BIND_TCP, BIND_TCP)
         if self.lockstep:
             self._lockstep_client(client)
+
+    def _engine_ready(self, client: EngineCoreClient) -> None:
+        """A new engine core is ready: tell the API servers where it listens for them."""
+        assert self._api_servers_dir is not None
+        if client.frontends_bound is not None:
+            write_engine_addresses(self._api_servers_dir, client.engine_index, client.frontends_bound)
+
+    def _engine_dead(self, client: EngineCoreClient) -> None:
+        """An engine core is known dead: the API servers wait for the next one's
+        addresses (and, in lockstep, its peers go too)."""
+        if self._api_servers_dir is not None:
+            forget_engine_addresses(self._api_servers_dir, client.engine_index)
+        if self.lockstep:
+            self._lockstep_death(client)
 
     def _remote_client(
         self, config: EngineConfig, engine_index: int, on_dead: Callable[[EngineCoreClient], None]

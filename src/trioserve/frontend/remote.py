@@ -11,14 +11,16 @@ identity) go to the life that took its ``Hello``.
 ``RemoteEngineCoreClient`` is an ``EngineCoreClient`` without a process. A
 life begins when a ``Hello`` for its index arrives (it waits as long as that
 takes), binds its input and output sockets on ``tcp://data_parallel_address:0``
-(CURVE too), hands their addresses over in ``HandshakeInit``, and then
-serves like a local engine core, sending a ``Ping`` every
-``heartbeat_interval_s`` (the engine core's proof that the head lives). When
-the engine core sends nothing for ``heartbeat_timeout_s`` (its host died, its
-tree was killed, the network broke), its requests fail with
-``EngineDeadError`` and the life ends; the next one waits for the engine core
-to join again. A ``Hello`` for an index whose life is live means that engine
-core was replaced (its headless tree restarted): the live one is dead at once.
+(CURVE too), hands their addresses over in ``HandshakeInit`` (with several
+API servers on the head, ``frontends`` also asks the engine core to listen
+for them on TCP: ``nurseries/api_servers.py``), and then serves like a
+local engine core, sending a ``Ping`` every ``heartbeat_interval_s`` (the
+engine core's proof that the head lives). When the engine core sends
+nothing for ``heartbeat_timeout_s`` (its host died, its tree was killed, the
+network broke), its requests fail with ``EngineDeadError`` and the life
+ends; the next one waits for the engine core to join again. A ``Hello`` for
+an index whose life is live means that engine core was replaced (its
+headless tree restarted): the live one is dead at once.
 
 Invariants: only the hub's task touches the ROUTER socket (others queue
 frames with ``send_nowait``); at most one life holds a given connection's
@@ -173,7 +175,7 @@ class HandshakeLink:
 class RemoteEngineCoreClient(EngineCoreClient):
     """The client of an engine core on another host (see the module docstring)."""
 
-    USES_PRIVATE_DIR = False
+    uses_ipc_dir = False
 
     def __init__(
         self,

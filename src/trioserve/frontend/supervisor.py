@@ -67,6 +67,7 @@ class EngineSupervisor:
         client_factory: ClientFactory = new_client,
         on_load: Callable[[int, LoadReport | None], None] | None = None,
         on_new_client: Callable[[EngineCoreClient], None] | None = None,
+        on_engine_ready: Callable[[EngineCoreClient], None] | None = None,
         on_engine_dead: Callable[[EngineCoreClient], None] | None = None,
         remote: bool = False,
     ) -> None:
@@ -75,6 +76,7 @@ class EngineSupervisor:
         self._client_factory = client_factory
         self._on_load = on_load
         self._on_new_client = on_new_client  # a new engine core's client, before it starts
+        self._on_engine_ready = on_engine_ready  # an engine core ready, before requests are routed to it
         self._on_engine_dead = on_engine_dead  # an engine core known dead
         self.engine_index = engine_index
         self.name = f"engine-core-{engine_index}"
@@ -210,6 +212,8 @@ class EngineSupervisor:
 
             info: EngineInfo = await nursery.start(run_client)
             await self._reapply(client)
+            if self._on_engine_ready is not None:
+                self._on_engine_ready(client)
             self.client, self.info = client, info
             self._set_health("ready")
             on_ready(info)

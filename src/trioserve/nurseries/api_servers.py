@@ -1,23 +1,43 @@
 """The engine core's side of several API-server processes (``serve --api-server-count M``).
 
 Besides the sockets of the front-end that started it (its supervisor), the
-engine core then binds two more, at the addresses ``HandshakeInit.frontends``
-gives: a PULL that every API server's PUSH connects to (requests, aborts,
-calls: fair-queued among them), and a ROUTER that every API server's DEALER
-connects to. An API server says ``Attach(index)`` there and gets
+engine core then binds two more, where ``HandshakeInit.frontends`` says: a
+PULL that every API server's PUSH connects to (requests, aborts, calls:
+fair-queued among them), and a ROUTER that every API server's DEALER
+connects to. An API server says ``Attach(index, engine)`` there and gets
 ``Attached(EngineInfo)``; from then on it gets the outputs of the requests it
 sent (each ``AddRequest`` names its API server), and every heartbeat, load
 report, reply to a call (call ids are unique per API server) and
 ``EngineDead``. Its supervisor gets all of those too, and the outputs of its
-own requests (none, in that setup).
+own requests (none, in that setup). The engine core reports where it bound
+them in its ``Ready``; the supervisor tells its API servers
+(``frontend/attached.py``).
+
+Where. On the head's host, ``ipc://`` addresses in the supervisor's private
+directory. On another host (``BIND_TCP``), TCP: on ``$TRIOSERVE_API_SERVERS_HOST``
+(``serve --headless --headless-address``), by default this host's address on
+the route to the head (the source address the kernel picks for it), and on
+``$TRIOSERVE_API_SERVERS_PORT`` (the PULL) and the port after it (the
+ROUTER; ``--headless-port``), by default ports the kernel picks. There both
+sockets are CURVE servers (unless ``$TRIOSERVE_INSECURE_TCP``), and this
+process runs the ZAP handler (``transport/curve.py``): a peer without the
+deployment's key never reaches the step loop. The engine core binds, rather
+than connecting to each API server as vLLM's do, because our API servers
+are restarted one by one (each restart would have to reach every engine
+core with its new addresses), while an engine core's addresses change only
+with its life, which its supervisor sees anyway; the cost is that the head
+must reach this host, on these ports.
 
 Invariants: a request's outputs go to the API server that sent it, and only
 to it, until its last one (then it is forgotten; an abort forgets it too);
-only the socket loop's task touches the ROUTER.
+only the socket loop's task touches the ROUTER; an ``Attach`` for another
+engine index is not answered.
 """
 
 from __future__ import annotations
 
+import os
+import socket
 from collections import defaultdict
 
 import msgspec
@@ -25,6 +45,7 @@ import trio
 import zmq
 
 from trioserve.messages import (
+    BIND_TCP,
     AbortRequests,
     AddRequest,
     Attach,
@@ -37,9 +58,12 @@ from trioserve.messages import (
     TokenOutput,
     WaveNotice,
 )
+from trioserve.transport.curve import CurveAuthenticator
 from trioserve.transport.router import SocketLoop
 from trioserve.transport.zmq_trio import TrioZmqSocket
 
+API_SERVERS_HOST_ENV = "TRIOSERVE_API_SERVERS_HOST"  # on another host: the address to bind
+API_SERVERS_PORT_ENV = "TRIOSERVE_API_SERVERS_PORT"  # ... and the first of the two ports (0: the kernel's)
 _encode = msgspec.msgpack.Encoder().encode
 _decode_attach = msgspec.msgpack.Decoder(Attach).decode
 
@@ -47,7 +71,8 @@ _decode_attach = msgspec.msgpack.Decoder(Attach).decode
 class ApiServers:
     """Which API server each request came from, and the ROUTER to them all."""
 
-    def __init__(self) -> None:
+    def __init__(self, engine_index: int = -1) -> None:
+        self.engine_index = engine_index
         self._identities: dict[int, bytes] = {}  # API server index -> its DEALER's identity
         self._sender: dict[str, int] = {}  # request id -> the API server that sent it
         self._loop = SocketLoop(self._received)
@@ -59,16 +84,33 @@ class ApiServers:
         info: EngineInfo,
         inbox: trio.MemorySendChannel[EngineRequest],
         *,
-        task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
+        task_status: trio.TaskStatus[FrontEndsInit] = trio.TASK_STATUS_IGNORED,
     ) -> None:
-        """Bind both sockets and serve the API servers until cancelled."""
-        from trioserve.nurseries.engine_core import input_socket_actor  # the engine core imports this module
+        """Bind both sockets (see the module docstring), report where they
+        listen, and serve the API servers until cancelled (then the sockets
+        and the ZAP handler are closed). ``zmq.ZMQError`` if they cannot be
+        bound, ``OSError`` if there is no route to the head to bind on."""
+        # The engine core imports this module.
+        from trioserve.nurseries.engine_core import (
+            HANDSHAKE_ADDRESS_ENV,
+            curve_keys,
+            endpoint,
+            input_socket_actor,
+            socket_options,
+        )
 
         self._attached = _encode(Attached(info=info))
-        with TrioZmqSocket.bind(zmq.ROUTER, init.output_address, linger=0, sndhwm=0) as router:
-            async with trio.open_nursery() as nursery:
-                await nursery.start(input_socket_actor, init.input_address, inbox, None, True, self.note)
-                task_status.started()
+        input_address, output_address = init.input_address, init.output_address
+        if BIND_TCP in (input_address, output_address):
+            input_address, output_address = await tcp_addresses(os.environ[HANDSHAKE_ADDRESS_ENV])
+        async with trio.open_nursery() as nursery:
+            keys = curve_keys(output_address) if output_address.startswith("tcp://") else None
+            if keys is not None:
+                await nursery.start(CurveAuthenticator(keys).run)  # before any server socket is bound
+            options = socket_options(output_address, bind=True)
+            with TrioZmqSocket.bind(zmq.ROUTER, output_address, linger=0, sndhwm=0, **options) as router:
+                bound_input = await nursery.start(input_socket_actor, input_address, inbox, None, True, self.note)
+                task_status.started(FrontEndsInit(input_address=bound_input, output_address=endpoint(router)))
                 await self._loop.run(router)
 
     def _received(self, frames: list[bytes]) -> None:
@@ -79,6 +121,8 @@ class ApiServers:
             attach = _decode_attach(raw)
         except msgspec.DecodeError:
             return
+        if attach.engine not in (-1, self.engine_index):
+            return  # it means another engine core: let it find the right one
         self._identities[attach.frontend] = identity
         self._loop.send_nowait([identity, self._attached])
 
@@ -110,3 +154,24 @@ class ApiServers:
             for identity in self._identities.values():
                 self._loop.send_nowait([identity, raw])
         return msg
+
+
+async def tcp_addresses(head: str) -> tuple[str, str]:
+    """Where an engine core on another host listens for the API servers
+    (input, output): see the module docstring. ``head`` is the head's
+    handshake address (``tcp://host:port``)."""
+    host = os.environ.get(API_SERVERS_HOST_ENV) or await address_towards(head)
+    port = int(os.environ.get(API_SERVERS_PORT_ENV) or 0)
+    return f"tcp://{host}:{port}", f"tcp://{host}:{port + 1 if port else 0}"
+
+
+async def address_towards(address: str) -> str:
+    """This host's address on the route to ``address`` (``tcp://host:port``):
+    the source address the kernel picks for it, read from a UDP socket
+    connected there (no packet is sent)."""
+    host, _, port = address.removeprefix("tcp://").rpartition(":")
+    family, kind, proto, _, target = (await trio.socket.getaddrinfo(host, int(port), type=socket.SOCK_DGRAM))[0]
+    with trio.socket.socket(family, kind, proto) as probe:
+        await probe.connect(target)
+        local: str = probe.getsockname()[0]
+        return local

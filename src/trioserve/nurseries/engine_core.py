@@ -14,7 +14,9 @@ the executor, and the outbox. Start-up: connect to the front-end's handshake
 socket, send ``Hello``, receive ``HandshakeInit`` (within
 ``TRIOSERVE_HANDSHAKE_TIMEOUT_S``, which the front-end sets to its
 ``startup_timeout_s``), start the workers, reply ``Ready`` (or
-``StartupFailed`` naming the stage, the process and its exit code).
+``StartupFailed`` naming the stage, the process and its exit code). Given
+``HandshakeInit.frontends`` (several API-server processes), it binds their
+sockets first and says in ``Ready`` where (``nurseries/api_servers.py``).
 
 Any failure after that (a worker that exits, raises, or does not finish a
 step within ``step_timeout_s``) is reported to the front-end as
@@ -24,6 +26,7 @@ process exits 1.
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 import os
@@ -48,6 +51,7 @@ from trioserve.messages import (
     EngineOutputs,
     EngineRequest,
     EngineResponse,
+    FrontEndsInit,
     GetStats,
     HandshakeInit,
     HandshakeMessage,
@@ -69,7 +73,7 @@ from trioserve.nurseries.control import Controller
 from trioserve.nurseries.executor import Executor
 from trioserve.nurseries.workers import ExecutorStage, WorkerError
 from trioserve.rpc import ControlRequest
-from trioserve.transport.curve import load_keys
+from trioserve.transport.curve import CurveKeys, load_keys
 from trioserve.transport.zmq_trio import TrioZmqSocket
 
 HANDSHAKE_ADDRESS_ENV = "TRIOSERVE_HANDSHAKE_ADDRESS"
@@ -259,20 +263,21 @@ async def input_socket_actor(
     bind: bool = False,
     note: Callable[[EngineRequest], None] | None = None,
     *,
-    task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
+    task_status: trio.TaskStatus[str] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """Own the input socket (connected to ``address``, or bound there with
-    ``bind``): decode each message and pass it to the step loop (``heard`` is
-    told of every message, ``note`` is shown each one passed on; a ``Ping``
-    goes no further). Closes a clone of ``inbox``, not ``inbox``.
+    ``bind``; reports the endpoint, the port the kernel picked included):
+    decode each message and pass it to the step loop (``heard`` is told of
+    every message, ``note`` is shown each one passed on; a ``Ping`` goes no
+    further). Closes a clone of ``inbox``, not ``inbox``.
 
     A message that does not decode is logged and dropped: bad input never
     kills the engine. If cancelled, the socket is closed; nothing is half-read.
     """
     decoder = msgspec.msgpack.Decoder(EngineRequest)
     attach = TrioZmqSocket.bind if bind else TrioZmqSocket.connect
-    with attach(zmq.PULL, address, linger=0, **socket_options(address)) as sock:
-        task_status.started()
+    with attach(zmq.PULL, address, linger=0, **socket_options(address, bind=bind)) as sock:
+        task_status.started(endpoint(sock))
         async with inbox.clone() as mine:
             while True:
                 raw = await sock.recv()
@@ -289,24 +294,43 @@ async def input_socket_actor(
                     await mine.send(msg)
 
 
-def socket_options(address: str) -> dict[str, object]:
-    """Options for a socket connecting to the front-end at ``address``: on
-    TCP, CURVE with the keys in ``$TRIOSERVE_CURVE_KEYS``, or nothing with
-    ``$TRIOSERVE_INSECURE_TCP=1``; ``EngineStartupError`` with neither."""
+def socket_options(address: str, *, bind: bool = False) -> dict[str, object]:
+    """Options for a socket at ``address``: on TCP, CURVE with the keys in
+    ``$TRIOSERVE_CURVE_KEYS`` (a client connecting to the front-end, or with
+    ``bind`` a server for the API servers: the process then needs a ZAP
+    handler, ``curve_keys``), or nothing with ``$TRIOSERVE_INSECURE_TCP=1``;
+    ``EngineStartupError`` with neither."""
     if not address.startswith("tcp://"):
         return {}
+    keys = curve_keys(address)
+    if keys is None:
+        return {}
+    return keys.server_options() if bind else keys.client_options()
+
+
+def curve_keys(address: str) -> CurveKeys | None:
+    """The CURVE keys for TCP sockets (see ``socket_options``): None with
+    ``$TRIOSERVE_INSECURE_TCP=1``."""
     keys_dir = os.environ.get(CURVE_KEYS_ENV)
     if keys_dir:
         try:
-            return load_keys(keys_dir).client_options()
+            return load_keys(keys_dir)
         except ValueError as exc:
             raise EngineStartupError(str(exc), stage="handshake") from None
     if os.environ.get(INSECURE_TCP_ENV) == "1":
-        return {}
+        return None
     raise EngineStartupError(
         f"{address} is TCP: set {CURVE_KEYS_ENV} to the CURVE keys' directory (or {INSECURE_TCP_ENV}=1)",
         stage="handshake",
     )
+
+
+def endpoint(sock: TrioZmqSocket) -> str:
+    """The endpoint ``sock`` was last bound or connected to (``tcp://host:port``
+    with the port the kernel picked)."""
+    last = sock.socket.getsockopt(zmq.LAST_ENDPOINT)
+    assert isinstance(last, bytes)
+    return last.decode()
 
 
 class FrontEndWatch:
@@ -448,7 +472,7 @@ async def engine_core_main() -> None:
             )
         outbox_send, outbox_receive = trio.open_memory_channel[EngineResponse](OUTBOX_SIZE)
         death = DeathReport(outbox_send)
-        api_servers = ApiServers() if init.frontends is not None else None
+        api_servers = ApiServers(engine_index) if init.frontends is not None else None
         async with trio.open_nursery() as outer:
             # The output socket outlives the rest, so that a failure can be reported.
             await outer.start(output_socket_actor, init.output_address, outbox_receive, death, api_servers)
@@ -504,13 +528,33 @@ async def _serve(
         if watch is not None:
             nursery.start_soon(watch.run)
         await nursery.start(input_socket_actor, init.input_address, inbox_send, watch and watch.heard)
+        bound = None  # where the API servers connect
         if api_servers is not None and api_servers[1] is not None and init.frontends is not None:
-            await api_servers[0].start(api_servers[1].run, init.frontends, info, inbox_send)
-        await handshake.send(_encode(Ready(info=info)))
+            start = functools.partial(api_servers[1].run, init.frontends, info, inbox_send)
+            bound = await _listen_for_api_servers(api_servers[0], start, handshake)
+        await handshake.send(_encode(Ready(info=info, frontends=bound)))
         lockstep = None if init.data_parallel is None else EngineWaves(init.data_parallel.rank)
         core = EngineCore(scheduler, executor, info, in_flight, lockstep)
         nursery.start_soon(_heartbeats, outbox.send, executor, core.load)
         await core.step_loop(inbox_receive, outbox)
+
+
+async def _listen_for_api_servers(
+    nursery: trio.Nursery, run: Callable[..., Awaitable[None]], handshake: TrioZmqSocket
+) -> FrontEndsInit:
+    """Start the API servers' sockets (``ApiServers.run``) in ``nursery``;
+    where they listen. A failure to bind (a port in use, an address not this
+    host's, no route to the head) is told to the front-end as
+    ``StartupFailed`` and raised (``EngineStartupError``)."""
+    try:
+        bound: FrontEndsInit = await nursery.start(run)
+        return bound
+    except* (OSError, zmq.ZMQError) as group:
+        message = f"cannot listen for the API servers: {group.exceptions[0]}"
+        process = f"engine-core-{os.environ.get(ENGINE_INDEX_ENV, '0')}"
+        with trio.CancelScope(shield=True), trio.move_on_after(1):
+            await handshake.send(_encode(StartupFailed(stage="handshake", message=message, process=process)))
+        raise EngineStartupError(message, stage="handshake", process=process) from None
 
 
 async def _start_executor(nursery: trio.Nursery, executor: Executor, handshake: TrioZmqSocket) -> EngineInfo:

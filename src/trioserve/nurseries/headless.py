@@ -9,7 +9,12 @@ Task tree (one ``trio.run``)::
 Each engine core connects to the head's handshake socket
 (``tcp://data_parallel_address:data_parallel_rpc_port``, CURVE unless
 ``insecure_tcp``), takes its configuration from the head's ``HandshakeInit``,
-starts its workers and serves. It ends when the head does not answer its
+starts its workers and serves. When the head runs several API-server
+processes, the engine core also listens for them, on TCP
+(``nurseries/api_servers.py``): on ``api_address`` (by default this host's
+address on the route to the head) and, with ``api_port`` P, engine core i
+of this host (rank R + i) on ports P + 2i and P + 2i + 1 (by default ports
+the kernel picks). It ends when the head does not answer its
 ``Hello`` within the handshake timeout, when the head has sent nothing (not
 even a ``Ping``) for ``heartbeat_timeout_s``, or when it fails; each time, its
 workers are stopped with it (and its process group is killed). With
@@ -31,6 +36,7 @@ from dataclasses import dataclass
 import trio
 
 from trioserve.errors import EngineDeadError
+from trioserve.nurseries.api_servers import API_SERVERS_HOST_ENV, API_SERVERS_PORT_ENV
 from trioserve.nurseries.engine_core import (
     CURVE_KEYS_ENV,
     ENGINE_INDEX_ENV,
@@ -56,6 +62,8 @@ class HeadlessConfig:
     insecure_tcp: bool = False
     reconnect: bool = True
     handshake_timeout_s: float = 30.0
+    api_address: str | None = None  # where the head's API servers reach this host (None: the route's)
+    api_port: int = 0  # the first of 2 * num_engines ports for the API servers (0: the kernel picks)
     backoff_s: float = 1.0
     shutdown_grace_s: float = 5.0
 
@@ -68,6 +76,10 @@ class HeadlessConfig:
             raise ValueError("data_parallel_rpc_port: must be a TCP port")
         if self.curve_keys_dir is None and not self.insecure_tcp:
             raise ValueError("curve_keys_dir: engine cores join the head over TCP: give CURVE keys, or insecure_tcp")
+        if self.api_address is not None and self.api_address in ("", "0.0.0.0", "::", "*"):
+            raise ValueError("headless_address: give an address of this host that the head can reach, not a wildcard")
+        if self.api_port and not 0 < self.api_port <= 65536 - 2 * self.num_engines:
+            raise ValueError(f"headless_port: {2 * self.num_engines} TCP ports from there must fit below 65536")
         if self.curve_keys_dir is not None:
             load_keys(self.curve_keys_dir)  # its permissions and contents, before anything starts
 
@@ -99,7 +111,10 @@ async def keep_engine(config: HeadlessConfig, rank: int) -> None:
         HANDSHAKE_ADDRESS_ENV: config.handshake_address,
         ENGINE_INDEX_ENV: str(rank),
         HANDSHAKE_TIMEOUT_ENV: str(config.handshake_timeout_s),
+        API_SERVERS_PORT_ENV: str(config.api_port + 2 * (rank - config.start_rank) if config.api_port else 0),
     }
+    if config.api_address is not None:
+        env[API_SERVERS_HOST_ENV] = config.api_address
     if config.curve_keys_dir is not None:
         env[CURVE_KEYS_ENV] = config.curve_keys_dir
     elif config.insecure_tcp:

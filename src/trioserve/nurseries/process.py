@@ -12,7 +12,9 @@ Invariants:
   until then the child is in this process's registry of live children, and
   whatever ends this process (under ``run_child_main``) first SIGKILLs them;
 - a child nobody asked to stop that exits (with any code) raises
-  ``ProcessExited``; ``stop()`` and ``declare_hung()`` both ask;
+  ``ProcessExited``; ``stop()`` and ``declare_hung()`` both ask, and
+  ``expect_exit()`` says that it was asked otherwise (a signal of the
+  caller's own, for a graceful exit);
 - after a stop, a child gets ``grace_s`` to exit, then SIGTERM, then after
   another ``grace_s`` SIGKILL, of its whole process group if it leads one;
   ``declare_hung()`` skips the graces: SIGKILL (group too) at once;
@@ -121,6 +123,7 @@ class ChildProcess:
         self._wait_scope = trio.CancelScope()
         self._returncode: int | None = None  # set when the supervising task reaps it
         self._killed_as_hung = False
+        self.exit_expected = False  # expect_exit(): asked to exit by other means than stop()
         self.stop_requested_at: float | None = None  # trio.current_time() of the first stop()
 
     @property
@@ -151,6 +154,13 @@ class ChildProcess:
             log.debug("%s (pid %d): asked to stop", self.name, self.pid)
         self._close_watch(STOP_BYTE)
         self._wait_scope.cancel()
+
+    def expect_exit(self) -> None:
+        """The caller asked the child to exit by its own means (a signal for a
+        graceful exit, say): from now on its exit raises nothing, and is
+        logged as asked for. Unlike ``stop()``, it neither closes the
+        parent-watch pipe nor starts the graces."""
+        self.exit_expected = True
 
     def declare_hung(self) -> None:
         """The child is hung (e.g. SIGSTOPped) and cannot use a grace: SIGKILL
@@ -206,8 +216,8 @@ async def supervise_process(
     ``new_process_group`` the child leads a new process group (see the module
     docstring for when the group is killed).
 
-    Returns once the child exits after ``child.stop()`` or
-    ``child.declare_hung()``. Raises ``ProcessExited`` if it exits without
+    Returns once the child exits after ``child.stop()``,
+    ``child.declare_hung()`` or ``child.expect_exit()``. Raises ``ProcessExited`` if it exits without
     being asked, whatever the code. If cancelled, it stops the child (same
     escalation, shielded), reaps it, then lets the cancellation go on:
     nothing is left running.
@@ -229,7 +239,7 @@ async def supervise_process(
         with trio.CancelScope(shield=True):
             await _reap(child)
     _log_exit(child)
-    if not child.stop_requested:
+    if not child.stop_requested and not child.exit_expected:
         raise ProcessExited(name, child.pid, child.returncode or 0)
 
 
@@ -335,5 +345,8 @@ def _log_exit(child: ChildProcess) -> None:
         log.info("%s (pid %d) %s after it was declared hung", child.name, child.pid, describe_exit(code))
     elif child.stop_requested:
         log.info("%s (pid %d) %s after stop", child.name, child.pid, describe_exit(code))
+    elif child.exit_expected:
+        level = logging.INFO if code == 0 else logging.WARNING
+        log.log(level, "%s (pid %d) %s after it was asked to exit", child.name, child.pid, describe_exit(code))
     else:
         log.warning("%s (pid %d) %s unexpectedly", child.name, child.pid, describe_exit(code))

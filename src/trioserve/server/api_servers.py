@@ -5,11 +5,14 @@ Task tree of the supervising process (its own ``trio.run``)::
 
     serve_api_servers
     ├── EngineGroup.run              the engine cores, supervised and restarted as with one API
-    │                                server; each also listens for the API servers (ipc://, in a
-    │                                private directory: nurseries/api_servers.py)
+    │                                server (those on other hosts join, as with one); each also
+    │                                listens for the API servers (nurseries/api_servers.py): a local
+    │                                one on ipc:// in a private directory, a remote one on TCP;
+    │                                each one's addresses are written in that directory
     └── keep_api_server × M          API server k: a child process, restarted when it dies
         └── api-server process       Server over the shared listening socket, attached to every
-                                     engine core (frontend/attached.py); watches its parent
+                                     engine core, local or remote (frontend/attached.py);
+                                     watches its parent
 
 The port. The supervising process binds and listens once, and hands the
 listening socket down (``pass_fds``) to every API server, which accepts on
@@ -30,8 +33,9 @@ Each API server is a supervised child: one that dies is restarted after
 ``restart_window_s`` (the engines' budget), past which ``serve`` stops
 (exit 1). Its clients see their connections close; the other API servers'
 see nothing. SIGTERM or SIGINT to the supervising process drains them
-(``drain``: each shuts down gracefully, as a single server does), then stops
-the engine cores. ``kill -9`` of the supervising process: the API servers and
+(``drain``: each shuts down gracefully, as a single server does, and its
+exit is an expected one: ``ChildProcess.expect_exit``), then stops the
+engine cores. ``kill -9`` of the supervising process: the API servers and
 engine cores see their parent-watch pipes end and go, with the workers,
 within about a second.
 """
@@ -55,7 +59,7 @@ from trioserve.config import EngineConfig
 from trioserve.errors import TrioserveError
 from trioserve.frontend.group import EngineGroup
 from trioserve.nurseries.child_main import remove_if_parent_dies
-from trioserve.nurseries.process import ProcessExited, supervise_process
+from trioserve.nurseries.process import ChildProcess, ProcessExited, supervise_process
 from trioserve.server.config import ServerConfig
 from trioserve.server.server import Server
 from trioserve.transport.zmq_trio import private_ipc_dir
@@ -94,14 +98,12 @@ class ApiServers:
     def __init__(self, engine_config: EngineConfig, server_config: ServerConfig, count: int) -> None:
         if count < 2:
             raise ValueError("api_server_count: the supervising process is for 2 or more API servers")
-        if engine_config.num_remote_engines:
-            raise ValueError("api_server_count: more than 1 is not supported with engines on other hosts yet")
         if engine_config.data_parallel_lockstep:
             raise ValueError("api_server_count: more than 1 is not supported with data_parallel_lockstep yet")
         self.engine_config = engine_config
         self.server_config = server_config
         self.count = count
-        self.pids: list[int | None] = [None] * count  # each API server's, while it runs
+        self.children: list[ChildProcess | None] = [None] * count  # each API server's, while it runs
         self.num_restarts = [0] * count
         self.port: int | None = None
         self.group: EngineGroup | None = None
@@ -115,10 +117,16 @@ class ApiServers:
         connection closes with 1001); a second call ends the grace at once.
         None is restarted after this. Never blocks."""
         self.draining = True
-        for pid in self.pids:
-            if pid is not None:
+        for child in self.children:
+            if child is not None and child.returncode is None:
+                child.expect_exit()
                 with contextlib.suppress(ProcessLookupError):
-                    os.kill(pid, DRAIN_SIGNAL)
+                    os.kill(child.pid, DRAIN_SIGNAL)
+
+    @property
+    def pids(self) -> list[int | None]:
+        """Each API server's pid, while it runs."""
+        return [None if child is None else child.pid for child in self.children]
 
     async def wait_drained(self) -> None:
         """Wait until no API server runs (after ``drain``)."""
@@ -160,10 +168,9 @@ class ApiServers:
         while True:
             try:
                 await self._run_one(k, fd, env, ready)
-            except* ProcessExited as group:
-                if not self.draining:  # else it exited as asked
-                    log.warning("api-server-%d: %s", k, group.exceptions[0])
-            self.pids[k] = None
+            except* ProcessExited as group:  # it died (an exit asked for by drain() raises nothing)
+                log.warning("api-server-%d: %s", k, group.exceptions[0])
+            self.children[k] = None
             if self.draining:
                 return
             ready = _nothing
@@ -178,6 +185,8 @@ class ApiServers:
                 )
             backoff = self.engine_config.restart_backoff_s * 2.0 ** (len(deaths) - 1)
             await trio.sleep(min(backoff, self.engine_config.restart_backoff_max_s))
+            if self.draining:  # drained during the backoff: none to start
+                return
             self.num_restarts[k] += 1
 
     async def _run_one(self, k: int, fd: int, env: dict[str, str], ready: Callable[[], None]) -> None:
@@ -196,7 +205,7 @@ class ApiServers:
                         grace_s=self.engine_config.shutdown_grace_s,
                     )
                 )
-                self.pids[k] = child.pid
+                self.children[k] = child
                 os.close(write_end)
                 write_end = -1
                 await trio.lowlevel.wait_readable(read_end)

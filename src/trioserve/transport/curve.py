@@ -3,10 +3,11 @@
 One key pair per deployment. ``trioserve keys DIR`` writes it (``write_keys``):
 ``DIR/trioserve.key`` (the public key) and ``DIR/trioserve.key_secret`` (both
 keys), each 0600, in a 0700 directory; copy that directory to every host.
-The side that binds (the head's front-end) is the CURVE server with the
-secret key; each side that connects (a headless engine core) is a CURVE
-client that presents the same pair and checks that the server holds the
-secret of the public key it expects. A peer without the secret cannot pose
+The side that binds (the head's front-end; a headless engine core's
+sockets for the head's API servers) is the CURVE server with the secret key;
+each side that connects (a headless engine core to the head; an API server
+to a headless engine core) is a CURVE client that presents the same pair
+and checks that the server holds the secret of the public key it expects. A peer without the secret cannot pose
 as the head, and a peer whose public key is not the deployment's is refused
 by the ZAP handler (``CurveAuthenticator``) during the ZeroMQ handshake,
 before any message of its is queued on the socket: it never reaches an
