@@ -226,7 +226,9 @@ async def test_a_missing_model_directory_is_a_start_up_error_in_one_line_naming_
 async def test_a_flood_that_never_reads_does_not_hold_back_a_polite_clients_request(fake_config, flood):
     """10 connections x 64 requests that never read (long outputs, or prompts
     that fill the context) beside one polite request of 8 tokens: it
-    completes within 2 s. Before, it took 60 s (45 s at the context limit)."""
+    completes within 2 s on a quiet machine, and the bound is 10 s, for a
+    machine busy with other tests. Before, it took 60 s (45 s at the context
+    limit)."""
     config = fake_config(step_delay_s=0.005, max_num_seqs=16, max_model_len=2048, num_kv_blocks=1024)
     prompt = [7] * (2000 if flood == "prompts-at-the-context-limit" else 16)
     with trio.fail_after(60):
@@ -255,7 +257,7 @@ async def test_a_flood_that_never_reads_does_not_hold_back_a_polite_clients_requ
 
                 took, terminal = await in_thread(polite)
                 assert terminal["type"] == "done" and terminal["usage"]["completion_tokens"] == 8
-                assert took < 2.0, f"the polite request took {took:.2f}s"
+                assert took < 10.0, f"the polite request took {took:.2f}s"
             finally:
                 for ws in flooding:  # the flooder vanishes: its requests are aborted, their blocks freed
                     ws.socket.shutdown(socket.SHUT_RDWR)

@@ -376,6 +376,33 @@ async def test_metrics_parse_and_their_counters_move_as_requests_are_served(conf
     assert ("trioserve_num_preemptions_total", engine0) in after
 
 
+async def test_with_two_engines_each_metric_is_each_engines_own(config):
+    """Data parallel: every series exists for engine 0 and engine 1 from the
+    start, a request counts under the engine it ran on, and the gauges are
+    each engine's own (not the sum under engine 0)."""
+    with trio.fail_after(60):
+        async with serving(config(data_parallel_size=2, step_delay_s=0.02), model_name=MODEL) as server:
+            before = parse_metrics((await run(raw_request, server, "GET", "/metrics"))[2])
+            api = client(server)
+            async with trio.open_nursery() as nursery:  # six at once: the least loaded engine takes each
+                for i in range(6):
+                    nursery.start_soon(
+                        functools.partial(run, api.completions.create, model=MODEL, prompt=f"n{i}", max_tokens=5)
+                    )
+            engine = server.engine
+            assert engine is not None
+            stats = await engine.stats()
+            after = parse_metrics((await run(raw_request, server, "GET", "/metrics"))[2])
+    for index in ("0", "1"):
+        assert before["trioserve_requests_total", (("engine", index), ("finish_reason", "length"))] == 0
+        assert ("trioserve_num_requests_running", (("engine", index),)) in before
+    served = [after["trioserve_requests_total", (("engine", i), ("finish_reason", "length"))] for i in "01"]
+    assert served == [e.num_requests for e in stats.engines]  # each engine's own count, as the engine says
+    assert sum(served) == 6 and all(n > 0 for n in served)
+    generated = [after["trioserve_generation_tokens_total", (("engine", i),)] for i in "01"]
+    assert generated == [5 * n for n in served]
+
+
 async def test_keep_alive_serves_several_requests_on_one_connection_and_an_idle_one_is_closed(config):
     with trio.fail_after(60):
         async with serving(

@@ -183,8 +183,14 @@ class Engine:
 
     @property
     def num_restarts(self) -> int:
-        """How many times the engine core has been restarted."""
+        """How many times the engine core has been restarted (with several
+        engines: all of them together)."""
         return self._group.num_restarts
+
+    @property
+    def num_restarts_by_engine(self) -> list[int]:
+        """How many times each engine core has been restarted, by engine index."""
+        return [s.num_restarts for s in self._group.supervisors]
 
     async def wait_failed(self) -> EngineDeadError:
         """Wait until the engine has failed for good (it died more often than
@@ -396,6 +402,7 @@ class Engine:
         submitted: list[RequestState] = []
         try:
             for state in states:
+                state.engine_index = client.engine_index
                 await client.submit(state, wave)
                 submitted.append(state)
         except BaseException:

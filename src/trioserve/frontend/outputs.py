@@ -73,6 +73,7 @@ class RequestMetrics:
     time_to_first_token_s: float | None
     inter_token_s: tuple[float, ...]
     e2e_s: float
+    engine_index: int = 0  # the engine (data parallel) it ran on
 
 
 @dataclass

@@ -34,6 +34,7 @@ class RequestState:
         self.num_cached_tokens: int | None = None  # prompt tokens from the prefix cache, from the first token on
         self.finished = False
         self._on_end = on_end  # told once, when the request ends
+        self.engine_index = 0  # the engine it was submitted to (data parallel)
         self._started = time.monotonic()
         self._first_token_at: float | None = None
         self._last_output_at = 0.0
@@ -111,5 +112,6 @@ class RequestState:
                 time_to_first_token_s=None if first is None else first - self._started,
                 inter_token_s=tuple(self._inter_token_s),
                 e2e_s=time.monotonic() - self._started,
+                engine_index=self.engine_index,
             )
         )

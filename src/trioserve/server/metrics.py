@@ -2,14 +2,14 @@
 
 Each ``ServerMetrics`` has a registry of its own (never the process-wide
 default one), so that several servers, and tests, in one process do not
-collide. Every metric has an ``engine`` label (the engine's index, "0"
-today) so that several engines fit later.
+collide. Every metric has an ``engine`` label, the index of the engine it
+is about (data parallel: "0" .. "N-1"; with one engine, "0").
 
 Two sources: each request, when it ends, through the engine's request
 observer (counts by finish reason, tokens, latency histograms); and, at
-each scrape, the engine core's own counters (``Engine.stats()``: running
-and waiting requests, KV-cache usage, preemptions) and the supervisor's
-restart count. Counters the engine core keeps since its own start (which
+each scrape, the engine cores' own counters (``Engine.stats()``, each
+engine's: running and waiting requests, KV-cache usage, preemptions) and
+each supervisor's restart count. Counters the engine core keeps since its own start (which
 restart from zero with it) are turned into counters that never go down.
 docs/metrics.md lists every metric.
 """
@@ -79,11 +79,11 @@ _ITL_BUCKETS = (
 
 
 class ServerMetrics:
-    """The metrics of one server, for one engine (``engine_index``)."""
+    """The metrics of one server, for each of its ``num_engines`` engines."""
 
-    def __init__(self, engine_index: int = 0) -> None:
+    def __init__(self, num_engines: int = 1) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
-        self.engine_label = str(engine_index)
+        self.engine_labels = [str(i) for i in range(num_engines)]
         r, labels = self.registry, ["engine"]
         self.requests = Counter(
             f"{PREFIX}requests",
@@ -129,8 +129,8 @@ class ServerMetrics:
         self.restarts = Counter(
             f"{PREFIX}engine_restarts", "Times the engine core was restarted after dying.", labels, registry=r
         )
-        self._last_preemptions = 0
-        self._last_restarts = 0
+        self._last_preemptions = [0] * num_engines
+        self._last_restarts = [0] * num_engines
         for metric in (
             self.prompt_tokens,
             self.generation_tokens,
@@ -143,13 +143,15 @@ class ServerMetrics:
             self.preemptions,
             self.restarts,
         ):
-            metric.labels(self.engine_label)  # present from the start, at zero
-        for reason in ("stop", "length", "abort", "error"):
-            self.requests.labels(self.engine_label, reason)
+            for label in self.engine_labels:
+                metric.labels(label)  # present from the start, at zero
+        for label in self.engine_labels:
+            for reason in ("stop", "length", "abort", "error"):
+                self.requests.labels(label, reason)
 
     def observe(self, request: RequestMetrics) -> None:
         """Record one ended request (an ``Engine`` request observer)."""
-        engine = self.engine_label
+        engine = str(request.engine_index)
         self.requests.labels(engine, request.finish_reason).inc()
         self.prompt_tokens.labels(engine).inc(request.num_prompt_tokens)
         self.generation_tokens.labels(engine).inc(request.num_output_tokens)
@@ -160,33 +162,36 @@ class ServerMetrics:
             itl.observe(gap)
         self.e2e.labels(engine).observe(request.e2e_s)
 
-    def update_from_stats(self, stats: EngineStats, num_restarts: int) -> None:
-        """Set the gauges from the engine core's counters."""
-        engine = self.engine_label
-        self.running.labels(engine).set(stats.num_running)
-        self.waiting.labels(engine).set(stats.num_waiting)
-        used = stats.num_total_blocks - stats.num_free_blocks
-        self.kv_usage.labels(engine).set(used / stats.num_total_blocks if stats.num_total_blocks else 0.0)
-        # The engine core counts since its start: after a restart, from zero.
-        grown = stats.num_preemptions - self._last_preemptions
-        self.preemptions.labels(engine).inc(grown if grown >= 0 else stats.num_preemptions)
-        self._last_preemptions = stats.num_preemptions
-        self.update_restarts(num_restarts)
+    def update_from_stats(self, stats: EngineStats) -> None:
+        """Set the gauges from the engine cores' counters (each engine's own,
+        with several; an engine that is restarting reports zeros)."""
+        for index, own in enumerate(stats.engines or [stats]):
+            engine = str(index)
+            self.running.labels(engine).set(own.num_running)
+            self.waiting.labels(engine).set(own.num_waiting)
+            used = own.num_total_blocks - own.num_free_blocks
+            self.kv_usage.labels(engine).set(used / own.num_total_blocks if own.num_total_blocks else 0.0)
+            # The engine core counts since its start: after a restart, from zero.
+            grown = own.num_preemptions - self._last_preemptions[index]
+            self.preemptions.labels(engine).inc(grown if grown >= 0 else own.num_preemptions)
+            self._last_preemptions[index] = own.num_preemptions
 
-    def update_restarts(self, num_restarts: int) -> None:
-        self.restarts.labels(self.engine_label).inc(max(0, num_restarts - self._last_restarts))
-        self._last_restarts = max(self._last_restarts, num_restarts)
+    def update_restarts(self, num_restarts: list[int]) -> None:
+        """Each engine's restart count, by engine index."""
+        for index, count in enumerate(num_restarts):
+            self.restarts.labels(str(index)).inc(max(0, count - self._last_restarts[index]))
+            self._last_restarts[index] = max(self._last_restarts[index], count)
 
     async def render(self, engine: Engine | None) -> bytes:
         """The text exposition, after asking the engine core for its counters
         (at most ``STATS_TIMEOUT_S``; without them while it restarts). If
         cancelled, nothing is left behind."""
         if engine is not None:
-            self.update_restarts(engine.num_restarts)
+            self.update_restarts(engine.num_restarts_by_engine)
             if engine.health in ("ready", "stalled"):
                 with trio.move_on_after(STATS_TIMEOUT_S):
                     try:
-                        self.update_from_stats(await engine.stats(), engine.num_restarts)
+                        self.update_from_stats(await engine.stats())
                     except Exception as exc:  # the engine died meanwhile: serve what we have
                         log.debug("metrics without engine stats: %s", exc)
         return generate_latest(self.registry)

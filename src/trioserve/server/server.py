@@ -99,7 +99,7 @@ class Server:
         self._no_websockets = trio.Event()
         self._no_websockets.set()
         self._engine_failure: EngineDeadError | None = None
-        self.metrics = ServerMetrics()
+        self.metrics = ServerMetrics(engine_config.data_parallel_size)
         self.api = HttpApi(self.state, self.config, self.metrics, self.config.model_name or model_name(engine_config))
 
     @property
