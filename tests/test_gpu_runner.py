@@ -198,6 +198,27 @@ def test_decodes_split_into_several_groups_match_generate(tiny_model_dir, arch, 
     assert max(group_counts) >= 3
 
 
+@pytest.mark.parametrize("arch", ["llama", "gemma2"])  # gemma2: windows and softcaps through the op
+@pytest.mark.filterwarnings("ignore:`torch.jit.script_method` is deprecated:DeprecationWarning")  # inductor's imports
+def test_compiled_model_matches_generate_in_one_graph(tiny_model_dir, arch):
+    """The compiled model (gpu/compiled.py), compiled while the KV cache is
+    set up, then never again: steps with no sampled row, one token, prefill
+    chunks beside decodes, and a preemption all run the same graph."""
+    model_dir = tiny_model_dir(arch)
+    prompts = make_prompts([41, 5, 23, 2])
+    expected = reference_greedy(model_dir, prompts, GREEDY.max_tokens)
+    runner, _ = make_runner(model_dir, compile=True)  # compiles here, on a dummy step
+    assert runner.compile_seconds > 0
+    assert runner._decode_kernel is not None  # decodes read the cache in place (gpu/cpu_attention.py)
+    sched = MiniScheduler(runner, num_blocks=128, block_size=4, token_budget=24)
+    for i, prompt in enumerate(prompts):
+        sched.add(f"r{i}", prompt)
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        assert sched.step().req_ids == []  # 24 of r0's 41 tokens: nothing sampled
+        outputs = sched.run(preempt_at={4: "r2"})  # ... down to r0 decoding alone: one token
+    assert [outputs[f"r{i}"] for i in range(len(prompts))] == expected
+
+
 def test_step_log_has_a_line_per_step(tiny_model_dir, tmp_path, monkeypatch):
     from trioserve.runners.steplog import STEP_LOG_ENV, read_step_log
 
