@@ -171,9 +171,13 @@ def test_packed_chunked_and_preempted_batch_matches_generate(tiny_model_dir, arc
 
 @pytest.mark.parametrize("arch", ["llama", "gemma2"])
 def test_decodes_split_into_several_groups_match_generate(tiny_model_dir, arch, monkeypatch):
+    # The portable path (the CPU kernel attends every decode in one call).
     # The tiny models' blocks are small enough that every decode shares one
     # group; a budget of 12 blocks per group splits this batch into several.
     from trioserve.gpu import attention
+    from trioserve.gpu.cpu_attention import CPU_ATTENTION_ENV
+
+    monkeypatch.setenv(CPU_ATTENTION_ENV, "0")
 
     model_dir = tiny_model_dir(arch)
     prompts = make_prompts([5, 23, 41, 2, 14, 30], seed=11)

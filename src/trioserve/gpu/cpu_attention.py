@@ -16,10 +16,12 @@ this is our own: one C++ function, per sequence (threads over sequences):
 3. the weighted sum of V, token by token, into accumulators in L1.
 
 It is built with inductor's own C++ toolchain and headers (``at::vec``
-vectors, OpenMP), at the first use in a process, and cached like inductor's
-kernels (``compiled.inductor_cache_dir()``): seconds the first time, a
-fraction of a second after. Float32 only; other dtypes and devices take the
-portable path.
+vectors, OpenMP) when a worker loads its model, and cached like inductor's
+kernels (``compiled.inductor_cache_dir()``): about 15 s the first time on
+this machine, about 1 s in each later process (inductor's checks of the
+compiler and of the vector ISA). On by default on the CPU at float32
+(``TRIOSERVE_CPU_ATTENTION=0``: the portable path); other dtypes and
+devices take the portable path.
 """
 
 from __future__ import annotations
@@ -32,6 +34,9 @@ import torch
 from trioserve.gpu.compiled import INDUCTOR_CACHE_ENV, inductor_cache_dir
 
 log = logging.getLogger(__name__)
+
+# "0": decodes gather their K/V and run SDPA (the portable path) on the CPU too.
+CPU_ATTENTION_ENV = "TRIOSERVE_CPU_ATTENTION"
 
 _SOURCE = r"""
 #include <algorithm>
@@ -160,9 +165,10 @@ class CpuDecodeKernel:
 
 
 def load_decode_kernel(device: torch.device, dtype: torch.dtype) -> CpuDecodeKernel | None:
-    """The kernel where it applies (the CPU, float32) and builds; else None
-    (the portable path), with the build error logged."""
-    if device.type != "cpu" or dtype != torch.float32:
+    """The kernel where it applies (the CPU, float32, not switched off by
+    ``TRIOSERVE_CPU_ATTENTION=0``) and builds; else None (the portable path),
+    with the build error logged."""
+    if device.type != "cpu" or dtype != torch.float32 or os.environ.get(CPU_ATTENTION_ENV, "1") == "0":
         return None
     try:
         return CpuDecodeKernel()

@@ -142,7 +142,7 @@ class ModelRunner:
         self.compiled = config.compile and world_size == 1
         self.compile_seconds = 0.0  # the last warm-up's, compilation included
         self._forward: Forward | None = None  # the model's forward: eager, or compiled (gpu/compiled.py)
-        self._decode_kernel: DecodeKernel | None = None  # compiled only: gpu/cpu_attention.py
+        self._decode_kernel: DecodeKernel | None = None  # decodes reading the cache in place (CPU, float32)
         self.kv_caches: KVCache = []
         self.num_blocks = 0
         self.requests: dict[str, _Request] = {}
@@ -196,9 +196,9 @@ class ModelRunner:
             self.config.model, self.world_size, attn_implementation=ATTENTION_NAME, dtype=self.dtype
         )
         self.model = torch.nn.Module.to(model, self.device).eval().requires_grad_(False)
+        self._decode_kernel = load_decode_kernel(self.device, self.dtype)  # gpu/cpu_attention.py
         if self.compiled:
             self._forward = compiled_forward(model)  # its linears stay plain nn.Linear
-            self._decode_kernel = load_decode_kernel(self.device, self.dtype)
         else:
             if self.world_size == 1 and packing_supported(self.device, self.dtype):
                 pack_linears(model)  # oneDNN's blocked weights: gpu/cpu_linear.py
