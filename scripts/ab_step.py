@@ -4,7 +4,7 @@ load hits them all alike::
 
     PYTHONPATH=src python scripts/ab_step.py --model smollm2-135m --torch-threads 1 --settings 0,all
     PYTHONPATH=src python scripts/ab_step.py --model smollm2-135m --torch-threads 1 \
-        --settings all,compile-kernel,compile,all+kernel
+        --settings all-kernel,all,compile,compile-unpacked
 
 Steps: a decode of 32 sequences (contexts 64-320) and a prefill of 2048
 tokens (14 prompts). Prints each setting's median and best step time, and
@@ -12,9 +12,10 @@ the median over rounds of the first setting's time over each one's.
 
 A setting is ``TRIOSERVE_PACKED_LINEAR`` of an eager runner (``0``,
 ``lm_head`` or ``all``: ``gpu/cpu_linear.py``) or ``compile`` (``--compile``:
-``gpu/compiled.py``, compiled before the rounds start, with the CPU decode
-kernel of ``gpu/cpu_attention.py``), then optionally ``+kernel`` (that
-kernel in an eager runner) or ``-kernel`` (a compiled runner without it).
+``gpu/compiled.py``, compiled before the rounds start; ``compile-unpacked``:
+with ``TRIOSERVE_PACKED_LINEAR=0``), then optionally ``-kernel``: without the
+CPU decode kernel of ``gpu/cpu_attention.py`` (``TRIOSERVE_CPU_ATTENTION=0``),
+or ``+kernel``: with it (the default where it applies).
 """
 
 from __future__ import annotations
@@ -39,8 +40,8 @@ def make_runner(model: str, threads: int, dtype: str, setting: str) -> ModelRunn
     base, kernel = setting, ""
     if setting.endswith(("+kernel", "-kernel")):
         base, kernel = setting[:-7], setting[-7:]
-    compile_ = base == "compile"
-    os.environ[cpu_linear.PACKED_LINEAR_ENV] = "all" if compile_ else base
+    compile_ = base.startswith("compile")
+    os.environ[cpu_linear.PACKED_LINEAR_ENV] = {"compile": "all", "compile-unpacked": "0"}.get(base, base)
     config = EngineConfig(model=model, torch_threads=threads, dtype=dtype, num_kv_blocks=1200, compile=compile_)
     runner = ModelRunner(config)
     runner.load()

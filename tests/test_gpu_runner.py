@@ -207,7 +207,8 @@ def test_decodes_split_into_several_groups_match_generate(tiny_model_dir, arch, 
 def test_compiled_model_matches_generate_in_one_graph(tiny_model_dir, arch):
     """The compiled model (gpu/compiled.py), compiled while the KV cache is
     set up, then never again: steps with no sampled row, one token, prefill
-    chunks beside decodes, and a preemption all run the same graph."""
+    chunks beside decodes, a preemption, and the model reloaded after a
+    deep sleep all run the same graph."""
     model_dir = tiny_model_dir(arch)
     prompts = make_prompts([41, 5, 23, 2])
     expected = reference_greedy(model_dir, prompts, GREEDY.max_tokens)
@@ -220,7 +221,12 @@ def test_compiled_model_matches_generate_in_one_graph(tiny_model_dir, arch):
     with torch._dynamo.config.patch(error_on_recompile=True):
         assert sched.step().req_ids == []  # 24 of r0's 41 tokens: nothing sampled
         outputs = sched.run(preempt_at={4: "r2"})  # ... down to r0 decoding alone: one token
-    assert [outputs[f"r{i}"] for i in range(len(prompts))] == expected
+        assert [outputs[f"r{i}"] for i in range(len(prompts))] == expected
+        runner.sleep(2)  # the weights freed, then loaded again: the same graph serves them
+        runner.wake_up()
+        again = MiniScheduler(runner, num_blocks=128, block_size=4, token_budget=24)
+        again.add("r0", prompts[0])
+        assert again.run()["r0"] == expected[0]
 
 
 def test_step_log_has_a_line_per_step(tiny_model_dir, tmp_path, monkeypatch):

@@ -9,13 +9,19 @@ sequences back to back. Each layer's attention call
    back through its block table: the token at position p sees positions
    <= p (and > p - sliding_window on sliding layers).
 
-Sequences with one new token (decodes), sorted by context length, share
-padded SDPA calls with a length mask, in groups whose gathered K/V stay in
-the CPU's caches (``DECODE_GROUP_BYTES``; one group on other devices);
-multi-token sequences (prefills, prefill chunks) get one call each.
-Everything the layers need is built once per step by ``build_metadata``
-and reaches the attention function unchanged through the
-``trioserve_metadata`` keyword of ``model(...)``.
+Sequences with one new token (decodes) attend through the step's
+``decode_kernel`` where there is one (on the CPU at float32: one call that
+reads the cache in place, ``gpu/cpu_attention.py``); otherwise, sorted by
+context length, they share padded SDPA calls with a length mask over K/V
+gathered from the cache, in groups whose gathered K/V stay in the CPU's
+caches (``DECODE_GROUP_BYTES``; one group on other devices). Multi-token
+sequences (prefills, prefill chunks) get one SDPA call each.
+
+Everything the layers need is built once per step by ``build_metadata``; the
+runner makes it current around the model call (``step_metadata``), and each
+layer's attention, the custom op ``trioserve::paged_attention``, reads it
+there: a compiled model (``gpu/compiled.py``) carries no Python object
+through its graph, and none of the metadata reaches a dynamo guard.
 
 Invariants: cache tensors are ``[num_blocks, block_size, KVH, D]`` and hold
 only finite values (padding reads are masked, never NaN); a sequence's block
@@ -303,14 +309,12 @@ def paged_attention_forward(
 ) -> tuple[torch.Tensor, None]:
     """The ``AttentionInterface`` entry: query ``[1, H, T, D]``, key/value
     ``[1, KVH, T, D]`` -> ``([1, T, H, D], None)``. ``attention_mask`` is unused:
-    masks come from the step's metadata (``step_metadata``). Under
-    ``torch.compile`` the whole call is one opaque op, ``trioserve::paged_attention``.
+    masks come from the step's metadata (``step_metadata``). The whole call is
+    one op, ``trioserve::paged_attention``: opaque to ``torch.compile``, and one
+    line of a profile.
     """
     scale = float(module.scaling if scaling is None else scaling)
-    if torch.compiler.is_compiling():
-        out = torch.ops.trioserve.paged_attention(query, key, value, module.layer_idx, scale, sliding_window, softcap)
-    else:
-        out = paged_attention(query, key, value, module.layer_idx, scale, sliding_window, softcap)
+    out = torch.ops.trioserve.paged_attention(query, key, value, module.layer_idx, scale, sliding_window, softcap)
     return out[None], None
 
 
@@ -324,8 +328,8 @@ def paged_attention_op(
     window: int | None,
     softcap: float | None,
 ) -> torch.Tensor:
-    """``paged_attention`` as a custom op: what a compiled graph calls. It writes
-    the layer's KV cache, which is not an argument: the graph sees a pure op."""
+    """``paged_attention`` as a custom op, what every layer calls. It writes the
+    layer's KV cache, which is not an argument: a compiled graph sees a pure op."""
     return paged_attention(query, key, value, layer_idx, scale, window, softcap)
 
 

@@ -56,8 +56,7 @@ def eager_forward(model: torch.nn.Module) -> Forward:
 
 def compiled_forward(model: torch.nn.Module) -> Forward:
     """The model under ``torch.compile``, compiled lazily at the first call
-    (run the calls under ``torch.inference_mode()``). The model must hold plain
-    ``nn.Linear`` layers: inductor cannot lower ``cpu_linear.PackedLinear``."""
+    (run the calls under ``torch.inference_mode()``)."""
     os.environ.setdefault(INDUCTOR_CACHE_ENV, str(inductor_cache_dir()))
     compiled = torch.compile(model, fullgraph=True)
 
@@ -68,8 +67,3 @@ def compiled_forward(model: torch.nn.Module) -> Forward:
         return out.logits[0]
 
     return forward
-
-
-def forget_compiled() -> None:
-    """Drop every compiled graph (and the weights frozen into them)."""
-    torch._dynamo.reset()

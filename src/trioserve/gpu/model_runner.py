@@ -33,7 +33,7 @@ from trioserve.gpu.attention import (
     build_metadata,
     step_metadata,
 )
-from trioserve.gpu.compiled import Forward, compiled_forward, eager_forward, forget_compiled, inductor_cache_dir
+from trioserve.gpu.compiled import Forward, compiled_forward, eager_forward, inductor_cache_dir
 from trioserve.gpu.cpu_attention import load_decode_kernel
 from trioserve.gpu.cpu_linear import pack_linears, packing_supported
 from trioserve.gpu.host_memory import keep_freed_memory, release_freed_memory, resident_bytes
@@ -197,12 +197,9 @@ class ModelRunner:
         )
         self.model = torch.nn.Module.to(model, self.device).eval().requires_grad_(False)
         self._decode_kernel = load_decode_kernel(self.device, self.dtype)  # gpu/cpu_attention.py
-        if self.compiled:
-            self._forward = compiled_forward(model)  # its linears stay plain nn.Linear
-        else:
-            if self.world_size == 1 and packing_supported(self.device, self.dtype):
-                pack_linears(model)  # oneDNN's blocked weights: gpu/cpu_linear.py
-            self._forward = eager_forward(model)
+        if self.world_size == 1 and packing_supported(self.device, self.dtype):
+            pack_linears(model)  # oneDNN's blocked weights: gpu/cpu_linear.py
+        self._forward = compiled_forward(model) if self.compiled else eager_forward(model)
         return model
 
     def _blocks_for_budget(self, max_model_len: int) -> int:
@@ -264,9 +261,8 @@ class ModelRunner:
         core sleeps only once none is running. Sleeping again only frees more."""
         self.kv_caches = []
         if level >= 2:
+            # A compiled graph takes the weights as inputs: it holds none, and serves the reloaded model.
             self.model = self._forward = None
-            if self.compiled:
-                forget_compiled()  # its graphs hold the weights as constants
         self.sleep_level = max(self.sleep_level, level)
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
