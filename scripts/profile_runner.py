@@ -1,7 +1,7 @@
 """Profile the model runner on the bench workload (the model-only loop)::
 
     PYTHONPATH=src python scripts/profile_runner.py --model smollm2-135m \
-        --num-requests 32 --torch-threads 1 [--dtype bfloat16]
+        --num-requests 32 --torch-threads 1 [--dtype bfloat16] [--compile]
 
 Runs the ``model-only`` baseline's closed loop (our scheduler and
 ``ModelRunner``, no IPC) under ``torch.profiler`` and prints the operators
@@ -33,11 +33,12 @@ def main() -> None:
     p.add_argument("--dtype", default="auto")
     p.add_argument("--rows", type=int, default=25)
     p.add_argument("--no-profiler", action="store_true")
+    p.add_argument("--compile", action="store_true", help="the compiled model (gpu/compiled.py)")
     args = p.parse_args()
     model_dir = resolve_model(args.model)
     config = EngineConfig(
         model=str(model_dir), dtype=args.dtype, max_num_seqs=args.concurrency, torch_threads=args.torch_threads,
-        kv_cache_memory_bytes=512 * 2**20,
+        kv_cache_memory_bytes=512 * 2**20, compile=args.compile,
     )  # fmt: skip
     vocab = int(__import__("json").loads((model_dir / "config.json").read_text())["vocab_size"])
     spec = WorkloadSpec(
@@ -46,7 +47,7 @@ def main() -> None:
     )  # fmt: skip
     started = time.perf_counter()
     bench = _ModelOnly(config)
-    print(f"load: {time.perf_counter() - started:.1f} s")
+    print(f"load: {time.perf_counter() - started:.1f} s (compiling: {bench.runner.compile_seconds:.1f} s)")
     started = time.perf_counter()
     bench.run(_warmup_requests(spec), None)
     print(f"warm-up: {time.perf_counter() - started:.1f} s")

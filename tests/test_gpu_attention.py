@@ -10,7 +10,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from trioserve.gpu.attention import METADATA_KWARG, build_metadata, paged_attention_forward  # noqa: E402
+from trioserve.gpu.attention import build_metadata, paged_attention_forward, step_metadata  # noqa: E402
 
 H, KVH, D, BLOCK = 4, 2, 8, 4
 
@@ -30,10 +30,13 @@ def reference(q, k, v, scale, window=None, softcap=None):
     return (scores.softmax(-1) @ v).transpose(0, 1)
 
 
-def run_steps(seqs, steps, scale, window, softcap, scale_from_module, num_blocks=64, decode_group_blocks=None):
+def run_steps(
+    seqs, steps, scale, window, softcap, scale_from_module, num_blocks=64, decode_group_blocks=None, decode_kernel=None
+):
     """Feed each sequence's q/k/v through the paged function, ``steps`` giving
     per step the number of new tokens of each sequence (0: not scheduled)."""
-    caches = [(torch.zeros(num_blocks, BLOCK, KVH, D), torch.zeros(num_blocks, BLOCK, KVH, D))]
+    d = seqs[0]["q"].shape[-1]
+    caches = [(torch.zeros(num_blocks, BLOCK, KVH, d), torch.zeros(num_blocks, BLOCK, KVH, d))]
     free = list(range(num_blocks))
     random.Random(0).shuffle(free)
     tables = [[free.pop() for _ in range(math.ceil(s["q"].shape[1] / BLOCK))] for s in seqs]
@@ -48,19 +51,19 @@ def run_steps(seqs, steps, scale, window, softcap, scale_from_module, num_blocks
         v = torch.cat([seqs[i]["v"][:, r] for i, r in zip(active, rows, strict=True)], dim=1)[None]
         meta = build_metadata(
             [counts[i] for i in active], [done[i] + counts[i] for i in active], [tables[i] for i in active],
-            BLOCK, caches, torch.device("cpu"), decode_group_blocks,
+            BLOCK, caches, torch.device("cpu"), decode_group_blocks, decode_kernel,
         )  # fmt: skip
-        out, _ = paged_attention_forward(
-            module,
-            q,
-            k,
-            v,
-            None,
-            scaling=None if scale_from_module else scale,
-            sliding_window=window,
-            softcap=softcap,
-            **{METADATA_KWARG: meta},
-        )
+        with step_metadata(meta):
+            out, _ = paged_attention_forward(
+                module,
+                q,
+                k,
+                v,
+                None,
+                scaling=None if scale_from_module else scale,
+                sliding_window=window,
+                softcap=softcap,
+            )
         start = 0
         for i in active:
             outs[i].append(out[0, start : start + counts[i]])
@@ -91,6 +94,35 @@ def test_prefill_chunks_and_decodes_match_per_sequence_attention(window, softcap
     got = run_steps(seqs, steps, scale, window, softcap, scale_from_module)
     for seq, out in zip(seqs, got, strict=True):
         torch.testing.assert_close(out, reference(seq["q"], seq["k"], seq["v"], scale, window, softcap))
+
+
+@pytest.fixture(scope="module")
+def decode_kernel():
+    from trioserve.gpu.cpu_attention import load_decode_kernel
+
+    kernel = load_decode_kernel(torch.device("cpu"), torch.float32)
+    assert kernel is not None
+    return kernel
+
+
+@pytest.mark.filterwarnings("ignore:`torch.jit.script_method` is deprecated:DeprecationWarning")  # inductor's imports
+@pytest.mark.parametrize(
+    ("window", "softcap", "head_dim"), [(None, None, 8), (5, None, 8), (None, 2.0, 8), (3, 1.5, 8), (None, None, 44)]
+)
+def test_decode_kernel_matches_per_sequence_attention(decode_kernel, window, softcap, head_dim):
+    """The CPU kernel reading the cache in place (gpu/cpu_attention.py), at
+    an odd head size too (the vector loops' tails)."""
+    gen = torch.Generator().manual_seed(2)
+    decodes = 4
+    lengths = [n + decodes for n in (2, 13, 7, 21)]
+    seqs = [
+        {name: torch.randn(heads, n, head_dim, generator=gen) for name, heads in (("q", H), ("k", KVH), ("v", KVH))}
+        for n in lengths
+    ]
+    steps = [[n - decodes for n in lengths]] + [[1] * len(lengths)] * decodes
+    got = run_steps(seqs, steps, 0.3, window, softcap, False, decode_kernel=decode_kernel)
+    for seq, out in zip(seqs, got, strict=True):
+        torch.testing.assert_close(out, reference(seq["q"], seq["k"], seq["v"], 0.3, window, softcap))
 
 
 @pytest.mark.parametrize("decode_group_blocks", [1, 5, 8])
@@ -124,5 +156,5 @@ def test_decode_groups_are_sorted_by_length_and_capped():
 def test_missing_metadata_is_a_clear_error():
     module = SimpleNamespace(layer_idx=0, scaling=1.0)
     q = torch.zeros(1, H, 2, D)
-    with pytest.raises(RuntimeError, match=METADATA_KWARG):
+    with pytest.raises(RuntimeError, match="step_metadata"):
         paged_attention_forward(module, q, q[:, :KVH], q[:, :KVH], None)

@@ -171,9 +171,13 @@ def test_packed_chunked_and_preempted_batch_matches_generate(tiny_model_dir, arc
 
 @pytest.mark.parametrize("arch", ["llama", "gemma2"])
 def test_decodes_split_into_several_groups_match_generate(tiny_model_dir, arch, monkeypatch):
+    # The portable path (the CPU kernel attends every decode in one call).
     # The tiny models' blocks are small enough that every decode shares one
     # group; a budget of 12 blocks per group splits this batch into several.
     from trioserve.gpu import attention
+    from trioserve.gpu.cpu_attention import CPU_ATTENTION_ENV
+
+    monkeypatch.setenv(CPU_ATTENTION_ENV, "0")
 
     model_dir = tiny_model_dir(arch)
     prompts = make_prompts([5, 23, 41, 2, 14, 30], seed=11)
@@ -196,6 +200,33 @@ def test_decodes_split_into_several_groups_match_generate(tiny_model_dir, arch, 
     outputs = sched.run()
     assert [outputs[f"r{i}"] for i in range(len(prompts))] == expected
     assert max(group_counts) >= 3
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma2"])  # gemma2: windows and softcaps through the op
+@pytest.mark.filterwarnings("ignore:`torch.jit.script_method` is deprecated:DeprecationWarning")  # inductor's imports
+def test_compiled_model_matches_generate_in_one_graph(tiny_model_dir, arch):
+    """The compiled model (gpu/compiled.py), compiled while the KV cache is
+    set up, then never again: steps with no sampled row, one token, prefill
+    chunks beside decodes, a preemption, and the model reloaded after a
+    deep sleep all run the same graph."""
+    model_dir = tiny_model_dir(arch)
+    prompts = make_prompts([41, 5, 23, 2])
+    expected = reference_greedy(model_dir, prompts, GREEDY.max_tokens)
+    runner, _ = make_runner(model_dir, compile=True)  # compiles here, on a dummy step
+    assert runner.compile_seconds > 0
+    assert runner._decode_kernel is not None  # decodes read the cache in place (gpu/cpu_attention.py)
+    sched = MiniScheduler(runner, num_blocks=128, block_size=4, token_budget=24)
+    for i, prompt in enumerate(prompts):
+        sched.add(f"r{i}", prompt)
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        assert sched.step().req_ids == []  # 24 of r0's 41 tokens: nothing sampled
+        outputs = sched.run(preempt_at={4: "r2"})  # ... down to r0 decoding alone: one token
+        assert [outputs[f"r{i}"] for i in range(len(prompts))] == expected
+        runner.sleep(2)  # the weights freed, then loaded again: the same graph serves them
+        runner.wake_up()
+        again = MiniScheduler(runner, num_blocks=128, block_size=4, token_budget=24)
+        again.add("r0", prompts[0])
+        assert again.run()["r0"] == expected[0]
 
 
 def test_step_log_has_a_line_per_step(tiny_model_dir, tmp_path, monkeypatch):

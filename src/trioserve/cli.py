@@ -14,7 +14,7 @@ import trio
 
 from trioserve.api import open_engine
 from trioserve.bench.cli import add_bench_parser
-from trioserve.cli_options import add_parallel_options
+from trioserve.cli_options import add_compile_option, add_parallel_options
 from trioserve.config import EngineConfig, FakeRunnerConfig
 from trioserve.errors import EngineDeadError, EngineStartupError, TrioserveError, collapse
 from trioserve.messages import SamplingParams
@@ -68,6 +68,7 @@ def _add_engine_options(parser: argparse.ArgumentParser) -> None:
         help="reuse the KV cache of prompt prefixes seen before (one long system prompt, a resent conversation): "
         "a prompt computes only what follows its longest cached prefix (default: on; --no-prefix-caching: off)",
     )
+    add_compile_option(group, default=False)
     add_parallel_options(group)
     group.add_argument("--runner", choices=["hf", "fake"], default="hf", help=argparse.SUPPRESS)
     # FakeRunnerConfig fields as a JSON object (tests drive faults through real servers).
@@ -251,6 +252,7 @@ def _engine_config(args: argparse.Namespace) -> EngineConfig:
         max_model_len=args.max_model_len,
         max_steps_in_flight=args.max_steps_in_flight,
         enable_prefix_caching=args.enable_prefix_caching,
+        compile=args.compile,
         data_parallel_size=args.data_parallel_size,
         tensor_parallel_size=args.tensor_parallel_size,
         data_parallel_lockstep=args.data_parallel_lockstep,

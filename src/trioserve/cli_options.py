@@ -30,3 +30,15 @@ def add_parallel_options(group: argparse._ArgumentGroup) -> None:
         help="step every engine core while any has work (the idle ones with dummy steps), as models whose "
         "data-parallel ranks share collectives need",
     )
+
+
+def add_compile_option(group: argparse._ArgumentGroup, *, default: bool) -> None:
+    """``--compile`` / ``--no-compile``: ``EngineConfig.compile``."""
+    group.add_argument(
+        "--compile",
+        action=argparse.BooleanOptionalAction,
+        default=default,
+        help="torch.compile the model in each worker before the engine reports ready (not with tensor "
+        "parallelism); a model's first start compiles for a minute or more, later starts take seconds from the "
+        "cache in ~/.cache/trioserve/inductor (default: %(default)s)",
+    )

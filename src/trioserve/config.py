@@ -9,8 +9,20 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Literal
+
+
+def cache_dir() -> Path:
+    """Where trioserve keeps what it builds once (converted models, compiled
+    kernels): ``$TRIOSERVE_CACHE_DIR``, else ``$XDG_CACHE_HOME/trioserve``,
+    else ``~/.cache/trioserve``."""
+    if os.environ.get("TRIOSERVE_CACHE_DIR"):
+        return Path(os.environ["TRIOSERVE_CACHE_DIR"])
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "trioserve"
 
 
 def _check(condition: bool, name: str, message: str) -> None:
@@ -129,6 +141,9 @@ class EngineConfig:
     curve_keys_dir: str | None = None
     insecure_tcp: bool = False
     torch_threads: int | None = None  # torch intra-op threads in each worker
+    # torch.compile the model (gpu/compiled.py) while the workers load it, so
+    # that the first request does not pay for it; without tensor parallelism only.
+    compile: bool = False
 
     # Deadlines and grace periods, in seconds.
     startup_timeout_s: float = 30.0  # process spawn and handshake
@@ -204,6 +219,7 @@ class EngineConfig:
             )
             _check(not self.data_parallel_lockstep, "data_parallel_lockstep", "is not supported across hosts yet")
         _check(self.while_asleep in ("wait", "fail"), "while_asleep", "must be 'wait' or 'fail'")
+        _check(isinstance(self.compile, bool), "compile", "must be True or False")
         _check(self.torch_threads is None or self.torch_threads >= 1, "torch_threads", "must be >= 1")
         for name in (
             "startup_timeout_s", "model_load_timeout_s", "shutdown_grace_s", "restart_window_s",

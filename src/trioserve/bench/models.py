@@ -23,7 +23,8 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from trioserve.default_model import cache_dir, default_model_dir
+from trioserve.config import cache_dir
+from trioserve.default_model import default_model_dir
 
 _COMPLETE_MARKER = ".trioserve-complete"
 REAL_MODELS = ("smollm2-135m",)  # built by trioserve.default_model, not from a config

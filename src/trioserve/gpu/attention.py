@@ -9,13 +9,19 @@ sequences back to back. Each layer's attention call
    back through its block table: the token at position p sees positions
    <= p (and > p - sliding_window on sliding layers).
 
-Sequences with one new token (decodes), sorted by context length, share
-padded SDPA calls with a length mask, in groups whose gathered K/V stay in
-the CPU's caches (``DECODE_GROUP_BYTES``; one group on other devices);
-multi-token sequences (prefills, prefill chunks) get one call each.
-Everything the layers need is built once per step by ``build_metadata``
-and reaches the attention function unchanged through the
-``trioserve_metadata`` keyword of ``model(...)``.
+Sequences with one new token (decodes) attend through the step's
+``decode_kernel`` where there is one (on the CPU at float32: one call that
+reads the cache in place, ``gpu/cpu_attention.py``); otherwise, sorted by
+context length, they share padded SDPA calls with a length mask over K/V
+gathered from the cache, in groups whose gathered K/V stay in the CPU's
+caches (``DECODE_GROUP_BYTES``; one group on other devices). Multi-token
+sequences (prefills, prefill chunks) get one SDPA call each.
+
+Everything the layers need is built once per step by ``build_metadata``; the
+runner makes it current around the model call (``step_metadata``), and each
+layer's attention, the custom op ``trioserve::paged_attention``, reads it
+there: a compiled model (``gpu/compiled.py``) carries no Python object
+through its graph, and none of the metadata reaches a dynamo guard.
 
 Invariants: cache tensors are ``[num_blocks, block_size, KVH, D]`` and hold
 only finite values (padding reads are masked, never NaN); a sequence's block
@@ -24,6 +30,9 @@ table covers its whole context.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -32,7 +41,6 @@ import torch.nn.functional as F
 from transformers import AttentionInterface
 
 ATTENTION_NAME = "trioserve_paged"
-METADATA_KWARG = "trioserve_metadata"
 
 KVCache = list[tuple[torch.Tensor, torch.Tensor]]  # per layer: (k, v), each [N, bs, KVH, D]
 
@@ -63,6 +71,24 @@ class DecodeGroup:
     context_lens: torch.Tensor  # [B] long
 
 
+class DecodeKernel(Protocol):
+    """A decode attention that reads the cache in place (``gpu/cpu_attention.py``)."""
+
+    def __call__(
+        self,
+        query: torch.Tensor,  # [1, H, T, D]
+        k_cache: torch.Tensor,  # [N, bs, KVH, D]
+        v_cache: torch.Tensor,
+        block_tables: torch.Tensor,  # [B, nb]
+        context_lens: torch.Tensor,  # [B]
+        token_index: torch.Tensor,  # [B]: the rows of query and out
+        out: torch.Tensor,  # [T, H, D]: rows token_index written
+        scale: float,
+        window: int | None,
+        softcap: float | None,
+    ) -> None: ...
+
+
 @dataclass
 class PagedAttentionMetadata:
     """One step's view of the paged cache, shared by every layer."""
@@ -73,6 +99,7 @@ class PagedAttentionMetadata:
     slot_mapping: torch.Tensor  # [T] long: flat cache slot of each packed token
     decodes: list[DecodeGroup]
     prefills: list[PrefillSeq]
+    decode_kernel: DecodeKernel | None = None  # else the decodes gather their K/V and run SDPA
     _masks: dict[tuple[str, int, int | None], torch.Tensor] = field(default_factory=dict)  # built by the first layer
 
     def decode_mask(self, index: int, window: int | None) -> torch.Tensor:
@@ -112,6 +139,7 @@ def build_metadata(
     kv_caches: KVCache,
     device: torch.device,
     decode_group_blocks: int | None = None,
+    decode_kernel: DecodeKernel | None = None,
 ) -> PagedAttentionMetadata:
     """Metadata for a packed batch of sequences, in packing order.
 
@@ -119,7 +147,7 @@ def build_metadata(
     ``context_lens[i]``; ``block_tables[i]`` must cover ``context_lens[i]``.
     ``decode_group_blocks`` caps sequences x padded blocks in one decode
     group; by default it is sized by ``DECODE_GROUP_BYTES`` on the CPU and
-    unlimited elsewhere.
+    unlimited elsewhere, or with a ``decode_kernel`` (which copies nothing).
     """
     num_seqs = len(query_lens)
     max_blocks = max(len(t) for t in block_tables)
@@ -132,7 +160,7 @@ def build_metadata(
     positions = (ctx_lens - q_lens)[seq_of_token] + offsets  # [T]
     slots = table[seq_of_token, positions // block_size] * block_size + positions % block_size  # [T]
 
-    if decode_group_blocks is None:
+    if decode_group_blocks is None and decode_kernel is None:
         decode_group_blocks = _decode_group_blocks(kv_caches, device)
     starts_list = starts.tolist()
     prefills = [
@@ -153,6 +181,7 @@ def build_metadata(
         slot_mapping=slots.to(device),
         decodes=decodes,
         prefills=prefills,
+        decode_kernel=decode_kernel,
     )
 
 
@@ -250,6 +279,22 @@ class AttentionModule(Protocol):
     scaling: float
 
 
+# The metadata of the step being run, set by ``step_metadata`` around a model
+# call: a compiled model cannot carry Python objects through its graph, so the
+# attention op reads it from here (per thread, per context).
+_STEP: ContextVar[PagedAttentionMetadata | None] = ContextVar("trioserve_step_metadata", default=None)
+
+
+@contextmanager
+def step_metadata(meta: PagedAttentionMetadata) -> Iterator[None]:
+    """Run model calls inside this block: every layer's attention reads ``meta``."""
+    token = _STEP.set(meta)
+    try:
+        yield
+    finally:
+        _STEP.reset(token)
+
+
 def paged_attention_forward(
     module: AttentionModule,
     query: torch.Tensor,
@@ -264,13 +309,58 @@ def paged_attention_forward(
 ) -> tuple[torch.Tensor, None]:
     """The ``AttentionInterface`` entry: query ``[1, H, T, D]``, key/value
     ``[1, KVH, T, D]`` -> ``([1, T, H, D], None)``. ``attention_mask`` is unused:
-    masks come from the metadata.
+    masks come from the step's metadata (``step_metadata``). The whole call is
+    one op, ``trioserve::paged_attention``: opaque to ``torch.compile``, and one
+    line of a profile.
     """
-    meta = kwargs.get(METADATA_KWARG)
-    if not isinstance(meta, PagedAttentionMetadata):
-        raise RuntimeError(f"{ATTENTION_NAME} attention needs model(..., {METADATA_KWARG}=PagedAttentionMetadata)")
-    scale = module.scaling if scaling is None else scaling
-    layer = _Layer(*meta.kv_caches[module.layer_idx], scale, sliding_window, softcap)
+    scale = float(module.scaling if scaling is None else scaling)
+    out = torch.ops.trioserve.paged_attention(query, key, value, module.layer_idx, scale, sliding_window, softcap)
+    return out[None], None
+
+
+@torch.library.custom_op("trioserve::paged_attention", mutates_args=())
+def paged_attention_op(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    layer_idx: int,
+    scale: float,
+    window: int | None,
+    softcap: float | None,
+) -> torch.Tensor:
+    """``paged_attention`` as a custom op, what every layer calls. It writes the
+    layer's KV cache, which is not an argument: a compiled graph sees a pure op."""
+    return paged_attention(query, key, value, layer_idx, scale, window, softcap)
+
+
+@paged_attention_op.register_fake
+def _paged_attention_fake(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    layer_idx: int,
+    scale: float,
+    window: int | None,
+    softcap: float | None,
+) -> torch.Tensor:
+    return query.new_empty(query.shape[2], query.shape[1], query.shape[3])  # [T, H, D]
+
+
+def paged_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    layer_idx: int,
+    scale: float,
+    window: int | None,
+    softcap: float | None,
+) -> torch.Tensor:
+    """One layer over the step's packed batch: store the new K/V, attend ->
+    ``[T, H, D]``. Reads the metadata of the enclosing ``step_metadata``."""
+    meta = _STEP.get()
+    if meta is None:
+        raise RuntimeError(f"{ATTENTION_NAME} attention runs only inside step_metadata(...)")
+    layer = _Layer(*meta.kv_caches[layer_idx], scale, window, softcap)
     # New K/V: [1, KVH, T, D] -> [T, KVH, D], into their slots.
     _, kv_heads, _, head_dim = key.shape
     layer.k_cache.view(-1, kv_heads, head_dim).index_copy_(0, meta.slot_mapping, key[0].transpose(0, 1))
@@ -278,11 +368,17 @@ def paged_attention_forward(
 
     out = query.new_empty(query.shape[2], query.shape[1], query.shape[3])  # [T, H, D]
     for i, group in enumerate(meta.decodes):
-        out[group.token_index] = _decode_attention(query, meta, i, layer)
+        if meta.decode_kernel is not None:
+            meta.decode_kernel(
+                query, layer.k_cache, layer.v_cache, group.block_tables, group.context_lens, group.token_index,
+                out, layer.scale, layer.window, layer.softcap,
+            )  # fmt: skip
+        else:
+            out[group.token_index] = _decode_attention(query, meta, i, layer)
     for i, seq in enumerate(meta.prefills):
         rows = slice(seq.query_start, seq.query_start + seq.query_len)
         out[rows] = _prefill_attention(query[:, :, rows], key[:, :, rows], value[:, :, rows], meta, i, layer)
-    return out[None], None
+    return out
 
 
 @dataclass(frozen=True)

@@ -15,6 +15,7 @@ request's token list and its block table.
 
 from __future__ import annotations
 
+import logging
 import os
 import time
 from dataclasses import dataclass
@@ -24,7 +25,16 @@ import torch
 
 from trioserve.config import EngineConfig
 from trioserve.gpu import sharding
-from trioserve.gpu.attention import ATTENTION_NAME, METADATA_KWARG, KVCache, build_metadata
+from trioserve.gpu.attention import (
+    ATTENTION_NAME,
+    DecodeKernel,
+    KVCache,
+    PagedAttentionMetadata,
+    build_metadata,
+    step_metadata,
+)
+from trioserve.gpu.compiled import Forward, compiled_forward, eager_forward, inductor_cache_dir
+from trioserve.gpu.cpu_attention import load_decode_kernel
 from trioserve.gpu.cpu_linear import pack_linears, packing_supported
 from trioserve.gpu.host_memory import keep_freed_memory, release_freed_memory, resident_bytes
 from trioserve.gpu.sampler import SamplingBatch, sample
@@ -42,6 +52,8 @@ from trioserve.runners.steplog import STEP_LOG_ENV, StepRecord, format_step, ste
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
+
+log = logging.getLogger(__name__)
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -127,6 +139,10 @@ class ModelRunner:
         self.dtype = resolve_dtype(config.dtype, self.device)
         self.block_size = config.block_size
         self.model: torch.nn.Module | None = None
+        self.compiled = config.compile and world_size == 1
+        self.compile_seconds = 0.0  # the last warm-up's, compilation included
+        self._forward: Forward | None = None  # the model's forward: eager, or compiled (gpu/compiled.py)
+        self._decode_kernel: DecodeKernel | None = None  # decodes reading the cache in place (CPU, float32)
         self.kv_caches: KVCache = []
         self.num_blocks = 0
         self.requests: dict[str, _Request] = {}
@@ -180,8 +196,10 @@ class ModelRunner:
             self.config.model, self.world_size, attn_implementation=ATTENTION_NAME, dtype=self.dtype
         )
         self.model = torch.nn.Module.to(model, self.device).eval().requires_grad_(False)
+        self._decode_kernel = load_decode_kernel(self.device, self.dtype)  # gpu/cpu_attention.py
         if self.world_size == 1 and packing_supported(self.device, self.dtype):
             pack_linears(model)  # oneDNN's blocked weights: gpu/cpu_linear.py
+        self._forward = compiled_forward(model) if self.compiled else eager_forward(model)
         return model
 
     def _blocks_for_budget(self, max_model_len: int) -> int:
@@ -198,13 +216,42 @@ class ModelRunner:
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * self.block_size * elem
 
     def init_kv_cache(self, num_blocks: int) -> None:
-        """Allocate ``num_blocks`` blocks per layer, zeroed (padding reads must be finite)."""
+        """Allocate ``num_blocks`` blocks per layer, zeroed (padding reads must
+        be finite). A compiled model is compiled here, on a dummy step."""
         if num_blocks < 1:
             raise ValueError(f"num_blocks: must be >= 1 (got {num_blocks})")
         shape = (self.num_layers, 2, num_blocks, self.block_size, self.num_kv_heads, self.head_dim)
         pool = torch.zeros(shape, dtype=self.dtype, device=self.device)  # one allocation
         self.kv_caches = [(pool[layer, 0], pool[layer, 1]) for layer in range(self.num_layers)]  # [N, bs, KVH, D]
         self.num_blocks = num_blocks
+        if self.compiled:
+            self._warm_up()
+            pool.zero_()
+
+    @torch.inference_mode()
+    def _warm_up(self) -> None:
+        """One dummy step (a 2-token prefill and a decode, in block 0), so that
+        the model is compiled before the first request."""
+        started = time.perf_counter()
+        tables = [[0], [0]] if self.block_size >= 2 else [[0, 0], [0, 0]]
+        meta = self.metadata([2, 1], [2, 2], tables)
+        input_ids = torch.zeros(3, dtype=torch.long, device=self.device)
+        keep = torch.tensor([1, 2], dtype=torch.long, device=self.device)
+        if self._forward is None:
+            raise RuntimeError("init_kv_cache() before load()")
+        with step_metadata(meta):
+            self._forward(input_ids[None], meta.positions[None], keep)
+        self.compile_seconds = time.perf_counter() - started
+        log.info("model compiled in %.1f s (cache: %s)", self.compile_seconds, inductor_cache_dir())
+
+    def metadata(
+        self, query_lens: list[int], context_lens: list[int], block_tables: list[list[int]]
+    ) -> PagedAttentionMetadata:
+        """The attention metadata of a packed batch (``attention.build_metadata``)."""
+        return build_metadata(
+            query_lens, context_lens, block_tables, self.block_size, self.kv_caches, self.device,
+            decode_kernel=self._decode_kernel,
+        )  # fmt: skip
 
     # --- control calls (between steps) -------------------------------------
 
@@ -214,7 +261,8 @@ class ModelRunner:
         core sleeps only once none is running. Sleeping again only frees more."""
         self.kv_caches = []
         if level >= 2:
-            self.model = None
+            # A compiled graph takes the weights as inputs: it holds none, and serves the reloaded model.
+            self.model = self._forward = None
         self.sleep_level = max(self.sleep_level, level)
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
@@ -264,24 +312,17 @@ class ModelRunner:
 
     @torch.inference_mode()
     def _execute(self, sched: SchedulerOutput) -> RunnerOutput:
-        if self.model is None or not self.kv_caches:
+        if self._forward is None or not self.kv_caches:
             raise RuntimeError("execute() before load() and init_kv_cache(), or while asleep")
         self._update_requests(sched)
         if not sched.num_scheduled_tokens:
             return RunnerOutput(req_ids=[], sampled_token_ids=[])
         step = self._plan(sched)
-        meta = build_metadata(
-            step.query_lens, step.context_lens, step.block_tables, self.block_size, self.kv_caches, self.device
-        )
+        meta = self.metadata(step.query_lens, step.context_lens, step.block_tables)
         input_ids = torch.tensor(step.input_ids, dtype=torch.long, device=self.device)  # [T]
         keep = torch.tensor(step.sample_rows, dtype=torch.long, device=self.device)  # [S]
-        logits = self.model(
-            input_ids=input_ids[None],  # [1, T]
-            position_ids=meta.positions[None],  # [1, T]
-            use_cache=False,
-            logits_to_keep=keep,
-            **{METADATA_KWARG: meta},
-        ).logits[0]  # [S, V]
+        with step_metadata(meta):
+            logits = self._forward(input_ids[None], meta.positions[None], keep)  # [1, T], [1, T], [S] -> [S, V]
         for req_id, n in sched.num_scheduled_tokens.items():
             self.requests[req_id].num_computed_tokens += n
         if not step.sample_req_ids:
