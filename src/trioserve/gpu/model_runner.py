@@ -140,6 +140,8 @@ class ModelRunner:
         self.block_size = config.block_size
         self.model: torch.nn.Module | None = None
         self.compiled = config.compile and world_size == 1
+        if config.compile and world_size > 1:
+            log.warning("compile: tensor-parallel shards run eager")
         self.compile_seconds = 0.0  # the last warm-up's, compilation included
         self._forward: Forward | None = None  # the model's forward: eager, or compiled (gpu/compiled.py)
         self._decode_kernel: DecodeKernel | None = None  # decodes reading the cache in place (CPU, float32)
@@ -233,8 +235,7 @@ class ModelRunner:
         """One dummy step (a 2-token prefill and a decode, in block 0), so that
         the model is compiled before the first request."""
         started = time.perf_counter()
-        tables = [[0], [0]] if self.block_size >= 2 else [[0, 0], [0, 0]]
-        meta = self.metadata([2, 1], [2, 2], tables)
+        meta = self.metadata([2, 1], [2, 2], [[0, 0], [0, 0]])
         input_ids = torch.zeros(3, dtype=torch.long, device=self.device)
         keep = torch.tensor([1, 2], dtype=torch.long, device=self.device)
         if self._forward is None:
