@@ -1,0 +1,73 @@
+"""One layer's decode attention, the CPU kernel against the portable path,
+alternated call by call in one process::
+
+    PYTHONPATH=src python scripts/bench_decode_attention.py --torch-threads 1
+
+Shapes of SmolLM2-135M by default (9 heads, 3 KV heads, 64 dims, blocks of
+16): ``--batch`` decodes with contexts of 64-320 tokens in shuffled blocks.
+Prints each one's median and best time per call, and the portable path's
+``index_select`` of K and V alone.
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import statistics
+import time
+
+import torch
+
+from trioserve.gpu import attention
+from trioserve.gpu.cpu_attention import load_decode_kernel
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--torch-threads", type=int, default=1)
+    p.add_argument("--batch", type=int, default=32)
+    p.add_argument("--heads", type=int, default=9)
+    p.add_argument("--kv-heads", type=int, default=3)
+    p.add_argument("--head-dim", type=int, default=64)
+    p.add_argument("--calls", type=int, default=30)
+    args = p.parse_args()
+    torch.set_num_threads(args.torch_threads)
+    torch.manual_seed(0)
+    h, kvh, d, bs, num_blocks = args.heads, args.kv_heads, args.head_dim, 16, 1200
+    caches = [(torch.randn(num_blocks, bs, kvh, d), torch.randn(num_blocks, bs, kvh, d))]
+    rng = random.Random(0)
+    context = [rng.randint(64, 320) for _ in range(args.batch)]
+    free = list(range(num_blocks))
+    rng.shuffle(free)
+    tables = [[free.pop() for _ in range(-(-c // bs))] for c in context]
+    q = torch.randn(1, args.batch, h, d).transpose(1, 2)  # [1, H, B, D], as transformers gives it
+    k_new = torch.randn(1, kvh, args.batch, d)
+    kernel = load_decode_kernel(torch.device("cpu"), torch.float32)
+    portable = attention.build_metadata([1] * args.batch, context, tables, bs, caches, torch.device("cpu"))
+    kerneled = attention.build_metadata(
+        [1] * args.batch, context, tables, bs, caches, torch.device("cpu"), decode_kernel=kernel
+    )
+
+    def run(meta: attention.PagedAttentionMetadata) -> torch.Tensor:
+        with attention.step_metadata(meta):
+            return attention.paged_attention(q, k_new, k_new, 0, d**-0.5, None, None)
+
+    def gather() -> None:
+        for group in portable.decodes:
+            attention._gather(caches[0][0], group.block_tables)
+            attention._gather(caches[0][1], group.block_tables)
+
+    torch.testing.assert_close(run(kerneled), run(portable))
+    calls = {"portable": lambda: run(portable), "kernel": lambda: run(kerneled), "index_select only": gather}
+    times: dict[str, list[float]] = {name: [] for name in calls}
+    for _ in range(args.calls):
+        for name, call in calls.items():
+            started = time.perf_counter()
+            call()
+            times[name].append(time.perf_counter() - started)
+    for name, ts in times.items():
+        print(f"{name}: median {statistics.median(ts) * 1e3:.2f} ms, best {min(ts) * 1e3:.2f} ms")
+
+
+if __name__ == "__main__":
+    main()
