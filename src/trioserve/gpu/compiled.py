@@ -43,8 +43,9 @@ Forward = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
 
 def inductor_cache_dir() -> Path:
-    """Where inductor caches what it compiled: ``$TORCHINDUCTOR_CACHE_DIR``
-    when set, else ``inductor`` in trioserve's cache (``~/.cache/trioserve``)."""
+    """Where inductor caches what it compiled: ``$TORCHINDUCTOR_CACHE_DIR``,
+    which importing ``trioserve.gpu`` sets (when unset) to ``inductor`` in
+    trioserve's cache (``~/.cache/trioserve``)."""
     return Path(os.environ.get(INDUCTOR_CACHE_ENV) or cache_dir() / "inductor")
 
 
@@ -61,7 +62,6 @@ def eager_forward(model: torch.nn.Module) -> Forward:
 def compiled_forward(model: torch.nn.Module) -> Forward:
     """The model under ``torch.compile``, compiled lazily at the first call
     (run the calls under ``torch.inference_mode()``)."""
-    os.environ.setdefault(INDUCTOR_CACHE_ENV, str(inductor_cache_dir()))
     compiled = torch.compile(model, fullgraph=True)
 
     def forward(input_ids: torch.Tensor, position_ids: torch.Tensor, logits_to_keep: torch.Tensor) -> torch.Tensor:

@@ -17,7 +17,7 @@ this is our own: one C++ function, per sequence (threads over sequences):
 
 It is built with inductor's own C++ toolchain and headers (``at::vec``
 vectors, OpenMP) when a worker loads its model, and cached like inductor's
-kernels (``compiled.inductor_cache_dir()``): about 15 s the first time on
+kernels (``compiled.inductor_cache_dir()``): about 6 s the first time on
 this machine, about 1 s in each later process (inductor's checks of the
 compiler and of the vector ISA). On by default on the CPU at float32
 (``TRIOSERVE_CPU_ATTENTION=0``: the portable path); other dtypes and
@@ -30,8 +30,6 @@ import logging
 import os
 
 import torch
-
-from trioserve.gpu.compiled import INDUCTOR_CACHE_ENV, inductor_cache_dir
 
 log = logging.getLogger(__name__)
 
@@ -132,7 +130,6 @@ class CpuDecodeKernel:
     def __init__(self) -> None:
         from torch._inductor.codecache import CppPythonBindingsCodeCache
 
-        os.environ.setdefault(INDUCTOR_CACHE_ENV, str(inductor_cache_dir()))
         self._kernel = CppPythonBindingsCodeCache.load_pybinding(_ARGTYPES, _SOURCE)
 
     def __call__(
