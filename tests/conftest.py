@@ -59,9 +59,10 @@ def pytest_configure(config: pytest.Config) -> None:
     # pytest's own tmp_path stays where it was (short paths: ipc:// socket names are limited to ~107 bytes).
     os.environ.setdefault("PYTEST_DEBUG_TEMPROOT", tempfile.gettempdir())
     worker = os.environ.get("PYTEST_XDIST_WORKER", "main")
-    own = tempfile.mkdtemp(prefix=f"ts{worker}-")
+    own = tempfile.mkdtemp(prefix=f"ts{worker}-")  # the xdist workers' come inside the controller's
     os.environ["TMPDIR"] = own
     tempfile.tempdir = own
+    config.add_cleanup(functools.partial(shutil.rmtree, own, ignore_errors=True))
 
 
 def _private_dirs() -> set[str]:
