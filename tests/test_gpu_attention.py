@@ -112,31 +112,31 @@ def decode_kernel():
 def test_decode_kernel_matches_per_sequence_attention(decode_kernel, window, softcap, head_dim):
     """The CPU kernel reading the cache in place (gpu/cpu_attention.py), at
     an odd head size too (the vector loops' tails)."""
-    gen = torch.Generator().manual_seed(2)
-    decodes = 4
-    lengths = [n + decodes for n in (2, 13, 7, 21)]
+    seqs, steps = prefills_then_decodes(2, (2, 13, 7, 21), 4, head_dim)
+    got = run_steps(seqs, steps, 0.3, window, softcap, False, decode_kernel=decode_kernel)
+    for seq, out in zip(seqs, got, strict=True):
+        torch.testing.assert_close(out, reference(seq["q"], seq["k"], seq["v"], 0.3, window, softcap))
+
+
+def prefills_then_decodes(
+    seed: int, prompt_lengths: tuple[int, ...], decodes: int, head_dim: int
+) -> tuple[list[dict[str, torch.Tensor]], list[list[int]]]:
+    """Random q/k/v for sequences of ``prompt_lengths`` plus ``decodes`` tokens,
+    and the steps that prefill each prompt, then decode one token at a time."""
+    gen = torch.Generator().manual_seed(seed)
+    lengths = [n + decodes for n in prompt_lengths]
     seqs = [
         {name: torch.randn(heads, n, head_dim, generator=gen) for name, heads in (("q", H), ("k", KVH), ("v", KVH))}
         for n in lengths
     ]
-    steps = [[n - decodes for n in lengths]] + [[1] * len(lengths)] * decodes
-    got = run_steps(seqs, steps, 0.3, window, softcap, False, decode_kernel=decode_kernel)
-    for seq, out in zip(seqs, got, strict=True):
-        torch.testing.assert_close(out, reference(seq["q"], seq["k"], seq["v"], 0.3, window, softcap))
+    return seqs, [list(prompt_lengths)] + [[1] * len(lengths)] * decodes
 
 
 @pytest.mark.parametrize("decode_group_blocks", [1, 5, 8])
 def test_decodes_in_groups_match_per_sequence_attention(decode_group_blocks):
     """Decodes cut into several padded groups (shortest context first) give
     the same attention as one group."""
-    gen = torch.Generator().manual_seed(1)
-    decodes = 3
-    lengths = [n + decodes for n in (2, 13, 7, 5, 17, 9)]
-    seqs = [
-        {name: torch.randn(heads, n, D, generator=gen) for name, heads in (("q", H), ("k", KVH), ("v", KVH))}
-        for n in lengths
-    ]
-    steps = [[n - decodes for n in lengths]] + [[1] * len(lengths)] * decodes
+    seqs, steps = prefills_then_decodes(1, (2, 13, 7, 5, 17, 9), 3, D)
     got = run_steps(seqs, steps, 0.3, None, None, False, decode_group_blocks=decode_group_blocks)
     for seq, out in zip(seqs, got, strict=True):
         torch.testing.assert_close(out, reference(seq["q"], seq["k"], seq["v"], 0.3))
