@@ -56,6 +56,9 @@ LEAK_WAIT_S = 5.0  # a process that is stopping may still be removing its direct
 
 
 def pytest_configure(config: pytest.Config) -> None:
+    # The suite runs one test process per core, so each engine's worker takes one torch
+    # thread (the default on a bare host is its cores shared among its workers).
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
     # pytest's own tmp_path stays where it was (short paths: ipc:// socket names are limited to ~107 bytes).
     os.environ.setdefault("PYTEST_DEBUG_TEMPROOT", tempfile.gettempdir())
     worker = os.environ.get("PYTEST_XDIST_WORKER", "main")

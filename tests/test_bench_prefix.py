@@ -5,6 +5,8 @@ fake interpreter: vLLM itself is never needed by the tests."""
 from __future__ import annotations
 
 import json
+import os
+import subprocess
 import sys
 import textwrap
 import types
@@ -146,7 +148,27 @@ def test_vllm_result_ratios_and_target():
     assert result["throughput_ratio"]["vllm"] == 1.5 and result["ttft_p50_ratio"]["vllm"] == 0.5
     assert result["targets"]["tokens/s >= 1.0x vLLM"]["met"]
     assert result["targets"]["tokens/s >= 1.2x vLLM (issue 13)"]["met"]  # 1.5x
-    assert "vLLM offline engine" in format_table(result)
+    table = format_table(result)
+    assert "vLLM offline engine" in table
+    assert [line.split()[-1] for line in table.splitlines() if "vLLM offline engine" in line] == ["-"]  # not measured
+
+
+def test_vllm_peak_memory_is_its_processes_together():
+    raw = {"seconds": 1.0, "output_tokens": 1, "num_requests": 1, "ttfts_s": [1.0], "itls_s": []}
+    measured = parse_vllm_result(json.dumps({**raw, "peak_rss_bytes_by_pid": {"10": 3 * 2**20, "11": 2**30}}))
+    assert measured["peak_rss_bytes"] == 3 * 2**20 + 2**30
+    assert "peak_rss_bytes" not in parse_vllm_result(json.dumps(raw))
+
+
+def test_vllm_driver_reads_peaks_of_itself_and_its_children():
+    """The driver's own reading of /proc (it runs standalone, in vLLM's interpreter)."""
+    with subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"]) as child:
+        try:
+            peaks = vllm_driver.peak_rss_bytes()
+        finally:
+            child.kill()
+    assert set(peaks) >= {str(os.getpid()), str(child.pid)}
+    assert peaks[str(os.getpid())] > 10 * 2**20 and peaks[str(child.pid)] > 0
 
 
 def test_baselines_vllm_needs_an_interpreter():

@@ -14,7 +14,7 @@ import trio
 
 from trioserve.api import open_engine
 from trioserve.bench.cli import add_bench_parser
-from trioserve.cli_options import add_compile_option, add_parallel_options
+from trioserve.cli_options import add_compile_option, add_parallel_options, add_threads_option
 from trioserve.config import EngineConfig, FakeRunnerConfig
 from trioserve.errors import EngineDeadError, EngineStartupError, TrioserveError, collapse
 from trioserve.messages import SamplingParams
@@ -48,6 +48,7 @@ def _add_engine_options(parser: argparse.ArgumentParser) -> None:
     group.add_argument(
         "--dtype", choices=["auto", "float32", "bfloat16", "float16"], default="auto", help="default: %(default)s"
     )
+    add_threads_option(group)
     group.add_argument(
         "--kv-cache-mib", type=int, default=512, metavar="MIB", help="memory for the KV cache (default: %(default)s)"
     )
@@ -253,6 +254,7 @@ def _engine_config(args: argparse.Namespace) -> EngineConfig:
         max_steps_in_flight=args.max_steps_in_flight,
         enable_prefix_caching=args.enable_prefix_caching,
         compile=args.compile,
+        torch_threads=args.torch_threads,
         data_parallel_size=args.data_parallel_size,
         tensor_parallel_size=args.tensor_parallel_size,
         data_parallel_lockstep=args.data_parallel_lockstep,

@@ -42,3 +42,14 @@ def add_compile_option(group: argparse._ArgumentGroup, *, default: bool) -> None
         "parallelism); a model's first start compiles for a minute or more, later starts take seconds from the "
         "cache in ~/.cache/trioserve/inductor (default: %(default)s)",
     )
+
+
+THREADS_HELP = (
+    "torch intra-op threads in each worker on the CPU (default: OMP_NUM_THREADS if set, else the cores this "
+    "process may use shared out among the workers on this host)"
+)
+
+
+def add_threads_option(group: argparse._ArgumentGroup, *, help: str = THREADS_HELP) -> None:
+    """``--torch-threads N``: ``EngineConfig.torch_threads``."""
+    group.add_argument("--torch-threads", type=int, default=None, metavar="N", help=help)

@@ -25,6 +25,36 @@ def cache_dir() -> Path:
     return Path(base) / "trioserve"
 
 
+# Set by a ``--headless`` host for its engine cores (and so their workers): how
+# many engine cores run on this host, which the head's config does not know.
+ENGINES_ON_HOST_ENV = "TRIOSERVE_ENGINES_ON_HOST"
+
+
+def usable_cores() -> int:
+    """The CPU cores this process may run on."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+
+
+def cpu_threads_per_worker(config: EngineConfig) -> int:
+    """Torch intra-op threads for each worker on the CPU: ``torch_threads``
+    when the config says; else ``OMP_NUM_THREADS`` when the environment says;
+    else the host's cores shared out among the workers that run on it
+    (tensor-parallel shards x engine cores on this host), at least one each.
+
+    All of a 2-core host's cores for its one worker, though the engine core
+    and the front-end then share them: 1.64x the tokens/s of one thread on
+    the issue-13 workload (docs/benchmarks.md), the engine core's work between
+    steps growing from 0.3 to 1.8 ms on steps of 165 ms."""
+    if config.torch_threads:
+        return config.torch_threads
+    omp = os.environ.get("OMP_NUM_THREADS", "")
+    if omp.isdigit() and int(omp) >= 1:
+        return int(omp)
+    engines = os.environ.get(ENGINES_ON_HOST_ENV, "")
+    engines_here = int(engines) if engines.isdigit() and int(engines) >= 1 else max(1, config.num_local_engines)
+    return max(1, usable_cores() // (config.tensor_parallel_size * engines_here))
+
+
 def _check(condition: bool, name: str, message: str) -> None:
     if not condition:
         raise ValueError(f"{name}: {message}")
@@ -140,7 +170,7 @@ class EngineConfig:
     data_parallel_rpc_port: int = 0
     curve_keys_dir: str | None = None
     insecure_tcp: bool = False
-    torch_threads: int | None = None  # torch intra-op threads in each worker
+    torch_threads: int | None = None  # torch intra-op threads in each worker (None: cpu_threads_per_worker)
     # torch.compile the model (gpu/compiled.py) while the workers load it, so
     # that the first request does not pay for it; without tensor parallelism only.
     compile: bool = False

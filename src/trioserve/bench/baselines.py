@@ -44,7 +44,7 @@ import torch
 
 from trioserve.bench.stats import percentile
 from trioserve.bench.workload import BenchRequest, WorkloadSpec, build_requests, warmup_spec
-from trioserve.config import EngineConfig
+from trioserve.config import EngineConfig, cpu_threads_per_worker
 from trioserve.core.request import Request
 from trioserve.core.scheduler import Scheduler
 from trioserve.messages import SamplingParams
@@ -300,10 +300,9 @@ def main(argv: list[str] | None = None) -> None:
     config = msgspec.json.decode(args.config, type=EngineConfig)
     spec = WorkloadSpec.from_dict(json.loads(args.spec))
     from trioserve.gpu.host_memory import keep_freed_memory
-    from trioserve.gpu.model_runner import default_torch_threads
 
     keep_freed_memory()  # every kind gets the allocator our worker gets
-    torch.set_num_threads(config.torch_threads or default_torch_threads(torch.device("cpu")) or torch.get_num_threads())
+    torch.set_num_threads(cpu_threads_per_worker(config))
     result = KINDS[args.kind](config, spec)
     result["peak_rss_bytes"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux: KiB
     json.dump(result, sys.stdout)

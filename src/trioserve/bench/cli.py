@@ -33,7 +33,7 @@ from trioserve.bench.stats import run_window, summarize
 from trioserve.bench.steps import in_run_figures
 from trioserve.bench.vllm_baseline import run_vllm
 from trioserve.bench.workload import WorkloadSpec, parse_range
-from trioserve.cli_options import add_compile_option, add_parallel_options
+from trioserve.cli_options import add_compile_option, add_parallel_options, add_threads_option
 from trioserve.config import EngineConfig, FakeRunnerConfig
 
 DEFAULT_MODEL = "bench-llama-40m"
@@ -159,12 +159,7 @@ def _add_target_options(parser: argparse.ArgumentParser) -> None:
         default=True,
         help="engine: prefix caching (default: on; --no-prefix-caching turns it off)",
     )
-    group.add_argument(
-        "--torch-threads",
-        type=int,
-        default=None,
-        help="torch threads of the engine's worker and of every baseline (default: CPU cores - 1 on the CPU)",
-    )
+    add_threads_option(group, help="torch threads of the engine's worker and of every baseline (default: as serve's)")
     group.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto", help="default: %(default)s")
     group.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"], default="auto")
     add_compile_option(group, default=False)

@@ -235,8 +235,8 @@ def _baseline_lines(result: dict[str, Any]) -> list[str]:
             lines.append(f"  {name:<46}failed: {b['error']}")
             continue
         ratio = result["throughput_ratio"].get(kind, math.nan)
-        rss = b.get("peak_rss_bytes", 0) / MIB
-        lines.append(f"  {name:<46}{b['output_tokens_per_s']:>9.1f}{ratio:>8.2f}x{rss:>6.0f} MiB")
+        rss = f"{b['peak_rss_bytes'] / MIB:.0f} MiB" if b.get("peak_rss_bytes") else "-"
+        lines.append(f"  {name:<46}{b['output_tokens_per_s']:>9.1f}{ratio:>8.2f}x{rss:>10}")
         if kind == "model-only":
             lines.append(f"  {'  ITL with zero overhead, p50':<46}{_ms(b['itl_p50_s']):>9}")
         if b.get("ttft_p50_s"):

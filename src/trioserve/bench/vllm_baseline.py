@@ -24,17 +24,14 @@ from typing import Any
 
 from trioserve.bench.stats import percentile
 from trioserve.bench.workload import WorkloadSpec, build_requests, warmup_spec
-from trioserve.config import EngineConfig
+from trioserve.config import EngineConfig, cpu_threads_per_worker
 
 VLLM_DRIVER = Path(__file__).with_name("vllm_driver.py")
 
 
 def worker_threads(config: EngineConfig) -> int:
-    """The torch threads our worker runs with on the CPU (``model_runner.default_torch_threads``)."""
-    if config.torch_threads:
-        return config.torch_threads
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    return max(1, cores - 1)
+    """The torch threads our worker runs with on the CPU."""
+    return cpu_threads_per_worker(config)
 
 
 def vllm_job(config: EngineConfig, spec: WorkloadSpec) -> dict[str, Any]:
@@ -83,6 +80,7 @@ def parse_vllm_result(text: str) -> dict[str, Any]:
         "itl_p50_s": percentile(itls, 50),
         "itl_p99_s": percentile(itls, 99),
         "vllm_version": raw.get("vllm_version", "unknown"),
+        **({"peak_rss_bytes": sum(peaks.values())} if (peaks := raw.get("peak_rss_bytes_by_pid")) else {}),
     }
 
 

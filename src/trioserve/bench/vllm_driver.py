@@ -20,11 +20,15 @@ bench client sends it. ``LLM.generate`` would add every request at once, so
 that a request's wait for a slot counted as its TTFT; the loop here is the
 one ``LLM.generate`` runs (add, then step until done), with the additions spread.
 Two short warm-up requests run first, uncounted (vLLM compiles its model then).
+The result also holds the peak resident memory of the driver and of each
+process under it (vLLM's engine core runs in a child process): the kernel's
+high-water marks (``VmHWM``), read on Linux while they all still run.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import sys
 import time
 from typing import Any
@@ -86,6 +90,24 @@ def run(engine: Any, requests: list[list[Any]], concurrency: int | None) -> dict
             "itls_s": itls}  # fmt: skip
 
 
+def peak_rss_bytes() -> dict[str, int]:
+    """``VmHWM`` of this process and of every live descendant, by pid (Linux; else empty)."""
+    peaks: dict[str, int] = {}
+    pending = [os.getpid()]
+    while pending:
+        pid = pending.pop()
+        try:
+            with open(f"/proc/{pid}/status") as f:
+                hwm = [int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM:")]
+            with open(f"/proc/{pid}/task/{pid}/children") as f:
+                pending.extend(int(child) for child in f.read().split())
+        except (OSError, ValueError):
+            continue
+        if hwm:
+            peaks[str(pid)] = hwm[0]
+    return peaks
+
+
 def main() -> None:
     with open(sys.argv[1]) as f:
         job = json.load(f)
@@ -95,6 +117,7 @@ def main() -> None:
     import vllm
 
     result["vllm_version"] = getattr(vllm, "__version__", "unknown")
+    result["peak_rss_bytes_by_pid"] = peak_rss_bytes()
     with open(sys.argv[2], "w") as f:
         json.dump(result, f)
 

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from trioserve.config import EngineConfig
+from trioserve.config import EngineConfig, cpu_threads_per_worker
 from trioserve.gpu import sharding
 from trioserve.gpu.attention import (
     ATTENTION_NAME,
@@ -76,17 +76,6 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     if name == "auto":
         return torch.bfloat16 if device.type == "cuda" else torch.float32
     return _DTYPES[name]
-
-
-def default_torch_threads(device: torch.device) -> int | None:
-    """Intra-op threads for a worker when the config does not say: on the CPU,
-    one fewer than the cores this process may use, so that the engine core
-    and the front-end keep a core (OpenMP threads that lose their core to
-    them spin and stall every kernel); elsewhere, torch's own default (None)."""
-    if device.type != "cpu":
-        return None
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    return max(1, cores - 1)
 
 
 @dataclass
@@ -148,10 +137,8 @@ class ModelRunner:
         self.kv_caches: KVCache = []
         self.num_blocks = 0
         self.requests: dict[str, _Request] = {}
-        threads = config.torch_threads or default_torch_threads(self.device)
-        if threads is not None:
-            torch.set_num_threads(threads)
         if self.device.type == "cpu":
+            torch.set_num_threads(cpu_threads_per_worker(config))
             keep_freed_memory()  # else every step faults its temporaries in afresh
         # Every rank draws the same unseeded noise, so tensor-parallel ranks agree.
         self.generator = torch.Generator(device=self.device).manual_seed(config.seed)

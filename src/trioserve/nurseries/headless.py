@@ -35,6 +35,7 @@ from dataclasses import dataclass
 
 import trio
 
+from trioserve.config import ENGINES_ON_HOST_ENV
 from trioserve.errors import EngineDeadError
 from trioserve.nurseries.api_servers import API_SERVERS_HOST_ENV, API_SERVERS_PORT_ENV
 from trioserve.nurseries.engine_core import (
@@ -112,6 +113,7 @@ async def keep_engine(config: HeadlessConfig, rank: int) -> None:
         ENGINE_INDEX_ENV: str(rank),
         HANDSHAKE_TIMEOUT_ENV: str(config.handshake_timeout_s),
         API_SERVERS_PORT_ENV: str(config.api_port + 2 * (rank - config.start_rank) if config.api_port else 0),
+        ENGINES_ON_HOST_ENV: str(config.num_engines),  # their workers share this host's cores
     }
     if config.api_address is not None:
         env[API_SERVERS_HOST_ENV] = config.api_address
