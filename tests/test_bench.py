@@ -20,7 +20,7 @@ from helpers.fakes import VOCAB
 
 from trioserve.bench.drivers import Progress
 from trioserve.bench.flops import ModelShape, utilisation, workload_flops
-from trioserve.bench.report import build_result, format_table, write_json
+from trioserve.bench.report import _flops_lines, build_result, flops_figures, flops_targets, format_table, write_json
 from trioserve.bench.run import run_against_server, run_in_process
 from trioserve.bench.stats import RequestRecord, percentile, summarize
 from trioserve.bench.steps import in_run_figures, step_log_env
@@ -231,3 +231,37 @@ def test_workload_is_a_function_of_its_spec():
 
 def _meta(workload: WorkloadSpec) -> dict:
     return {"driver": "test", "model": "tiny", "workload": workload.to_dict(), "workload_text": "test"}
+
+
+def test_no_utilisation_for_a_system_that_served_prompt_tokens_from_its_cache(tmp_path):
+    """FLOPs skipped by prefix-cache hits are not the workload's: such a system
+    gets the count of its cached tokens, not a utilisation (once above 100%)."""
+    shape = {
+        "hidden_size": 8,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 2,
+        "intermediate_size": 16,
+        "vocab_size": 32,
+    }
+    (tmp_path / "config.json").write_text(json.dumps(shape))
+    spec = WorkloadSpec(num_requests=4, prompt_len=(4, 8), output_len=(3, 3), vocab_size=32, shared_prefix_len=16)
+    peak = {"flops_per_s": 1e6, "dtype": "float32", "torch_threads": 1, "path": "F.linear"}
+    run = {"duration_s": 2.0, "engine": {"prefix_cache_hits": 48}}
+    baselines = {
+        "no-prefix-caching": {"seconds": 4.0},  # our engine's figures: nothing cached
+        "vllm": {"seconds": 1.0, "cached_prompt_tokens": 32},
+        "model-only": {"seconds": 3.0, "cached_prompt_tokens": 0},
+    }
+    figures = flops_figures(tmp_path, spec, peak, run, baselines)
+    assert figures["not_computed"] == {"ours": 48, "vllm": 32}
+    assert figures["utilisation"] == {
+        "no-prefix-caching": figures["workload_flops"] / 4.0 / 1e6,
+        "model-only": figures["workload_flops"] / 3.0 / 1e6,
+    }
+    assert flops_targets(figures) == {}  # issue 13's target is not judged on skipped work
+    lines = "\n".join(_flops_lines(figures))
+    assert "model FLOP utilisation, ours" in lines and "not computed (48 prompt tokens cached)" in lines
+    figures = flops_figures(
+        tmp_path, spec, peak, {"duration_s": 2.0}, {"vllm": {"seconds": 1.0, "cached_prompt_tokens": None}}
+    )
+    assert set(figures["utilisation"]) == {"ours"} and figures["not_computed"] == {"vllm": None}

@@ -178,9 +178,10 @@ def test_baselines_vllm_needs_an_interpreter():
 
 
 class FakeOutput:
-    def __init__(self, request_id: str, num_tokens: int, finished: bool) -> None:
+    def __init__(self, request_id: str, num_tokens: int, finished: bool, num_cached_tokens: int | None) -> None:
         self.request_id, self.finished = request_id, finished
         self.outputs = [types.SimpleNamespace(token_ids=list(range(num_tokens)))]
+        self.num_cached_tokens = num_cached_tokens  # vLLM's: None until it knows
 
 
 class FakeEngine:
@@ -203,7 +204,8 @@ class FakeEngine:
         outputs = []
         for request_id, state in list(self.requests.items()):
             state[0] += 1
-            outputs.append(FakeOutput(request_id, state[0], state[0] == state[1]))
+            done = state[0] == state[1]
+            outputs.append(FakeOutput(request_id, state[0], done, len(request_id) if done else None))
             if state[0] == state[1]:
                 del self.requests[request_id]
         return outputs
@@ -221,6 +223,7 @@ def test_the_vllm_driver_keeps_concurrency_requests_in_flight_and_times_them(mon
     assert engine.most_in_flight == 2
     assert result["output_tokens"] == 10 and result["num_requests"] == 4
     assert len(result["ttfts_s"]) == 4 and len(result["itls_s"]) == 10 - 4
+    assert result["cached_prompt_tokens"] == 4 * 2  # each request's, from its final output ("r0" .. "r3": 2 each)
 
 
 def test_the_vllm_driver_is_a_script_for_another_interpreter():

@@ -11,7 +11,8 @@ with a gated MLP (Llama, Qwen, Mistral, Gemma: gate, up and down):
 - the LM head only for the sampled tokens: 2 x hidden x vocabulary each.
 
 Embedding lookups, norms, rotary and sampling are not counted. Prefix-cache
-hits are not subtracted: it is the workload's cost, not the run's.
+hits are not subtracted: it is the workload's cost, not the run's (so the
+benchmark gives no utilisation for a system that had hits: ``report.flops_figures``).
 """
 
 from __future__ import annotations

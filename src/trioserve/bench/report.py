@@ -84,15 +84,28 @@ def flops_figures(
 ) -> dict[str, Any]:
     """The workload's model FLOPs (``bench.flops``) and each system's model FLOP
     utilisation: those FLOPs over its run time, as a fraction of ``peak``
-    (the ``peak-gemm`` kind: this machine's best GEMM rate, same dtype and threads)."""
+    (the ``peak-gemm`` kind: this machine's best GEMM rate, same dtype and threads).
+
+    A system that served prompt tokens from a prefix cache did not compute
+    the workload's FLOPs (and which ones it skipped depends on each request's
+    hit), so it gets no utilisation, only the count of its cached tokens
+    (``not_computed``); nor does one that does not say (vLLM's older results)."""
     shape = ModelShape.from_config(json.loads((Path(model_dir) / "config.json").read_text()))
     flops = workload_flops(shape, [(len(r.prompt_token_ids), r.max_tokens) for r in build_requests(spec)])
-    figures: dict[str, Any] = {"workload_flops": flops, "peak_gemm": peak, "utilisation": {}}
+    figures: dict[str, Any] = {"workload_flops": flops, "peak_gemm": peak, "utilisation": {}, "not_computed": {}}
     rate = peak.get("flops_per_s")
     if not rate:
         return figures
-    systems = {"ours": run.get("duration_s")} | {k: b.get("seconds") for k, b in baselines.items()}
-    figures["utilisation"] = {k: utilisation(flops, s, rate) for k, s in systems.items() if s}
+    systems = {"ours": (run.get("duration_s"), run.get("engine", {}).get("prefix_cache_hits", 0))}
+    for kind, b in baselines.items():
+        systems[kind] = (b.get("seconds"), b.get("cached_prompt_tokens", 0))
+    for system, (seconds, cached) in systems.items():
+        if not seconds:
+            continue
+        if cached is None or cached > 0:
+            figures["not_computed"][system] = cached
+        else:
+            figures["utilisation"][system] = utilisation(flops, seconds, rate)
     return figures
 
 
@@ -221,6 +234,10 @@ def _flops_lines(figures: dict[str, Any] | None) -> list[str]:
     for system, value in figures["utilisation"].items():
         name = "ours" if system == "ours" else BASELINE_NAMES.get(system, system)
         lines.append(f"  {'  model FLOP utilisation, ' + name:<46}{value * 100:>8.1f}%")
+    for system, cached in figures.get("not_computed", {}).items():
+        name = "ours" if system == "ours" else BASELINE_NAMES.get(system, system)
+        why = "it does not say which prompt tokens it cached" if cached is None else f"{cached} prompt tokens cached"
+        lines.append(f"  {'  model FLOP utilisation, ' + name:<46}not computed ({why})")
     return lines
 
 

@@ -80,6 +80,7 @@ def parse_vllm_result(text: str) -> dict[str, Any]:
         "itl_p50_s": percentile(itls, 50),
         "itl_p99_s": percentile(itls, 99),
         "vllm_version": raw.get("vllm_version", "unknown"),
+        "cached_prompt_tokens": raw.get("cached_prompt_tokens"),  # None: not reported
         **({"peak_rss_bytes": sum(peaks.values())} if (peaks := raw.get("peak_rss_bytes_by_pid")) else {}),
     }
 

@@ -60,6 +60,7 @@ def run(engine: Any, requests: list[list[Any]], concurrency: int | None) -> dict
     ttfts: list[float] = []
     itls: list[float] = []
     output_tokens, in_flight, next_index = 0, 0, 0
+    cached_prompt_tokens = 0  # prompt tokens served from vLLM's prefix cache
     started = time.perf_counter()
     while next_index < len(requests) or engine.has_unfinished_requests():
         while next_index < len(requests) and (concurrency is None or in_flight < concurrency):
@@ -85,9 +86,10 @@ def run(engine: Any, requests: list[list[Any]], concurrency: int | None) -> dict
             if out.finished:
                 in_flight -= 1
                 output_tokens += count
+                cached_prompt_tokens += out.num_cached_tokens or 0
     seconds = time.perf_counter() - started
     return {"seconds": seconds, "output_tokens": output_tokens, "num_requests": len(requests), "ttfts_s": ttfts,
-            "itls_s": itls}  # fmt: skip
+            "itls_s": itls, "cached_prompt_tokens": cached_prompt_tokens}  # fmt: skip
 
 
 def peak_rss_bytes() -> dict[str, int]:
