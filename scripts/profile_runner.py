@@ -29,6 +29,7 @@ def main() -> None:
     p.add_argument("--concurrency", type=int, default=32)
     p.add_argument("--prompt-len", default="32-256")
     p.add_argument("--output-len", default="64")
+    p.add_argument("--shared-prefix-len", type=int, default=0, help="tokens every prompt starts with (prefix caching)")
     p.add_argument("--torch-threads", type=int, default=1)
     p.add_argument("--dtype", default="auto")
     p.add_argument("--rows", type=int, default=25)
@@ -44,6 +45,7 @@ def main() -> None:
     spec = WorkloadSpec(
         num_requests=args.num_requests, prompt_len=parse_range(args.prompt_len),
         output_len=parse_range(args.output_len), vocab_size=vocab, seed=0, concurrency=args.concurrency,
+        shared_prefix_len=args.shared_prefix_len,
     )  # fmt: skip
     started = time.perf_counter()
     bench = _ModelOnly(config)

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import json
 import math
 import random
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -116,6 +118,29 @@ def test_decode_kernel_matches_per_sequence_attention(decode_kernel, window, sof
     got = run_steps(seqs, steps, 0.3, window, softcap, False, decode_kernel=decode_kernel)
     for seq, out in zip(seqs, got, strict=True):
         torch.testing.assert_close(out, reference(seq["q"], seq["k"], seq["v"], 0.3, window, softcap))
+
+
+@pytest.mark.filterwarnings("ignore:`torch.jit.script_method` is deprecated:DeprecationWarning")  # inductor's imports
+def test_a_built_kernel_is_loaded_again_from_our_index(decode_kernel, tmp_path, monkeypatch):
+    """Once built, a kernel's library is found through our index, without
+    inductor's per-process checks (a worker start saves about a second); an
+    index naming a library that is gone is written again."""
+    from torch._inductor.codecache import CppPythonBindingsCodeCache
+
+    from trioserve.gpu import cpu_attention
+
+    index = tmp_path / "index.json"
+    monkeypatch.setattr(cpu_attention, "_index_path", lambda: index)
+    index.write_text('{"path": "/nowhere/kernel.so", "key": "gone"}')
+    built = cpu_attention._load_or_build()  # from inductor (its cache has it: the fixture built it)
+    entry = json.loads(index.read_text())
+    assert Path(entry["path"]).is_file() and entry["key"] != "gone"
+
+    def no_building(*args, **kwargs):
+        raise AssertionError("inductor was asked to build or look up the kernel")
+
+    monkeypatch.setattr(CppPythonBindingsCodeCache, "load_pybinding", no_building)
+    assert cpu_attention._load_or_build() is built
 
 
 def prefills_then_decodes(

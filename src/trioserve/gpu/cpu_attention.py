@@ -18,18 +18,29 @@ this is our own: one C++ function, per sequence (threads over sequences):
 It is built with inductor's own C++ toolchain and headers (``at::vec``
 vectors, OpenMP) when a worker loads its model, and cached like inductor's
 kernels (``compiled.inductor_cache_dir()``): about 6 s the first time on
-this machine, about 1 s in each later process (inductor's checks of the
-compiler and of the vector ISA). On by default on the CPU at float32
+this machine. Inductor's own lookup of a built kernel checks the compiler
+and the vector ISA again in every process (about 0.8 s, in subprocesses), so
+the built library's path is also kept in a small index of ours, keyed by
+the source, torch, Python and the CPU's vector capability; a later worker
+loads the library straight from it. On by default on the CPU at float32
 (``TRIOSERVE_CPU_ATTENTION=0``: the portable path); other dtypes and
 devices take the portable path.
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
 import logging
 import os
+import platform
+import sys
+from collections.abc import Callable
+from pathlib import Path
 
 import torch
+
+from trioserve.gpu.compiled import inductor_cache_dir
 
 log = logging.getLogger(__name__)
 
@@ -128,9 +139,7 @@ class CpuDecodeKernel:
     """``attention.DecodeKernel`` for the CPU at float32 (build with ``load``)."""
 
     def __init__(self) -> None:
-        from torch._inductor.codecache import CppPythonBindingsCodeCache
-
-        self._kernel = CppPythonBindingsCodeCache.load_pybinding(_ARGTYPES, _SOURCE)
+        self._kernel = _load_or_build()
 
     def __call__(
         self,
@@ -159,6 +168,44 @@ class CpuDecodeKernel:
             block_tables.shape[0], heads, kv_heads, head_dim, block_size, block_tables.shape[1],
             q.stride(1), q.stride(0), window or 0, scale, softcap or 0.0, torch.get_num_threads(),
         )  # fmt: skip
+
+
+def _index_path() -> Path:
+    """The index entry of the kernel built for this source, torch, Python and CPU."""
+    identity = "\0".join(
+        [_SOURCE, repr(_ARGTYPES), torch.__version__, sys.version, platform.machine(),
+         torch.backends.cpu.get_cpu_capability()]
+    )  # fmt: skip
+    return (
+        inductor_cache_dir()
+        / "trioserve"
+        / f"decode-attention-{hashlib.sha256(identity.encode()).hexdigest()[:32]}.json"
+    )
+
+
+def _load_or_build() -> Callable[..., None]:
+    """The kernel from the library our index names; else built (or found) by
+    inductor, and the library it loaded written to the index."""
+    from torch._inductor.codecache import CppPythonBindingsCodeCache as Bindings
+
+    index = _index_path()
+    try:
+        entry = json.loads(index.read_text())
+        if Path(entry["path"]).is_file():
+            return getattr(Bindings._load_library_inner(entry["path"], entry["key"]), Bindings.entry_function)
+    except (OSError, ValueError, KeyError, TypeError, ImportError, AttributeError) as exc:
+        if not isinstance(exc, FileNotFoundError):
+            log.info("decode attention kernel: index %s unusable (%s); building", index, exc)
+    kernel = Bindings.load_pybinding(_ARGTYPES, _SOURCE)
+    for name in Bindings._loaded_module_names:
+        module = sys.modules.get(name)
+        if module is not None and getattr(module, Bindings.entry_function, None) is kernel and module.__file__:
+            index.parent.mkdir(parents=True, exist_ok=True)
+            partial = index.with_suffix(f".{os.getpid()}.tmp")
+            partial.write_text(json.dumps({"path": module.__file__, "key": name.rsplit(".", 1)[0]}))
+            partial.replace(index)  # atomic: another worker may be reading it
+            break
+    return kernel
 
 
 def load_decode_kernel(device: torch.device, dtype: torch.dtype) -> CpuDecodeKernel | None:
