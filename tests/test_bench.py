@@ -76,8 +76,12 @@ async def test_in_process_run_reports_every_figure(fake_config, tmp_path):
     assert [r.num_output_tokens for r in outcome.records] == [r.max_tokens for r in build_requests(workload)]
     assert set(outcome.peak_rss_bytes) == {"front-end + bench", "engine-core", "worker-0"}
     assert all(size > 1024 * 1024 for size in outcome.peak_rss_bytes.values())
-    result = build_result(summarize(outcome.records), outcome.peak_rss_bytes, {}, _meta(workload))
+    assert set(outcome.cpu_seconds) == set(outcome.peak_rss_bytes)
+    assert all(seconds >= 0 for seconds in outcome.cpu_seconds.values())
+    run = summarize(outcome.records) | {"cpu_seconds": outcome.cpu_seconds}
+    result = build_result(run, outcome.peak_rss_bytes, {}, _meta(workload))
     check_figures(result, workload, outcome.records)
+    assert "CPU time engine-core" in format_table(result)
     write_json(result, tmp_path / "bench.json")
     assert (
         json.loads((tmp_path / "bench.json").read_text())["results"]["output_tokens"]

@@ -271,6 +271,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
         run["requests_per_engine"] = outcome.requests_per_engine
     if outcome.engine_stats is not None:
         run["engine"] = engine_figures(outcome.engine_stats)
+    if outcome.cpu_seconds:
+        run["cpu_seconds"] = outcome.cpu_seconds
     result = build_result(run, outcome.peak_rss_bytes, baselines, meta, in_run)
     if peak is not None:
         result["model_flops"] = flops_figures(model_dir, spec, peak, run, baselines)

@@ -1,4 +1,4 @@
-"""Peak resident memory of the processes a benchmark involves.
+"""Peak resident memory (and CPU time) of the processes a benchmark involves.
 
 On Linux the kernel keeps each process's high-water mark (``VmHWM`` in
 ``/proc/PID/status``): that is the exact peak, read just before the
@@ -59,6 +59,19 @@ class PeakMemory:
             if peak:
                 out[name] = peak
         return out
+
+
+def cpu_seconds(pids: dict[str, int]) -> dict[str, float]:
+    """User + system CPU seconds each named process has used so far (every
+    thread; those that still run)."""
+    out = {}
+    for name, pid in pids.items():
+        try:
+            times = psutil.Process(pid).cpu_times()
+        except psutil.Error:
+            continue
+        out[name] = times.user + times.system
+    return out
 
 
 def server_processes(port: int) -> dict[str, int]:

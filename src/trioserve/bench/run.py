@@ -19,7 +19,7 @@ import trio
 
 from trioserve.api import Engine, open_engine
 from trioserve.bench.drivers import Progress, WebSocketPool, connections_for, drive, engine_sender
-from trioserve.bench.memory import PeakMemory, server_processes
+from trioserve.bench.memory import PeakMemory, cpu_seconds, server_processes
 from trioserve.bench.stats import RequestRecord
 from trioserve.bench.steps import step_log_env
 from trioserve.bench.workload import BenchRequest, WorkloadSpec, build_requests, warmup_spec
@@ -39,6 +39,7 @@ class RunOutcome:
     steps: list[StepRecord] = field(default_factory=list)  # the output worker's own step log, if any
     requests_per_engine: list[int] = field(default_factory=list)  # with several engines: how many each served
     engine_stats: EngineStats | None = None  # in-process: the engine's counters after the run
+    cpu_seconds: dict[str, float] = field(default_factory=dict)  # each process's CPU time during the run
 
 
 async def run_in_process(config: EngineConfig, spec: WorkloadSpec, progress: Progress) -> RunOutcome:
@@ -98,11 +99,14 @@ async def _measure(
         raise RuntimeError(f"warm-up request failed: {next(r.error for r in warm if not r.ok)}")
     async with trio.open_nursery() as nursery:
         await nursery.start(memory.run)
+        cpu_before = cpu_seconds(memory.pids)
         progress.started = time.perf_counter()
         records = await drive(requests, spec, send, progress)
+        cpu_after = cpu_seconds(memory.pids)
         peaks = memory.peaks()
         nursery.cancel_scope.cancel()
-    return RunOutcome(records, peaks)
+    cpu = {name: cpu_after[name] - cpu_before[name] for name in cpu_after if name in cpu_before}
+    return RunOutcome(records, peaks, cpu_seconds=cpu)
 
 
 def run_baseline(kind: str, config: EngineConfig, spec: WorkloadSpec, timeout_s: float | None = None) -> dict[str, Any]:
