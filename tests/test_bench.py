@@ -269,3 +269,17 @@ def test_no_utilisation_for_a_system_that_served_prompt_tokens_from_its_cache(tm
         tmp_path, spec, peak, {"duration_s": 2.0}, {"vllm": {"seconds": 1.0, "cached_prompt_tokens": None}}
     )
     assert set(figures["utilisation"]) == {"ours"} and figures["not_computed"] == {"vllm": None}
+
+
+def test_the_model_only_bound_says_what_its_requests_took_from_the_prefix_cache(tiny_model_dir):
+    """So that no utilisation is computed for it on a shared-prefix workload."""
+    pytest.importorskip("torch")
+    from trioserve.bench.baselines import run_model_only
+    from trioserve.config import EngineConfig
+    from trioserve.gpu.tiny_models import VOCAB_SIZE
+
+    config = EngineConfig(model=str(tiny_model_dir("llama")), block_size=4, torch_threads=1)
+    plain = WorkloadSpec(num_requests=4, prompt_len=(4, 8), output_len=(2, 2), vocab_size=VOCAB_SIZE, concurrency=1)
+    shared = WorkloadSpec.from_dict({**plain.to_dict(), "shared_prefix_len": 16})
+    assert run_model_only(config, shared)["cached_prompt_tokens"] == 3 * 16  # one at a time: the last three hit
+    assert run_model_only(config, plain)["cached_prompt_tokens"] == 0

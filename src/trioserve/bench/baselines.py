@@ -65,6 +65,7 @@ class _ModelOnly:
         self.runner.init_kv_cache(loaded.max_num_kv_blocks)
         self.config = config
         self.loaded = loaded
+        self.cached_tokens = 0  # of the last run: tokens its requests started with from the prefix cache
 
     def run(
         self, requests: list[BenchRequest], concurrency: int | None
@@ -87,6 +88,7 @@ class _ModelOnly:
         steps: list[tuple[int, int, float]] = []
         itls: list[float] = []
         last: dict[str, float] = {}  # request id -> when its last token came (model clock)
+        self.cached_tokens = 0
         while queue or sched.has_unfinished():
             while queue and in_flight < limit:
                 r = queue.popleft()
@@ -96,6 +98,7 @@ class _ModelOnly:
             if step is None:
                 continue
             out = step.scheduled
+            self.cached_tokens += sum(new.num_computed_tokens for new in out.new_requests)
             started = time.perf_counter()
             result = self.runner.execute(out)
             seconds = time.perf_counter() - started
@@ -128,6 +131,7 @@ def run_model_only(config: EngineConfig, spec: WorkloadSpec) -> dict[str, Any]:
         "output_tokens_per_s": tokens / total,
         "requests_per_s": spec.num_requests / total,
         "num_steps": len(steps),
+        "cached_prompt_tokens": bench.cached_tokens,  # no model FLOP utilisation when > 0 (report.flops_figures)
         # The ITL this workload has with zero overhead, at our own batch shapes: compare with ITL p50.
         "itl_p50_s": percentile(itls, 50),
         "itl_p99_s": percentile(itls, 99),
