@@ -30,19 +30,21 @@ def main() -> None:
     p.add_argument("--kv-heads", type=int, default=3)
     p.add_argument("--head-dim", type=int, default=64)
     p.add_argument("--calls", type=int, default=30)
+    p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     args = p.parse_args()
+    dtype = getattr(torch, args.dtype)
     torch.set_num_threads(args.torch_threads)
     torch.manual_seed(0)
     h, kvh, d, bs, num_blocks = args.heads, args.kv_heads, args.head_dim, 16, 1200
-    caches = [(torch.randn(num_blocks, bs, kvh, d), torch.randn(num_blocks, bs, kvh, d))]
+    caches = [(torch.randn(num_blocks, bs, kvh, d, dtype=dtype), torch.randn(num_blocks, bs, kvh, d, dtype=dtype))]
     rng = random.Random(0)
     context = [rng.randint(64, 320) for _ in range(args.batch)]
     free = list(range(num_blocks))
     rng.shuffle(free)
     tables = [[free.pop() for _ in range(-(-c // bs))] for c in context]
-    q = torch.randn(1, args.batch, h, d).transpose(1, 2)  # [1, H, B, D], as transformers gives it
-    k_new = torch.randn(1, kvh, args.batch, d)
-    kernel = load_decode_kernel(torch.device("cpu"), torch.float32)
+    q = torch.randn(1, args.batch, h, d, dtype=dtype).transpose(1, 2)  # [1, H, B, D], as transformers gives it
+    k_new = torch.randn(1, kvh, args.batch, d, dtype=dtype)
+    kernel = load_decode_kernel(torch.device("cpu"), dtype)
     portable = attention.build_metadata([1] * args.batch, context, tables, bs, caches, torch.device("cpu"))
     kerneled = attention.build_metadata(
         [1] * args.batch, context, tables, bs, caches, torch.device("cpu"), decode_kernel=kernel
@@ -57,7 +59,8 @@ def main() -> None:
             attention._gather(caches[0][0], group.block_tables)
             attention._gather(caches[0][1], group.block_tables)
 
-    torch.testing.assert_close(run(kerneled), run(portable))
+    tolerance = {"rtol": 2e-2, "atol": 2e-2} if dtype == torch.bfloat16 else {}
+    torch.testing.assert_close(run(kerneled), run(portable), **tolerance)
     calls = {"portable": lambda: run(portable), "kernel": lambda: run(kerneled), "index_select only": gather}
     times: dict[str, list[float]] = {name: [] for name in calls}
     for _ in range(args.calls):

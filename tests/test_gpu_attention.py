@@ -37,8 +37,10 @@ def run_steps(
 ):
     """Feed each sequence's q/k/v through the paged function, ``steps`` giving
     per step the number of new tokens of each sequence (0: not scheduled)."""
-    d = seqs[0]["q"].shape[-1]
-    caches = [(torch.zeros(num_blocks, BLOCK, KVH, d), torch.zeros(num_blocks, BLOCK, KVH, d))]
+    d, dtype = seqs[0]["q"].shape[-1], seqs[0]["q"].dtype
+    caches = [
+        (torch.zeros(num_blocks, BLOCK, KVH, d, dtype=dtype), torch.zeros(num_blocks, BLOCK, KVH, d, dtype=dtype))
+    ]
     free = list(range(num_blocks))
     random.Random(0).shuffle(free)
     tables = [[free.pop() for _ in range(math.ceil(s["q"].shape[1] / BLOCK))] for s in seqs]
@@ -121,6 +123,32 @@ def test_decode_kernel_matches_per_sequence_attention(decode_kernel, window, sof
 
 
 @pytest.mark.filterwarnings("ignore:`torch.jit.script_method` is deprecated:DeprecationWarning")  # inductor's imports
+@pytest.mark.parametrize(("window", "softcap"), [(None, None), (5, 1.5)])
+def test_bfloat16_decode_kernel_matches_attention_at_float32_to_bfloat16_precision(window, softcap):
+    """The bfloat16 build reads bfloat16 caches and computes in float32: as
+    close to float32 attention over the same (bfloat16) values as bfloat16's
+    own rounding of the output allows, and closer than the portable path at
+    bfloat16 is."""
+    from trioserve.gpu.cpu_attention import load_decode_kernel
+
+    kernel = load_decode_kernel(torch.device("cpu"), torch.bfloat16)
+    assert kernel is not None
+    seqs, steps = prefills_then_decodes(3, (2, 13, 7, 21), 4, D)
+    seqs = [{name: t.to(torch.bfloat16) for name, t in seq.items()} for seq in seqs]
+    got = run_steps(seqs, steps, 0.3, window, softcap, False, decode_kernel=kernel)
+    portable = run_steps(seqs, steps, 0.3, window, softcap, False)
+    for seq, out, out_portable, prompt in zip(seqs, got, portable, steps[0], strict=True):
+        exact = reference(*(seq[name].float() for name in "qkv"), 0.3, window, softcap)
+        assert out.dtype == torch.bfloat16
+        decoded = slice(prompt, None)  # the rows the kernel computed (the prompts take SDPA)
+        torch.testing.assert_close(out[decoded].float(), exact[decoded], rtol=1e-2, atol=1e-2)
+        error, portable_error = ((o[decoded].float() - exact[decoded]).abs().max() for o in (out, out_portable))
+        assert error <= portable_error + 1e-3
+    with pytest.raises(ValueError, match=r"built for torch\.bfloat16"):
+        run_steps(prefills_then_decodes(3, (2,), 1, D)[0], [[2], [1]], 0.3, None, None, False, decode_kernel=kernel)
+
+
+@pytest.mark.filterwarnings("ignore:`torch.jit.script_method` is deprecated:DeprecationWarning")  # inductor's imports
 def test_a_built_kernel_is_loaded_again_from_our_index(decode_kernel, tmp_path, monkeypatch):
     """Once built, a kernel's library is found through our index, without
     inductor's per-process checks (a worker start saves about a second); an
@@ -130,9 +158,9 @@ def test_a_built_kernel_is_loaded_again_from_our_index(decode_kernel, tmp_path, 
     from trioserve.gpu import cpu_attention
 
     index = tmp_path / "index.json"
-    monkeypatch.setattr(cpu_attention, "_index_path", lambda: index)
+    monkeypatch.setattr(cpu_attention, "_index_path", lambda dtype: index)
     index.write_text('{"path": "/nowhere/kernel.so", "key": "gone"}')
-    built = cpu_attention._load_or_build()  # from inductor (its cache has it: the fixture built it)
+    built = cpu_attention._load_or_build(torch.float32)  # from inductor (its cache has it: the fixture built it)
     entry = json.loads(index.read_text())
     assert Path(entry["path"]).is_file() and entry["key"] != "gone"
 
@@ -140,7 +168,7 @@ def test_a_built_kernel_is_loaded_again_from_our_index(decode_kernel, tmp_path, 
         raise AssertionError("inductor was asked to build or look up the kernel")
 
     monkeypatch.setattr(CppPythonBindingsCodeCache, "load_pybinding", no_building)
-    assert cpu_attention._load_or_build() is built
+    assert cpu_attention._load_or_build(torch.float32) is built
 
 
 def prefills_then_decodes(

@@ -133,7 +133,7 @@ class ModelRunner:
             log.warning("compile: tensor-parallel shards run eager")
         self.compile_seconds = 0.0  # the last warm-up's, compilation included
         self._forward: Forward | None = None  # the model's forward: eager, or compiled (gpu/compiled.py)
-        self._decode_kernel: DecodeKernel | None = None  # decodes reading the cache in place (CPU, float32)
+        self._decode_kernel: DecodeKernel | None = None  # decodes reading the cache in place (CPU, float32/bfloat16)
         self.kv_caches: KVCache = []
         self.num_blocks = 0
         self.requests: dict[str, _Request] = {}
