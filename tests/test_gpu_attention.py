@@ -163,6 +163,11 @@ def test_a_built_kernel_is_loaded_again_from_our_index(decode_kernel, tmp_path, 
     built = cpu_attention._load_or_build(torch.float32)  # from inductor (its cache has it: the fixture built it)
     entry = json.loads(index.read_text())
     assert Path(entry["path"]).is_file() and entry["key"] != "gone"
+    unwritable = tmp_path / "a-file"
+    unwritable.write_text("")
+    monkeypatch.setattr(cpu_attention, "_index_path", lambda dtype: unwritable / "index.json")
+    assert cpu_attention._load_or_build(torch.float32) is built  # no index written, the kernel all the same
+    monkeypatch.setattr(cpu_attention, "_index_path", lambda dtype: index)
 
     def no_building(*args, **kwargs):
         raise AssertionError("inductor was asked to build or look up the kernel")

@@ -236,10 +236,13 @@ def _load_or_build(dtype: torch.dtype) -> Callable[..., None]:
     for name in Bindings._loaded_module_names:
         module = sys.modules.get(name)
         if module is not None and getattr(module, Bindings.entry_function, None) is kernel and module.__file__:
-            index.parent.mkdir(parents=True, exist_ok=True)
-            partial = index.with_suffix(f".{os.getpid()}.tmp")
-            partial.write_text(json.dumps({"path": module.__file__, "key": name.rsplit(".", 1)[0]}))
-            partial.replace(index)  # atomic: another worker may be reading it
+            try:
+                index.parent.mkdir(parents=True, exist_ok=True)
+                partial = index.with_suffix(f".{os.getpid()}.tmp")
+                partial.write_text(json.dumps({"path": module.__file__, "key": name.rsplit(".", 1)[0]}))
+                partial.replace(index)  # atomic: another worker may be reading it
+            except OSError as exc:  # a read-only cache: the next worker asks inductor again
+                log.info("decode attention kernel: could not write the index %s (%s)", index, exc)
             break
     return kernel
 
