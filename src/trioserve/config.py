@@ -43,7 +43,7 @@ def cpu_threads_per_worker(config: EngineConfig) -> int:
 
     All of a 2-core host's cores for its one worker, though the engine core
     and the front-end then share them: 1.64x the tokens/s of one thread on
-    the issue-13 workload (docs/benchmarks.md), the engine core's work between
+    the issue-13 workload (docs/benchmarks.md), the worker's idle time between
     steps growing from 0.3 to 1.8 ms on steps of 165 ms."""
     if config.torch_threads:
         return config.torch_threads
