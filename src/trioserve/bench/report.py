@@ -195,8 +195,9 @@ def format_table(result: dict[str, Any]) -> str:
         lines.append(f"  {'prefix cache hit rate':<32}{rate} of prompt tokens")
     for name, size in result["peak_rss_bytes"].items():
         lines.append(f"  {'peak RSS ' + name:<32}{size / MIB:.0f} MiB")
-    for name, seconds in r.get("cpu_seconds", {}).items():  # share of one core over the run
-        lines.append(f"  {'CPU time ' + name:<32}{seconds:.1f} s ({seconds / r['duration_s'] * 100:.0f}% of a core)")
+    for name, seconds in r.get("cpu_seconds", {}).items():  # and its share of one core over the run
+        share = f" ({seconds / r['duration_s'] * 100:.0f}% of a core)" if r["duration_s"] > 0 else ""
+        lines.append(f"  {'CPU time ' + name:<32}{seconds:.1f} s{share}")
     lines += _in_run_lines(result.get("model_steps_in_run"))
     lines += _flops_lines(result.get("model_flops"))
     lines += _baseline_lines(result)
