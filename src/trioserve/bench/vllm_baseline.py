@@ -29,11 +29,6 @@ from trioserve.config import EngineConfig, cpu_threads_per_worker
 VLLM_DRIVER = Path(__file__).with_name("vllm_driver.py")
 
 
-def worker_threads(config: EngineConfig) -> int:
-    """The torch threads our worker runs with on the CPU."""
-    return cpu_threads_per_worker(config)
-
-
 def vllm_job(config: EngineConfig, spec: WorkloadSpec) -> dict[str, Any]:
     """What the driver runs: the model, the requests, the engine's limits."""
     model_config = json.loads((Path(config.model) / "config.json").read_text())
@@ -60,7 +55,8 @@ def vllm_env(config: EngineConfig, base: dict[str, str] | None = None) -> dict[s
     """The driver's environment: ours without our Python path, and vLLM's CPU settings."""
     env = {k: v for k, v in (os.environ if base is None else base).items() if k != "PYTHONPATH"}
     env["VLLM_CPU_KVCACHE_SPACE"] = str(max(1, math.ceil(config.kv_cache_memory_bytes / 2**30)))
-    env["VLLM_CPU_OMP_THREADS_BIND"] = f"0-{worker_threads(config) - 1}" if worker_threads(config) > 1 else "0"
+    threads = cpu_threads_per_worker(config)  # as many as our worker runs with
+    env["VLLM_CPU_OMP_THREADS_BIND"] = f"0-{threads - 1}" if threads > 1 else "0"
     return env
 
 
