@@ -122,6 +122,28 @@ async def check_served_by(engine: trioserve.Engine, index: int, prompt: list[int
     assert out.token_ids == fake_tokens(prompt, 6)
 
 
+async def intruders_get_nowhere(
+    engine: trioserve.Engine,
+    attempts: list[list[tuple[TrioZmqSocket, bytes]]],
+    listeners: list[TrioZmqSocket],
+) -> None:
+    """Each intruder's messages sent (half a second each: a send to a peer
+    that refused the handshake may never complete); engine 1 still serves
+    four requests of the engine's own; nothing reaches a listener, and no
+    request of the intruders' was taken."""
+    for messages in attempts:
+        with trio.move_on_after(0.5):
+            for sock, message in messages:
+                await sock.send(message)
+    for i in range(4):
+        await check_served_by(engine, 1, [9 + i, 8])
+    for sock in listeners:
+        with trio.move_on_after(0.3):
+            raise AssertionError(f"an intruder got {await sock.recv()!r}")
+    stats = await engine.stats()
+    assert [e.num_requests for e in stats.engines] == [0, 4]  # the intruders' never got in
+
+
 # --- keys --------------------------------------------------------------------
 
 
@@ -191,17 +213,7 @@ async def test_a_peer_without_the_key_or_with_another_key_never_reaches_an_engin
                 thieves = [TrioZmqSocket.connect(zmq.PULL, input_address, **opts) for opts in intruders.values()]
                 fakers = [TrioZmqSocket.connect(zmq.PUSH, output_address, **opts) for opts in intruders.values()]
                 fake = _encode(EngineOutputs(outputs=[TokenOutput("x", [1], finish_reason="stop")]))
-                for sock in fakers:
-                    with trio.move_on_after(0.5):
-                        await sock.send(add)
-                        await sock.send(fake)
-                for i in range(4):
-                    await check_served_by(engine, 1, [9 + i, 8])
-                for thief in thieves:
-                    with trio.move_on_after(0.3):
-                        raise AssertionError(f"a thief got {await thief.recv()!r}")
-                stats = await engine.stats()
-                assert [e.num_requests for e in stats.engines] == [0, 4]  # the intruders' never got in
+                await intruders_get_nowhere(engine, [[(sock, add), (sock, fake)] for sock in fakers], thieves)
                 assert hub.num_hellos == 1  # the real engine core's only
                 assert hub.authenticator.num_refused >= 2 and hub.authenticator.num_allowed == 3
                 for sock in sockets + thieves + fakers:
@@ -239,17 +251,9 @@ async def test_a_peer_without_the_key_never_reaches_a_headless_engine_through_it
                     pushers = [TrioZmqSocket.connect(zmq.PUSH, addresses.input_address, **o) for o in intruders]
                     dealers = [TrioZmqSocket.connect(zmq.DEALER, addresses.output_address, **o) for o in intruders]
                     add = _encode(AddRequest(request_id="evil", prompt_token_ids=[5, 6], params=PARAMS, frontend=1))
-                    for pusher, dealer in zip(pushers, dealers, strict=True):
-                        with trio.move_on_after(0.5):
-                            await pusher.send(add)
-                            await dealer.send(_encode(Attach(frontend=1, engine=1)))
-                    for i in range(4):
-                        await check_served_by(engine, 1, [9 + i, 8])
-                    for dealer in dealers:
-                        with trio.move_on_after(0.3):
-                            raise AssertionError(f"an intruder got {await dealer.recv()!r}")
-                    stats = await engine.stats()
-                    assert [e.num_requests for e in stats.engines] == [0, 4]  # the intruders' never got in
+                    attach = _encode(Attach(frontend=1, engine=1))
+                    attempts = [[(p, add), (d, attach)] for p, d in zip(pushers, dealers, strict=True)]
+                    await intruders_get_nowhere(engine, attempts, dealers)
                     for sock in pushers + dealers:
                         sock.close()
             head.cancel_scope.cancel()
