@@ -15,12 +15,15 @@ A setting is ``TRIOSERVE_PACKED_LINEAR`` of an eager runner (``0``,
 ``gpu/compiled.py``, compiled before the rounds start; ``compile-unpacked``:
 with ``TRIOSERVE_PACKED_LINEAR=0``), then optionally ``-kernel``: without the
 CPU decode kernel of ``gpu/cpu_attention.py`` (``TRIOSERVE_CPU_ATTENTION=0``),
-or ``+kernel``: with it (the default where it applies).
+``+kernel``: with it (the default where it applies), or ``-shared``: with it,
+but every sequence reading the blocks it shares with others itself (no
+``shared_len``).
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import random
 import statistics
@@ -31,14 +34,14 @@ import torch
 from trioserve.bench.models import resolve_model
 from trioserve.config import EngineConfig
 from trioserve.gpu import cpu_linear
-from trioserve.gpu.attention import step_metadata
+from trioserve.gpu.attention import DecodeKernel, step_metadata
 from trioserve.gpu.cpu_attention import load_decode_kernel
 from trioserve.gpu.model_runner import ModelRunner
 
 
 def make_runner(model: str, threads: int, dtype: str, setting: str) -> ModelRunner:
     base, kernel = setting, ""
-    if setting.endswith(("+kernel", "-kernel")):
+    if setting.endswith(("+kernel", "-kernel", "-shared")):
         base, kernel = setting[:-7], setting[-7:]
     compile_ = base.startswith("compile")
     os.environ[cpu_linear.PACKED_LINEAR_ENV] = {"compile": "all", "compile-unpacked": "0"}.get(base, base)
@@ -49,10 +52,17 @@ def make_runner(model: str, threads: int, dtype: str, setting: str) -> ModelRunn
         runner._decode_kernel = load_decode_kernel(runner.device, runner.dtype)
     elif kernel == "-kernel":
         runner._decode_kernel = None
+    elif kernel == "-shared" and runner._decode_kernel is not None:
+        runner._decode_kernel = functools.partial(_unshared, runner._decode_kernel)
     runner.init_kv_cache(1200)
     if compile_:
         print(f"{setting}: compiled in {runner.compile_seconds:.1f} s", flush=True)
     return runner
+
+
+def _unshared(kernel: DecodeKernel, *args: object) -> None:
+    """``kernel`` with every sequence reading its whole context (``shared_len`` 0)."""
+    kernel(*args[:-1], 0)  # type: ignore[arg-type]
 
 
 @torch.inference_mode()  # as the runner's own steps: a compiled model would recompile for other tensors

@@ -56,6 +56,7 @@ def main() -> None:
     p.add_argument("--concurrency", type=int, default=32)
     p.add_argument("--prompt-len", default="32-256")
     p.add_argument("--output-len", default="64")
+    p.add_argument("--shared-prefix-len", type=int, default=0, help="tokens every prompt starts with (prefix caching)")
     p.add_argument("--torch-threads", type=int, default=1)
     args = p.parse_args()
     model_dir = resolve_model(args.model)
@@ -66,6 +67,7 @@ def main() -> None:
     spec = WorkloadSpec(
         num_requests=args.num_requests, prompt_len=parse_range(args.prompt_len),
         output_len=parse_range(args.output_len), vocab_size=vocab, seed=0, concurrency=args.concurrency,
+        shared_prefix_len=args.shared_prefix_len,
     )  # fmt: skip
     bench = _ModelOnly.__new__(_ModelOnly)  # its loop, over our runners (each with 1200 blocks)
     tee = Tee(runners)

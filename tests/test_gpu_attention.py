@@ -176,6 +176,71 @@ def test_a_built_kernel_is_loaded_again_from_our_index(decode_kernel, tmp_path, 
     assert cpu_attention._load_or_build(torch.float32) is built
 
 
+def shared_prefix_decodes(dtype: torch.dtype, head_dim: int):
+    """One decode step over a cache of random K/V whose block tables share
+    beginnings as prefix-cache hits do: three sequences start with the same
+    75 blocks (300 tokens: two of the kernel's 256-token spans), two of them
+    with 3 more; two others share 2 blocks; one shares nothing. -> (q, k, v of
+    the new tokens, context lens, tables, caches)."""
+    gen = torch.Generator().manual_seed(5)
+    caches = [tuple(torch.randn(400, BLOCK, KVH, head_dim, generator=gen).to(dtype) for _ in range(2))]
+    fresh = iter(range(100, 400))
+    common, pair = list(range(75)), [75, 76, 77]
+    tables = [
+        common + pair + [next(fresh)],  # 78 shared with the next one, 75 with the third
+        common + pair + [next(fresh), next(fresh)],
+        [*common, next(fresh)],  # its newest token in the block right after the 75
+        [90, 91, next(fresh)],
+        [90, 91, next(fresh), next(fresh)],
+        [next(fresh) for _ in range(5)],
+    ]
+    context = [78 * BLOCK + 3, 80 * BLOCK, 75 * BLOCK + 1, 2 * BLOCK + 2, 3 * BLOCK + 1, 5 * BLOCK - 1]
+    q, k, v = (torch.randn(1, heads, len(tables), head_dim, generator=gen).to(dtype) for heads in (H, KVH, KVH))
+    return q, k, v, context, tables, caches
+
+
+@pytest.mark.filterwarnings("ignore:`torch.jit.script_method` is deprecated:DeprecationWarning")  # inductor's imports
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("window", "softcap", "head_dim"), [(None, None, 8), (None, 2.0, 44), (5, None, 8)])
+def test_decode_kernel_reads_blocks_shared_by_a_group_once_with_the_same_result(window, softcap, head_dim, dtype):
+    """Decodes whose tables start with the same blocks (prefix-cache hits)
+    form one kernel call per group that reads those blocks once for all
+    (``shared_len``): the same attention as each sequence reading its own
+    context (float32 attention over the same values, to the dtype's rounding)."""
+    from trioserve.gpu.cpu_attention import load_decode_kernel
+
+    kernel = load_decode_kernel(torch.device("cpu"), dtype)
+    assert kernel is not None
+    q, k, v, context, tables, caches = shared_prefix_decodes(dtype, head_dim)
+    meta = build_metadata([1] * len(tables), context, tables, BLOCK, caches, torch.device("cpu"), decode_kernel=kernel)
+    groups = {tuple(g.token_index.tolist()): g.shared_len for g in meta.decodes}
+    assert groups == {(0, 1, 2): 75 * BLOCK, (3, 4): 2 * BLOCK, (5,): 0}
+    module = SimpleNamespace(layer_idx=0, scaling=0.3)
+    with step_metadata(meta):
+        out, _ = paged_attention_forward(module, q, k, v, None, sliding_window=window, softcap=softcap)
+    for i, (table, length) in enumerate(zip(tables, context, strict=True)):
+        # the new token is in the cache now; its context read back through its own table, at float32
+        keys, values = (c.float()[table].reshape(-1, KVH, head_dim)[:length].transpose(0, 1) for c in caches[0])
+        qi = torch.zeros(H, length, head_dim)
+        qi[:, -1] = q[0, :, i].float()
+        expected = reference(qi, keys, values, 0.3, window, softcap)[-1]
+        tolerance = {} if dtype == torch.float32 else {"rtol": 1e-2, "atol": 1e-2}
+        torch.testing.assert_close(out[0, i].float(), expected, **tolerance)
+
+
+def test_decode_groups_for_the_kernel_share_whole_blocks_short_of_each_newest_token():
+    """Only blocks every member's table starts with, and never the block a
+    member's newest token is written to."""
+    from trioserve.gpu.attention import _shared_prefix_groups
+
+    tables = [[1, 2, 3], [1, 2, 4], [1, 2, 3, 5], [7, 8]]
+    # 0 and 2 would share 3 blocks, but 0's newest token is in its third; 3 is alone; 0-2 share 2 blocks
+    assert _shared_prefix_groups([1, 1, 1, 1], [9, 12, 13, 5], tables, 4) == [([0, 1, 2], 8), ([3], 0)]
+    # block 1 holds 2's newest token: nothing is shared
+    assert _shared_prefix_groups([1, 1, 1], [5, 5, 4], [[1, 2], [1, 3], [1]], 4) == [([0, 1, 2], 0)]
+    assert _shared_prefix_groups([3, 1, 1], [12, 9, 9], tables[:3], 4) == [([1, 2], 8)]  # prefills are not decodes
+
+
 def prefills_then_decodes(
     seed: int, prompt_lengths: tuple[int, ...], decodes: int, head_dim: int
 ) -> tuple[list[dict[str, torch.Tensor]], list[list[int]]]:

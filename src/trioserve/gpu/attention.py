@@ -69,6 +69,7 @@ class DecodeGroup:
     token_index: torch.Tensor  # [B] long: packed row of each one's token
     block_tables: torch.Tensor  # [B, nb] long: nb blocks hold the longest context; 0-padded
     context_lens: torch.Tensor  # [B] long
+    shared_len: int = 0  # the first tokens of every context, in the same blocks in every table (the kernel's groups)
 
 
 class DecodeKernel(Protocol):
@@ -86,6 +87,7 @@ class DecodeKernel(Protocol):
         scale: float,
         window: int | None,
         softcap: float | None,
+        shared_len: int,  # leading tokens held in the same blocks by every table: read once for all
     ) -> None: ...
 
 
@@ -147,7 +149,9 @@ def build_metadata(
     ``context_lens[i]``; ``block_tables[i]`` must cover ``context_lens[i]``.
     ``decode_group_blocks`` caps sequences x padded blocks in one decode
     group; by default it is sized by ``DECODE_GROUP_BYTES`` on the CPU and
-    unlimited elsewhere, or with a ``decode_kernel`` (which copies nothing).
+    unlimited elsewhere. With a ``decode_kernel`` (which copies nothing) the
+    groups are instead the sequences that share their first blocks (a prefix
+    cache hit: ``_shared_prefix_groups``), and one group of the rest.
     """
     num_seqs = len(query_lens)
     max_blocks = max(len(t) for t in block_tables)
@@ -170,9 +174,13 @@ def build_metadata(
         for i, n in enumerate(query_lens)
         if n > 1
     ]
+    if decode_kernel is None:
+        grouped = [(rows, 0) for rows in _group_decodes(query_lens, context_lens, block_size, decode_group_blocks)]
+    else:
+        grouped = _shared_prefix_groups(query_lens, context_lens, block_tables, block_size)
     decodes = [
-        _decode_group(rows, starts_list, context_lens, block_tables, block_size, device)
-        for rows in _group_decodes(query_lens, context_lens, block_size, decode_group_blocks)
+        _decode_group(rows, shared, starts_list, context_lens, block_tables, block_size, device)
+        for rows, shared in grouped
     ]
     return PagedAttentionMetadata(
         kv_caches=kv_caches,
@@ -211,8 +219,39 @@ def _group_decodes(
     return [*groups, current] if current else groups
 
 
+def _shared_prefix_groups(
+    query_lens: list[int], context_lens: list[int], block_tables: list[list[int]], block_size: int
+) -> list[tuple[list[int], int]]:
+    """The one-token sequences (their indices) for the decode kernel, as
+    ``(rows, shared_len)``: those whose tables start with the same block,
+    with the tokens of the blocks all their tables start with (never a
+    block holding a member's newest token: that one is being written); then
+    the others, sharing nothing. The kernel reads shared blocks once per group
+    rather than once per sequence: with a long common prompt (a system
+    prompt), most of a decode's K/V."""
+    by_first: dict[int, list[int]] = {}
+    for i, n in enumerate(query_lens):
+        if n == 1:
+            by_first.setdefault(block_tables[i][0], []).append(i)
+    groups: list[tuple[list[int], int]] = []
+    alone: list[int] = []
+    for rows in by_first.values():
+        limit = min((context_lens[i] - 1) // block_size for i in rows)  # whole blocks before every newest token
+        first = block_tables[rows[0]]
+        shared = 0
+        if len(rows) > 1:
+            while shared < limit and all(block_tables[i][shared] == first[shared] for i in rows):
+                shared += 1
+        if shared:
+            groups.append((rows, shared * block_size))
+        else:
+            alone.extend(rows)
+    return [*groups, (sorted(alone), 0)] if alone else groups
+
+
 def _decode_group(
     rows: list[int],
+    shared_len: int,
     starts: list[int],
     context_lens: list[int],
     block_tables: list[list[int]],
@@ -226,6 +265,7 @@ def _decode_group(
         token_index=torch.tensor([starts[i] for i in rows], dtype=torch.long, device=device),
         block_tables=torch.tensor(tables, dtype=torch.long, device=device),  # [B, width]
         context_lens=torch.tensor([context_lens[i] for i in rows], dtype=torch.long, device=device),
+        shared_len=shared_len,
     )
 
 
@@ -371,7 +411,7 @@ def paged_attention(
         if meta.decode_kernel is not None:
             meta.decode_kernel(
                 query, layer.k_cache, layer.v_cache, group.block_tables, group.context_lens, group.token_index,
-                out, layer.scale, layer.window, layer.softcap,
+                out, layer.scale, layer.window, layer.softcap, group.shared_len,
             )  # fmt: skip
         else:
             out[group.token_index] = _decode_attention(query, meta, i, layer)
