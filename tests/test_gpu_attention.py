@@ -155,25 +155,30 @@ def test_a_built_kernel_is_loaded_again_from_our_index(decode_kernel, tmp_path, 
     index naming a library that is gone is written again."""
     from torch._inductor.codecache import CppPythonBindingsCodeCache
 
-    from trioserve.gpu import cpu_attention
+    from trioserve.gpu import cpp_kernels, cpu_attention
+
+    def load():
+        return cpp_kernels.load_or_build(
+            "decode-attention", cpu_attention._source(torch.float32), cpu_attention._argtypes(torch.float32)
+        )
 
     index = tmp_path / "index.json"
-    monkeypatch.setattr(cpu_attention, "_index_path", lambda dtype: index)
+    monkeypatch.setattr(cpp_kernels, "index_path", lambda *args: index)
     index.write_text('{"path": "/nowhere/kernel.so", "key": "gone"}')
-    built = cpu_attention._load_or_build(torch.float32)  # from inductor (its cache has it: the fixture built it)
+    built = load()  # from inductor (its cache has it: the fixture built it)
     entry = json.loads(index.read_text())
     assert Path(entry["path"]).is_file() and entry["key"] != "gone"
     unwritable = tmp_path / "a-file"
     unwritable.write_text("")
-    monkeypatch.setattr(cpu_attention, "_index_path", lambda dtype: unwritable / "index.json")
-    assert cpu_attention._load_or_build(torch.float32) is built  # no index written, the kernel all the same
-    monkeypatch.setattr(cpu_attention, "_index_path", lambda dtype: index)
+    monkeypatch.setattr(cpp_kernels, "index_path", lambda *args: unwritable / "index.json")
+    assert load() is built  # no index written, the kernel all the same
+    monkeypatch.setattr(cpp_kernels, "index_path", lambda *args: index)
 
     def no_building(*args, **kwargs):
         raise AssertionError("inductor was asked to build or look up the kernel")
 
     monkeypatch.setattr(CppPythonBindingsCodeCache, "load_pybinding", no_building)
-    assert cpu_attention._load_or_build(torch.float32) is built
+    assert load() is built
 
 
 def shared_prefix_decodes(dtype: torch.dtype, head_dim: int):

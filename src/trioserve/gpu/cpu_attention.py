@@ -30,14 +30,9 @@ tokens, bench-llama-40m, two threads) decode-only steps took 3.2 s against
 --settings all,all-shared``). Sliding-window layers share nothing (each
 sequence sees its own window).
 
-It is built with inductor's own C++ toolchain and headers (``at::vec``
-vectors, OpenMP) when a worker loads its model, and cached like inductor's
-kernels (``compiled.inductor_cache_dir()``): about 6 s the first time on
-this machine. Inductor's own lookup of a built kernel checks the compiler
-and the vector ISA again in every process (about 0.8 s, in subprocesses), so
-the built library's path is also kept in a small index of ours, keyed by
-the source, torch, Python and the CPU's vector capability; a later worker
-loads the library straight from it. On by default on the CPU at float32
+It is built when a worker loads its model, with inductor's toolchain, and
+loaded through our index (``cpp_kernels.py``): about 6 s the first time on
+this machine, 0.1 s after. On by default on the CPU at float32
 and at bfloat16 (``TRIOSERVE_CPU_ATTENTION=0``: the portable path); other
 dtypes and devices take the portable path. The bfloat16 build converts each
 K/V record to float32 as it reads it and computes in float32, rounding only
@@ -49,18 +44,12 @@ can part from transformers' at bfloat16 where logits nearly tie
 
 from __future__ import annotations
 
-import hashlib
-import json
 import logging
 import os
-import platform
-import sys
-from collections.abc import Callable
-from pathlib import Path
 
 import torch
 
-from trioserve.gpu.compiled import inductor_cache_dir
+from trioserve.gpu import cpp_kernels
 
 log = logging.getLogger(__name__)
 
@@ -324,7 +313,7 @@ class CpuDecodeKernel:
 
     def __init__(self, dtype: torch.dtype = torch.float32) -> None:
         self.dtype = dtype
-        self._kernel = _load_or_build(dtype)
+        self._kernel = cpp_kernels.load_or_build("decode-attention", _source(dtype), _argtypes(dtype))
 
     def __call__(
         self,
@@ -360,47 +349,6 @@ class CpuDecodeKernel:
             block_tables.shape[0], heads, kv_heads, head_dim, block_size, block_tables.shape[1],
             q.stride(1), q.stride(0), window or 0, scale, softcap or 0.0, torch.get_num_threads(), shared_len,
         )  # fmt: skip
-
-
-def _index_path(dtype: torch.dtype) -> Path:
-    """The index entry of the kernel built for this source, dtype, torch, Python and CPU."""
-    identity = "\0".join(
-        [_source(dtype), repr(_argtypes(dtype)), torch.__version__, sys.version, platform.machine(),
-         torch.backends.cpu.get_cpu_capability()]
-    )  # fmt: skip
-    return (
-        inductor_cache_dir()
-        / "trioserve"
-        / f"decode-attention-{hashlib.sha256(identity.encode()).hexdigest()[:32]}.json"
-    )
-
-
-def _load_or_build(dtype: torch.dtype) -> Callable[..., None]:
-    """The kernel from the library our index names; else built (or found) by
-    inductor, and the library it loaded written to the index."""
-    from torch._inductor.codecache import CppPythonBindingsCodeCache as Bindings
-
-    index = _index_path(dtype)
-    try:
-        entry = json.loads(index.read_text())
-        if Path(entry["path"]).is_file():
-            return getattr(Bindings._load_library_inner(entry["path"], entry["key"]), Bindings.entry_function)
-    except (OSError, ValueError, KeyError, TypeError, ImportError, AttributeError) as exc:
-        if not isinstance(exc, FileNotFoundError):
-            log.info("decode attention kernel: index %s unusable (%s); building", index, exc)
-    kernel = Bindings.load_pybinding(_argtypes(dtype), _source(dtype))
-    for name in Bindings._loaded_module_names:
-        module = sys.modules.get(name)
-        if module is not None and getattr(module, Bindings.entry_function, None) is kernel and module.__file__:
-            try:
-                index.parent.mkdir(parents=True, exist_ok=True)
-                partial = index.with_suffix(f".{os.getpid()}.tmp")
-                partial.write_text(json.dumps({"path": module.__file__, "key": name.rsplit(".", 1)[0]}))
-                partial.replace(index)  # atomic: another worker may be reading it
-            except OSError as exc:  # a read-only cache: the next worker asks inductor again
-                log.info("decode attention kernel: could not write the index %s (%s)", index, exc)
-            break
-    return kernel
 
 
 def load_decode_kernel(device: torch.device, dtype: torch.dtype) -> CpuDecodeKernel | None:

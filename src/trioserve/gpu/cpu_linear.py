@@ -1,34 +1,198 @@
-"""Linear layers on oneDNN's pre-packed weights, for the CPU.
+"""Linear layers on pre-packed weights, for the CPU: our own float32 GEMM
+on weights in panels, and oneDNN's blocked weights for bfloat16.
 
-``F.linear`` on the CPU calls MKL's GEMM, which re-reads the weight in its
-stored layout on every call. oneDNN can reorder a weight once into the
-blocked layout its kernels want (``torch.ops.mkldnn._reorder_linear_weight``)
-and multiply with it directly (``torch.ops.mkldnn._linear_pointwise``): the
-same product, summed in another order, so results differ from MKL's in the
-last bits (greedy tokens of the tests' models are unchanged). This is what
-inductor's CPU backend does for frozen linears, and what vLLM's CPU path
-uses.
+**Float32: ``PanelLinear``.** The weight is stored once as panels of 16
+output columns, ``[ceil(out / 16), in, 16]`` (the last zero-padded), and
+multiplied by our C++ kernel (built and loaded as ``cpp_kernels.py`` says):
+threads over panels; in each panel, tiles of 6 input rows x 16 columns held
+in vector registers over the whole ``in`` dimension, each step one load of a
+panel row, six broadcasts of x and twelve FMAs (on AVX2), the panel streamed
+in order and prefetched ahead; rows in chunks of 256. A decode's few rows
+read each weight once at memory speed, a prefill's many rows run at the
+FMA units' rate. Measured here (2 threads, every linear of bench-llama-40m,
+weights cold; ``scripts/ab_step.py`` and docs/benchmarks.md): against
+oneDNN's packed weights below, 1.67x at 8 rows, 1.33x at 32, 1.2x at 128-512,
+1.1x at 2,048; against MKL's ``F.linear``, 2-3x at decode sizes. Results
+differ from ``F.linear``'s in the last bits (another summation order).
 
-Measured here (docs/benchmarks.md), one thread, float32, on the decode
-shapes of SmolLM2-135M (32 rows): 1.1-2.5x MKL's rate; the LM head
-(576 x 49152) 18 -> 30 GFLOP/s. On large prefill rows the two are alike.
+**oneDNN: ``PackedLinear``** (bfloat16 where this CPU has native support;
+float32 with ``TRIOSERVE_PACKED_LINEAR=onednn``, for comparison, or where
+our kernel cannot be built). ``F.linear`` on the CPU calls MKL's GEMM, which
+re-reads the weight in its stored layout on every call; oneDNN reorders a
+weight once into the blocked layout its kernels want
+(``torch.ops.mkldnn._reorder_linear_weight``) and multiplies with it
+directly (``torch.ops.mkldnn._linear_pointwise``), as inductor's CPU backend
+does for frozen linears and vLLM's CPU path does: on the decode shapes of
+SmolLM2-135M (32 rows, one thread, float32) 1.1-2.5x MKL's rate. On large
+prefill rows the two are alike.
 
-``pack_linears(model)`` swaps every ``nn.Linear`` of a model for a
-``PackedLinear`` holding the packed weight. The packed copy of a tied LM
-head is a second copy of the embedding matrix (the embedding lookup keeps
-the original). Only for the CPU, float32 (bfloat16 where oneDNN supports it
-on this CPU), and a model that is not sharded (tensor parallelism keeps its
-DTensor weights).
+``pack_linears(model)`` swaps every ``nn.Linear`` of a model for one of
+these, holding the weight in its layout (the original is freed). The packed
+copy of a tied LM head is a second copy of the embedding matrix (the
+embedding lookup keeps the original). Only for the CPU and a model that is
+not sharded (tensor parallelism keeps its DTensor weights). Greedy tokens of
+the tests' models are the same as with ``F.linear``.
 """
 
 from __future__ import annotations
 
+import functools
+import logging
 import os
+from collections.abc import Callable
 
 import torch
 
-# "0": keep F.linear everywhere; "lm_head": pack the LM head only; "all" (default): every linear.
+from trioserve.gpu import cpp_kernels
+
+log = logging.getLogger(__name__)
+
+# "0": keep F.linear everywhere; "lm_head": pack the LM head only; "all" (default): every linear;
+# "onednn": every linear, on oneDNN's packed weights even at float32.
 PACKED_LINEAR_ENV = "TRIOSERVE_PACKED_LINEAR"
+
+PANEL = 16  # output columns per panel of a PanelLinear's weight
+
+_GEMM_SOURCE = r"""
+#include <algorithm>
+using Vec = at::vec::Vectorized<float>;
+constexpr int64_t NR = 16;                // columns per panel
+constexpr int64_t NV = NR / Vec::size();  // vectors per panel row
+constexpr int64_t MR = 6;                 // rows per full tile
+constexpr int64_t MC = 256;               // rows per chunk
+constexpr int64_t AHEAD = 16;             // panel rows prefetched ahead
+
+// y[r, c] = x[r, :] . panel[:, c] (+ bias[c]) for r < R, c < nc (nc < NR: the last, padded panel)
+template <int R>
+static inline void tile(const float* x, const float* panel, int64_t K, float* y, int64_t N, int64_t nc,
+                        const float* bias) {
+    Vec acc[R][NV];
+    for (int r = 0; r < R; r++)
+        for (int v = 0; v < NV; v++) acc[r][v] = Vec(0.f);
+    for (int64_t k = 0; k < K; k++) {
+        Vec w[NV];
+        for (int v = 0; v < NV; v++) w[v] = Vec::loadu(panel + k * NR + v * Vec::size());
+        __builtin_prefetch(panel + (k + AHEAD) * NR);
+        for (int r = 0; r < R; r++) {
+            const Vec b(x[r * K + k]);
+            for (int v = 0; v < NV; v++) acc[r][v] = at::vec::fmadd(b, w[v], acc[r][v]);
+        }
+    }
+    for (int r = 0; r < R; r++) {
+        float row[NR];
+        for (int v = 0; v < NV; v++) {
+            Vec out = acc[r][v];
+            if (bias) out = out + Vec::loadu(bias + v * Vec::size());
+            out.store(row + v * Vec::size());
+        }
+        std::copy(row, row + nc, y + r * N);
+    }
+}
+
+// x [M, K] and y [M, N] contiguous; w: panels [ceil(N / NR), K, NR]; bias [ceil(N / NR) * NR] or null
+static void gemm(const float* x, const float* w, const float* bias, float* y, int64_t M, int64_t N, int64_t K,
+                 int64_t threads) {
+    const int64_t P = (N + NR - 1) / NR;
+    for (int64_t m0 = 0; m0 < M; m0 += MC) {
+        const int64_t mc = std::min(MC, M - m0);
+        #pragma omp parallel for num_threads(threads) schedule(static)
+        for (int64_t p = 0; p < P; p++) {
+            const float* panel = w + p * K * NR;
+            const float* b = bias ? bias + p * NR : nullptr;
+            const int64_t nc = std::min(NR, N - p * NR);
+            float* yp = y + m0 * N + p * NR;
+            const float* xp = x + m0 * K;
+            int64_t m = 0;
+            for (; m + MR <= mc; m += MR) tile<MR>(xp + m * K, panel, K, yp + m * N, N, nc, b);
+            switch (mc - m) {
+                case 1: tile<1>(xp + m * K, panel, K, yp + m * N, N, nc, b); break;
+                case 2: tile<2>(xp + m * K, panel, K, yp + m * N, N, nc, b); break;
+                case 3: tile<3>(xp + m * K, panel, K, yp + m * N, N, nc, b); break;
+                case 4: tile<4>(xp + m * K, panel, K, yp + m * N, N, nc, b); break;
+                case 5: tile<5>(xp + m * K, panel, K, yp + m * N, N, nc, b); break;
+                default: break;
+            }
+        }
+    }
+}
+
+extern "C" void kernel(const float* x, const float* w, const float* bias, float* y, int64_t M, int64_t N,
+                       int64_t K, int64_t threads, int64_t has_bias) {
+    gemm(x, w, has_bias ? bias : nullptr, y, M, N, K, threads);
+}
+"""
+_GEMM_ARGS = ["const float*", "const float*", "const float*", "float*"] + ["int64_t"] * 5
+
+
+@functools.cache
+def _gemm() -> Callable[..., None]:
+    return cpp_kernels.load_or_build("linear-f32", _GEMM_SOURCE, _GEMM_ARGS)
+
+
+def to_panels(weight: torch.Tensor) -> torch.Tensor:
+    """``[out, in]`` -> ``[ceil(out / PANEL), in, PANEL]``: column c of panel p is row p * PANEL + c."""
+    out_features, in_features = weight.shape
+    count = -(-out_features // PANEL)
+    padded = weight.new_zeros(count * PANEL, in_features)
+    padded[:out_features] = weight
+    return padded.view(count, PANEL, in_features).transpose(1, 2).contiguous()
+
+
+def panel_gemm(x: torch.Tensor, panels: torch.Tensor, bias: torch.Tensor | None, out_features: int) -> torch.Tensor:
+    """``x [n, in]`` (contiguous, float32) times the weight held in ``panels`` -> ``[n, out]``."""
+    rows, in_features = x.shape
+    y = x.new_empty(rows, out_features)
+    if rows:
+        padded_bias = None
+        if bias is not None:
+            padded_bias = bias.new_zeros(panels.shape[0] * PANEL)
+            padded_bias[:out_features] = bias
+        _gemm()(
+            x, panels, y if padded_bias is None else padded_bias, y, rows, out_features, in_features,
+            torch.get_num_threads(), int(padded_bias is not None),
+        )  # fmt: skip
+    return y
+
+
+class PanelLinear(torch.nn.Module):
+    """``y = x @ W.T + b`` at float32 with ``W`` held in panels for our GEMM."""
+
+    def __init__(self, linear: torch.nn.Linear, *, tied: bool = False) -> None:
+        super().__init__()
+        if linear.weight.dtype != torch.float32:
+            raise ValueError(f"PanelLinear is float32 only (got {linear.weight.dtype})")
+        _gemm()  # built (or loaded) now, not at the first step; raises where no compiler can build it
+        self.in_features = linear.in_features
+        self.out_features = linear.out_features
+        self.tied = tied  # the weight is also another module's parameter (a tied LM head)
+        weight = linear.weight.detach()
+        self.weight_bytes = weight.numel() * weight.element_size()
+        self.panels = to_panels(weight)
+        self.bias = linear.bias
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.reshape(-1, self.in_features).contiguous()
+        if torch.compiler.is_compiling():  # our kernel is opaque to inductor
+            y = torch.ops.trioserve.panel_linear(rows, self.panels, self.bias, self.out_features)
+        else:
+            y = panel_gemm(rows, self.panels, self.bias, self.out_features)
+        return y.view(*x.shape[:-1], self.out_features)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
+
+
+@torch.library.custom_op("trioserve::panel_linear", mutates_args=())
+def panel_linear(x: torch.Tensor, panels: torch.Tensor, bias: torch.Tensor | None, out_features: int) -> torch.Tensor:
+    """``PanelLinear``'s product as an opaque op, for a compiled graph: x ``[n, in]`` -> ``[n, out]``."""
+    return panel_gemm(x, panels, bias, out_features)
+
+
+@panel_linear.register_fake
+def _panel_linear_fake(
+    x: torch.Tensor, panels: torch.Tensor, bias: torch.Tensor | None, out_features: int
+) -> torch.Tensor:
+    return x.new_empty(x.shape[0], out_features)
 
 
 class PackedLinear(torch.nn.Module):
@@ -71,22 +235,37 @@ def _packed_linear_fake(
 
 
 def packing_supported(device: torch.device, dtype: torch.dtype) -> bool:
-    """Whether ``pack_linears`` applies: the CPU, oneDNN built in, float32 or
-    (where this CPU has native support) bfloat16, and not switched off by
-    ``TRIOSERVE_PACKED_LINEAR=0``."""
-    if device.type != "cpu" or os.environ.get(PACKED_LINEAR_ENV, "1") == "0":
-        return False
-    if not torch.backends.mkldnn.is_available():
+    """Whether ``pack_linears`` applies: the CPU, not switched off by
+    ``TRIOSERVE_PACKED_LINEAR=0``, and float32 (our GEMM) or bfloat16 where
+    oneDNN has native support on this CPU."""
+    if device.type != "cpu" or os.environ.get(PACKED_LINEAR_ENV, "all") == "0":
         return False
     if dtype == torch.float32:
         return True
-    return dtype == torch.bfloat16 and bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    return (
+        dtype == torch.bfloat16
+        and torch.backends.mkldnn.is_available()
+        and bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    )
+
+
+def _packed_class(dtype: torch.dtype) -> type[PanelLinear] | type[PackedLinear] | None:
+    """``PanelLinear`` at float32 (unless ``TRIOSERVE_PACKED_LINEAR=onednn``, or
+    its kernel cannot be built here), else ``PackedLinear`` where oneDNN is built in."""
+    if dtype == torch.float32 and os.environ.get(PACKED_LINEAR_ENV) != "onednn":
+        try:
+            _gemm()
+            return PanelLinear
+        except Exception as exc:  # no compiler, an unexpected toolchain: oneDNN still works
+            log.warning("the float32 GEMM kernel could not be built (%s); using oneDNN's packed weights", exc)
+    return PackedLinear if torch.backends.mkldnn.is_available() else None
 
 
 def pack_linears(model: torch.nn.Module, only: str | None = None) -> int:
     """Replace every ``nn.Linear`` in ``model`` (or only the children named
-    ``only``) by a ``PackedLinear``, in place; returns how many were replaced.
-    By default ``only`` comes from ``TRIOSERVE_PACKED_LINEAR`` ("lm_head")."""
+    ``only``) by a ``PanelLinear`` (float32) or a ``PackedLinear``, in place;
+    returns how many were replaced. By default ``only`` comes from
+    ``TRIOSERVE_PACKED_LINEAR`` ("lm_head")."""
     if only is None and os.environ.get(PACKED_LINEAR_ENV) == "lm_head":
         only = "lm_head"
     swaps = [
@@ -95,16 +274,19 @@ def pack_linears(model: torch.nn.Module, only: str | None = None) -> int:
         for name, child in parent.named_children()
         if type(child) is torch.nn.Linear and only in (None, name)
     ]
+    packed_class = _packed_class(swaps[0][2].weight.dtype) if swaps else None
+    if packed_class is None:
+        return 0
     # The weights other modules own (a tied LM head's is the embedding's own Parameter).
     others = {
         p.data_ptr() for m in model.modules() if type(m) is not torch.nn.Linear for p in m.parameters(recurse=False)
     }
     for parent, name, child in swaps:
-        setattr(parent, name, PackedLinear(child, tied=child.weight.data_ptr() in others))
+        setattr(parent, name, packed_class(child, tied=child.weight.data_ptr() in others))
     return len(swaps)
 
 
 def packed_parameters(model: torch.nn.Module) -> tuple[int, int]:
     """Elements and bytes of the weights held packed (tied ones counted once, by their other owner)."""
-    packed = [m for m in model.modules() if isinstance(m, PackedLinear) and not m.tied]
+    packed = [m for m in model.modules() if isinstance(m, PanelLinear | PackedLinear) and not m.tied]
     return sum(m.in_features * m.out_features for m in packed), sum(m.weight_bytes for m in packed)
