@@ -9,11 +9,13 @@ in vector registers over the whole ``in`` dimension, each step one load of a
 panel row, six broadcasts of x and twelve FMAs (on AVX2), the panel streamed
 in order and prefetched ahead; rows in chunks of 256. A decode's few rows
 read each weight once at memory speed, a prefill's many rows run at the
-FMA units' rate. Measured here (2 threads, every linear of bench-llama-40m,
-weights cold; ``scripts/ab_step.py`` and docs/benchmarks.md): against
-oneDNN's packed weights below, 1.67x at 8 rows, 1.33x at 32, 1.2x at 128-512,
-1.1x at 2,048; against MKL's ``F.linear``, 2-3x at decode sizes. Results
-differ from ``F.linear``'s in the last bits (another summation order).
+FMA units' rate. Measured here (every linear of a model once in order,
+weights cold, ``scripts/bench_gemm.py``; docs/benchmarks.md): against
+oneDNN's packed weights below, bench-llama-40m at 2 threads 1.43x at 8 rows,
+1.35x at 32, 1.10x at 128, 1.01-1.03x at 512-2,048; SmolLM2-135M at one
+thread 1.50x at 8 rows, 1.43x at 32, 1.06x at 512 (there as fast as MKL's
+``F.linear``, which is 1.9x slower at 8 rows). Results differ from
+``F.linear``'s in the last bits (another summation order).
 
 **oneDNN: ``PackedLinear``** (bfloat16 where this CPU has native support;
 float32 with ``TRIOSERVE_PACKED_LINEAR=onednn``, for comparison, or where
