@@ -50,6 +50,10 @@ def test_panel_linear_matches_f_linear_for_any_rows_and_ragged_panels(in_feature
     torch.testing.assert_close(panel(x), linear(x), rtol=1e-5, atol=1e-5)
     with pytest.raises(ValueError, match="float32 only"):
         cpu_linear.PanelLinear(torch.nn.Linear(4, 4).to(torch.bfloat16))
+    with pytest.raises(ValueError, match="float32 rows"):  # never read as the wrong type
+        panel(torch.randn(3, in_features).to(torch.bfloat16))
+    with pytest.raises(ValueError, match="float32 rows"):
+        cpu_linear.panel_gemm(torch.randn(3, in_features + 1), panel.panels, None, out_features)
 
 
 def test_float32_takes_our_gemm_and_onednn_where_asked_or_where_it_cannot_be_built(monkeypatch):

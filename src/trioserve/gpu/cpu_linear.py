@@ -142,6 +142,10 @@ def to_panels(weight: torch.Tensor) -> torch.Tensor:
 
 def panel_gemm(x: torch.Tensor, panels: torch.Tensor, bias: torch.Tensor | None, out_features: int) -> torch.Tensor:
     """``x [n, in]`` (contiguous, float32) times the weight held in ``panels`` -> ``[n, out]``."""
+    if x.dtype != torch.float32 or x.device.type != "cpu" or panels.shape[1] != x.shape[1]:
+        raise ValueError(
+            f"our GEMM takes float32 rows of {panels.shape[1]} on the CPU (got {x.dtype} {tuple(x.shape)})"
+        )
     rows, in_features = x.shape
     y = x.new_empty(rows, out_features)
     if rows:
