@@ -4,10 +4,12 @@ panels, oneDNN's packed weights and ``F.linear``, alternated pass by pass
 in one process::
 
     PYTHONPATH=src python scripts/bench_gemm.py --model bench-llama-40m --torch-threads 2 --rows 1,8,32,128,512
+        [--dtype bfloat16]
 
 Shapes from the model's config (q, k, v, o, gate, up, down per layer, then
-the LM head; random weights). Prints, per row count, each path's median
-time per pass and its GFLOP/s.
+the LM head; random weights). oneDNN is left out where it cannot pack the
+dtype (bfloat16 without native support). Prints, per row count, each path's
+median time per pass and its GFLOP/s.
 """
 
 from __future__ import annotations
@@ -16,12 +18,13 @@ import argparse
 import json
 import statistics
 import time
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
 
 from trioserve.bench.models import resolve_model
-from trioserve.gpu.cpu_linear import PackedLinear, PanelLinear
+from trioserve.gpu.cpu_linear import PackedLinear, PanelLinear, _onednn_packs
 
 
 def main() -> None:
@@ -30,7 +33,9 @@ def main() -> None:
     p.add_argument("--torch-threads", type=int, default=1)
     p.add_argument("--rows", default="1,8,32,128,512")
     p.add_argument("--passes", type=int, default=10)
+    p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     args = p.parse_args()
+    dtype = getattr(torch, args.dtype)
     torch.set_num_threads(args.torch_threads)
     config = json.loads((resolve_model(args.model) / "config.json").read_text())
     hidden, mlp, layers = config["hidden_size"], config["intermediate_size"], config["num_hidden_layers"]
@@ -38,18 +43,18 @@ def main() -> None:
     q, kv = config["num_attention_heads"] * head_dim, config["num_key_value_heads"] * head_dim
     per_layer = [(hidden, q), (hidden, kv), (hidden, kv), (q, hidden), (hidden, mlp), (hidden, mlp), (mlp, hidden)]
     shapes = per_layer * layers + [(hidden, config["vocab_size"])]
-    linears = [torch.nn.Linear(i, o, bias=False).requires_grad_(False) for i, o in shapes]
-    paths = {
+    linears = [torch.nn.Linear(i, o, bias=False).to(dtype).requires_grad_(False) for i, o in shapes]
+    paths: dict[str, list[Callable[[torch.Tensor], torch.Tensor]]] = {
         "our GEMM": [PanelLinear(linear) for linear in linears],
-        "oneDNN packed": [PackedLinear(linear) for linear in linears],
         "F.linear": [(lambda x, w=linear.weight: F.linear(x, w)) for linear in linears],
     }
+    if _onednn_packs(dtype):
+        paths["oneDNN packed"] = [PackedLinear(linear) for linear in linears]
     flops_per_row = sum(2 * i * o for i, o in shapes)
-    print(
-        f"{args.model}: {len(shapes)} linears, {sum(i * o for i, o in shapes) * 4 / 2**20:.0f} MiB of float32 weights"
-    )
+    size = sum(i * o for i, o in shapes) * linears[0].weight.element_size() / 2**20
+    print(f"{args.model}: {len(shapes)} linears, {size:.0f} MiB of {args.dtype} weights")
     for rows in (int(r) for r in args.rows.split(",")):
-        xs = {n: torch.randn(rows, n) for n in {i for i, _ in shapes}}
+        xs = {n: torch.randn(rows, n).to(dtype) for n in {i for i, _ in shapes}}
         times: dict[str, list[float]] = {name: [] for name in paths}
         with torch.inference_mode():
             for _ in range(args.passes):

@@ -1,9 +1,11 @@
 """How often greedy decoding at bfloat16 gives transformers' tokens, with and
-without the CPU decode attention kernel (issue 13; docs/benchmarks.md).
+without our CPU kernels (the decode attention and the GEMM, which compute in
+float32 and round once; issue 13; docs/benchmarks.md).
 
 Each prompt's greedy continuation from: our engine at bfloat16 with the
-kernel (the default), our engine at bfloat16 with the portable attention
-(``TRIOSERVE_CPU_ATTENTION=0``), transformers' ``generate()`` at bfloat16, and
+kernels (the default), our engine at bfloat16 with the portable attention and
+``F.linear`` (``TRIOSERVE_CPU_ATTENTION=0 TRIOSERVE_PACKED_LINEAR=0``, as
+transformers runs them), transformers' ``generate()`` at bfloat16, and
 transformers at float32. For each pair: how many continuations are
 identical, and the mean length of the prefix they share::
 
@@ -22,6 +24,7 @@ import trio
 from trioserve import EngineConfig, open_engine
 from trioserve.bench.models import resolve_model
 from trioserve.gpu.cpu_attention import CPU_ATTENTION_ENV
+from trioserve.gpu.cpu_linear import PACKED_LINEAR_ENV
 from trioserve.messages import SamplingParams
 
 PROMPTS = [
@@ -34,7 +37,8 @@ PROMPTS = [
 
 
 async def ours(model: str, prompts: list[list[int]], max_tokens: int, kernel: bool) -> list[list[int]]:
-    os.environ[CPU_ATTENTION_ENV] = "1" if kernel else "0"  # the worker inherits it
+    os.environ[CPU_ATTENTION_ENV] = "1" if kernel else "0"  # the worker inherits them
+    os.environ[PACKED_LINEAR_ENV] = "all" if kernel else "0"
     params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
     out: list[list[int]] = [[] for _ in prompts]
     async with open_engine(config=EngineConfig(model=model, dtype="bfloat16")) as engine:
@@ -78,7 +82,7 @@ def main() -> None:
     tokenizer = AutoTokenizer.from_pretrained(model)
     prompts = [tokenizer(text)["input_ids"] for text in PROMPTS[: args.num_prompts]]
     runs = {
-        "ours bf16, kernel": trio.run(ours, model, prompts, args.max_tokens, True),
+        "ours bf16, kernels": trio.run(ours, model, prompts, args.max_tokens, True),
         "ours bf16, portable": trio.run(ours, model, prompts, args.max_tokens, False),
         "transformers bf16": transformers_greedy(model, prompts, args.max_tokens, "bfloat16"),
         "transformers f32": transformers_greedy(model, prompts, args.max_tokens, "float32"),

@@ -11,6 +11,8 @@ from trioserve.config import EngineConfig
 
 torch = pytest.importorskip("torch")
 
+import torch.nn.functional as F  # noqa: E402
+
 from trioserve.gpu import cpu_linear, sharding  # noqa: E402
 
 pytestmark = [
@@ -39,21 +41,46 @@ def test_panel_linear_matches_f_linear_for_any_rows_and_ragged_panels(in_feature
     256-row chunk, no rows, a last panel short of 16 columns, any leading shape."""
     torch.manual_seed(0)
     linear = torch.nn.Linear(in_features, out_features, bias=bias).requires_grad_(False)
+    assert_panel_matches(linear, lambda got, x: torch.testing.assert_close(got, linear(x), rtol=1e-5, atol=1e-5))
+
+
+@pytest.mark.parametrize(("in_features", "out_features", "bias"), [(24, 40, True), (64, 16, False), (7, 3, True)])
+def test_bfloat16_panel_linear_sums_in_float32_and_rounds_once(in_features, out_features, bias):
+    """The bfloat16 build: bfloat16 weights and rows, float32 sums, the
+    output rounded once; as close to the exact product as bfloat16 allows,
+    and no further from it than ``F.linear`` at bfloat16."""
+    torch.manual_seed(1)
+    linear = torch.nn.Linear(in_features, out_features, bias=bias).to(torch.bfloat16).requires_grad_(False)
+
+    def close(got, x):
+        exact = F.linear(x.float(), linear.weight.float(), None if linear.bias is None else linear.bias.float())
+        assert got.dtype == torch.bfloat16
+        torch.testing.assert_close(got.float(), exact, rtol=1e-2, atol=1e-2)
+        if x.numel():
+            assert (got.float() - exact).abs().max() <= (linear(x).float() - exact).abs().max() + 1e-2
+
+    assert_panel_matches(linear, close)
+
+
+def assert_panel_matches(linear, check):
+    in_features, out_features = linear.in_features, linear.out_features
     panel = cpu_linear.PanelLinear(linear)
     assert panel.panels.shape == (-(-out_features // 16), in_features, 16)
+    dtype = linear.weight.dtype
     for rows in [0, 1, 2, 3, 4, 5, 6, 7, 13, 300]:
-        x = torch.randn(rows, in_features)
-        torch.testing.assert_close(panel(x), linear(x), rtol=1e-5, atol=1e-5)
-    x = torch.randn(in_features, 6).t()  # not contiguous
-    torch.testing.assert_close(panel(x), linear(x), rtol=1e-5, atol=1e-5)
-    x = torch.randn(2, 5, in_features)
-    torch.testing.assert_close(panel(x), linear(x), rtol=1e-5, atol=1e-5)
-    with pytest.raises(ValueError, match="float32 only"):
-        cpu_linear.PanelLinear(torch.nn.Linear(4, 4).to(torch.bfloat16))
-    with pytest.raises(ValueError, match="float32 rows"):  # never read as the wrong type
-        panel(torch.randn(3, in_features).to(torch.bfloat16))
-    with pytest.raises(ValueError, match="float32 rows"):
-        cpu_linear.panel_gemm(torch.randn(3, in_features + 1), panel.panels, None, out_features)
+        x = torch.randn(rows, in_features).to(dtype)
+        check(panel(x), x)
+    x = torch.randn(in_features, 6).to(dtype).t()  # not contiguous
+    check(panel(x), x)
+    x = torch.randn(2, 5, in_features).to(dtype)
+    check(panel(x).flatten(0, 1), x.flatten(0, 1))
+    other = torch.float32 if dtype == torch.bfloat16 else torch.bfloat16
+    with pytest.raises(ValueError, match="rows of"):  # never read as the wrong type
+        panel(torch.randn(3, in_features).to(other))
+    with pytest.raises(ValueError, match="rows of"):
+        cpu_linear.panel_gemm(torch.randn(3, in_features + 1).to(dtype), panel.panels, None, out_features)
+    with pytest.raises(ValueError, match="float32 or bfloat16 only"):
+        cpu_linear.PanelLinear(torch.nn.Linear(4, 4).to(torch.float16))
 
 
 def test_float32_takes_our_gemm_and_onednn_where_asked_or_where_it_cannot_be_built(monkeypatch):
@@ -69,7 +96,7 @@ def test_float32_takes_our_gemm_and_onednn_where_asked_or_where_it_cannot_be_bui
     assert all(type(second[name]) is cpu_linear.PackedLinear for name in "ab")
     monkeypatch.delenv(cpu_linear.PACKED_LINEAR_ENV)
 
-    def no_compiler():
+    def no_compiler(*args):
         raise RuntimeError("no C++ compiler")
 
     monkeypatch.setattr(cpu_linear, "_gemm", no_compiler)
@@ -109,9 +136,16 @@ def test_a_tied_lm_head_is_counted_once():
     assert sharding.local_parameters(model) == before == (30 * 8 + 8 * 4 + 4, (30 * 8 + 8 * 4 + 4) * 4)
 
 
-def test_packing_applies_only_to_the_cpu_at_float32_or_native_bfloat16():
+def test_packing_applies_to_the_cpu_at_float32_and_bfloat16_with_onednn_where_it_is_native(monkeypatch):
     cpu = torch.device("cpu")
     assert not cpu_linear.packing_supported(torch.device("cuda"), torch.float32)
     assert not cpu_linear.packing_supported(cpu, torch.float16)
+    assert cpu_linear.packing_supported(cpu, torch.float32) and cpu_linear.packing_supported(cpu, torch.bfloat16)
     native = bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
-    assert cpu_linear.packing_supported(cpu, torch.bfloat16) == native
+    expected = cpu_linear.PackedLinear if native else cpu_linear.PanelLinear
+    assert cpu_linear._packed_class(torch.bfloat16) is expected
+    assert cpu_linear._packed_class(torch.float32) is cpu_linear.PanelLinear
+    monkeypatch.setenv(cpu_linear.PACKED_LINEAR_ENV, "onednn")
+    assert cpu_linear._packed_class(torch.bfloat16) is (cpu_linear.PackedLinear if native else None)
+    monkeypatch.setenv(cpu_linear.PACKED_LINEAR_ENV, "0")
+    assert not cpu_linear.packing_supported(cpu, torch.float32)

@@ -22,6 +22,7 @@ from trioserve.messages import (
 torch = pytest.importorskip("torch")
 
 from trioserve.gpu.cpu_attention import CPU_ATTENTION_ENV  # noqa: E402
+from trioserve.gpu.cpu_linear import PACKED_LINEAR_ENV  # noqa: E402
 
 pytestmark = pytest.mark.model
 
@@ -338,13 +339,15 @@ def test_logprobs_and_bfloat16_run_end_to_end(tiny_model_dir):
 
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
 def test_bfloat16_greedy_matches_generate_at_bfloat16(tiny_model_dir, arch, monkeypatch):
-    """Exact with the portable attention (SDPA at bfloat16, as transformers
-    runs it). The CPU decode kernel, on by default at bfloat16, computes
-    attention in float32 and rounds once, so its tokens part from
-    transformers' where logits nearly tie: its agreement is measured by
-    scripts/bf16_agreement.py (docs/benchmarks.md), its attention checked
-    in tests/test_gpu_attention.py."""
+    """Exact with the portable attention and ``F.linear`` (SDPA and MKL at
+    bfloat16, as transformers runs them). Our CPU kernels, on by default at
+    bfloat16 (the decode attention; the GEMM where oneDNN has no native
+    bfloat16), compute in float32 and round once, so their tokens part from
+    transformers' where logits nearly tie: their agreement is measured by
+    scripts/bf16_agreement.py (docs/benchmarks.md), their results checked in
+    tests/test_gpu_attention.py and tests/test_gpu_cpu_linear.py."""
     monkeypatch.setenv(CPU_ATTENTION_ENV, "0")
+    monkeypatch.setenv(PACKED_LINEAR_ENV, "0")
     model_dir = tiny_model_dir(arch)
     prompts = make_prompts([5, 23, 41, 2], seed=7)
     expected = reference_greedy(model_dir, prompts, GREEDY.max_tokens, dtype=torch.bfloat16)

@@ -1,27 +1,31 @@
-"""Linear layers on pre-packed weights, for the CPU: our own float32 GEMM
-on weights in panels, and oneDNN's blocked weights for bfloat16.
+"""Linear layers on pre-packed weights, for the CPU: our own GEMM on weights
+in panels, and oneDNN's blocked weights where it has native bfloat16.
 
-**Float32: ``PanelLinear``.** The weight is stored once as panels of 16
-output columns, ``[ceil(out / 16), in, 16]`` (the last zero-padded), and
-multiplied by our C++ kernel (built and loaded as ``cpp_kernels.py`` says):
-threads over panels; in each panel, tiles of 6 input rows x 16 columns held
-in vector registers over the whole ``in`` dimension, each step one load of a
-panel row, six broadcasts of x and twelve FMAs (on AVX2), the panel streamed
-in order and prefetched ahead; rows in chunks of 256. A decode's few rows
-read each weight once at memory speed, a prefill's many rows run at the
-FMA units' rate. Measured here (every linear of a model once in order,
-weights cold, ``scripts/bench_gemm.py``; docs/benchmarks.md): against
-oneDNN's packed weights below, bench-llama-40m at 2 threads 1.43x at 8 rows,
-1.35x at 32, 1.10x at 128, 1.01-1.03x at 512-2,048; SmolLM2-135M at one
-thread 1.50x at 8 rows, 1.43x at 32, 1.06x at 512 (there as fast as MKL's
-``F.linear``, which is 1.9x slower at 8 rows). Results differ from
-``F.linear``'s in the last bits (another summation order).
+**``PanelLinear``** (float32; bfloat16 where oneDNN has no native path). The
+weight is stored once as panels of 16 output columns, ``[ceil(out / 16), in,
+16]`` (the last zero-padded), and multiplied by our C++ kernel (built and
+loaded as ``cpp_kernels.py`` says): threads over panels; in each panel,
+tiles of 6 input rows x 16 columns held in vector registers over the whole
+``in`` dimension, each step one load of a panel row, six broadcasts of x and
+twelve FMAs (on AVX2), the panel streamed in order and prefetched ahead;
+rows in chunks of 256. A decode's few rows read each weight once at memory
+speed, a prefill's many rows run at the FMA units' rate. Measured here
+(every linear of a model once in order, weights cold,
+``scripts/bench_gemm.py``; docs/benchmarks.md): against oneDNN's packed
+weights below, bench-llama-40m at 2 threads 1.43x at 8 rows, 1.35x at 32,
+1.10x at 128, 1.01-1.03x at 512-2,048; SmolLM2-135M at one thread 1.50x at 8
+rows, 1.43x at 32, 1.06x at 512 (there as fast as MKL's ``F.linear``, which
+is 1.9x slower at 8 rows). Results differ from ``F.linear``'s in the last
+bits (another summation order). The bfloat16 build reads bfloat16 panels and
+rows, converts each panel row to float32 in registers, sums in float32 and
+rounds the output once: half the bytes of a decode's weight reads, at
+float32's arithmetic rate.
 
 **oneDNN: ``PackedLinear``** (bfloat16 where this CPU has native support;
-float32 with ``TRIOSERVE_PACKED_LINEAR=onednn``, for comparison, or where
-our kernel cannot be built). ``F.linear`` on the CPU calls MKL's GEMM, which
-re-reads the weight in its stored layout on every call; oneDNN reorders a
-weight once into the blocked layout its kernels want
+both dtypes with ``TRIOSERVE_PACKED_LINEAR=onednn``, for comparison, or
+where our kernel cannot be built). ``F.linear`` on the CPU calls MKL's GEMM,
+which re-reads the weight in its stored layout on every call; oneDNN
+reorders a weight once into the blocked layout its kernels want
 (``torch.ops.mkldnn._reorder_linear_weight``) and multiplies with it
 directly (``torch.ops.mkldnn._linear_pointwise``), as inductor's CPU backend
 does for frozen linears and vLLM's CPU path does: on the decode shapes of
@@ -32,8 +36,10 @@ prefill rows the two are alike.
 these, holding the weight in its layout (the original is freed). The packed
 copy of a tied LM head is a second copy of the embedding matrix (the
 embedding lookup keeps the original). Only for the CPU and a model that is
-not sharded (tensor parallelism keeps its DTensor weights). Greedy tokens of
-the tests' models are the same as with ``F.linear``.
+not sharded (tensor parallelism keeps its DTensor weights). At float32 the
+greedy tokens of the tests' models are the same as with ``F.linear``; at
+bfloat16 how often they agree with transformers' is measured by
+``scripts/bf16_agreement.py``.
 """
 
 from __future__ import annotations
@@ -57,6 +63,7 @@ PANEL = 16  # output columns per panel of a PanelLinear's weight
 
 _GEMM_SOURCE = r"""
 #include <algorithm>
+#include <vector>
 using Vec = at::vec::Vectorized<float>;
 constexpr int64_t NR = 16;                // columns per panel
 constexpr int64_t NV = NR / Vec::size();  // vectors per panel row
@@ -64,46 +71,72 @@ constexpr int64_t MR = 6;                 // rows per full tile
 constexpr int64_t MC = 256;               // rows per chunk
 constexpr int64_t AHEAD = 16;             // panel rows prefetched ahead
 
-// y[r, c] = x[r, :] . panel[:, c] (+ bias[c]) for r < R, c < nc (nc < NR: the last, padded panel)
+// One panel row (NR values) as NV float vectors.
+static inline void load_row(const float* p, Vec* w) {
+    for (int v = 0; v < NV; v++) w[v] = Vec::loadu(p + v * Vec::size());
+}
+static inline void load_row(const at::BFloat16* p, Vec* w) {
+    if constexpr (NV <= 2) {  // AVX2 (two vectors of 8) or AVX-512 (one of 16): one load, one conversion
+        auto [lo, hi] = at::vec::convert_to_float<at::BFloat16>(at::vec::Vectorized<at::BFloat16>::loadu(p, NR));
+        w[0] = lo;
+        if constexpr (NV == 2) w[1] = hi;
+    } else {
+        float row[NR];
+        for (int64_t c = 0; c < NR; c++) row[c] = static_cast<float>(p[c]);
+        for (int v = 0; v < NV; v++) w[v] = Vec::loadu(row + v * Vec::size());
+    }
+}
+
+// n values of rows as floats: themselves, or converted into buf.
+static inline const float* rows_as_float(const float* x, int64_t, std::vector<float>&) { return x; }
+static inline const float* rows_as_float(const at::BFloat16* x, int64_t n, std::vector<float>& buf) {
+    buf.resize(n);
+    for (int64_t i = 0; i < n; i++) buf[i] = static_cast<float>(x[i]);
+    return buf.data();
+}
+
+// y[r, c] = x[r, :] . panel[:, c] (+ bias[c]) for r < R, c < nc (nc < NR: the last, padded panel),
+// summed in float and rounded to scalar_t once
 template <int R>
-static inline void tile(const float* x, const float* panel, int64_t K, float* y, int64_t N, int64_t nc,
-                        const float* bias) {
+static inline void tile(const float* x, const scalar_t* panel, int64_t K, scalar_t* y, int64_t N, int64_t nc,
+                        const scalar_t* bias) {
     Vec acc[R][NV];
     for (int r = 0; r < R; r++)
         for (int v = 0; v < NV; v++) acc[r][v] = Vec(0.f);
     for (int64_t k = 0; k < K; k++) {
         Vec w[NV];
-        for (int v = 0; v < NV; v++) w[v] = Vec::loadu(panel + k * NR + v * Vec::size());
+        load_row(panel + k * NR, w);
         __builtin_prefetch(panel + (k + AHEAD) * NR);
         for (int r = 0; r < R; r++) {
             const Vec b(x[r * K + k]);
             for (int v = 0; v < NV; v++) acc[r][v] = at::vec::fmadd(b, w[v], acc[r][v]);
         }
     }
+    Vec bias_row[NV];
+    if (bias) load_row(bias, bias_row);
     for (int r = 0; r < R; r++) {
         float row[NR];
-        for (int v = 0; v < NV; v++) {
-            Vec out = acc[r][v];
-            if (bias) out = out + Vec::loadu(bias + v * Vec::size());
-            out.store(row + v * Vec::size());
-        }
-        std::copy(row, row + nc, y + r * N);
+        for (int v = 0; v < NV; v++) (bias ? acc[r][v] + bias_row[v] : acc[r][v]).store(row + v * Vec::size());
+        for (int64_t c = 0; c < nc; c++) y[r * N + c] = static_cast<scalar_t>(row[c]);
     }
 }
 
-// x [M, K] and y [M, N] contiguous; w: panels [ceil(N / NR), K, NR]; bias [ceil(N / NR) * NR] or null
-static void gemm(const float* x, const float* w, const float* bias, float* y, int64_t M, int64_t N, int64_t K,
-                 int64_t threads) {
+// x [M, K] and y [M, N] contiguous; w: panels [ceil(N / NR), K, NR]; bias [ceil(N / NR) * NR] or null.
+// Rows of another type than float are converted once per chunk, not once per panel.
+extern "C" void kernel(const scalar_t* x, const scalar_t* w, const scalar_t* bias, scalar_t* y, int64_t M, int64_t N,
+                       int64_t K, int64_t threads, int64_t has_bias) {
     const int64_t P = (N + NR - 1) / NR;
+    std::vector<float> converted;
     for (int64_t m0 = 0; m0 < M; m0 += MC) {
         const int64_t mc = std::min(MC, M - m0);
+        const float* xc = rows_as_float(x + m0 * K, mc * K, converted);
         #pragma omp parallel for num_threads(threads) schedule(static)
         for (int64_t p = 0; p < P; p++) {
-            const float* panel = w + p * K * NR;
-            const float* b = bias ? bias + p * NR : nullptr;
+            const scalar_t* panel = w + p * K * NR;
+            const scalar_t* b = has_bias ? bias + p * NR : nullptr;
             const int64_t nc = std::min(NR, N - p * NR);
-            float* yp = y + m0 * N + p * NR;
-            const float* xp = x + m0 * K;
+            scalar_t* yp = y + m0 * N + p * NR;
+            const float* xp = xc;
             int64_t m = 0;
             for (; m + MR <= mc; m += MR) tile<MR>(xp + m * K, panel, K, yp + m * N, N, nc, b);
             switch (mc - m) {
@@ -117,18 +150,17 @@ static void gemm(const float* x, const float* w, const float* bias, float* y, in
         }
     }
 }
-
-extern "C" void kernel(const float* x, const float* w, const float* bias, float* y, int64_t M, int64_t N,
-                       int64_t K, int64_t threads, int64_t has_bias) {
-    gemm(x, w, has_bias ? bias : nullptr, y, M, N, K, threads);
-}
 """
-_GEMM_ARGS = ["const float*", "const float*", "const float*", "float*"] + ["int64_t"] * 5
+# The C++ type of each dtype the GEMM is built for (one library each).
+_GEMM_SCALARS = {torch.float32: "float", torch.bfloat16: "at::BFloat16"}
 
 
 @functools.cache
-def _gemm() -> Callable[..., None]:
-    return cpp_kernels.load_or_build("linear-f32", _GEMM_SOURCE, _GEMM_ARGS)
+def _gemm(dtype: torch.dtype = torch.float32) -> Callable[..., None]:
+    scalar = _GEMM_SCALARS[dtype]
+    source = f"using scalar_t = {scalar};\n{_GEMM_SOURCE}"
+    argtypes = [f"const {scalar}*"] * 3 + [f"{scalar}*"] + ["int64_t"] * 5
+    return cpp_kernels.load_or_build(f"linear-{str(dtype).removeprefix('torch.')}", source, argtypes)
 
 
 def to_panels(weight: torch.Tensor) -> torch.Tensor:
@@ -141,10 +173,10 @@ def to_panels(weight: torch.Tensor) -> torch.Tensor:
 
 
 def panel_gemm(x: torch.Tensor, panels: torch.Tensor, bias: torch.Tensor | None, out_features: int) -> torch.Tensor:
-    """``x [n, in]`` (contiguous, float32) times the weight held in ``panels`` -> ``[n, out]``."""
-    if x.dtype != torch.float32 or x.device.type != "cpu" or panels.shape[1] != x.shape[1]:
+    """``x [n, in]`` (contiguous, the panels' dtype) times the weight held in ``panels`` -> ``[n, out]``."""
+    if x.dtype != panels.dtype or x.device.type != "cpu" or panels.shape[1] != x.shape[1]:
         raise ValueError(
-            f"our GEMM takes float32 rows of {panels.shape[1]} on the CPU (got {x.dtype} {tuple(x.shape)})"
+            f"our GEMM takes {panels.dtype} rows of {panels.shape[1]} on the CPU (got {x.dtype} {tuple(x.shape)})"
         )
     rows, in_features = x.shape
     y = x.new_empty(rows, out_features)
@@ -153,7 +185,7 @@ def panel_gemm(x: torch.Tensor, panels: torch.Tensor, bias: torch.Tensor | None,
         if bias is not None:
             padded_bias = bias.new_zeros(panels.shape[0] * PANEL)
             padded_bias[:out_features] = bias
-        _gemm()(
+        _gemm(x.dtype)(
             x, panels, y if padded_bias is None else padded_bias, y, rows, out_features, in_features,
             torch.get_num_threads(), int(padded_bias is not None),
         )  # fmt: skip
@@ -161,13 +193,13 @@ def panel_gemm(x: torch.Tensor, panels: torch.Tensor, bias: torch.Tensor | None,
 
 
 class PanelLinear(torch.nn.Module):
-    """``y = x @ W.T + b`` at float32 with ``W`` held in panels for our GEMM."""
+    """``y = x @ W.T + b`` at float32 or bfloat16 with ``W`` held in panels for our GEMM."""
 
     def __init__(self, linear: torch.nn.Linear, *, tied: bool = False) -> None:
         super().__init__()
-        if linear.weight.dtype != torch.float32:
-            raise ValueError(f"PanelLinear is float32 only (got {linear.weight.dtype})")
-        _gemm()  # built (or loaded) now, not at the first step; raises where no compiler can build it
+        if linear.weight.dtype not in _GEMM_SCALARS:
+            raise ValueError(f"PanelLinear is float32 or bfloat16 only (got {linear.weight.dtype})")
+        _gemm(linear.weight.dtype)  # built (or loaded) now, not at the first step; raises where it cannot be built
         self.in_features = linear.in_features
         self.out_features = linear.out_features
         self.tied = tied  # the weight is also another module's parameter (a tied LM head)
@@ -241,30 +273,31 @@ def _packed_linear_fake(
 
 
 def packing_supported(device: torch.device, dtype: torch.dtype) -> bool:
-    """Whether ``pack_linears`` applies: the CPU, not switched off by
-    ``TRIOSERVE_PACKED_LINEAR=0``, and float32 (our GEMM) or bfloat16 where
-    oneDNN has native support on this CPU."""
-    if device.type != "cpu" or os.environ.get(PACKED_LINEAR_ENV, "all") == "0":
+    """Whether ``pack_linears`` applies: the CPU, float32 or bfloat16, and not
+    switched off by ``TRIOSERVE_PACKED_LINEAR=0``."""
+    return device.type == "cpu" and dtype in _GEMM_SCALARS and os.environ.get(PACKED_LINEAR_ENV, "all") != "0"
+
+
+def _onednn_packs(dtype: torch.dtype) -> bool:
+    """Whether oneDNN packs this dtype here: float32, or bfloat16 where this CPU has native support."""
+    if not torch.backends.mkldnn.is_available():
         return False
-    if dtype == torch.float32:
-        return True
-    return (
-        dtype == torch.bfloat16
-        and torch.backends.mkldnn.is_available()
-        and bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
-    )
+    return dtype == torch.float32 or bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
 
 
 def _packed_class(dtype: torch.dtype) -> type[PanelLinear] | type[PackedLinear] | None:
-    """``PanelLinear`` at float32 (unless ``TRIOSERVE_PACKED_LINEAR=onednn``, or
-    its kernel cannot be built here), else ``PackedLinear`` where oneDNN is built in."""
-    if dtype == torch.float32 and os.environ.get(PACKED_LINEAR_ENV) != "onednn":
-        try:
-            _gemm()
-            return PanelLinear
-        except Exception as exc:  # no compiler, an unexpected toolchain: oneDNN still works
-            log.warning("the float32 GEMM kernel could not be built (%s); using oneDNN's packed weights", exc)
-    return PackedLinear if torch.backends.mkldnn.is_available() else None
+    """``PackedLinear`` for bfloat16 where oneDNN has native support (and for
+    both dtypes with ``TRIOSERVE_PACKED_LINEAR=onednn``); else ``PanelLinear``;
+    oneDNN again where our kernel cannot be built; None where neither applies."""
+    onednn = _onednn_packs(dtype)
+    if os.environ.get(PACKED_LINEAR_ENV) == "onednn" or (dtype == torch.bfloat16 and onednn):
+        return PackedLinear if onednn else None
+    try:
+        _gemm(dtype)
+        return PanelLinear
+    except Exception as exc:  # no compiler, an unexpected toolchain
+        log.warning("the %s GEMM kernel could not be built (%s); falling back", dtype, exc)
+    return PackedLinear if onednn else None
 
 
 def pack_linears(model: torch.nn.Module, only: str | None = None) -> int:
