@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from trioserve.bench.models import resolve_model
-from trioserve.gpu.cpu_linear import PackedLinear, PanelLinear, _onednn_packs
+from trioserve.gpu.cpu_linear import PackedLinear, PanelLinear, onednn_packs
 
 
 def main() -> None:
@@ -48,7 +48,7 @@ def main() -> None:
         "our GEMM": [PanelLinear(linear) for linear in linears],
         "F.linear": [(lambda x, w=linear.weight: F.linear(x, w)) for linear in linears],
     }
-    if _onednn_packs(dtype):
+    if onednn_packs(dtype):
         paths["oneDNN packed"] = [PackedLinear(linear) for linear in linears]
     flops_per_row = sum(2 * i * o for i, o in shapes)
     size = sum(i * o for i, o in shapes) * linears[0].weight.element_size() / 2**20

@@ -149,3 +149,18 @@ def test_packing_applies_to_the_cpu_at_float32_and_bfloat16_with_onednn_where_it
     assert cpu_linear._packed_class(torch.bfloat16) is (cpu_linear.PackedLinear if native else None)
     monkeypatch.setenv(cpu_linear.PACKED_LINEAR_ENV, "0")
     assert not cpu_linear.packing_supported(cpu, torch.float32)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_the_bench_peak_gemm_measures_every_path_that_applies(tiny_model_dir, dtype):
+    """The yardstick of model FLOP utilisation: F.linear, our GEMM, and
+    oneDNN's packed weights only where oneDNN packs the dtype here."""
+    from trioserve.bench.baselines import run_peak_gemm
+
+    config = EngineConfig(model=str(tiny_model_dir("llama")), dtype=dtype, max_num_batched_tokens=64)
+    peak = run_peak_gemm(config, None)  # type: ignore[arg-type]  # the workload does not enter into it
+    expected = {"F.linear", "our GEMM (panels)"} | (
+        {"oneDNN packed"} if cpu_linear.onednn_packs(getattr(torch, dtype)) else set()
+    )
+    assert set(peak["rates"]) == expected
+    assert peak["dtype"] == dtype and peak["flops_per_s"] == max(peak["rates"].values()) > 0

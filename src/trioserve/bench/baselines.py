@@ -19,8 +19,8 @@ prints one JSON object on stdout. ``KIND``:
 - ``peak-gemm``: not a baseline but the yardstick of model FLOP utilisation:
   the best rate of one matrix multiply of the model's MLP shapes (a full
   step's token budget of rows), on the engine's device, dtype and threads,
-  through ``F.linear``, oneDNN's pre-packed weights and, at float32, our
-  GEMM on panels (``gpu/cpu_linear.py``), where they apply; the fastest.
+  through ``F.linear``, oneDNN's pre-packed weights and our GEMM on panels
+  (``gpu/cpu_linear.py``), where they apply; the fastest.
 
 Every kind decodes greedily and ignores EOS, and warms up on two short
 requests first. Output tokens counted are the ones the workload asked for.
@@ -251,7 +251,7 @@ def run_peak_gemm(config: EngineConfig, spec: WorkloadSpec) -> dict[str, Any]:
     import torch.nn.functional as F
 
     from trioserve.bench.flops import ModelShape
-    from trioserve.gpu.cpu_linear import PackedLinear, PanelLinear, packing_supported
+    from trioserve.gpu.cpu_linear import PackedLinear, PanelLinear, onednn_packs, packing_supported
     from trioserve.gpu.model_runner import resolve_device, resolve_dtype
 
     shape = ModelShape.from_config(json.loads((Path(config.model) / "config.json").read_text()))
@@ -263,9 +263,9 @@ def run_peak_gemm(config: EngineConfig, spec: WorkloadSpec) -> dict[str, Any]:
         x = torch.randn(rows, n_in, device=device).to(dtype)
         linear = torch.nn.Linear(n_in, n_out, bias=False, device=device, dtype=dtype).requires_grad_(False)
         paths = {"F.linear": lambda x=x, w=linear.weight: F.linear(x, w)}
-        if packing_supported(device, dtype) and torch.backends.mkldnn.is_available():
+        if packing_supported(device, dtype) and onednn_packs(dtype):
             paths["oneDNN packed"] = PackedLinear(linear)
-        if packing_supported(device, dtype) and dtype == torch.float32:
+        if packing_supported(device, dtype):
             with contextlib.suppress(Exception):  # where our kernel cannot be built, the others still measure
                 paths["our GEMM (panels)"] = PanelLinear(linear)
         for name, fn in paths.items():

@@ -278,7 +278,7 @@ def packing_supported(device: torch.device, dtype: torch.dtype) -> bool:
     return device.type == "cpu" and dtype in _GEMM_SCALARS and os.environ.get(PACKED_LINEAR_ENV, "all") != "0"
 
 
-def _onednn_packs(dtype: torch.dtype) -> bool:
+def onednn_packs(dtype: torch.dtype) -> bool:
     """Whether oneDNN packs this dtype here: float32, or bfloat16 where this CPU has native support."""
     if not torch.backends.mkldnn.is_available():
         return False
@@ -289,7 +289,7 @@ def _packed_class(dtype: torch.dtype) -> type[PanelLinear] | type[PackedLinear] 
     """``PackedLinear`` for bfloat16 where oneDNN has native support (and for
     both dtypes with ``TRIOSERVE_PACKED_LINEAR=onednn``); else ``PanelLinear``;
     oneDNN again where our kernel cannot be built; None where neither applies."""
-    onednn = _onednn_packs(dtype)
+    onednn = onednn_packs(dtype)
     if os.environ.get(PACKED_LINEAR_ENV) == "onednn" or (dtype == torch.bfloat16 and onednn):
         return PackedLinear if onednn else None
     try:
