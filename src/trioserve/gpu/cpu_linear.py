@@ -175,11 +175,12 @@ def to_panels(weight: torch.Tensor) -> torch.Tensor:
 
 
 def panel_gemm(x: torch.Tensor, panels: torch.Tensor, bias: torch.Tensor | None, out_features: int) -> torch.Tensor:
-    """``x [n, in]`` (contiguous, the panels' dtype) times the weight held in ``panels`` -> ``[n, out]``."""
-    if x.dtype != panels.dtype or x.device.type != "cpu" or panels.shape[1] != x.shape[1]:
+    """``x [n, in]`` (the panels' dtype) times the weight held in ``panels`` -> ``[n, out]``."""
+    if x.dim() != 2 or x.dtype != panels.dtype or x.device.type != "cpu" or panels.shape[1] != x.shape[1]:
         raise ValueError(
             f"our GEMM takes {panels.dtype} rows of {panels.shape[1]} on the CPU (got {x.dtype} {tuple(x.shape)})"
         )
+    x = x.contiguous()  # the kernel reads rows back to back
     rows, in_features = x.shape
     y = x.new_empty(rows, out_features)
     if rows:
