@@ -31,6 +31,9 @@ from trioserve.gpu.compiled import inductor_cache_dir
 
 log = logging.getLogger(__name__)
 
+# The C++ type our kernels are built with for each dtype they take (one library per dtype).
+CPP_SCALARS = {torch.float32: "float", torch.bfloat16: "at::BFloat16"}
+
 
 def index_path(name: str, source: str, argtypes: list[str]) -> Path:
     """The index entry of kernel ``name`` built from this source for this torch, Python and CPU."""

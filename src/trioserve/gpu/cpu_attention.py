@@ -288,16 +288,13 @@ extern "C" void kernel(const scalar_t* q, const scalar_t* k_cache, const scalar_
 }
 """
 
-# The C++ type of each dtype the kernel is built for (one library each).
-_SCALARS = {torch.float32: "float", torch.bfloat16: "at::BFloat16"}
-
 
 def _source(dtype: torch.dtype) -> str:
-    return f"using scalar_t = {_SCALARS[dtype]};\n{_SOURCE}"
+    return f"using scalar_t = {cpp_kernels.CPP_SCALARS[dtype]};\n{_SOURCE}"
 
 
 def _argtypes(dtype: torch.dtype) -> list[str]:
-    scalar = _SCALARS[dtype]
+    scalar = cpp_kernels.CPP_SCALARS[dtype]
     return (
         [f"const {scalar}*"] * 3
         + ["const int64_t*"] * 3
@@ -355,7 +352,7 @@ def load_decode_kernel(device: torch.device, dtype: torch.dtype) -> CpuDecodeKer
     """The kernel where it applies (the CPU, float32 or bfloat16, not switched
     off by ``TRIOSERVE_CPU_ATTENTION=0``) and builds; else None (the portable
     path), with the build error logged."""
-    if device.type != "cpu" or dtype not in _SCALARS or os.environ.get(CPU_ATTENTION_ENV, "1") == "0":
+    if device.type != "cpu" or dtype not in cpp_kernels.CPP_SCALARS or os.environ.get(CPU_ATTENTION_ENV, "1") == "0":
         return None
     try:
         return CpuDecodeKernel(dtype)

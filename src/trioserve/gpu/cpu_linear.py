@@ -98,7 +98,7 @@ static inline const float* rows_as_float(const at::BFloat16* x, int64_t n, std::
 }
 
 // y[r, c] = x[r, :] . panel[:, c] (+ bias[c]) for r < R, c < nc (nc < NR: the last, padded panel),
-// summed in float and rounded to scalar_t once
+// summed in float and rounded to scalar_t once; bias (its nc values) may be null
 template <int R>
 static inline void tile(const float* x, const scalar_t* panel, int64_t K, scalar_t* y, int64_t N, int64_t nc,
                         const scalar_t* bias) {
@@ -114,16 +114,20 @@ static inline void tile(const float* x, const scalar_t* panel, int64_t K, scalar
             for (int v = 0; v < NV; v++) acc[r][v] = at::vec::fmadd(b, w[v], acc[r][v]);
         }
     }
-    Vec bias_row[NV];
-    if (bias) load_row(bias, bias_row);
+    if (bias) {  // its nc values as vectors, zero past them
+        float b[NR] = {};
+        for (int64_t c = 0; c < nc; c++) b[c] = static_cast<float>(bias[c]);
+        for (int r = 0; r < R; r++)
+            for (int v = 0; v < NV; v++) acc[r][v] = acc[r][v] + Vec::loadu(b + v * Vec::size());
+    }
     for (int r = 0; r < R; r++) {
         float row[NR];
-        for (int v = 0; v < NV; v++) (bias ? acc[r][v] + bias_row[v] : acc[r][v]).store(row + v * Vec::size());
+        for (int v = 0; v < NV; v++) acc[r][v].store(row + v * Vec::size());
         for (int64_t c = 0; c < nc; c++) y[r * N + c] = static_cast<scalar_t>(row[c]);
     }
 }
 
-// x [M, K] and y [M, N] contiguous; w: panels [ceil(N / NR), K, NR]; bias [ceil(N / NR) * NR] or null.
+// x [M, K] and y [M, N] contiguous; w: panels [ceil(N / NR), K, NR]; bias [N] if has_bias.
 // Rows of another type than float are converted once per chunk, not once per panel.
 extern "C" void kernel(const scalar_t* x, const scalar_t* w, const scalar_t* bias, scalar_t* y, int64_t M, int64_t N,
                        int64_t K, int64_t threads, int64_t has_bias) {
@@ -138,28 +142,25 @@ extern "C" void kernel(const scalar_t* x, const scalar_t* w, const scalar_t* bia
             const scalar_t* b = has_bias ? bias + p * NR : nullptr;
             const int64_t nc = std::min(NR, N - p * NR);
             scalar_t* yp = y + m0 * N + p * NR;
-            const float* xp = xc;
             int64_t m = 0;
-            for (; m + MR <= mc; m += MR) tile<MR>(xp + m * K, panel, K, yp + m * N, N, nc, b);
+            for (; m + MR <= mc; m += MR) tile<MR>(xc + m * K, panel, K, yp + m * N, N, nc, b);
             switch (mc - m) {
-                case 1: tile<1>(xp + m * K, panel, K, yp + m * N, N, nc, b); break;
-                case 2: tile<2>(xp + m * K, panel, K, yp + m * N, N, nc, b); break;
-                case 3: tile<3>(xp + m * K, panel, K, yp + m * N, N, nc, b); break;
-                case 4: tile<4>(xp + m * K, panel, K, yp + m * N, N, nc, b); break;
-                case 5: tile<5>(xp + m * K, panel, K, yp + m * N, N, nc, b); break;
+                case 1: tile<1>(xc + m * K, panel, K, yp + m * N, N, nc, b); break;
+                case 2: tile<2>(xc + m * K, panel, K, yp + m * N, N, nc, b); break;
+                case 3: tile<3>(xc + m * K, panel, K, yp + m * N, N, nc, b); break;
+                case 4: tile<4>(xc + m * K, panel, K, yp + m * N, N, nc, b); break;
+                case 5: tile<5>(xc + m * K, panel, K, yp + m * N, N, nc, b); break;
                 default: break;
             }
         }
     }
 }
 """
-# The C++ type of each dtype the GEMM is built for (one library each).
-_GEMM_SCALARS = {torch.float32: "float", torch.bfloat16: "at::BFloat16"}
 
 
 @functools.cache
 def _gemm(dtype: torch.dtype = torch.float32) -> Callable[..., None]:
-    scalar = _GEMM_SCALARS[dtype]
+    scalar = cpp_kernels.CPP_SCALARS[dtype]
     source = f"using scalar_t = {scalar};\n{_GEMM_SOURCE}"
     argtypes = [f"const {scalar}*"] * 3 + [f"{scalar}*"] + ["int64_t"] * 5
     return cpp_kernels.load_or_build(f"linear-{str(dtype).removeprefix('torch.')}", source, argtypes)
@@ -184,13 +185,9 @@ def panel_gemm(x: torch.Tensor, panels: torch.Tensor, bias: torch.Tensor | None,
     rows, in_features = x.shape
     y = x.new_empty(rows, out_features)
     if rows:
-        padded_bias = None
-        if bias is not None:
-            padded_bias = bias.new_zeros(panels.shape[0] * PANEL)
-            padded_bias[:out_features] = bias
         _gemm(x.dtype)(
-            x, panels, y if padded_bias is None else padded_bias, y, rows, out_features, in_features,
-            torch.get_num_threads(), int(padded_bias is not None),
+            x, panels, y if bias is None else bias, y, rows, out_features, in_features, torch.get_num_threads(),
+            int(bias is not None),
         )  # fmt: skip
     return y
 
@@ -200,7 +197,7 @@ class PanelLinear(torch.nn.Module):
 
     def __init__(self, linear: torch.nn.Linear, *, tied: bool = False) -> None:
         super().__init__()
-        if linear.weight.dtype not in _GEMM_SCALARS:
+        if linear.weight.dtype not in cpp_kernels.CPP_SCALARS:
             raise ValueError(f"PanelLinear is float32 or bfloat16 only (got {linear.weight.dtype})")
         _gemm(linear.weight.dtype)  # built (or loaded) now, not at the first step; raises where it cannot be built
         self.in_features = linear.in_features
@@ -212,7 +209,7 @@ class PanelLinear(torch.nn.Module):
         self.bias = linear.bias
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        rows = x.reshape(-1, self.in_features).contiguous()
+        rows = x.reshape(-1, self.in_features)  # made contiguous by panel_gemm
         if torch.compiler.is_compiling():  # our kernel is opaque to inductor
             y = torch.ops.trioserve.panel_linear(rows, self.panels, self.bias, self.out_features)
         else:
@@ -278,7 +275,7 @@ def _packed_linear_fake(
 def packing_supported(device: torch.device, dtype: torch.dtype) -> bool:
     """Whether ``pack_linears`` applies: the CPU, float32 or bfloat16, and not
     switched off by ``TRIOSERVE_PACKED_LINEAR=0``."""
-    return device.type == "cpu" and dtype in _GEMM_SCALARS and os.environ.get(PACKED_LINEAR_ENV, "all") != "0"
+    return device.type == "cpu" and dtype in cpp_kernels.CPP_SCALARS and os.environ.get(PACKED_LINEAR_ENV, "all") != "0"
 
 
 def onednn_packs(dtype: torch.dtype) -> bool:
