@@ -35,3 +35,21 @@ def test_the_errors_share_one_base_or_are_value_errors():
         obj = getattr(trioserve, name)
         if inspect.isclass(obj) and issubclass(obj, Exception):
             assert issubclass(obj, (trioserve.TrioserveError, ValueError)), name
+
+
+def test_engines_failing_to_start_at_once_raise_one_startup_error_naming_each():
+    # Found: two data-parallel engines that missed their model-load deadline
+    # together reached the caller as an ExceptionGroup, not EngineStartupError.
+    from trioserve.errors import collapse
+
+    first = trioserve.EngineStartupError(
+        "engine-core-0 failed", stage="model-load", process="engine-core-0", exit_code=1
+    )
+    second = trioserve.EngineStartupError("engine-core-1 failed", stage="handshake", process="engine-core-1")
+    both = collapse(ExceptionGroup("start", [first, ExceptionGroup("inner", [second])]))
+    assert isinstance(both, trioserve.EngineStartupError)
+    assert str(both) == "engine-core-0 failed; engine-core-1 failed"
+    assert (both.stage, both.process, both.exit_code) == ("model-load", "engine-core-0", 1)
+    assert collapse(ExceptionGroup("one", [second])) is second
+    mixed = ExceptionGroup("mixed", [first, RuntimeError("boom")])
+    assert collapse(mixed) is mixed  # several different things went wrong: the caller sees them all

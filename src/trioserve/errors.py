@@ -106,11 +106,22 @@ def _describe_one(exc: BaseException) -> str:
 
 def collapse(exc: BaseException) -> BaseException:
     """The single exception a caller should see for ``exc``: its one
-    meaningful leaf; a ``Cancelled`` when it holds nothing else; the group
-    itself when several things went wrong."""
+    meaningful leaf; a ``Cancelled`` when it holds nothing else; one
+    ``EngineStartupError`` naming each when several engines failed to start
+    at once (with the first's stage, process and exit code); the group
+    itself when several other things went wrong."""
     meaningful = meaningful_leaves(exc)
     if len(meaningful) == 1:
         return meaningful[0]
     if not meaningful:
         return leaves(exc)[0]
+    if all(isinstance(leaf, EngineStartupError) for leaf in meaningful):
+        first = meaningful[0]
+        assert isinstance(first, EngineStartupError)
+        return EngineStartupError(
+            "; ".join(str(leaf) for leaf in meaningful),
+            stage=first.stage,
+            process=first.process,
+            exit_code=first.exit_code,
+        )
     return exc
