@@ -54,7 +54,8 @@ THIRD_PARTY = {
     "core": {"msgspec"},
     "transport": {"msgspec", "trio", "zmq"},
     "runners": {"msgspec", "trio"},
-    "gpu": {"msgspec", "torch", "transformers", "safetensors", "tokenizers", "numpy"},
+    # gguf: the default model's file, read by transformers and made once per conversion (gpu/gguf_convert.py).
+    "gpu": {"msgspec", "torch", "transformers", "safetensors", "tokenizers", "numpy", "gguf"},
     "nurseries": {"msgspec", "trio", "zmq", "setproctitle"},
     # jinja2: the model's chat template, rendered in a sandbox (frontend/chat_template.py).
     "frontend": {"msgspec", "trio", "zmq", "tokenizers", "jinja2"},

@@ -30,6 +30,36 @@ def test_every_public_name_is_a_class_or_function_of_trioserve():
         assert obj.__name__ == name, name
 
 
+def test_the_lazy_names_are_exactly_the_public_ones_and_those_typed():
+    """``trioserve/__init__`` imports its names on first use: its map of where
+    each lives, ``__all__`` and the imports it gives type checkers agree."""
+    import ast
+
+    tree = ast.parse(Path(trioserve.__file__).read_text())
+    typed = {
+        alias.name: node.module
+        for block in tree.body
+        if isinstance(block, ast.If) and ast.unparse(block.test) == "TYPE_CHECKING"
+        for node in block.body
+        if isinstance(node, ast.ImportFrom)
+        for alias in node.names
+    }
+    assert typed == trioserve._HOME_OF
+    assert sorted(trioserve._HOME_OF) == sorted(trioserve.__all__)
+
+
+def test_a_child_process_module_does_not_import_the_front_end():
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, trioserve.nurseries.worker, trioserve.runners.fake; "
+        "print(sorted(m for m in ('trioserve.api', 'trioserve.frontend', 'jinja2') if m in sys.modules))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=60)
+    assert out.stdout.strip() == "[]", out.stdout
+
+
 def test_the_errors_share_one_base_or_are_value_errors():
     for name in trioserve.__all__:
         obj = getattr(trioserve, name)
