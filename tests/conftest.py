@@ -13,8 +13,18 @@ from collections.abc import Callable, Iterator
 
 import pytest
 from helpers.fakes import make_fake_config
+from hypothesis import settings
 
 from trioserve import EngineConfig
+
+
+# Hypothesis keeps no example database here: with one, it also keeps the
+# Pareto front of every test's target() scores, which cost the scheduler's
+# state machine more time than its examples do (CI starts from a clean checkout,
+# so the database never had anything to replay there). A failure prints the
+# blob that reproduces it (@reproduce_failure).
+settings.register_profile("trioserve", database=None, print_blob=True)
+settings.load_profile("trioserve")
 
 
 @pytest.fixture(scope="session")
