@@ -17,7 +17,6 @@ from hypothesis import settings
 
 from trioserve import EngineConfig
 
-
 # Hypothesis keeps no example database here: with one, it also keeps the
 # Pareto front of every test's target() scores, which cost the scheduler's
 # state machine more time than its examples do (CI starts from a clean checkout,

@@ -13,6 +13,7 @@ from functools import partial
 import pytest
 import trio
 from helpers.fakes import children, fake_tokens, wait_no_children
+from helpers.reference import reference_greedy
 
 import trioserve
 from test_supervision import Outcome, consume_stream
@@ -28,27 +29,26 @@ def dp_config(fake_config):
 
 
 @pytest.mark.model
-async def test_two_engines_give_the_greedy_outputs_of_one(tiny_model_dir):
+async def test_two_engines_give_the_greedy_tokens_of_transformers(tiny_model_dir):
+    """One engine gives transformers' own greedy tokens (test_engine_models):
+    two give them too."""
     model = str(tiny_model_dir("llama"))
     prompts = [[3 + i, 17, 42 + 7 * i, 9][: 2 + i % 3] for i in range(16)]
     params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
-    outputs: dict[int, list[list[int]]] = {}
     with trio.fail_after(180):
-        for size in (1, 2):
-            async with trioserve.open_engine(model=model, data_parallel_size=size, max_num_seqs=8) as engine:
-                results: dict[int, list[int]] = {}
+        async with trioserve.open_engine(model=model, data_parallel_size=2, max_num_seqs=8) as engine:
+            expected = await trio.to_thread.run_sync(reference_greedy, model, prompts, 12)
+            results: dict[int, list[int]] = {}
 
-                async def one(i: int, engine: trioserve.Engine = engine, results: dict = results) -> None:
-                    results[i] = (await engine.generate(prompts[i], params)).token_ids
+            async def one(i: int) -> None:
+                results[i] = (await engine.generate(prompts[i], params)).token_ids
 
-                async with trio.open_nursery() as nursery:
-                    for i in range(len(prompts)):
-                        nursery.start_soon(one, i)
-                outputs[size] = [results[i] for i in range(len(prompts))]
-                if size == 2:
-                    per_engine = [e.num_requests for e in (await engine.stats()).engines]
-                    assert sum(per_engine) == 16 and min(per_engine) > 0
-    assert outputs[2] == outputs[1]
+            async with trio.open_nursery() as nursery:
+                for i in range(len(prompts)):
+                    nursery.start_soon(one, i)
+            assert [results[i] for i in range(len(prompts))] == expected
+            per_engine = [e.num_requests for e in (await engine.stats()).engines]
+            assert sum(per_engine) == 16 and min(per_engine) > 0
 
 
 async def test_a_uniform_load_is_spread_evenly_and_no_request_waits_while_an_engine_is_idle(dp_config):
@@ -184,12 +184,11 @@ async def test_lockstep_with_bursts_to_one_engine_then_the_other_never_hangs(dp_
 
 
 @pytest.mark.model
-async def test_lockstep_with_the_real_collective_runs_bursts_and_matches_one_engine(tiny_model_dir):
+async def test_lockstep_on_the_real_collective_runs_bursts_and_gives_the_greedy_tokens_of_transformers(tiny_model_dir):
     model = str(tiny_model_dir("llama"))
     params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
     with trio.fail_after(240):
-        async with trioserve.open_engine(model=model, max_num_seqs=4) as single:
-            expected = [(await single.generate([3, 9, i], params)).token_ids for i in range(4)]
+        expected = await trio.to_thread.run_sync(reference_greedy, model, [[3, 9, i] for i in range(4)], 8)
         options = {"data_parallel_size": 2, "data_parallel_lockstep": True, "max_num_seqs": 4}
         async with trioserve.open_engine(model=model, **options) as engine:
             got = {}

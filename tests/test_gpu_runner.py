@@ -8,6 +8,7 @@ import random
 from dataclasses import dataclass, field
 
 import pytest
+from helpers.reference import reference_greedy
 
 from trioserve.config import EngineConfig
 from trioserve.messages import (
@@ -133,27 +134,6 @@ def make_runner(model_dir, *, num_blocks: int = 128, block_size: int = 4, **conf
 def make_prompts(lengths: list[int], seed: int = 1234) -> list[list[int]]:
     rng = random.Random(seed)
     return [[1] + [rng.randrange(3, 259) for _ in range(n - 1)] for n in lengths]
-
-
-def reference_greedy(model_dir, prompts: list[list[int]], max_tokens: int, dtype=None) -> list[list[int]]:
-    """transformers' greedy generate() with eager attention, one prompt at a time, no early stop."""
-    from transformers import AutoModelForCausalLM
-
-    dtype = dtype or torch.float32
-    model = AutoModelForCausalLM.from_pretrained(model_dir, attn_implementation="eager", dtype=dtype).eval()
-    results = []
-    for prompt in prompts:
-        ids = torch.tensor([prompt])
-        out = model.generate(
-            ids,
-            attention_mask=torch.ones_like(ids),
-            max_new_tokens=max_tokens,
-            do_sample=False,
-            eos_token_id=None,
-            pad_token_id=0,
-        )
-        results.append(out[0, len(prompt) :].tolist())
-    return results
 
 
 @pytest.mark.parametrize("arch", ARCHITECTURES)

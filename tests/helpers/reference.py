@@ -1,0 +1,50 @@
+"""transformers' own greedy ``generate()``: the tokens every engine test on a
+real model must reproduce.
+
+Each prompt's tokens are kept for the rest of the test process (they are a
+fixed function of the model directory, the dtype and the prompt), and a
+request for fewer tokens than were generated is their prefix: greedy
+decoding with no stop makes the same first tokens however many follow.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+_lock = threading.Lock()
+_models: dict[tuple[str, Any], Any] = {}
+_tokens: dict[tuple[str, Any, tuple[int, ...]], list[int]] = {}
+
+
+def reference_greedy(model_dir: Any, prompts: list[list[int]], max_tokens: int, dtype: Any = None) -> list[list[int]]:
+    """transformers' greedy generate() with eager attention, one prompt at a
+    time, never stopping early: ``max_tokens`` tokens for each prompt."""
+    import torch
+
+    dtype = dtype or torch.float32
+    with _lock:
+        return [_generate(str(model_dir), dtype, prompt, max_tokens) for prompt in prompts]
+
+
+def _generate(model_dir: str, dtype: Any, prompt: list[int], max_tokens: int) -> list[int]:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    key = (model_dir, dtype, tuple(prompt))
+    known = _tokens.get(key, [])
+    if len(known) < max_tokens:
+        if (model_dir, dtype) not in _models:
+            model = AutoModelForCausalLM.from_pretrained(model_dir, attn_implementation="eager", dtype=dtype)
+            _models[model_dir, dtype] = model.eval()
+        ids = torch.tensor([prompt])
+        out = _models[model_dir, dtype].generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=max_tokens,
+            do_sample=False,
+            eos_token_id=None,
+            pad_token_id=0,
+        )
+        known = _tokens[key] = out[0, len(prompt) :].tolist()
+    return known[:max_tokens]
