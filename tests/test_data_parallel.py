@@ -12,6 +12,7 @@ from functools import partial
 
 import pytest
 import trio
+from helpers.concurrent import run_concurrently
 from helpers.fakes import children, fake_tokens, wait_no_children
 from helpers.reference import reference_greedy
 
@@ -38,15 +39,7 @@ async def test_two_engines_give_the_greedy_tokens_of_transformers(tiny_model_dir
     with trio.fail_after(180):
         async with trioserve.open_engine(model=model, data_parallel_size=2, max_num_seqs=8) as engine:
             expected = await trio.to_thread.run_sync(reference_greedy, model, prompts, 12)
-            results: dict[int, list[int]] = {}
-
-            async def one(i: int) -> None:
-                results[i] = (await engine.generate(prompts[i], params)).token_ids
-
-            async with trio.open_nursery() as nursery:
-                for i in range(len(prompts)):
-                    nursery.start_soon(one, i)
-            assert [results[i] for i in range(len(prompts))] == expected
+            assert await run_concurrently(engine, prompts, params) == expected
             per_engine = [e.num_requests for e in (await engine.stats()).engines]
             assert sum(per_engine) == 16 and min(per_engine) > 0
 

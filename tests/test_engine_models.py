@@ -8,6 +8,7 @@ import random
 
 import pytest
 import trio
+from helpers.concurrent import run_concurrently
 from helpers.reference import reference_greedy
 
 import trioserve
@@ -44,18 +45,6 @@ def make_shared_prefix_prompts(vocab_size: int) -> tuple[list[int], list[list[in
 
 def reference_greedy_many(model_dir, prompt_lists: list[list[list[int]]], max_tokens: int) -> list[list[list[int]]]:
     return [reference_greedy(model_dir, prompts, max_tokens) for prompts in prompt_lists]
-
-
-async def run_concurrently(engine, prompts, params) -> list[list[int]]:
-    results: dict[int, list[int]] = {}
-
-    async def one(i: int) -> None:
-        results[i] = (await engine.generate(prompts[i], params)).token_ids
-
-    async with trio.open_nursery() as nursery:
-        for i in range(len(prompts)):
-            nursery.start_soon(one, i)
-    return [results[i] for i in range(len(prompts))]
 
 
 async def run_shared_prefix_prompts(engine, base, prompts, params) -> list[list[int]]:

@@ -18,12 +18,13 @@ import time
 import psutil
 import pytest
 import trio
+from helpers.concurrent import run_concurrently
 from helpers.fakes import wait_no_children
 from helpers.hosted import HostedEngine
 from helpers.reference import reference_greedy
 
 import trioserve
-from test_engine_models import make_prompts, run_concurrently
+from test_engine_models import make_prompts
 from trioserve import ControlCallError, DescribeShard, Echo, EchoReply, EngineConfig, SamplingParams, ShardInfo
 
 pytestmark = pytest.mark.model
