@@ -22,7 +22,6 @@ from websockets.exceptions import ConnectionClosed
 
 from test_server import Received, collect, generate, generate_into, in_thread, open_ws, serving, stream_requests
 from trioserve import EngineConfig
-from trioserve.config import cache_dir
 
 EXAMPLE = REPO / "examples" / "stream_client.py"
 
@@ -123,7 +122,9 @@ async def test_the_readme_commands_serve_the_default_model_which_knows_the_capit
     # A fresh machine: no model yet. Our C++ kernels are built where every
     # other test finds them (they would be built in the new cache otherwise,
     # unless a test before this one in this process set the variable).
-    kernels = os.environ.get("TORCHINDUCTOR_CACHE_DIR") or str(cache_dir() / "inductor")
+    from trioserve.gpu.compiled import inductor_cache_dir
+
+    kernels = str(inductor_cache_dir())
     env = {**os.environ, "TRIOSERVE_CACHE_DIR": str(tmp_path / "cache"), "TORCHINDUCTOR_CACHE_DIR": kernels}
     script = Path(sys.executable).parent / "trioserve"
     argv = [str(script), "serve", "--port", "0"] if script.exists() else serve_argv()
