@@ -4,7 +4,7 @@ Task tree (inside the caller's ``trio.run``)::
 
     EngineCoreClient.run
     ├── engine-core process   supervised; its exit raises ProcessExited here
-    ├── input sender          bounded channel -> ZMQ PUSH (requests, aborts, stats calls)
+    ├── input sender          outbox (in order; bounded for new work) -> ZMQ PUSH (requests, aborts, calls)
     └── output handler        ZMQ PULL -> detokenize -> each request's mailbox
 
 Every request has its own one-slot mailbox (``OutputCollector``), so a slow
@@ -65,6 +65,7 @@ from trioserve.messages import (
 from trioserve.nurseries.engine_core import ENGINE_INDEX_ENV, HANDSHAKE_ADDRESS_ENV, HANDSHAKE_TIMEOUT_ENV
 from trioserve.nurseries.process import ChildProcess, ProcessExited, supervise_process
 from trioserve.rpc import ControlCall, ControlReply, ControlRequest, Pause, Sleep
+from trioserve.transport.outbox import Outbox
 from trioserve.transport.zmq_trio import TrioZmqSocket, private_ipc_dir
 
 TO_ENGINE_SIZE = 1024  # messages queued for the input socket
@@ -108,9 +109,9 @@ class EngineCoreClient:
         self.requests: dict[str, RequestState] = {}
         # Encoded messages for the input socket: a request is encoded when it is
         # submitted, so that one the wire cannot carry fails alone, there.
-        self._to_engine_send, self._to_engine_receive = trio.open_memory_channel[bytes](TO_ENGINE_SIZE)
-        self._overflow_aborts: list[str] = []
-        self._overflow: list[bytes] = []  # other messages that found the channel full
+        # New work waits while TO_ENGINE_SIZE are queued; aborts and wave starts
+        # never wait, and never pass what was queued before them.
+        self._to_engine: Outbox[bytes] = Outbox(TO_ENGINE_SIZE)
         # Told each lockstep wave notice; the engine group's coordinator sets it.
         self.on_wave: Callable[[WaveNotice], None] | None = None
         # Lockstep: this engine core's place among the engines, for its handshake.
@@ -371,7 +372,7 @@ class EngineCoreClient:
             raise InvalidRequestError("request_id", f"{state.request_id!r} is already in flight")
         self.requests[state.request_id] = state
         try:
-            await self._to_engine_send.send(payload)
+            await self._to_engine.put(payload)
         except BaseException:
             del self.requests[state.request_id]
             raise
@@ -395,18 +396,12 @@ class EngineCoreClient:
         self._hung()
 
     def _send_nowait(self, payload: bytes) -> None:
-        try:
-            self._to_engine_send.send_nowait(payload)
-        except trio.WouldBlock:
-            self._overflow.append(payload)  # the sender flushes these after its current message
+        self._to_engine.put_nowait(payload)
 
     def _send_abort(self, request_id: str) -> None:
-        try:
-            self._to_engine_send.send_nowait(_encode(AbortRequests(request_ids=[request_id])))
-        except trio.WouldBlock:
-            # The channel is full, so the sender will wake for at least one
-            # more message, and it flushes these after every message.
-            self._overflow_aborts.append(request_id)
+        # Behind the request's own AddRequest if that is still queued: the
+        # engine core ignores an abort of a request it does not know.
+        self._to_engine.put_nowait(_encode(AbortRequests(request_ids=[request_id])))
 
     async def stats(self) -> EngineStats:
         """Ask the engine core for its statistics. If cancelled, the reply is dropped."""
@@ -428,7 +423,7 @@ class EngineCoreClient:
         event, result = trio.Event(), list[StatsReply | PrefixCacheReset]()
         self._calls[msg.call_id] = (event, result)
         try:
-            await self._to_engine_send.send(_encode(msg))
+            await self._to_engine.put(_encode(msg))
             await event.wait()
         finally:
             del self._calls[msg.call_id]
@@ -452,7 +447,7 @@ class EngineCoreClient:
         if isinstance(call, Pause | Sleep):
             self.paused = True  # new requests wait from now on
         try:
-            await self._to_engine_send.send(_encode(ControlRequest(call_id=call_id, call=call, timeout_s=timeout_s)))
+            await self._to_engine.put(_encode(ControlRequest(call_id=call_id, call=call, timeout_s=timeout_s)))
             with trio.move_on_after(timeout_s + CONTROL_REPLY_GRACE_S):
                 await event.wait()
         finally:
@@ -470,15 +465,8 @@ class EngineCoreClient:
 
     async def _input_sender(self, sock: TrioZmqSocket) -> None:
         with sock:
-            async for payload in self._to_engine_receive:
-                await sock.send(payload)
-                if self._overflow:
-                    overflow, self._overflow = self._overflow, []
-                    for message in overflow:
-                        await sock.send(message)
-                if self._overflow_aborts:
-                    aborts, self._overflow_aborts = self._overflow_aborts, []
-                    await sock.send(_encode(AbortRequests(request_ids=aborts)))
+            while True:
+                await sock.send(await self._to_engine.get())
 
     async def _output_handler(self, sock: TrioZmqSocket) -> None:
         decoder = msgspec.msgpack.Decoder(EngineResponse)
