@@ -69,9 +69,10 @@ class FakeEngine:
 
 @asynccontextmanager
 async def connection(
-    engine: FakeEngine, state: ServerState, config: ServerConfig
+    engine: FakeEngine, state: ServerState, config: ServerConfig, ended: list[float] | None = None
 ) -> AsyncIterator[WebSocketConnection]:
-    """A ``Connection`` serving ``engine``; yields the client's WebSocket."""
+    """A ``Connection`` serving ``engine``; yields the client's WebSocket.
+    When the server's side ends, the time goes in ``ended``."""
     server_stream, client_stream = trio.testing.lockstep_stream_pair()
     async with trio.open_nursery() as nursery:
 
@@ -79,6 +80,8 @@ async def connection(
             request = await wrap_server_stream(nursery, server_stream, message_queue_size=1)
             ws = await request.accept()
             await Connection(ws, engine, state, config).run()  # type: ignore[arg-type]
+            if ended is not None:
+                ended.append(trio.current_time())
 
         nursery.start_soon(serve)
         client = await wrap_client_stream(nursery, client_stream, "localhost", "/", message_queue_size=1)
@@ -110,6 +113,22 @@ async def test_a_client_that_stops_reading_has_its_request_ended_after_exactly_t
             if message["type"] != "delta":
                 break
         assert messages[-1]["code"] == "slow_consumer" and messages[-1]["id"] == "r"
+
+
+async def test_a_client_that_never_reads_again_is_dropped_once_its_error_waits_as_long_again(
+    autojump_clock: Any,
+) -> None:
+    """Its request ended, its slot must not be held for good (that would keep
+    the connection, one of the server's ``max_connections``, forever)."""
+    engine, state, ended = FakeEngine(), ServerState(), list[float]()
+    config = ServerConfig(outbox_size=4, slow_consumer_timeout_s=3.0, idle_timeout_s=60.0)
+    with trio.fail_after(50):  # virtual seconds; the idle timeout (60 s) never comes into it
+        async with connection(engine, state, config, ended) as client:
+            await client.send_message(generate())
+            while not ended:
+                await trio.sleep(1.0)  # never reads
+    left = next(t for what, t in engine.log if what == "left")
+    assert ended == [left + 3.0]
 
 
 async def test_a_request_still_running_when_the_grace_ends_is_ended_at_exactly_its_deadline(

@@ -391,7 +391,8 @@ def _add_server_options(parser: argparse.ArgumentParser) -> None:
         type=float,
         default=defaults.slow_consumer_timeout_s,
         metavar="SECONDS",
-        help="end a client's requests when it reads nothing for this long (default: %(default)s)",
+        help="end a client's requests when it reads nothing for this long, and drop it after as long again "
+        "(default: %(default)s)",
     )
     group.add_argument(
         "--shutdown-grace",

@@ -15,6 +15,8 @@ Invariants:
 - While a request waits for room in the outbox, its deltas merge in its
   ``RequestStream``, so the engine never waits for a client. A request that
   waits ``slow_consumer_timeout_s`` ends with ``slow_consumer`` and is aborted.
+  A terminal message that waits as long again for room (a client that reads
+  nothing at all) drops the connection: its slot is never held for good.
 - The connection is idle while no request is in flight (from the end of the
   last one) and no client message came (pings do not count). Once idle for
   ``idle_timeout_s`` it is closed with ``IDLE_CLOSE_CODE``; the deadline of
@@ -157,7 +159,7 @@ class Connection:
             self._idle = trio.Event()
             self._idle_timer.deadline = float("inf")
         self._num_slots += 1
-        nursery.start_soon(self._run_request, flight)
+        nursery.start_soon(self._run_request, flight, nursery.cancel_scope)
         return None
 
     # --- the sender and the shutdown watcher -------------------------------
@@ -218,10 +220,12 @@ class Connection:
 
     # --- one request --------------------------------------------------------
 
-    async def _run_request(self, flight: _Flight) -> None:
+    async def _run_request(self, flight: _Flight, connection: trio.CancelScope) -> None:
         """Run one request and queue its terminal message. If cancelled (the
         connection is going away), the request is aborted in the engine, its
-        KV blocks are freed, and nothing more is queued."""
+        KV blocks are freed, and nothing more is queued. If the terminal
+        message finds no room for ``slow_consumer_timeout_s``, the client
+        reads nothing: ``connection`` is cancelled (it is dropped)."""
         request_id = flight.request.id
         try:
             with flight.scope:
@@ -229,7 +233,15 @@ class Connection:
             if flight.scope.cancelled_caught:
                 terminal = self._ended_early(flight)
             self._forget(flight)
-            await self._outbox_send.send(protocol.encode(terminal))
+            with trio.move_on_after(self._config.slow_consumer_timeout_s) as waited:
+                await self._outbox_send.send(protocol.encode(terminal))
+            if waited.cancelled_caught:
+                log.debug(
+                    "dropping a connection that read nothing for %gs while request %r's last message waited",
+                    self._config.slow_consumer_timeout_s,
+                    request_id,
+                )
+                connection.cancel()
         finally:
             self._forget(flight)
             self._num_slots -= 1
