@@ -8,6 +8,7 @@ import pytest
 
 from trioserve.messages import SampleLogprobs, SamplingParams
 from trioserve.server import http, protocol
+from trioserve.server.openai_protocol import ChatCompletionRequest, CompletionRequest, OpenAIError, decode_body
 from trioserve.server.protocol import Cancel, Delta, Generate, ProtocolError
 
 
@@ -134,10 +135,20 @@ def test_deep_nesting_is_invalid_json_not_a_crash():
     assert err.field == "junk"
 
 
-def test_a_lone_surrogate_is_an_invalid_string_not_truncated_input():
+def test_a_lone_surrogate_is_an_invalid_string_not_truncated_input_on_both_apis():
     err = parse_error('{"type": "generate", "id": "a", "prompt": "x\\ud800y"}')
     assert err.code == protocol.INVALID_JSON
     assert "lone UTF-16 surrogate" in err.message and "truncated" not in err.message
+    for kind, body in [
+        (CompletionRequest, b'{"model": "m", "prompt": "a\\ud800b"}'),
+        (ChatCompletionRequest, b'{"model": "m", "messages": [{"role": "user", "content": "\\udc00"}]}'),
+    ]:
+        with pytest.raises(OpenAIError) as http_err:
+            decode_body(body, kind)
+        assert http_err.value.status == 400 and http_err.value.code == "invalid_json"
+        assert str(http_err.value) == "malformed JSON: invalid string: a \\u escape encodes a lone UTF-16 surrogate"
+    with pytest.raises(OpenAIError, match="truncated"):  # what truncated input is still called
+        decode_body(b'{"model": "m", "prompt": "a', CompletionRequest)
 
 
 def test_echoed_client_values_are_cut_short():

@@ -21,6 +21,7 @@ import msgspec
 
 from trioserve.errors import InvalidRequestError, PromptTooLongError
 from trioserve.messages import SampleLogprobs, SamplingParams
+from trioserve.server.protocol import malformed_json_detail
 
 # --- errors ---------------------------------------------------------------------
 
@@ -149,8 +150,7 @@ def decode_body(body: bytes, kind: type[msgspec.Struct]) -> Any:
     except msgspec.ValidationError as exc:
         raise _validation_error(str(exc)) from None
     except msgspec.DecodeError as exc:
-        detail = str(exc).removeprefix("JSON is malformed: ")
-        raise OpenAIError(400, f"malformed JSON: {detail}", code="invalid_json") from None
+        raise OpenAIError(400, f"malformed JSON: {malformed_json_detail(body, exc)}", code="invalid_json") from None
 
 
 def _validation_error(text: str) -> OpenAIError:

@@ -162,19 +162,27 @@ def _decode_json(frame: str) -> Any:
     except RecursionError:
         raise ProtocolError(INVALID_JSON, "malformed JSON: nested too deeply") from None
     except (msgspec.DecodeError, msgspec.ValidationError) as exc:
-        detail = str(exc).removeprefix("JSON is malformed: ")
-        if _is_valid_json_with_a_lone_surrogate(frame):
-            detail = "invalid string: a \\u escape encodes a lone UTF-16 surrogate"
-        raise ProtocolError(INVALID_JSON, f"malformed JSON: {detail}") from None
+        raise ProtocolError(INVALID_JSON, f"malformed JSON: {malformed_json_detail(frame, exc)}") from None
 
 
-def _is_valid_json_with_a_lone_surrogate(frame: str) -> bool:
-    """True when ``frame`` is JSON that Python's parser (which allows lone
+def malformed_json_detail(text: str | bytes, exc: Exception) -> str:
+    """What is wrong with ``text``, which msgspec failed to decode with
+    ``exc``. msgspec reports a string holding a lone UTF-16 surrogate (a
+    ``\\ud800`` escape) as truncated input; this names it. (Used by the
+    WebSocket and the HTTP API alike.)"""
+    detail = str(exc).removeprefix("JSON is malformed: ")
+    if _is_valid_json_with_a_lone_surrogate(text):
+        detail = "invalid string: a \\u escape encodes a lone UTF-16 surrogate"
+    return detail
+
+
+def _is_valid_json_with_a_lone_surrogate(text: str | bytes) -> bool:
+    """True when ``text`` is JSON that Python's parser (which allows lone
     surrogates, unlike msgspec) accepts. Only called after msgspec failed."""
-    if "\\u" not in frame:
+    if "\\u" not in (text if isinstance(text, str) else text.decode("latin-1")):
         return False
     try:
-        json.loads(frame)
+        json.loads(text)
     except (ValueError, RecursionError):
         return False
     return True
