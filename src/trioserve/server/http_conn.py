@@ -213,7 +213,8 @@ class HttpConnection:
             except RuntimeError:
                 pass
         if self._h11.our_state in (h11.IDLE, h11.SEND_RESPONSE, h11.ERROR):
-            await self.stream.send_all(response(error.status, {"error": str(error)}))
+            with trio.fail_after(self.send_timeout_s):  # bounded like every write (the answer is small)
+                await self.stream.send_all(response(error.status, {"error": str(error)}))
             await self._linger()
 
     async def _linger(self) -> None:
