@@ -51,7 +51,7 @@ async def in_thread(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
 
 
 def open_ws(url: str, **kwargs: Any) -> ClientConnection:
-    return connect(url, open_timeout=10, close_timeout=5, **kwargs)
+    return connect(url, open_timeout=10, close_timeout=5, legacy=True, **kwargs)
 
 
 def generate(request_id: str, prompt: str | list[int], **params: Any) -> str:
