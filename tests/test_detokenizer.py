@@ -18,7 +18,9 @@ from trioserve.frontend.detokenizer import (
     DetokenizerUpdate,
     IncrementalDetokenizer,
 )
+from trioserve.frontend.request_state import RequestState
 from trioserve.frontend.tokenizer import Tokenizer
+from trioserve.messages import SamplingParams, TokenOutput
 
 try:  # tests/ as a package, or as rootdir-relative modules
     from .test_tokenizer import (
@@ -329,6 +331,22 @@ def test_flush_still_cuts_at_a_stop_string(byte_tok: Tokenizer) -> None:
     assert detok.flush() == ""
     assert detok.stop_string == "a "
     assert detok.text == "x"
+
+
+@pytest.mark.parametrize("engine_reason", ["length", "stop"])
+def test_a_stop_string_completed_by_the_last_flush_is_the_requests_stop_reason(
+    byte_tok: Tokenizer, engine_reason: str
+) -> None:
+    """The request ends (its length, or EOS) on a token whose text was held
+    back (" \xc3": a space, half a character) and completes "a ": the text
+    is cut there, and the output says so, as for a stop string found earlier."""
+    state = RequestState("r", [5], SamplingParams(max_tokens=3, stop=["a "]), byte_tok)
+    state.process(TokenOutput("r", [ord("x"), ord("a")]))
+    state.process(TokenOutput("r", [259], engine_reason))
+    out = state.collector.poll()
+    assert out is not None
+    assert (out.cumulative_text, out.finish_reason, out.stop_reason) == ("x", "stop", "a ")
+    assert state.finished
 
 
 def test_empty_stop_string_is_rejected(byte_tok: Tokenizer) -> None:

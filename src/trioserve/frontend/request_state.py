@@ -65,7 +65,10 @@ class RequestState:
         elif finish_reason is not None:
             text += self.detokenizer.flush()
             last = output.new_token_ids[-1] if output.new_token_ids else None
-            if finish_reason == "stop" and last in self.params.stop_token_ids:
+            if self.detokenizer.stop_string is not None and finish_reason in ("length", "stop"):
+                # The text held back until now completed a stop string: it ends the text, as anywhere.
+                finish_reason, stop_reason = "stop", self.detokenizer.stop_string
+            elif finish_reason == "stop" and last in self.params.stop_token_ids:
                 stop_reason = last
         self.finished = finish_reason is not None
         self.collector.put(
