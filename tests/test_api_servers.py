@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import tempfile
 import threading
 import time
 from collections.abc import AsyncIterator, Callable
@@ -284,6 +285,63 @@ async def test_sigterm_drains_every_api_servers_streams_then_exits_0_leaving_not
         assert gone_after < grace + 5, f"{gone_after:.2f}s"
         assert proc.stderr is not None
         assert "unexpectedly" not in proc.stderr.read()  # they exited as asked
+
+
+def private_dirs() -> set[str]:
+    return {name for name in os.listdir(tempfile.gettempdir()) if name.startswith("trioserve-")}
+
+
+def engine_cores_with_workers(pid: int) -> list[psutil.Process]:
+    """The engine-core processes under ``pid`` that have started a worker (their handshake is done)."""
+    found = []
+    for p in psutil.Process(pid).children(recursive=True):
+        try:
+            if p.cmdline()[-1] == "engine-core" and p.children():
+                found.append(p)
+        except psutil.NoSuchProcess:
+            pass
+    return found
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGKILL])
+async def test_a_signal_while_the_engines_load_stops_everything_at_once_and_leaves_nothing(tiny_model_dir, signum):
+    """SIGTERM: stopped at once (nothing serves yet, so nothing to drain), exit 0;
+    kill -9: every process goes by itself. Either way the supervising process's
+    private directory goes too."""
+    before = private_dirs()
+    options = ("--fake-options", '{"load_delay_s": 60}')
+    with trio.fail_after(60), spawned(argv(str(tiny_model_dir("llama")), *options)) as proc:
+        await wait_until(lambda: engine_cores_with_workers(proc.pid), 30)
+        assert private_dirs() - before  # the API servers' directory, made before any of them
+        tree = [proc.pid, *tree_of(proc.pid)]
+        signalled = time.monotonic()
+        proc.send_signal(signum)
+        assert await in_thread(proc.wait, 15) == (0 if signum == signal.SIGTERM else -signal.SIGKILL)
+        gone_after = await in_thread(wait_gone, tree, signalled, 15)
+        assert gone_after < 5, f"{gone_after:.2f}s"
+        await wait_until(lambda: not private_dirs() - before, 5)
+        if signum == signal.SIGTERM:
+            assert proc.stderr is not None and "SIGTERM: shutting down" in proc.stderr.read()
+
+
+async def test_an_api_server_killed_before_it_first_serves_is_restarted_and_serve_starts(tiny_model_dir):
+    """Whichever life of an API server first serves reports the start: the
+    "serving on" line comes, and a signal is then a drain as usual."""
+    with trio.fail_after(60), spawned(argv(str(tiny_model_dir("llama")))) as proc:
+
+        def first_api_server() -> list[int]:
+            return api_servers(proc.pid)[:1]
+
+        await wait_until(first_api_server, 30)
+        victim = first_api_server()[0]
+        os.kill(victim, signal.SIGKILL)  # it has not written its ready byte yet: it is still starting
+        url = await in_thread(wait_for_url, proc, 30)
+        pids = api_servers(proc.pid)
+        assert len(pids) == 2 and victim not in pids
+        with ExitStack() as stack:
+            await in_thread(open_on_both, stack, url, pids)
+        proc.send_signal(signal.SIGTERM)
+        assert await in_thread(proc.wait, 15) == 0
 
 
 async def test_the_usual_exit_codes_hold_3_when_the_engine_cannot_start(tiny_model_dir):

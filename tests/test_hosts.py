@@ -82,9 +82,9 @@ def headless_argv(port: int, keys_dir: str | None, *options: str) -> list[str]:
 
 
 @contextmanager
-def headless(argv: list[str]) -> Iterator[subprocess.Popen[str]]:
+def headless(argv: list[str], env: dict[str, str] | None = None) -> Iterator[subprocess.Popen[str]]:
     """A headless process tree; on the way out, whatever of it is left is killed."""
-    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO)
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO, env=env)
     try:
         yield proc
     finally:
@@ -343,6 +343,35 @@ async def test_head_and_headless_serve_on_both_engines_and_a_killed_headless_tre
                 assert engine._group.supervisors[1].num_restarts == 1
                 proc.send_signal(signal.SIGTERM)
                 assert await trio.to_thread.run_sync(proc.wait) == 0
+    assert await wait_no_children() == []
+
+
+async def test_a_headless_engine_core_killed_again_and_again_leaves_no_directory_on_its_host(
+    head_config, keys_dir, tmp_path
+):
+    """Each life of a headless engine core has a private directory of the
+    headless process's (its tensor-parallel workers' rendezvous), removed
+    however the life ends: kill -9 included, where the engine core cannot."""
+    config = head_config(tensor_parallel_size=2)
+    host_tmp = tmp_path / "host"  # the headless host's temporary directory: only its entries there
+    host_tmp.mkdir()
+    env = {**os.environ, "TMPDIR": str(host_tmp)}
+    with trio.fail_after(90):
+        async with trioserve.open_engine(config=config) as engine:
+            with headless(headless_argv(config.data_parallel_rpc_port, keys_dir), env) as proc:
+                pid = await wait_joined(engine)
+                for _ in range(3):
+                    await check_served_by(engine, 1, [5, 6])
+                    assert len(os.listdir(host_tmp)) == 1  # this life's
+                    os.kill(pid, signal.SIGKILL)
+                    while (new_pid := await wait_joined(engine)) == pid:
+                        await trio.sleep(0.05)
+                    pid = new_pid
+                await check_served_by(engine, 1, [7, 8])
+                assert len(os.listdir(host_tmp)) == 1
+                proc.send_signal(signal.SIGTERM)
+                assert await trio.to_thread.run_sync(proc.wait) == 0
+            assert os.listdir(host_tmp) == []
     assert await wait_no_children() == []
 
 

@@ -557,21 +557,32 @@ def cmd_headless(args: argparse.Namespace) -> int:
 
 async def _serve_api_servers(servers: ApiServers) -> None:
     """The supervising process of several API servers, until SIGINT or SIGTERM
-    (then every process is stopped and reaped). Raises what ``ApiServers.run`` raises."""
+    (then every process is stopped and reaped): once they serve, they drain
+    first; while they start (engines loading, or waiting for one on another
+    host), everything stops at once. Raises what ``ApiServers.run`` raises."""
     with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
         async with trio.open_nursery() as nursery:
-            port = await nursery.start(servers.run)
-            host = servers.server_config.host
-            host = f"[{host}]" if ":" in host else host
-            name = servers.server_config.model_name or model_name(servers.engine_config)
-            print(
-                f"trioserve: serving on ws://{host}:{port} (health: http://{host}:{port}/health, "
-                f"OpenAI API: http://{host}:{port}/v1, model {name!r}; {servers.count} API servers, "
-                f"pids {', '.join(str(pid) for pid in servers.pids)})",
-                flush=True,
-            )
+            serving = trio.Event()
+
+            async def start() -> None:
+                port = await nursery.start(servers.run)
+                host = servers.server_config.host
+                host = f"[{host}]" if ":" in host else host
+                name = servers.server_config.model_name or model_name(servers.engine_config)
+                print(
+                    f"trioserve: serving on ws://{host}:{port} (health: http://{host}:{port}/health, "
+                    f"OpenAI API: http://{host}:{port}/v1, model {name!r}; {servers.count} API servers, "
+                    f"pids {', '.join(str(pid) for pid in servers.pids)})",
+                    flush=True,
+                )
+                serving.set()
+
+            nursery.start_soon(start)
             async for signum in signals:
                 print(f"trioserve: {signal.Signals(signum).name}: shutting down", file=sys.stderr, flush=True)
+                if not serving.is_set():  # still starting: nothing to drain
+                    nursery.cancel_scope.cancel()
+                    break
                 first = not servers.draining
                 servers.drain()  # again: the API servers end their grace at once
                 if first:

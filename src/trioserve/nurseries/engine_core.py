@@ -26,6 +26,7 @@ process exits 1.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import math
@@ -85,6 +86,11 @@ HANDSHAKE_TIMEOUT_ENV = "TRIOSERVE_HANDSHAKE_TIMEOUT_S"
 # of the deployment's CURVE keys, or INSECURE_TCP_ENV=1 to go without.
 CURVE_KEYS_ENV = "TRIOSERVE_CURVE_KEYS"
 INSECURE_TCP_ENV = "TRIOSERVE_INSECURE_TCP"
+# On TCP: a private directory of the parent's (the headless process's) for
+# this life of the engine core (tensor parallelism's rendezvous file goes
+# there; with one rank the engine core removes it at once); the parent
+# removes it when the engine core ends, however it ends.
+PRIVATE_DIR_ENV = "TRIOSERVE_PRIVATE_DIR"
 DEFAULT_HANDSHAKE_TIMEOUT_S = 30.0  # EngineConfig.startup_timeout_s's default
 INBOX_SIZE = 1024  # requests and aborts waiting for the step loop
 LOAD_REPORT_INTERVAL_S = 0.02  # the most often the load goes out when it changes
@@ -458,6 +464,8 @@ async def engine_core_main() -> None:
     if handshake_address.startswith("ipc://"):
         # The front-end's private directory: if the front-end dies (kill -9), nobody else removes it.
         remove_if_parent_dies(os.path.dirname(handshake_address.removeprefix("ipc://")))
+    if PRIVATE_DIR_ENV in os.environ:  # the headless process's, likewise
+        remove_if_parent_dies(os.environ[PRIVATE_DIR_ENV])
     handshake = TrioZmqSocket.connect(zmq.DEALER, handshake_address, linger=1000, **socket_options(handshake_address))
     with handshake:
         timeout = handshake_timeout_s()
@@ -470,6 +478,14 @@ async def engine_core_main() -> None:
                 stage="handshake",
                 process=f"engine-core-{engine_index}",
             )
+        if PRIVATE_DIR_ENV in os.environ and init.config.tensor_parallel_size == 1:
+            # Nothing goes there (no ranks to meet): gone now, a kill -9 of the whole tree cannot leave it.
+            with contextlib.suppress(OSError):
+                os.rmdir(os.environ.pop(PRIVATE_DIR_ENV))
+        if init.frontends is not None and init.frontends.input_address.startswith("ipc://"):
+            # The API servers' directory (the supervising process's, which made it before any API
+            # server, the other ones to remove it after its kill -9, was started).
+            remove_if_parent_dies(os.path.dirname(init.frontends.input_address.removeprefix("ipc://")))
         outbox_send, outbox_receive = trio.open_memory_channel[EngineResponse](OUTBOX_SIZE)
         death = DeathReport(outbox_send)
         api_servers = ApiServers(engine_index) if init.frontends is not None else None
@@ -505,7 +521,11 @@ async def _serve(
     async with trio.open_nursery() as nursery:
         in_flight: deque[Step] = deque()
         address = os.environ[HANDSHAKE_ADDRESS_ENV]
-        private_dir = os.path.dirname(address.removeprefix("ipc://")) if address.startswith("ipc://") else None
+        private_dir = (
+            os.path.dirname(address.removeprefix("ipc://"))
+            if address.startswith("ipc://")
+            else os.environ.get(PRIVATE_DIR_ENV)
+        )
         executor = Executor(
             config,
             in_flight,

@@ -4,7 +4,8 @@ Task tree (one ``trio.run``)::
 
     run_headless
     └── keep_engine × K          engine core of rank R + i, started again each time it ends
-        └── engine-core process  leads its own process group; its workers join it
+        └── engine-core process  leads its own process group; its workers join it; a private
+                                 directory of this process's for each life (the workers' rendezvous)
 
 Each engine core connects to the head's handshake socket
 (``tcp://data_parallel_address:data_parallel_rpc_port``, CURVE unless
@@ -44,9 +45,11 @@ from trioserve.nurseries.engine_core import (
     HANDSHAKE_ADDRESS_ENV,
     HANDSHAKE_TIMEOUT_ENV,
     INSECURE_TCP_ENV,
+    PRIVATE_DIR_ENV,
 )
 from trioserve.nurseries.process import ProcessExited, supervise_process
 from trioserve.transport.curve import load_keys
+from trioserve.transport.zmq_trio import private_ipc_dir
 
 log = logging.getLogger("trioserve.headless")
 
@@ -124,9 +127,15 @@ async def keep_engine(config: HeadlessConfig, rank: int) -> None:
     argv = [sys.executable, "-m", "trioserve.nurseries.entry", "engine-core"]
     while True:
         try:
-            await supervise_process(
-                argv, name=f"engine-core-{rank}", env=env, grace_s=config.shutdown_grace_s, new_process_group=True
-            )
+            # A private directory for each life, removed here however the engine core ends (kill -9 too).
+            with private_ipc_dir() as directory:
+                await supervise_process(
+                    argv,
+                    name=f"engine-core-{rank}",
+                    env={**env, PRIVATE_DIR_ENV: str(directory)},
+                    grace_s=config.shutdown_grace_s,
+                    new_process_group=True,
+                )
         except ProcessExited as exc:
             if not config.reconnect:
                 raise EngineDeadError(f"{exc}; not reconnecting (--no-headless-reconnect)") from None

@@ -32,12 +32,14 @@ Each API server is a supervised child: one that dies is restarted after
 ``restart_backoff_s`` (doubling), at most ``max_restarts`` times within
 ``restart_window_s`` (the engines' budget), past which ``serve`` stops
 (exit 1). Its clients see their connections close; the other API servers'
-see nothing. SIGTERM or SIGINT to the supervising process drains them
+see nothing. Whichever life of an API server first serves reports its
+start. SIGTERM or SIGINT to the supervising process drains them
 (``drain``: each shuts down gracefully, as a single server does, and its
 exit is an expected one: ``ChildProcess.expect_exit``), then stops the
-engine cores. ``kill -9`` of the supervising process: the API servers and
-engine cores see their parent-watch pipes end and go, with the workers,
-within about a second.
+engine cores (before they serve, it stops everything at once). ``kill -9``
+of the supervising process: the API servers and engine cores see their
+parent-watch pipes end and go, with the workers, within about a second;
+the first of them to go removes the private directory.
 """
 
 from __future__ import annotations
@@ -153,7 +155,14 @@ class ApiServers:
         init = ApiServerInit(self.engine_config, self.server_config, k, directory)
         env = {**os.environ, API_SERVER_ENV: msgspec.msgpack.encode(init).hex(), LISTEN_FD_ENV: str(fd)}
         deaths: deque[float] = deque()
-        ready: Callable[[], None] = functools.partial(task_status.started, None)
+        started = False
+
+        def ready() -> None:  # the first life that serves reports the start, whichever it is
+            nonlocal started
+            if not started:
+                started = True
+                task_status.started()
+
         self._num_running += 1
         try:
             await self._keep_running(k, fd, env, ready, deaths)
@@ -173,7 +182,6 @@ class ApiServers:
             self.children[k] = None
             if self.draining:
                 return
-            ready = _nothing
             now = trio.current_time()
             deaths.append(now)
             while deaths and deaths[0] < now - self.engine_config.restart_window_s:
@@ -215,10 +223,6 @@ class ApiServers:
             for end in (read_end, write_end):
                 if end >= 0:
                     os.close(end)
-
-
-def _nothing() -> None:
-    pass
 
 
 async def api_server_main() -> None:
