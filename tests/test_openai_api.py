@@ -181,10 +181,14 @@ async def test_models_lists_the_served_model_and_stop_strings_end_a_request(conf
         async with serving(config(), model_name=MODEL) as server:
             api = client(server)
             models = await run(api.models.list)
+            model = await run(api.models.retrieve, MODEL)
+            with pytest.raises(openai.NotFoundError, match="is not served here"):
+                await run(api.models.retrieve, "gpt-4")
             whole = await run(api.completions.create, model=MODEL, prompt="Hello", max_tokens=30, temperature=0)
             stop = whole.choices[0].text[3:5]
             stopped = await run(api.completions.create, model=MODEL, prompt="Hello", max_tokens=30, stop=stop)
     assert [m.id for m in models.data] == [MODEL]
+    assert model == models.data[0] and model.object == "model"
     assert stopped.choices[0].finish_reason == "stop"
     assert stopped.choices[0].text == whole.choices[0].text[: whole.choices[0].text.index(stop)]
 
@@ -214,7 +218,7 @@ async def test_the_api_key_is_required_on_the_api_but_not_on_health_and_metrics(
 BAD_REQUESTS = [
     # (path, body, status, param, code)
     ("/v1/completions", b'{"model": "tiny-llama", "prompt": "x"', 400, None, "invalid_json"),
-    ("/v1/completions", b"[1, 2]", 400, None, None),
+    ("/v1/completions", b"[1, 2]", 400, None, "invalid_json"),
     ("/v1/completions", b'{"model": "tiny-llama", "prompt": "x", "bogus": 1}', 400, "bogus", "unknown_field"),
     (
         "/v1/chat/completions",
@@ -270,12 +274,15 @@ BAD_REQUESTS = [
     ("/v1/completions", b'{"prompt": "x"}', 400, "model", "missing_field"),
     ("/v1/completions", b'{"model": "gpt-4", "prompt": "x"}', 404, "model", "model_not_found"),
     ("/v1/nothing", b"{}", 404, None, "not_found"),
+    # More samples than the engine takes at once (max_num_seqs + max_waiting_requests = 8): no retry could run it.
+    ("/v1/completions", b'{"model": "tiny-llama", "prompt": "x", "n": 9}', 400, "n", "invalid_value"),
 ]
 
 
 async def test_every_bad_request_gets_an_openai_error_object_and_a_request_beside_it_completes(config):
     with trio.fail_after(90):
-        async with serving(config(max_model_len=256, step_delay_s=0.01), model_name=MODEL) as server:
+        engine_config = config(max_model_len=256, step_delay_s=0.01, max_num_seqs=4, max_waiting_requests=4)
+        async with serving(engine_config, model_name=MODEL) as server:
             api = client(server)
             results: dict[str, Any] = {}
 
@@ -307,6 +314,12 @@ async def test_every_bad_request_gets_an_openai_error_object_and_a_request_besid
         assert headers["content-type"] == "application/json"
     assert results["405"][0] == 405 and json.loads(results["405"][2])["error"]["code"] == "method_not_allowed"
     assert results["413"][0] == 413
+    assert json.loads(results["413"][2])["error"] == {
+        "message": f"request body of {2 << 20} bytes is larger than {1 << 20}",
+        "type": "invalid_request_error",
+        "param": None,
+        "code": "request_too_large",
+    }
     texts, finishes, _ = results["long"]
     assert finishes == ["length"] and texts[0]
 

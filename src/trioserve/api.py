@@ -246,11 +246,20 @@ class Engine:
         says which sample it belongs to (``index``). With ``params.seed``,
         sample ``i`` uses ``seed + i``. Checks as ``stream`` (and ``n``, in
         [1, 128]); leaving the block early, or being cancelled, aborts every
-        sample still running.
+        sample still running. The samples go to one engine, so ``n`` beyond
+        what an engine takes at once (``max_num_seqs + max_waiting_requests``)
+        is refused too: no retry could ever run it.
         """
         params = SamplingParams() if params is None else params
         self._check_request(params, client_id, engine_index)
         n = check_n(n)
+        capacity = self.config.max_num_seqs + self.config.max_waiting_requests
+        if n > capacity:
+            raise InvalidRequestError(
+                "n",
+                f"{n} samples go to one engine, which takes at most {capacity} requests at once "
+                "(max_num_seqs + max_waiting_requests)",
+            )
         token_ids = None if self._prompts.needs_thread(prompt) else self._prompts.check(prompt)
         return ParentRequestStream(
             self,

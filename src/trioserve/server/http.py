@@ -15,6 +15,7 @@ import hmac
 import json
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import h11
 import trio
@@ -47,6 +48,11 @@ class BadRequest(Exception):
     def __init__(self, message: str, status: int = 400) -> None:
         super().__init__(message)
         self.status = status
+
+    def body(self) -> dict[str, Any]:
+        """The answer's body: OpenAI's error object (what the API's clients read), for any path."""
+        code = "request_too_large" if self.status == 413 else "malformed_request"
+        return {"error": {"message": str(self), "type": "invalid_request_error", "param": None, "code": code}}
 
 
 @dataclass(frozen=True)

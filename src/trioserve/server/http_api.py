@@ -26,7 +26,7 @@ import logging
 import secrets
 from collections.abc import Callable
 from typing import Any, Literal
-from urllib.parse import parse_qs, urlsplit
+from urllib.parse import parse_qs, unquote, urlsplit
 
 import trio
 
@@ -50,8 +50,9 @@ from trioserve.server.sse import Choices, EventFormat, chat_format, completion_f
 from trioserve.server.state import ServerState
 
 log = logging.getLogger("trioserve.server")
-Endpoint = Literal["metrics", "models", "completions", "chat", "control"]
+Endpoint = Literal["metrics", "models", "model", "completions", "chat", "control"]
 _CONTROL_PREFIX = "/v1/engine/"
+_MODEL_PREFIX = "/v1/models/"  # then a model's id (URL-encoded)
 _CONTROL_CALLS = ("pause", "resume", "sleep", "wake_up")
 _ENDPOINTS: dict[str, tuple[Endpoint, str]] = {
     METRICS_PATH: ("metrics", "GET"),
@@ -67,7 +68,10 @@ def route_api(head: RequestHead, *, phase: str, api_key: str | None) -> Endpoint
     """The endpoint for ``head``, or an ``OpenAIError``: 404 for an unknown
     path, 405 for a wrong method, 401 for a missing or wrong API key (not
     for ``/metrics``), 503 while the server is not ready."""
-    endpoint, method = _ENDPOINTS.get(head.path.rstrip("/") or "/", (None, ""))
+    path = head.path.rstrip("/") or "/"
+    endpoint, method = _ENDPOINTS.get(path, (None, ""))
+    if endpoint is None and path.startswith(_MODEL_PREFIX):
+        endpoint, method = "model", "GET"
     if endpoint is None:
         raise OpenAIError(404, f"no such endpoint: {head.method} {head.path[:100]}", code="not_found")
     if head.method != method and not (method == "GET" and head.method == "HEAD"):
@@ -138,6 +142,14 @@ class HttpApi:
             engine = self._engine()
             models = oai.models_list(self.model_name, engine.info.max_model_len, self._started)
             await conn.send_json(200, models, head_only=head.method == "HEAD")
+        elif endpoint == "model":
+            try:
+                self._check_model(unquote(head.path.rstrip("/").removeprefix(_MODEL_PREFIX)))
+            except OpenAIError as error:
+                await conn.send_json(error.status, error.body(), head_only=head.method == "HEAD")
+                return
+            entry = oai.model_entry(self.model_name, self._engine().info.max_model_len, self._started)
+            await conn.send_json(200, entry, head_only=head.method == "HEAD")
         else:
             body: bytes | None = None
             with trio.move_on_at(body_deadline):

@@ -205,16 +205,17 @@ class HttpConnection:
         """Answer a request that could not be read; the connection is to be
         closed after it. Where h11 will not frame a response (the request
         head itself was malformed), it is written by hand."""
+        body = error.body()
         if self._h11.our_state is h11.SEND_RESPONSE:
             try:
-                await self.send_json(error.status, {"error": str(error)}, close=True)
+                await self.send_json(error.status, body, close=True)
                 await self._linger()
                 return
             except RuntimeError:
                 pass
         if self._h11.our_state in (h11.IDLE, h11.SEND_RESPONSE, h11.ERROR):
             with trio.fail_after(self.send_timeout_s):  # bounded like every write (the answer is small)
-                await self.stream.send_all(response(error.status, {"error": str(error)}))
+                await self.stream.send_all(response(error.status, body))
             await self._linger()
 
     async def _linger(self) -> None:

@@ -163,7 +163,9 @@ def _validation_error(text: str) -> OpenAIError:
     if match := _MISSING.match(message):
         return invalid(_join(path, match["name"]), "missing", code="missing_field")
     if not path:
-        return OpenAIError(400, f"the body must be a JSON object: {message[0].lower()}{message[1:]}")
+        return OpenAIError(
+            400, f"the body must be a JSON object: {message[0].lower()}{message[1:]}", code="invalid_json"
+        )
     return invalid(path, message[0].lower() + message[1:], code="invalid_type")
 
 
@@ -301,15 +303,13 @@ def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) ->
     }
 
 
+def model_entry(model: str, max_model_len: int, created: int) -> dict[str, Any]:
+    """The served model, as ``GET /v1/models/{model}`` answers it."""
+    return {"id": model, "object": "model", "created": created, "owned_by": "trioserve", "max_model_len": max_model_len}
+
+
 def models_list(model: str, max_model_len: int, created: int) -> dict[str, Any]:
-    entry = {
-        "id": model,
-        "object": "model",
-        "created": created,
-        "owned_by": "trioserve",
-        "max_model_len": max_model_len,
-    }
-    return {"object": "list", "data": [entry]}
+    return {"object": "list", "data": [model_entry(model, max_model_len, created)]}
 
 
 TokenText = Any  # Callable[[int], str]: a token id's text
