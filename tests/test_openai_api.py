@@ -453,11 +453,35 @@ async def test_keep_alive_serves_several_requests_on_one_connection_and_an_idle_
 
 
 async def test_the_engine_is_paused_slept_and_resumed_over_http_and_health_says_so(config):
+    """Requests running when generation is paused with mode=abort end with a
+    503 ``aborted`` (an error event in a stream), never a short "success"."""
     auth = {"Authorization": "Bearer sesame"}
     with trio.fail_after(60):
-        async with serving(config(), model_name=MODEL, api_key="sesame") as server:
+        async with serving(config(step_delay_s=0.01), model_name=MODEL, api_key="sesame") as server:
             assert (await run(raw_request, server, "POST", "/v1/engine/pause"))[0] == 401
-            paused = await run(raw_request, server, "POST", "/v1/engine/pause?mode=abort", headers=auth)
+            api = client(server, api_key="sesame")
+            cut: dict[str, BaseException] = {}
+            long = {"model": MODEL, "max_tokens": 2000, "extra_body": {"ignore_eos": True}}
+
+            async def whole() -> None:
+                with pytest.raises(openai.InternalServerError) as info:
+                    await run(api.completions.create, prompt="Hi", **long)
+                cut["whole"] = info.value
+
+            async def streamed() -> None:
+                with pytest.raises(openai.APIError) as info:
+                    await run(
+                        stream_text, await run(api.chat.completions.create, messages=MESSAGES, stream=True, **long)
+                    )
+                cut["streamed"] = info.value
+
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(whole)
+                nursery.start_soon(streamed)
+                with trio.fail_after(10):
+                    while (await server.engine.stats()).num_running < 2:  # type: ignore[union-attr]
+                        await trio.sleep(0.02)
+                paused = await run(raw_request, server, "POST", "/v1/engine/pause?mode=abort", headers=auth)
             health_paused = await run(raw_request, server, "GET", "/health")
             bad = await run(raw_request, server, "POST", "/v1/engine/sleep?level=3", headers=auth)
             asleep = await run(raw_request, server, "POST", "/v1/engine/sleep?level=1", headers=auth)
@@ -467,6 +491,9 @@ async def test_the_engine_is_paused_slept_and_resumed_over_http_and_health_says_
                 client(server, api_key="sesame").completions.create, model=MODEL, prompt="Hi", max_tokens=3
             )
     assert (paused[0], json.loads(paused[2])) == (200, {"health": "paused"})
+    for error in cut.values():
+        assert "mode=abort" in str(error) and error.code == "aborted"  # type: ignore[attr-defined]
+    assert cut["whole"].status_code == 503  # type: ignore[attr-defined]
     assert (health_paused[0], json.loads(health_paused[2])) == (503, {"status": "paused"})
     assert bad[0] == 400 and "level: must be 1 or 2" in json.loads(bad[2])["error"]["message"]
     assert (asleep[0], json.loads(asleep[2])) == (200, {"health": "sleeping"})

@@ -275,6 +275,7 @@ class HttpApi:
         choices = Choices(stream.n)
         try:
             while (out := await grace.next_output(stream)) is not None:
+                _check_not_aborted(out)
                 choices.add(out)
         except _Stopped as stop:
             raise stop.error() from None
@@ -293,6 +294,7 @@ class HttpApi:
             await self._send_event(conn, event)
         try:
             while (out := await grace.next_output(stream)) is not None:
+                _check_not_aborted(out)
                 choices.add(out)
                 if out.text or out.finished or out.logprobs:  # else: bytes of a character still to come
                     await self._send_event(conn, fmt.chunk(out, choices, include_usage))
@@ -317,15 +319,28 @@ class HttpApi:
 
 
 class _Stopped(Exception):
-    """The shutdown grace ended while a request was running."""
+    """The server ended a running request: the shutdown grace ended (code
+    ``shutdown`` or ``engine_dead``), or the engine aborted it (``aborted``:
+    generation paused, or put to sleep, with ``mode=abort``)."""
 
     def __init__(self, code: str) -> None:
         super().__init__(code)
         self.code = code
 
     def error(self) -> OpenAIError:
-        why = "the engine died" if self.code == "engine_dead" else "the server is shutting down"
+        why = {
+            "engine_dead": "the engine died",
+            "aborted": "the engine aborted it (generation was paused or put to sleep with mode=abort)",
+        }.get(self.code, "the server is shutting down")
         return OpenAIError(503, f"{why}; the request was ended", type="server_error", code=self.code)
+
+
+def _check_not_aborted(out: RequestOutput) -> None:
+    """OpenAI's finish reasons are ``stop`` and ``length``: a request the
+    engine aborted is an error for its client (retry once it resumes), never
+    a short answer that looks whole."""
+    if out.finish_reason == "abort":
+        raise _Stopped("aborted")
 
 
 class _Grace:

@@ -126,7 +126,8 @@ class EventFormat:
 
 
 def _finish(reason: str | None) -> str | None:
-    """OpenAI's finish reasons are ``stop`` and ``length`` (an abort never reaches a client)."""
+    """OpenAI's finish reasons are ``stop`` and ``length`` (the server answers
+    an engine's abort with an error instead: ``http_api._check_not_aborted``)."""
     return reason
 
 
