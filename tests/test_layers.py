@@ -26,6 +26,7 @@ RANKS = {
     "errors": 0,
     "config": 0,
     "rpc": 0,  # the control calls: a closed union that messages carries
+    "byte_level": 0,  # the byte-level vocabularies' alphabet (the front-end's tokenizer, the tiny models)
     "messages": 1,
     "core": 2,
     "transport": 3,
@@ -49,6 +50,7 @@ TORCH = {"torch", "transformers", "safetensors", "trioserve.gpu"}
 THIRD_PARTY = {
     "errors": {"trio"},  # lazily: to tell a cancellation from a failure
     "config": set(),
+    "byte_level": set(),
     "rpc": {"msgspec"},
     "messages": {"msgspec"},
     "core": {"msgspec"},

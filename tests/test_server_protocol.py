@@ -248,3 +248,27 @@ def test_an_id_that_is_not_a_valid_one_is_never_echoed():
     assert err.code == protocol.UNKNOWN_TYPE and err.id is None
     err = parse_error(json.dumps({"type": "cancel", "id": "i" * 257}))
     assert err.field == "id" and err.id is None and len(err.message) < 200
+
+
+# --- OpenAI logprobs: what each token stands for ------------------------------------------
+
+
+def test_logprobs_give_each_tokens_own_bytes_offsets_by_character_and_leave_out_the_eos(tiny_model_dir):
+    """The tiny model's vocabulary is byte-level (id 3 + byte): "a🎉b" is six
+    tokens, four of them pieces of one character, then the EOS that ended the
+    reply (not in the text, so not in its logprobs)."""
+    from trioserve.frontend.tokenizer import Tokenizer
+    from trioserve.gpu.tiny_models import EOS_ID
+    from trioserve.server.openai_protocol import chat_logprobs, completion_logprobs
+
+    tokenizer = Tokenizer.from_dir(tiny_model_dir("llama"))
+    ids = [3 + b for b in "a🎉b".encode()] + [EOS_ID]
+    logprobs = [SampleLogprobs(-0.5, [t, 3 + ord("z")], [-0.5, -1.0]) for t in ids]
+    content = chat_logprobs(ids, logprobs, tokenizer)["content"]
+    assert len(content) == 6
+    assert b"".join(bytes(item["bytes"]) for item in content).decode() == "a🎉b"
+    assert [item["token"] for item in content][:2] == ["a", "\ufffd"]  # a piece of a character alone
+    assert content[1]["top_logprobs"][0]["bytes"] == [0xF0] and content[1]["top_logprobs"][1]["token"] == "z"
+    legacy = completion_logprobs(ids, logprobs, tokenizer, offset=10)
+    assert legacy["text_offset"] == [10, 11, 11, 11, 11, 12]  # each piece at its character's start
+    assert len(legacy["tokens"]) == len(legacy["token_logprobs"]) == len(legacy["top_logprobs"]) == 6

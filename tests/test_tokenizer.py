@@ -324,3 +324,14 @@ def test_importing_tokenizer_does_not_import_torch_or_transformers() -> None:
         "assert not bad, bad"
     )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
+
+
+def test_token_bytes_are_each_tokens_own_bytes_however_a_character_is_cut(
+    byte_tok: Tokenizer, llama_tok: Tokenizer
+) -> None:
+    for tok in (byte_tok, llama_tok):  # byte-level, and SentencePiece-style byte fallback (<0xF0>)
+        ids = tok.encode("lo 🎉 ok", add_special_tokens=False)
+        pieces = [tok.token_bytes(i) for i in ids]
+        assert b"".join(pieces).decode().strip() == "lo 🎉 ok"
+        assert any(len(p) == 1 and p[0] >= 0x80 for p in pieces)  # a lone byte of the emoji
+    assert byte_tok.token_bytes(EOS) == b"</s>"  # an added token: its text

@@ -29,16 +29,22 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
 import tokenizers
 
+from trioserve.byte_level import byte_of_char
+
 TOKENIZER_FILE = "tokenizer.json"
 TOKENIZER_CONFIG_FILE = "tokenizer_config.json"
 GENERATION_CONFIG_FILE = "generation_config.json"
 MODEL_CONFIG_FILE = "config.json"
+_BYTE_OF_CHAR = byte_of_char()
+_BYTE_FALLBACK = re.compile(r"<0x([0-9A-Fa-f]{2})>")  # a byte-fallback token's vocabulary entry
+_METASPACE = "\u2581"  # "▁"
 
 
 class Tokenizer:
@@ -61,6 +67,10 @@ class Tokenizer:
         backend.no_padding()
         self._backend = backend
         added = backend.get_added_tokens_decoder()
+        self._added_ids = set(added)  # kept as text, not as byte-level characters
+        self._byte_level = isinstance(backend.decoder, tokenizers.decoders.ByteLevel)
+        # SentencePiece-style vocabularies write a space as "▁" (a Metaspace or Replace decoder says so).
+        self._metaspace = _METASPACE in json.dumps(json.loads(backend.to_str()).get("decoder"), ensure_ascii=False)
         self.vocab_size: int = max(backend.get_vocab_size(with_added_tokens=True), max(added, default=-1) + 1)
         # The longest vocabulary entry, in characters: no token stands for more
         # text than this (byte-level entries spell each byte as one character).
@@ -122,6 +132,23 @@ class Tokenizer:
     def id_to_token(self, token_id: int) -> str | None:
         """The vocabulary entry of ``token_id`` (not its text), or ``None``."""
         return self._backend.id_to_token(token_id)
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """The bytes ``token_id`` stands for, also when they are part of a
+        character that other tokens finish (where ``decode`` gives U+FFFD):
+        byte-level vocabularies (GPT-2's byte-to-character map) and byte
+        fallback tokens (``<0xE2>``) are read as bytes, SentencePiece's
+        ``▁`` as a space; any other token is the UTF-8 of its text."""
+        entry = self._backend.id_to_token(token_id)
+        if entry is None:
+            return b""
+        if self._byte_level and token_id not in self._added_ids and all(c in _BYTE_OF_CHAR for c in entry):
+            return bytes(_BYTE_OF_CHAR[c] for c in entry)
+        if match := _BYTE_FALLBACK.fullmatch(entry):
+            return bytes([int(match[1], 16)])
+        if self._metaspace and token_id not in self._added_ids:
+            return entry.replace(_METASPACE, " ").encode()  # decode() would strip a first token's space
+        return self.decode([token_id], skip_special_tokens=False).encode()
 
     def __repr__(self) -> str:
         return (

@@ -17,6 +17,8 @@ import argparse
 import pathlib
 from typing import TYPE_CHECKING, Any
 
+from trioserve.byte_level import char_of_byte
+
 if TYPE_CHECKING:
     import torch
     from transformers import PretrainedConfig, PreTrainedTokenizerFast
@@ -59,18 +61,6 @@ ARCHITECTURES: dict[str, dict[str, Any]] = {
 }
 
 
-def _bytes_to_unicode() -> dict[int, str]:
-    """The printable-character alias of every byte used by byte-level BPE."""
-    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
-    table = {b: chr(b) for b in printable}
-    extra = 0
-    for b in range(256):
-        if b not in table:
-            table[b] = chr(256 + extra)
-            extra += 1
-    return table
-
-
 # A plain chat template: "<s>role: content\n" per message, then "<s>assistant: ".
 CHAT_TEMPLATE = (
     "{% for message in messages %}{{ bos_token + message['role'] + ': ' + message['content'] + '\\n' }}{% endfor %}"
@@ -90,7 +80,7 @@ def build_tokenizer(path: str | pathlib.Path | None = None) -> PreTrainedTokeniz
     from transformers import PreTrainedTokenizerFast
 
     vocab = {tok: i for i, tok in enumerate(SPECIAL_TOKENS)}
-    vocab.update({char: len(SPECIAL_TOKENS) + b for b, char in _bytes_to_unicode().items()})
+    vocab.update({char: len(SPECIAL_TOKENS) + b for b, char in char_of_byte().items()})
     backend = Tokenizer(models.BPE(vocab=vocab, merges=[]))
     backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     backend.decoder = decoders.ByteLevel()

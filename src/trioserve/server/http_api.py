@@ -24,7 +24,6 @@ from __future__ import annotations
 import json
 import logging
 import secrets
-from collections.abc import Callable
 from typing import Any, Literal
 from urllib.parse import parse_qs, unquote, urlsplit
 
@@ -240,13 +239,13 @@ class HttpApi:
                 self._check_model(chat.model)
                 plan = oai.plan_chat(chat, engine.info.max_model_len)
                 prompt: Any = engine.render_chat(oai.chat_messages(chat))
-                fmt = chat_format(self.model_name, self._token_text(engine))
+                fmt = chat_format(self.model_name, engine.tokenizer)
             else:
                 completion = oai.decode_body(body, oai.CompletionRequest)
                 self._check_model(completion.model)
                 plan = oai.plan_completion(completion)
                 prompt = oai.completion_prompt(completion)
-                fmt = completion_format(self.model_name, self._token_text(engine))
+                fmt = completion_format(self.model_name, engine.tokenizer)
             names = plan.names
             return engine.stream_n(prompt, plan.params, plan.n, client_id=client_id), fmt, plan
         except InvalidRequestError as exc:
@@ -260,13 +259,6 @@ class HttpApi:
                 param="model",
                 code="model_not_found",
             )
-
-    @staticmethod
-    def _token_text(engine: Engine) -> Callable[[int], str]:
-        def text_of(token_id: int) -> str:
-            return engine.tokenizer.decode([token_id], skip_special_tokens=False)
-
-        return text_of
 
     async def _send_whole(
         self, conn: HttpConnection, stream: ParentRequestStream, fmt: EventFormat, grace: _Grace

@@ -20,6 +20,7 @@ from typing import Any, Literal
 import msgspec
 
 from trioserve.errors import InvalidRequestError, PromptTooLongError
+from trioserve.frontend.tokenizer import Tokenizer
 from trioserve.messages import SampleLogprobs, SamplingParams
 from trioserve.server.protocol import malformed_json_detail
 
@@ -312,38 +313,54 @@ def models_list(model: str, max_model_len: int, created: int) -> dict[str, Any]:
     return {"object": "list", "data": [model_entry(model, max_model_len, created)]}
 
 
-TokenText = Any  # Callable[[int], str]: a token id's text
+def _content(
+    token_ids: list[int], logprobs: list[SampleLogprobs], tokenizer: Tokenizer
+) -> list[tuple[int, SampleLogprobs]]:
+    """The tokens whose text is in the choice's text, with their logprobs:
+    special tokens (the end-of-sequence token that ended a reply, say) are
+    not, as the text is decoded without them."""
+    pairs = zip(token_ids, logprobs, strict=True)
+    return [(token_id, lp) for token_id, lp in pairs if token_id not in tokenizer.all_special_ids]
+
+
+def _text(tokenizer: Tokenizer, token_id: int) -> str:
+    return tokenizer.decode([token_id], skip_special_tokens=False)
 
 
 def completion_logprobs(
-    token_ids: list[int], logprobs: list[SampleLogprobs], text_of: TokenText, offset: int
+    token_ids: list[int], logprobs: list[SampleLogprobs], tokenizer: Tokenizer, offset: int
 ) -> dict[str, Any]:
     """The legacy completions ``logprobs`` object for these tokens, whose
-    text starts ``offset`` characters into the choice's text."""
-    tokens = [text_of(t) for t in token_ids]
-    offsets = []
-    for token in tokens:
-        offsets.append(offset)
-        offset += len(token)
+    text starts ``offset`` characters into the choice's text. A token's
+    offset is where the character holding its first byte starts (a
+    character's bytes may be spread over several tokens)."""
+    content = _content(token_ids, logprobs, tokenizer)
+    offsets, before = [], b""
+    for token_id, _ in content:
+        offsets.append(offset + len(before.decode(errors="ignore")))  # whole characters before it
+        before += tokenizer.token_bytes(token_id)
     return {
-        "tokens": tokens,
-        "token_logprobs": [lp.logprob for lp in logprobs],
+        "tokens": [_text(tokenizer, token_id) for token_id, _ in content],
+        "token_logprobs": [lp.logprob for _, lp in content],
         "top_logprobs": [
-            {text_of(t): p for t, p in zip(lp.top_token_ids, lp.top_logprobs, strict=True)} for lp in logprobs
+            {_text(tokenizer, t): p for t, p in zip(lp.top_token_ids, lp.top_logprobs, strict=True)}
+            for _, lp in content
         ],
         "text_offset": offsets,
     }
 
 
-def chat_logprobs(token_ids: list[int], logprobs: list[SampleLogprobs], text_of: TokenText) -> dict[str, Any]:
-    """The chat ``logprobs`` object (``{"content": [...]}``) for these tokens."""
+def chat_logprobs(token_ids: list[int], logprobs: list[SampleLogprobs], tokenizer: Tokenizer) -> dict[str, Any]:
+    """The chat ``logprobs`` object (``{"content": [...]}``) for these
+    tokens. ``bytes`` are each token's own bytes, so that a client can join
+    those of a character spread over several tokens (whose ``token`` text
+    alone is U+FFFD)."""
 
     def entry(token_id: int, logprob: float) -> dict[str, Any]:
-        text = text_of(token_id)
-        return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
+        return {"token": _text(tokenizer, token_id), "logprob": logprob, "bytes": list(tokenizer.token_bytes(token_id))}
 
     content = []
-    for token_id, lp in zip(token_ids, logprobs, strict=True):
+    for token_id, lp in _content(token_ids, logprobs, tokenizer):
         item = entry(token_id, lp.logprob)
         item["top_logprobs"] = [entry(t, p) for t, p in zip(lp.top_token_ids, lp.top_logprobs, strict=True)]
         content.append(item)

@@ -8,15 +8,13 @@ functions and state, no I/O.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 from trioserve.frontend.outputs import RequestOutput
+from trioserve.frontend.tokenizer import Tokenizer
 from trioserve.messages import SampleLogprobs
 from trioserve.server import openai_protocol as oai
-
-TokenText = Callable[[int], str]
 
 
 @dataclass
@@ -59,10 +57,10 @@ class Choices:
 class EventFormat:
     """One endpoint's JSON: ``completion`` or ``chat``."""
 
-    def __init__(self, kind: str, model: str, token_text: TokenText) -> None:
+    def __init__(self, kind: str, model: str, tokenizer: Tokenizer) -> None:
         self.kind = kind
         self.model = model
-        self.token_text = token_text
+        self.tokenizer = tokenizer  # for logprobs: each token's text and bytes
         self.id = oai.new_id("chatcmpl" if kind == "chat" else "cmpl")
         self.created = oai.now()
 
@@ -73,8 +71,8 @@ class EventFormat:
         if logprobs is None:
             return None
         if self.kind == "chat":
-            return oai.chat_logprobs(token_ids, logprobs, self.token_text)
-        return oai.completion_logprobs(token_ids, logprobs, self.token_text, offset)
+            return oai.chat_logprobs(token_ids, logprobs, self.tokenizer)
+        return oai.completion_logprobs(token_ids, logprobs, self.tokenizer, offset)
 
     def response(self, choices: Choices, prompt_tokens: int) -> dict[str, Any]:
         """The whole (non-streamed) response."""
@@ -131,9 +129,9 @@ def _finish(reason: str | None) -> str | None:
     return reason
 
 
-def chat_format(model: str, token_text: TokenText) -> EventFormat:
-    return EventFormat("chat", model, token_text)
+def chat_format(model: str, tokenizer: Tokenizer) -> EventFormat:
+    return EventFormat("chat", model, tokenizer)
 
 
-def completion_format(model: str, token_text: TokenText) -> EventFormat:
-    return EventFormat("completion", model, token_text)
+def completion_format(model: str, tokenizer: Tokenizer) -> EventFormat:
+    return EventFormat("completion", model, tokenizer)
