@@ -606,3 +606,16 @@ async def test_sigusr1_mid_stream_ends_the_request_with_engine_dead_error_at_onc
             tokens = [t for out in outputs for t in out.token_ids]
             assert tokens == fake_tokens([1, 2, 3], len(tokens))
         assert await wait_no_children() == []
+
+
+@pytest.mark.parametrize("leaves", [1, 2])
+async def test_the_callers_own_exception_group_comes_out_of_open_engine_as_it_was(fake_config, leaves):
+    """docs/embedding.md: the caller's exception comes out as itself; that
+    holds for an exception group of the caller's too (its own nursery's)."""
+    mine = ExceptionGroup("mine", [ValueError(str(i)) for i in range(leaves)])
+    with trio.fail_after(60):
+        with pytest.raises(ExceptionGroup) as info:
+            async with trioserve.open_engine(config=fake_config()):
+                raise mine
+    assert info.value is mine
+    assert await wait_no_children() == []

@@ -18,6 +18,7 @@ import psutil
 import pytest
 import trio
 from helpers.fakes import children, wait_no_children
+from helpers.serving import running
 
 import trioserve
 from trioserve import SamplingParams
@@ -282,6 +283,42 @@ async def test_serve_with_a_model_load_that_hangs_exits_3_naming_the_stage(tiny_
     assert code == 3, stderr
     assert "model-load" in stderr and "model_load_timeout_s" in stderr
     assert left == []
+
+
+async def test_generate_whose_engine_dies_with_restarts_left_exits_1_naming_the_failed_request(tiny_model_dir):
+    """Exit 4 is for an engine out of restarts; one death fails the request (exit 1)."""
+    argv = ["generate", "Hi", "--model", str(tiny_model_dir("llama")), "--runner", "fake", "--max-tokens", "50",
+            "--fake-options", json.dumps({"die_at_step": 5})]  # fmt: skip
+    code, stderr, left = await trio.to_thread.run_sync(run_cli, argv, 30)
+    assert code == 1, stderr
+    assert "trioserve: RequestError: the request failed: engine-core-0 died" in stderr
+    assert left == []
+
+
+async def test_generate_into_a_pipe_its_reader_closed_stops_quietly(tiny_model_dir):
+    """``trioserve generate ... | head -c 10``: no traceback, exit 1, nothing left running."""
+    argv = [sys.executable, "-m", "trioserve.cli", "generate", "Hi", "--model", str(tiny_model_dir("llama")),
+            "--runner", "fake", "--max-tokens", "5000", "--ignore-eos",
+            "--fake-options", json.dumps({"step_delay_s": 0.002})]  # fmt: skip
+
+    def scenario() -> tuple[int, str, list[int]]:
+        proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO)
+        try:
+            assert proc.stdout is not None and proc.stdout.read(10)
+            tree = [p.pid for p in psutil.Process(proc.pid).children(recursive=True)]
+            proc.stdout.close()  # as head does once it has its 10 bytes
+            code = proc.wait(timeout=30)
+            assert proc.stderr is not None
+            time.sleep(0.5)
+            return code, proc.stderr.read(), [pid for pid in tree if running(pid)]
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+
+    with trio.fail_after(60):
+        code, stderr, left = await trio.to_thread.run_sync(scenario)
+    assert (code, stderr, left) == (1, "", [])
 
 
 async def test_serve_out_of_restarts_exits_4_and_leaves_no_process(tiny_model_dir):

@@ -20,7 +20,7 @@ from typing import Any
 import trio
 
 from trioserve.config import EngineConfig
-from trioserve.errors import EngineDeadError, EngineStartupError, InvalidRequestError, collapse
+from trioserve.errors import EngineDeadError, EngineStartupError, InvalidRequestError, collapse, leaves
 from trioserve.frontend.chat_template import ChatTemplate, TemplatedText
 from trioserve.frontend.client import EngineCoreClient
 from trioserve.frontend.group import EngineGroup
@@ -97,6 +97,7 @@ async def open_attached_engine(config: EngineConfig, api_server: int, directory:
 @contextlib.asynccontextmanager
 async def _open(config: EngineConfig, group: EngineGroup, id_prefix: str | None = None) -> AsyncIterator[Engine]:
     tokenizer, chat_template = await trio.to_thread.run_sync(_load_tokenizer, config)
+    own: BaseException | None = None  # what the caller's block raised
     try:
         async with trio.open_nursery() as nursery:
             await nursery.start(group.run)
@@ -105,10 +106,25 @@ async def _open(config: EngineConfig, group: EngineGroup, id_prefix: str | None 
                 if id_prefix is not None:
                     engine._id_prefix = f"{id_prefix}-{engine._id_prefix}"  # unique among the API servers
                 yield engine
+            except BaseException as exc:
+                own = exc
+                raise
             finally:
                 nursery.cancel_scope.cancel()
     except BaseExceptionGroup as exc:
+        if own is not None and _only_the_callers(exc, own):
+            raise own from own.__cause__  # the caller's own exception (a group of theirs too) comes out as it was
         raise collapse(exc) from None
+
+
+def _only_the_callers(group: BaseExceptionGroup, own: BaseException) -> bool:
+    """True when ``group`` (the nursery's) holds nothing but ``own``, the
+    caller's exception, beside cancellations: itself, or, for a group of
+    the caller's, the copy Trio made of it (the same leaves)."""
+    others = [e for e in group.exceptions if not isinstance(e, trio.Cancelled)]
+    if len(others) != 1:
+        return False
+    return others[0] is own or (isinstance(own, BaseExceptionGroup) and leaves(others[0]) == leaves(own))
 
 
 def _check_mode(mode: object) -> None:

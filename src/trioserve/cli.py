@@ -16,7 +16,7 @@ from trioserve.api import open_engine
 from trioserve.bench.cli import add_bench_parser
 from trioserve.cli_options import add_compile_option, add_parallel_options, add_threads_option
 from trioserve.config import EngineConfig, FakeRunnerConfig
-from trioserve.errors import EngineDeadError, EngineStartupError, TrioserveError, collapse
+from trioserve.errors import EngineDeadError, EngineStartupError, RequestError, TrioserveError, collapse
 from trioserve.messages import SamplingParams
 from trioserve.nurseries.headless import HeadlessConfig, run_headless
 from trioserve.server import Server, ServerConfig
@@ -292,11 +292,16 @@ async def _generate(config: EngineConfig, prompt: str, params: SamplingParams) -
     async with open_engine(config=config) as engine:
         started = time.perf_counter()
         final = None
-        async with engine.stream(prompt, params) as stream:
-            async for out in stream:
-                sys.stdout.write(out.text)
-                sys.stdout.flush()
-                final = out
+        try:
+            async with engine.stream(prompt, params) as stream:
+                async for out in stream:
+                    sys.stdout.write(out.text)
+                    sys.stdout.flush()
+                    final = out
+        except EngineDeadError as exc:
+            if engine.health == "failed":
+                raise  # out of restarts: exit 4
+            raise RequestError(f"the request failed: {exc}") from None
         elapsed = time.perf_counter() - started
     sys.stdout.write("\n")
     assert final is not None
@@ -708,6 +713,11 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("\ntrioserve: interrupted", file=sys.stderr)
         return EXIT_INTERRUPTED
+    except BrokenPipeError:
+        # Whoever read our output stopped (`trioserve generate ... | head`); the engine has stopped.
+        # Point stdout at /dev/null so that the interpreter's last flush at exit does not fail again.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return EXIT_ERROR
 
 
 if __name__ == "__main__":
