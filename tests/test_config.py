@@ -41,3 +41,36 @@ def test_what_the_operator_says_wins(host: pytest.MonkeyPatch) -> None:
     assert cpu_threads_per_worker(EngineConfig(model="m", torch_threads=5)) == 5
     host.setenv("OMP_NUM_THREADS", "lots")  # not a count: ignored
     assert cpu_threads_per_worker(EngineConfig(model="m")) == 8
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        ({"max_num_seqs": "4"}, "max_num_seqs: must be an integer (got str '4')"),
+        ({"max_num_seqs": None}, "max_num_seqs: must be an integer (got NoneType None)"),
+        ({"data_parallel_size": 2.0}, "data_parallel_size: must be an integer (got float 2.0)"),
+        ({"block_size": True}, "block_size: must be an integer (got bool True)"),
+        ({"max_waiting_requests": float("inf")}, "max_waiting_requests: must be an integer (got float inf)"),
+        ({"enable_prefix_caching": 1}, "enable_prefix_caching: must be True or False (got int 1)"),
+        ({"shutdown_grace_s": "3"}, "shutdown_grace_s: must be a number (got str '3')"),
+        ({"fake": {"step_delay_s": 1}}, "fake: must be a FakeRunnerConfig"),
+        ({"kv_cache_memory_bytes": 10**30}, "kv_cache_memory_bytes: must be at most 9223372036854775807"),
+        ({"max_num_seqs": 10**5000}, "max_num_seqs: must be at most 9223372036854775807"),
+    ],
+)
+def test_a_value_of_the_wrong_type_or_too_big_to_send_is_refused_naming_its_field(
+    options: dict[str, object], message: str
+) -> None:
+    """Before, a string failed a range check with a TypeError naming nothing,
+    and a float or a huge integer passed, to crash the engine-core process
+    that could not decode it."""
+    with pytest.raises(ValueError) as info:
+        EngineConfig(model="m", **options)  # type: ignore[arg-type]
+    assert str(info.value).startswith(message)
+
+
+def test_a_path_is_a_model_directory_and_numbers_of_either_kind_are_seconds() -> None:
+    import pathlib
+
+    config = EngineConfig(model=pathlib.Path("/models/m"), shutdown_grace_s=3)  # type: ignore[arg-type]
+    assert config.model == "/models/m" and config.shutdown_grace_s == 3

@@ -60,6 +60,44 @@ def _check(condition: bool, name: str, message: str) -> None:
         raise ValueError(f"{name}: {message}")
 
 
+_MAX_INT = 2**63 - 1  # what a message can carry to a child process
+_TYPE_NAMES = {"int": "an integer", "float": "a number", "bool": "True or False", "str": "a string"}
+
+
+def _check_types(config: Any, prefix: str = "") -> None:
+    """Every field of the dataclass ``config`` holds a value of its declared
+    type (its annotation: ``int``, ``float``, ``bool``, ``str``, each maybe
+    ``| None``, a ``Literal`` or a nested config), and integers fit in 64
+    bits: ``ValueError`` naming the field otherwise, before any check of a
+    range could fail with a ``TypeError`` or pass a value no child process
+    could decode."""
+    for f in dataclasses.fields(config):
+        value, name = getattr(config, f.name), prefix + f.name
+        kinds = [k.strip() for k in str(f.type).split("|")]
+        if value is None and "None" in kinds:
+            continue
+        if kinds[0].startswith("Literal"):
+            continue  # its own check names the values
+        if kinds[0] == "FakeRunnerConfig":
+            _check(isinstance(value, FakeRunnerConfig), name, "must be a FakeRunnerConfig")
+            continue
+        kind = kinds[0]
+        ok = {
+            "int": isinstance(value, int) and not isinstance(value, bool),
+            "float": isinstance(value, int | float) and not isinstance(value, bool),
+            "bool": isinstance(value, bool),
+            "str": isinstance(value, str),
+        }[kind]
+        if not ok:  # (the message only now: the repr of an enormous integer fails)
+            raise ValueError(f"{name}: must be {_TYPE_NAMES[kind]} (got {type(value).__name__} {value!r:.40})")
+        if isinstance(value, int):  # an int where a float goes too
+            _check(
+                -_MAX_INT <= value <= _MAX_INT,
+                name,
+                f"must be at most {_MAX_INT} (got a {value.bit_length()}-bit number)",
+            )
+
+
 @dataclass(frozen=True, kw_only=True)
 class FakeRunnerConfig:
     """Behaviour of the torch-free fake runner (``EngineConfig.runner == "fake"``).
@@ -88,6 +126,7 @@ class FakeRunnerConfig:
     fault_rank: int = 0  # which worker rank the faults apply to
 
     def __post_init__(self) -> None:
+        _check_types(self, "fake.")
         _check(self.vocab_size is None or self.vocab_size >= 4, "fake.vocab_size", "must be at least 4")
         _check(self.max_model_len >= 2, "fake.max_model_len", "must be at least 2")
         _check(self.num_kv_blocks >= 1, "fake.num_kv_blocks", "must be at least 1")
@@ -212,7 +251,10 @@ class EngineConfig:
     fake: FakeRunnerConfig = field(default_factory=FakeRunnerConfig)
 
     def __post_init__(self) -> None:
-        _check(isinstance(self.model, str) and self.model != "", "model", "must be a directory path")
+        if isinstance(self.model, os.PathLike):
+            object.__setattr__(self, "model", os.fspath(self.model))  # a pathlib.Path is a directory path too
+        _check_types(self)
+        _check(self.model != "", "model", "must be a directory path")
         _check(self.runner in ("hf", "fake"), "runner", "must be 'hf' or 'fake'")
         _check(self.device in ("auto", "cpu", "cuda"), "device", "must be 'auto', 'cpu' or 'cuda'")
         _check(
