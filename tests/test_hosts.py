@@ -165,6 +165,27 @@ def test_keys_are_written_private_and_looser_permissions_are_refused(tmp_path, c
         load_keys(directory)
 
 
+def test_keys_go_only_into_a_new_or_private_directory_which_is_never_chmod_ed(tmp_path, capsys, monkeypatch):
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    os.chmod(shared, 0o1777)
+    (tmp_path / "file").touch()
+    monkeypatch.chdir(tmp_path)
+    for directory, why in [
+        ("", "give a directory"),  # `trioserve keys "$UNSET"`: not the current directory
+        (str(shared), "has mode 1777"),
+        (str(tmp_path / "file"), "is not a directory"),
+        ("/proc/no/such", "cannot create /proc/no/such"),
+    ]:
+        assert main(["keys", directory]) == EXIT_USAGE
+        assert why in capsys.readouterr().err
+    assert stat.S_IMODE(shared.stat().st_mode) == 0o1777 and sorted(os.listdir(tmp_path)) == ["file", "shared"]
+    private = tmp_path / "private"
+    private.mkdir(mode=0o700)
+    assert main(["keys", str(private)]) == 0
+    load_keys(private)
+
+
 def test_tcp_without_keys_is_refused_unless_insecure_tcp_says_so(fake_config, tiny_model_dir, capsys):
     with pytest.raises(ValueError, match="curve_keys_dir"):
         fake_config(data_parallel_size=2, data_parallel_size_local=1, data_parallel_rpc_port=free_port())

@@ -73,14 +73,27 @@ class CurveKeys:
 
 
 def write_keys(directory: str | os.PathLike[str]) -> CurveKeys:
-    """Write a new key pair into ``directory`` (created 0700 if missing);
-    refuses to overwrite one that is there."""
+    """Write a new key pair into ``directory``: a new one (created 0700), or
+    an existing private one (0700). ``ValueError`` naming the path when it
+    is empty, not a directory, open to others (it is never chmod-ed: it may
+    be a shared one, such as the current directory), cannot be created, or
+    already holds a key pair (never overwritten)."""
+    if os.fspath(directory) == "":
+        raise ValueError("keys: give a directory to write the key pair in")
     path = Path(directory)
-    path.mkdir(mode=0o700, parents=True, exist_ok=True)
-    os.chmod(path, 0o700)
     public_file, secret_file = path / f"{KEY_NAME}.key", path / f"{KEY_NAME}.key_secret"
-    if public_file.exists() or secret_file.exists():
-        raise ValueError(f"keys: {path} already holds a key pair; remove it first, or choose another directory")
+    if path.exists():
+        if not path.is_dir():
+            raise ValueError(f"keys: {path} is not a directory")
+        if public_file.exists() or secret_file.exists():
+            raise ValueError(f"keys: {path} already holds a key pair; remove it first, or choose another directory")
+        _check_mode(path, "directory", 0o700)
+    else:
+        try:
+            path.mkdir(mode=0o700, parents=True)
+            os.chmod(path, 0o700)  # whatever the umask
+        except OSError as exc:
+            raise ValueError(f"keys: cannot create {path}: {exc.strerror or exc}") from None
     public, secret = zmq.curve_keypair()
     for file, text in (
         (public_file, f"public-key = {public.decode()}\n"),
