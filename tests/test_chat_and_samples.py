@@ -189,6 +189,22 @@ async def test_chat_carries_on_when_the_engine_core_dies_during_a_reply(fake_con
     assert "died" not in replies[2] and replies[2].strip(), replies
 
 
+async def test_chat_refuses_a_model_without_a_chat_template_before_loading_it(tiny_model_dir, tmp_path):
+    """Found: it loaded the model, then answered every line with the error."""
+    import shutil
+
+    from helpers.fakes import children, make_fake_config
+
+    from trioserve import chat
+
+    model = tmp_path / "plain"
+    shutil.copytree(tiny_model_dir("llama"), model)
+    (model / "chat_template.jinja").unlink()
+    with trio.fail_after(10), pytest.raises(ValueError, match="has no chat template"):
+        await chat.run_chat(make_fake_config(str(model)), SamplingParams(max_tokens=2))
+    assert children() == []  # no engine was started
+
+
 async def test_when_the_engine_dies_under_n_samples_each_counts_as_an_error_not_an_abort(fake_config):
     """Found: the first sample to see the ``EngineDeadError`` ended as
     ``error`` and the parent aborted the others, which the request observers

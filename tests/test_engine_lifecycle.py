@@ -619,3 +619,18 @@ async def test_the_callers_own_exception_group_comes_out_of_open_engine_as_it_wa
                 raise mine
     assert info.value is mine
     assert await wait_no_children() == []
+
+
+async def test_a_stream_runs_once_entering_it_again_is_an_error_not_a_second_request(fake_config):
+    params = SamplingParams(max_tokens=3, ignore_eos=True)
+    with trio.fail_after(60):
+        async with trioserve.open_engine(config=fake_config()) as engine:
+            for stream in (engine.stream([5, 6], params), engine.stream_n([5, 6], params, 2)):
+                async with stream:
+                    async for _ in stream:
+                        pass
+                with pytest.raises(RuntimeError, match="a stream runs once"):
+                    async with stream:
+                        pass
+            stats = await engine.stats()
+            assert stats.num_running == stats.num_waiting == 0 and engine.num_requests_in_flight() == 0

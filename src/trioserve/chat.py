@@ -21,6 +21,7 @@ import trio
 from trioserve.api import Engine, open_engine
 from trioserve.config import EngineConfig
 from trioserve.errors import EngineDeadError, InvalidRequestError, PromptTooLongError, RequestError
+from trioserve.frontend.chat_template import ChatTemplate
 from trioserve.messages import SamplingParams
 
 PROMPT = "> "
@@ -54,7 +55,8 @@ async def run_chat(
 ) -> None:
     """Start an engine and chat until end of input or ``/exit``. If
     cancelled (Ctrl-C), the reply in progress is aborted and the engine
-    stopped."""
+    stopped. A model without a chat template is refused before it loads."""
+    await trio.to_thread.run_sync(_check_chat_template, config.model)
     async with open_engine(config=config) as engine:
         conversation = Conversation(system)
         print(HELP, file=out, flush=True)
@@ -69,6 +71,20 @@ async def run_chat(
                 conversation.ask(line.strip())
                 await _interruptible_reply(engine, conversation, params, out)
     print(file=out, flush=True)
+
+
+def _check_chat_template(model: str) -> None:
+    """``ValueError`` when ``model`` has no chat template (a directory that
+    cannot be read is left to ``open_engine``, which names what is wrong)."""
+    try:
+        template = ChatTemplate.from_dir(model)
+    except (OSError, ValueError):
+        return
+    if template is None:
+        raise ValueError(
+            f"--model: {model} has no chat template (chat_template.jinja, or chat_template in "
+            "tokenizer_config.json), so it cannot chat; `trioserve generate PROMPT` completes text"
+        )
 
 
 async def _read_line() -> str | None:

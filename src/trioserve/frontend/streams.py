@@ -80,7 +80,10 @@ class RequestStream:
 
     async def __aenter__(self) -> RequestStream:
         """Check the prompt, if that is still to do, and submit the request.
-        If cancelled, it was not submitted."""
+        If cancelled, it was not submitted. A stream is entered once (its
+        request runs once): ``RuntimeError`` the second time."""
+        if self._state is not None:
+            raise RuntimeError(f"request {self.request_id!r}: a stream runs once; make a new one with engine.stream()")
         if self._token_ids is None:
             self._token_ids = await self._engine.check_prompt(self._prompt)
         self._state = self._engine.new_state(self.request_id, self._token_ids, self._params, self._client_id)
@@ -158,7 +161,11 @@ class ParentRequestStream:
 
     async def __aenter__(self) -> ParentRequestStream:
         """Check the prompt if still to do, and submit every child. If
-        cancelled, none is left submitted."""
+        cancelled, none is left submitted. Entered once, as ``RequestStream``."""
+        if self._children:
+            raise RuntimeError(
+                f"request {self.request_id!r}: a stream runs once; make a new one with engine.stream_n()"
+            )
         if self._token_ids is None:
             self._token_ids = await self._engine.check_prompt(self._prompt)
         children = []
