@@ -231,6 +231,25 @@ def test_workload_is_a_function_of_its_spec():
     assert parse_range("64") == (64, 64) and parse_range("32-256") == (32, 256)
     with pytest.raises(ValueError, match="length range"):
         parse_range("9-3")
+    with pytest.raises(ValueError, match="--prompt-len: 'abc' is not N or LO-HI"):
+        parse_range("abc", "--prompt-len")
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        (["--json", "/nonexistent/dir/x.json"], "--json: cannot write /nonexistent/dir/x.json"),
+        (["--plot", "/nonexistent/dir/x.png"], "--plot: cannot write /nonexistent/dir/x.png"),
+        (["--url", "http://x"], "--url: 'http://x' is not a WebSocket URL"),
+        (["--url", "ws://127.0.0.1:1"], "--url: cannot reach a trioserve server at ws://127.0.0.1:1: "),
+    ],
+)
+def test_options_that_would_fail_only_after_the_run_fail_before_it_in_one_line(tiny_model_dir, options, message):
+    command = [sys.executable, "-m", "trioserve.bench.cli", "--runner", "fake", "--model", str(tiny_model_dir("llama")),
+               "--baselines", "none", "--num-requests", "2", "--no-progress", *options]  # fmt: skip
+    done = subprocess.run(command, capture_output=True, text=True, timeout=60, check=False)
+    assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr
+    assert f"trioserve: invalid input: {message}" in done.stderr and done.stdout == ""  # nothing ran
 
 
 def _meta(workload: WorkloadSpec) -> dict:

@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
+import os
 import sys
 from pathlib import Path
 from typing import Any
 
 import trio
+from trio_websocket import HandshakeError
 
 from trioserve.bench.drivers import Progress
 from trioserve.bench.models import BENCH_MODELS, REAL_MODELS, resolve_model
@@ -35,6 +38,7 @@ from trioserve.bench.vllm_baseline import run_vllm
 from trioserve.bench.workload import WorkloadSpec, parse_range
 from trioserve.cli_options import add_compile_option, add_parallel_options, add_threads_option
 from trioserve.config import EngineConfig, FakeRunnerConfig
+from trioserve.errors import collapse
 
 DEFAULT_MODEL = "bench-llama-40m"
 
@@ -205,8 +209,8 @@ def _vocab_size(model_dir: Path) -> int:
 def _workload(args: argparse.Namespace, model_dir: Path) -> WorkloadSpec:
     return WorkloadSpec(
         num_requests=args.num_requests,
-        prompt_len=parse_range(args.prompt_len),
-        output_len=parse_range(args.output_len),
+        prompt_len=parse_range(args.prompt_len, "--prompt-len"),
+        output_len=parse_range(args.output_len, "--output-len"),
         vocab_size=_vocab_size(model_dir),
         seed=args.seed,
         concurrency=args.concurrency or None,
@@ -240,10 +244,28 @@ def _describe(spec: WorkloadSpec) -> str:
     )
 
 
+def _check_outputs(args: argparse.Namespace) -> None:
+    """What would fail only after the run (its figures lost) fails now: a
+    ``--json`` or ``--plot`` file that cannot be written, ``--plot`` without
+    matplotlib, a ``--url`` that is not a WebSocket URL."""
+    for option, path in (("--json", args.json), ("--plot", args.plot)):
+        if path:
+            directory = Path(path).parent
+            if not directory.is_dir() or not os.access(directory, os.W_OK):
+                raise ValueError(f"{option}: cannot write {path}: {directory} is not a directory this user can write")
+    if args.plot and importlib.util.find_spec("matplotlib") is None:
+        raise ValueError("--plot needs matplotlib: pip install 'trioserve[bench]' (or matplotlib)")
+    if args.url and not args.url.startswith(("ws://", "wss://")):
+        raise ValueError(
+            f"--url: {args.url!r:.80} is not a WebSocket URL (ws://HOST:PORT, as `trioserve serve` prints)"
+        )
+
+
 def cmd_bench(args: argparse.Namespace) -> int:
     kinds = _baseline_kinds(args.baselines)
     if "vllm" in kinds and not args.vllm_python:
         raise ValueError("baselines: vllm needs --vllm-python PATH (a virtual environment with vLLM)")
+    _check_outputs(args)
     model_dir = resolve_model(args.model)
     config = _engine_config(args, model_dir)
     spec = _workload(args, model_dir)
@@ -251,7 +273,15 @@ def cmd_bench(args: argparse.Namespace) -> int:
     print(f"trioserve bench: {_describe(spec)}", file=sys.stderr)
     peak = run_baseline("peak-gemm", config, spec, args.baseline_timeout) if config.runner == "hf" else None
     if args.url:
-        outcome = trio.run(run_against_server, args.url, args.api_key, spec, progress)
+        try:
+            outcome = trio.run(run_against_server, args.url, args.api_key, spec, progress)
+        except (OSError, HandshakeError, BaseExceptionGroup) as exc:
+            cause = collapse(exc) if isinstance(exc, BaseExceptionGroup) else exc
+            if not isinstance(cause, OSError | HandshakeError):
+                raise
+            underlying = cause.__cause__ or cause.__context__ or cause  # a HandshakeError says nothing itself
+            why = getattr(underlying, "strerror", None) or str(underlying) or type(underlying).__name__
+            raise ValueError(f"--url: cannot reach a trioserve server at {args.url}: {why}") from None
     else:
         outcome = trio.run(run_in_process, config, spec, progress)
     baselines = {}

@@ -21,12 +21,15 @@ from typing import Any
 FIRST_PROMPT_ID = 3
 
 
-def parse_range(text: str) -> tuple[int, int]:
-    """``"64"`` -> (64, 64); ``"32-256"`` -> (32, 256). Raises ``ValueError``."""
+def parse_range(text: str, option: str = "length range") -> tuple[int, int]:
+    """``"64"`` -> (64, 64); ``"32-256"`` -> (32, 256). Raises ``ValueError`` naming ``option``."""
     low, _, high = text.partition("-")
-    lo, hi = int(low), int(high or low)
+    try:
+        lo, hi = int(low), int(high or low)
+    except ValueError:
+        lo = hi = 0
     if not 1 <= lo <= hi:
-        raise ValueError(f"length range {text!r}: want N or LO-HI with 1 <= LO <= HI")
+        raise ValueError(f"{option}: {text!r:.40} is not N or LO-HI with 1 <= LO <= HI")
     return lo, hi
 
 
