@@ -185,3 +185,39 @@ async def _close_code(client: WebSocketConnection) -> int | None:
             await client.get_message()
     except ConnectionClosed as closed:
         return closed.reason.code
+
+
+async def test_a_bad_message_naming_a_request_in_flight_is_refused_without_its_id_and_the_request_carries_on(
+    autojump_clock: Any,
+) -> None:
+    engine, state = FakeEngine(n=6), ServerState()
+    with trio.fail_after(30):
+        async with connection(engine, state, ServerConfig()) as client:
+            await client.send_message(generate())
+            assert json.loads(await client.get_message())["type"] == "delta"
+            await client.send_message(json.dumps({"type": "cancel", "id": "r", "oops": 1}))
+            messages = []
+            while (message := json.loads(await client.get_message()))["type"] != "done":
+                messages.append(message)
+    errors = [m for m in messages if m["type"] == "error"]
+    assert len(errors) == 1 and errors[0]["id"] is None and errors[0]["field"] == "oops"
+    assert errors[0]["message"].startswith("oops: unknown field") and "'r', a request in flight" in errors[0]["message"]
+    assert message["finish_reason"] == "length" and message["usage"]["completion_tokens"] == 6
+
+
+async def test_a_done_after_a_cancel_counts_only_the_tokens_the_client_was_sent(autojump_clock: Any) -> None:
+    """The client reads nothing until its outbox is full and a delta waits for
+    room; then it cancels: that delta is dropped, and not counted."""
+    engine, state = FakeEngine(), ServerState()
+    config = ServerConfig(outbox_size=2, slow_consumer_timeout_s=100.0)
+    with trio.fail_after(60):
+        async with connection(engine, state, config) as client:
+            await client.send_message(generate())
+            await trio.sleep(5.0)  # deltas every 0.125 s: the outbox filled long ago
+            await client.send_message(json.dumps({"type": "cancel", "id": "r"}))
+            tokens = 0
+            while (message := json.loads(await client.get_message()))["type"] == "delta":
+                tokens += len(message["token_ids"])
+    taken = sum(1 for what, _ in engine.log if what == "delta")
+    assert message["finish_reason"] == "abort"
+    assert message["usage"]["completion_tokens"] == tokens < taken  # the last one taken never went out

@@ -389,6 +389,51 @@ async def test_metrics_parse_and_their_counters_move_as_requests_are_served(conf
     assert ("trioserve_num_preemptions_total", engine0) in after
 
 
+def test_preemptions_count_a_restarted_engines_own_even_once_it_has_caught_up():
+    """The engine core counts preemptions since its start. Found: a new life
+    that reached the old one's count before a scrape added only the
+    difference (5 + 5 preemptions were counted as 5)."""
+    from prometheus_client.exposition import generate_latest
+
+    from trioserve.messages import EngineStats
+    from trioserve.server.metrics import ServerMetrics
+
+    metrics = ServerMetrics()
+
+    def scrape(num_restarts: int, num_preemptions: int) -> float:
+        metrics.update_restarts([num_restarts])
+        metrics.update_from_stats(EngineStats(0, 0, 8, 8, num_preemptions, 50))
+        return parse_metrics(generate_latest(metrics.registry))["trioserve_num_preemptions_total", (("engine", "0"),)]
+
+    assert scrape(0, 5) == 5
+    assert scrape(1, 5) == 10  # a new life, 5 of its own
+    assert scrape(1, 7) == 12
+    assert scrape(2, 1) == 13
+
+
+async def test_a_request_refused_as_overloaded_counts_nothing_whatever_its_n(config):
+    """Found: with room for one of its two samples, the refused request's
+    first sample was counted as an abort."""
+    with trio.fail_after(60):
+        cfg = config(max_num_seqs=1, max_waiting_requests=1, step_delay_s=0.01)
+        async with serving(cfg, model_name=MODEL) as server:
+            api = client(server)
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(
+                    functools.partial(run, api.completions.create, model=MODEL, prompt="a", max_tokens=40)
+                )
+                with trio.fail_after(10):
+                    while (await server.engine.stats()).num_running < 1:  # type: ignore[union-attr]
+                        await trio.sleep(0.02)
+                with pytest.raises(openai.InternalServerError, match="retry later"):
+                    await run(api.completions.create, model=MODEL, prompt="b", max_tokens=4, n=2)
+            after = parse_metrics((await run(raw_request, server, "GET", "/metrics"))[2])
+    requests = {reason: after["trioserve_requests_total", (("engine", "0"), ("finish_reason", reason))]
+                for reason in ("length", "abort")}  # fmt: skip
+    assert requests == {"length": 1, "abort": 0}
+    assert after["trioserve_e2e_request_latency_seconds_count", (("engine", "0"),)] == 1
+
+
 async def test_with_two_engines_each_metric_is_each_engines_own(config):
     """Data parallel: every series exists for engine 0 and engine 1 from the
     start, a request counts under the engine it ran on, and the gauges are

@@ -433,6 +433,6 @@ class Engine:
         except BaseException:
             for state in submitted:
                 client.abort(state.request_id)
-                state.ended("abort")
+                state.forget()  # refused, not ended: the request observers (metrics) hear nothing
             raise
         return client

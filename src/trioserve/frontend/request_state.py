@@ -101,6 +101,11 @@ class RequestState:
             self._inter_token_s.extend([gap] * num_tokens)
         self._last_output_at = now
 
+    def forget(self) -> None:
+        """The request was refused before it ran (a sibling sample could not
+        be submitted): the observer is never told, as for any refused request."""
+        self._on_end = None
+
     def ended(self, finish_reason: str) -> None:
         """Tell the observer (once) that the request ended with ``finish_reason``."""
         if self._on_end is None:

@@ -127,6 +127,10 @@ class Connection:
         try:
             message = protocol.parse_client_message(frame)
         except ProtocolError as exc:
+            if exc.id is not None and exc.id in self._flights:
+                # Not that request's end (it carries on): the error names the id in its text only.
+                note = f" (this message named id {exc.id!r}, a request in flight, which carries on)"
+                return ProtocolError(exc.code, exc.message + note, field=exc.field).to_message()
             return exc.to_message()
         if isinstance(message, Cancel):
             flight = self._flights.get(message.id)
@@ -290,7 +294,6 @@ class Connection:
         async with stream:
             flight.prompt_tokens = stream.num_prompt_tokens
             async for out in stream:
-                flight.completion_tokens = out.num_output_tokens
                 flight.cached_tokens = out.num_cached_tokens or 0
                 if out.text or out.token_ids:
                     delta = Delta(id=request_id, text=out.text, token_ids=out.token_ids, logprobs=out.logprobs)
@@ -301,6 +304,8 @@ class Connection:
                             f"the client read nothing for {self._config.slow_consumer_timeout_s:g}s "
                             "while this request's messages waited; the request was ended",
                         )
+                # Counted once queued: a `done` after a cancel counts only the tokens the client got.
+                flight.completion_tokens = out.num_output_tokens
                 if out.finish_reason is not None:
                     return protocol.done(
                         request_id,

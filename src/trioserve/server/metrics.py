@@ -130,6 +130,7 @@ class ServerMetrics:
             f"{PREFIX}engine_restarts", "Times the engine core was restarted after dying.", labels, registry=r
         )
         self._last_preemptions = [0] * num_engines
+        self._preemptions_life = [0] * num_engines  # the restart count of the life _last_preemptions is from
         self._last_restarts = [0] * num_engines
         for metric in (
             self.prompt_tokens,
@@ -171,7 +172,11 @@ class ServerMetrics:
             self.waiting.labels(engine).set(own.num_waiting)
             used = own.num_total_blocks - own.num_free_blocks
             self.kv_usage.labels(engine).set(used / own.num_total_blocks if own.num_total_blocks else 0.0)
-            # The engine core counts since its start: after a restart, from zero.
+            # The engine core counts since its start: after a restart, from zero. The restart
+            # count (update_restarts, before) tells a new life even when its count has caught up.
+            if self._last_restarts[index] != self._preemptions_life[index]:
+                self._preemptions_life[index] = self._last_restarts[index]
+                self._last_preemptions[index] = 0
             grown = own.num_preemptions - self._last_preemptions[index]
             self.preemptions.labels(engine).inc(grown if grown >= 0 else own.num_preemptions)
             self._last_preemptions[index] = own.num_preemptions
