@@ -205,6 +205,19 @@ async def test_chat_refuses_a_model_without_a_chat_template_before_loading_it(ti
     assert children() == []  # no engine was started
 
 
+async def test_chat_whose_engine_is_out_of_restarts_exits_4_in_one_line(tiny_model_dir):
+    """The engine's death leaves the chat's own nursery as an exception group:
+    the command line takes it apart (it printed a group's traceback, exit 1)."""
+    import sys
+
+    argv = [sys.executable, "-m", "trioserve.cli", "chat", "--model", str(tiny_model_dir("llama")),
+            "--runner", "fake", "--fake-options", '{"die_at_step": 1}', "--max-restarts", "0"]  # fmt: skip
+    with trio.fail_after(60):
+        done = await trio.run_process(argv, stdin=b"hi\nthere\n", capture_stdout=True, capture_stderr=True, check=False)
+    err = done.stderr.decode()
+    assert done.returncode == 4 and "the engine died and was not recovered" in err and "Traceback" not in err, err
+
+
 async def test_when_the_engine_dies_under_n_samples_each_counts_as_an_error_not_an_abort(fake_config):
     """Found: the first sample to see the ``EngineDeadError`` ended as
     ``error`` and the parent aborted the others, which the request observers

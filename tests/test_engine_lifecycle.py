@@ -634,3 +634,19 @@ async def test_a_stream_runs_once_entering_it_again_is_an_error_not_a_second_req
                         pass
             stats = await engine.stats()
             assert stats.num_running == stats.num_waiting == 0 and engine.num_requests_in_flight() == 0
+
+
+async def test_a_stream_refused_as_overloaded_may_be_entered_again_once_there_is_room(fake_config):
+    params = SamplingParams(max_tokens=20, ignore_eos=True)
+    with trio.fail_after(60):
+        config = fake_config(max_num_seqs=1, max_waiting_requests=0, step_delay_s=0.01)
+        async with trioserve.open_engine(config=config) as engine:
+            later = engine.stream([7, 8], SamplingParams(max_tokens=3, ignore_eos=True))
+            async with engine.stream([5, 6], params) as first:
+                with pytest.raises(trioserve.EngineOverloadedError):
+                    async with later:
+                        pass
+                async for _ in first:
+                    pass
+            async with later:
+                assert [t for out in [o async for o in later] for t in out.token_ids] == fake_tokens([7, 8], 3)

@@ -271,4 +271,7 @@ def test_logprobs_give_each_tokens_own_bytes_offsets_by_character_and_leave_out_
     assert content[1]["top_logprobs"][0]["bytes"] == [0xF0] and content[1]["top_logprobs"][1]["token"] == "z"
     legacy = completion_logprobs(ids, logprobs, tokenizer, offset=10)
     assert legacy["text_offset"] == [10, 11, 11, 11, 11, 12]  # each piece at its character's start
+    # Streamed, the emoji cut between two chunks: the second chunk's text starts with the emoji.
+    second = completion_logprobs(ids[3:], logprobs[3:], tokenizer, offset=11, earlier=ids[:3])
+    assert second["text_offset"] == [11, 11, 12]
     assert len(legacy["tokens"]) == len(legacy["token_logprobs"]) == len(legacy["top_logprobs"]) == 6

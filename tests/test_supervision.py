@@ -408,3 +408,5 @@ async def test_a_worker_that_dies_while_the_front_end_stops_leaves_one_line_not_
         assert "trioserve: RequestError: the request failed: engine-core-0 died" in stderr, stderr
         assert "Traceback" not in stderr, stderr
         assert "trioserve-engine-core (pid " in stderr and "exited with code 3 during step 5" in stderr, stderr
+    code, stderr, left = await trio.to_thread.run_sync(run_cli, [*argv, "--max-restarts", "0"], 60)
+    assert code == 4 and left == [] and "the engine died and was not recovered" in stderr, stderr

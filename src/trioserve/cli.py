@@ -299,8 +299,10 @@ async def _generate(config: EngineConfig, prompt: str, params: SamplingParams) -
                     sys.stdout.flush()
                     final = out
         except EngineDeadError as exc:
-            if engine.health == "failed":
-                raise  # out of restarts: exit 4
+            # The supervisor decides once the engine core has exited (well within a second of its
+            # death): out of restarts, the engine fails for good (exit 4); else only this request did.
+            with trio.move_on_after(1.0):
+                raise await engine.wait_failed() from None
             raise RequestError(f"the request failed: {exc}") from None
         elapsed = time.perf_counter() - started
     sys.stdout.write("\n")
@@ -696,7 +698,10 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
     os.environ.setdefault("TRIOSERVE_LOG_LEVEL", args.log_level.upper())
     try:
-        code: int = args.func(args)
+        try:
+            code: int = args.func(args)
+        except BaseExceptionGroup as group:  # from the commands' own nurseries (chat's, bench's)
+            raise collapse(group) from None
         return code
     except ValueError as exc:
         print(f"trioserve: invalid input: {exc}", file=sys.stderr)

@@ -86,8 +86,9 @@ class RequestStream:
             raise RuntimeError(f"request {self.request_id!r}: a stream runs once; make a new one with engine.stream()")
         if self._token_ids is None:
             self._token_ids = await self._engine.check_prompt(self._prompt)
-        self._state = self._engine.new_state(self.request_id, self._token_ids, self._params, self._client_id)
-        self._client = await self._engine.submit([self._state], self._target)
+        state = self._engine.new_state(self.request_id, self._token_ids, self._params, self._client_id)
+        self._client = await self._engine.submit([state], self._target)
+        self._state = state  # once submitted: a refused stream may be entered again
         return self
 
     async def __aexit__(

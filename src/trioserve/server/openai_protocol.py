@@ -15,6 +15,7 @@ from __future__ import annotations
 import re
 import secrets
 import time
+from collections.abc import Sequence
 from typing import Any, Literal
 
 import msgspec
@@ -328,14 +329,19 @@ def _text(tokenizer: Tokenizer, token_id: int) -> str:
 
 
 def completion_logprobs(
-    token_ids: list[int], logprobs: list[SampleLogprobs], tokenizer: Tokenizer, offset: int
+    token_ids: list[int],
+    logprobs: list[SampleLogprobs],
+    tokenizer: Tokenizer,
+    offset: int,
+    earlier: Sequence[int] = (),
 ) -> dict[str, Any]:
     """The legacy completions ``logprobs`` object for these tokens, whose
-    text starts ``offset`` characters into the choice's text. A token's
-    offset is where the character holding its first byte starts (a
-    character's bytes may be spread over several tokens)."""
+    text starts ``offset`` characters into the choice's text; ``earlier``
+    are the choice's tokens before them (a stream's earlier chunks). A
+    token's offset is where the character holding its first byte starts (a
+    character's bytes may be spread over several tokens, and chunks)."""
     content = _content(token_ids, logprobs, tokenizer)
-    offsets, before = [], b""
+    offsets, before = [], _open_character(earlier, tokenizer)
     for token_id, _ in content:
         offsets.append(offset + len(before.decode(errors="ignore")))  # whole characters before it
         before += tokenizer.token_bytes(token_id)
@@ -348,6 +354,19 @@ def completion_logprobs(
         ],
         "text_offset": offsets,
     }
+
+
+def _open_character(token_ids: Sequence[int], tokenizer: Tokenizer) -> bytes:
+    """The bytes at the end of ``token_ids`` of a character they leave
+    unfinished (b"" when they end on a whole one). A UTF-8 character is at
+    most 4 bytes, so the last 4 tokens hold any such bytes."""
+    tail = b"".join(tokenizer.token_bytes(t) for t in token_ids[-4:] if t not in tokenizer.all_special_ids)
+    for back in range(1, min(4, len(tail)) + 1):
+        lead = tail[-back]
+        if lead & 0xC0 != 0x80:  # not a continuation byte: the last character starts here
+            size = 1 if lead < 0x80 else 2 if lead >> 5 == 0b110 else 3 if lead >> 4 == 0b1110 else 4
+            return tail[-back:] if size > back else b""
+    return b""
 
 
 def chat_logprobs(token_ids: list[int], logprobs: list[SampleLogprobs], tokenizer: Tokenizer) -> dict[str, Any]:

@@ -67,12 +67,14 @@ class EventFormat:
     def _envelope(self, obj: str, choices: list[dict[str, Any]]) -> dict[str, Any]:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model, "choices": choices}
 
-    def _logprobs(self, token_ids: list[int], logprobs: list[SampleLogprobs] | None, offset: int) -> Any:
+    def _logprobs(
+        self, token_ids: list[int], logprobs: list[SampleLogprobs] | None, offset: int, earlier: list[int]
+    ) -> Any:
         if logprobs is None:
             return None
         if self.kind == "chat":
             return oai.chat_logprobs(token_ids, logprobs, self.tokenizer)
-        return oai.completion_logprobs(token_ids, logprobs, self.tokenizer, offset)
+        return oai.completion_logprobs(token_ids, logprobs, self.tokenizer, offset, earlier)
 
     def response(self, choices: Choices, prompt_tokens: int) -> dict[str, Any]:
         """The whole (non-streamed) response."""
@@ -80,7 +82,7 @@ class EventFormat:
         for index, c in enumerate(choices.items):
             item: dict[str, Any] = {
                 "index": index,
-                "logprobs": self._logprobs(c.token_ids, c.logprobs, 0),
+                "logprobs": self._logprobs(c.token_ids, c.logprobs, 0, []),
                 "finish_reason": _finish(c.finish_reason),
             }
             if self.kind == "chat":
@@ -104,7 +106,8 @@ class EventFormat:
         """The chunk for one delta of one sample."""
         choice = choices.items[out.index]
         offset = len(choice.text) - len(out.text)
-        logprobs = self._logprobs(out.token_ids, out.logprobs, offset)
+        earlier = choice.token_ids[: len(choice.token_ids) - len(out.token_ids)]  # (added already)
+        logprobs = self._logprobs(out.token_ids, out.logprobs, offset, earlier)
         delta: Any = {"content": out.text} if self.kind == "chat" else out.text
         return self._chunk(out.index, delta, logprobs, _finish(out.finish_reason), include_usage)
 
