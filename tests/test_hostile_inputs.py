@@ -11,6 +11,7 @@ import os
 import socket
 import subprocess
 import sys
+import threading
 import time
 
 import psutil
@@ -24,6 +25,7 @@ from test_server import Received, collect, expect_error, generate, in_thread, op
 from trioserve import SamplingParams
 from trioserve.errors import InvalidRequestError, PromptTooLongError
 from trioserve.frontend.prompt import PromptChecker
+from trioserve.frontend.tokenizer import Tokenizer
 from trioserve.messages import EngineInfo, ModelInfo
 
 HUGE = 18446744073709551616  # 2**64: msgpack cannot carry it
@@ -107,6 +109,49 @@ async def test_a_prompt_too_long_for_the_context_is_refused_before_it_is_tokeniz
     assert prompts.tokenizer.chars_encoded == 5000  # type: ignore[attr-defined]
     with pytest.raises(InvalidRequestError, match=r"^prompt: invalid string"):
         prompts.check("a\ud800b")
+
+
+async def test_requests_cancelled_while_tokenizing_never_run_more_than_the_engines_share_of_threads():
+    """Found: the limiter was given back as soon as a request was cancelled,
+    while its abandoned thread still tokenized: ten cancelled requests ran
+    ten encodes at once (the limit is TOKENIZE_THREADS)."""
+    from trioserve.frontend.prompt import TOKENIZE_THREADS
+
+    prompts = checker(max_model_len=8192)
+    lock, running = threading.Lock(), [0, 0]  # now, most at once
+
+    def slow_encode(text: str) -> list[int]:
+        with lock:
+            running[0] += 1
+            running[1] = max(running[1], running[0])
+        time.sleep(0.3)
+        with lock:
+            running[0] -= 1
+        return [1] * len(text)
+
+    prompts.tokenizer.encode = slow_encode  # type: ignore[method-assign]
+    with trio.fail_after(30):
+        for _ in range(10):
+            with trio.move_on_after(0.02):
+                await prompts.check_async("x" * 5000)
+        while running[0]:
+            await trio.sleep(0.05)
+    assert running[1] == TOKENIZE_THREADS
+
+
+def test_a_long_text_is_encoded_with_the_gil_released_into_the_same_ids(tiny_model_dir):
+    """Above GIL_FREE_ENCODE_CHARS the tokenizer uses encode_batch, which lets
+    the event loop's thread run while a worker thread tokenizes; the ids are
+    those encode gives."""
+    from trioserve.frontend.tokenizer import GIL_FREE_ENCODE_CHARS
+
+    tokenizer = Tokenizer.from_dir(tiny_model_dir("llama"))
+    text = ("Hello wörld 你好 🎉 <s> " * 1000)[: GIL_FREE_ENCODE_CHARS * 3]
+    assert len(text) > GIL_FREE_ENCODE_CHARS
+    for special in (True, False):
+        assert tokenizer.encode(text, add_special_tokens=special) == (
+            tokenizer._backend.encode(text, add_special_tokens=special).ids
+        )
 
 
 async def test_a_flood_of_mebibyte_prompts_is_refused_at_once_and_costs_the_front_end_no_memory(fake_config):

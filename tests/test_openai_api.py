@@ -219,6 +219,7 @@ BAD_REQUESTS = [
     # (path, body, status, param, code)
     ("/v1/completions", b'{"model": "tiny-llama", "prompt": "x"', 400, None, "invalid_json"),
     ("/v1/completions", b"[1, 2]", 400, None, "invalid_json"),
+    ("/v1/completions", b'{"model": "tiny-llama", "prompt": "x", "a`b": 1}', 400, "a`b", "unknown_field"),
     ("/v1/completions", b'{"model": "tiny-llama", "prompt": "x", "bogus": 1}', 400, "bogus", "unknown_field"),
     (
         "/v1/chat/completions",

@@ -23,12 +23,13 @@ import trio
 
 from trioserve.errors import InvalidRequestError, PromptTooLongError
 from trioserve.frontend.chat_template import TemplatedText
-from trioserve.frontend.tokenizer import Tokenizer
+from trioserve.frontend.tokenizer import GIL_FREE_ENCODE_CHARS, Tokenizer
 from trioserve.messages import EngineInfo, is_plain_int, is_valid_text, short_repr
 
 Prompt = str | Sequence[int]
 
-SYNC_TOKENIZE_CHARS = 4096  # longer texts are tokenized in a worker thread
+# Longer texts are tokenized in a worker thread, where the tokenizer releases the GIL for them.
+SYNC_TOKENIZE_CHARS = GIL_FREE_ENCODE_CHARS
 TOKENIZE_THREADS = 2  # tokenizing threads per engine at once
 
 
@@ -60,8 +61,11 @@ class PromptChecker:
         cancelled, the thread's result is dropped when it ends."""
         if isinstance(prompt, str) and self.needs_thread(prompt):
             self._check_text(prompt)
-            async with self._threads:
-                token_ids = await trio.to_thread.run_sync(self._encode, prompt, abandon_on_cancel=True)
+            # The limiter is held until the thread ends, even when this is cancelled and
+            # abandons it: never more than TOKENIZE_THREADS encodes at once per engine.
+            token_ids = await trio.to_thread.run_sync(
+                self._encode, prompt, abandon_on_cancel=True, limiter=self._threads
+            )
             return self._fit(token_ids)
         return self.check(prompt)
 

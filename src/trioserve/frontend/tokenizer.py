@@ -42,6 +42,7 @@ TOKENIZER_FILE = "tokenizer.json"
 TOKENIZER_CONFIG_FILE = "tokenizer_config.json"
 GENERATION_CONFIG_FILE = "generation_config.json"
 MODEL_CONFIG_FILE = "config.json"
+GIL_FREE_ENCODE_CHARS = 4096  # longer texts are encoded with the GIL released (Tokenizer.encode)
 _BYTE_OF_CHAR = byte_of_char()
 _BYTE_FALLBACK = re.compile(r"<0x([0-9A-Fa-f]{2})>")  # a byte-fallback token's vocabulary entry
 _METASPACE = "\u2581"  # "▁"
@@ -119,7 +120,11 @@ class Tokenizer:
         """The token ids of ``text``, with the special tokens (such as BOS)
         that tokenizer.json's post-processor puts around a prompt unless
         ``add_special_tokens`` is False. Special tokens written in ``text``
-        (``"<s>"``) become their ids."""
+        (``"<s>"``) become their ids. A long text is encoded with the GIL
+        released (``encode_batch``: ``encode`` holds it throughout, so a
+        worker thread tokenizing would stop the event loop's thread)."""
+        if len(text) > GIL_FREE_ENCODE_CHARS:
+            return self._backend.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
         return self._backend.encode(text, add_special_tokens=add_special_tokens).ids
 
     def decode(self, ids: Sequence[int], *, skip_special_tokens: bool = True) -> str:

@@ -134,8 +134,9 @@ class ChatCompletionRequest(_Sampling, kw_only=True):
 
 
 _AT_PATH = re.compile(r"^(?P<message>.*) - at `\$(?P<path>[^`]*)`$", re.S)
-_UNKNOWN = re.compile(r"^Object contains unknown field `(?P<name>[^`]*)`$")
-_MISSING = re.compile(r"^Object missing required field `(?P<name>[^`]*)`$")
+# A client's key may hold backticks itself: the name runs to the last one.
+_UNKNOWN = re.compile(r"^Object contains unknown field `(?P<name>.*)`$", re.S)
+_MISSING = re.compile(r"^Object missing required field `(?P<name>.*)`$", re.S)
 
 
 def decode_body(body: bytes, kind: type[msgspec.Struct]) -> Any:
@@ -166,9 +167,9 @@ def _validation_error(text: str) -> OpenAIError:
         return invalid(_join(path, match["name"]), "missing", code="missing_field")
     if not path:
         return OpenAIError(
-            400, f"the body must be a JSON object: {message[0].lower()}{message[1:]}", code="invalid_json"
+            400, f"the body must be a JSON object: {message[0].lower()}{message[1:200]}", code="invalid_json"
         )
-    return invalid(path, message[0].lower() + message[1:], code="invalid_type")
+    return invalid(path, message[0].lower() + message[1:200], code="invalid_type")
 
 
 def _join(path: str, name: str) -> str:
