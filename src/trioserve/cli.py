@@ -554,10 +554,7 @@ def cmd_headless(args: argparse.Namespace) -> int:
         handshake_timeout_s=args.startup_timeout,
         shutdown_grace_s=min(5.0, args.shutdown_grace),
     )
-    try:
-        trio.run(_run_headless, config)
-    except BaseExceptionGroup as group:
-        raise collapse(group) from None
+    trio.run(_run_headless, config)  # (main() takes exception groups apart)
     print("trioserve: stopped", file=sys.stderr)
     return EXIT_OK
 

@@ -458,12 +458,17 @@ class DeathReport:
         return unsent
 
 
+def ipc_directory(address: str) -> str | None:
+    """The directory of an ``ipc://`` address (None for TCP)."""
+    return os.path.dirname(address.removeprefix("ipc://")) if address.startswith("ipc://") else None
+
+
 async def engine_core_main() -> None:
     engine_index = int(os.environ.get(ENGINE_INDEX_ENV, "0"))
     handshake_address = os.environ[HANDSHAKE_ADDRESS_ENV]
-    if handshake_address.startswith("ipc://"):
+    if (front_end_dir := ipc_directory(handshake_address)) is not None:
         # The front-end's private directory: if the front-end dies (kill -9), nobody else removes it.
-        remove_if_parent_dies(os.path.dirname(handshake_address.removeprefix("ipc://")))
+        remove_if_parent_dies(front_end_dir)
     if PRIVATE_DIR_ENV in os.environ:  # the headless process's, likewise
         remove_if_parent_dies(os.environ[PRIVATE_DIR_ENV])
     handshake = TrioZmqSocket.connect(zmq.DEALER, handshake_address, linger=1000, **socket_options(handshake_address))
@@ -482,10 +487,10 @@ async def engine_core_main() -> None:
             # Nothing goes there (no ranks to meet): gone now, a kill -9 of the whole tree cannot leave it.
             with contextlib.suppress(OSError):
                 os.rmdir(os.environ.pop(PRIVATE_DIR_ENV))
-        if init.frontends is not None and init.frontends.input_address.startswith("ipc://"):
-            # The API servers' directory (the supervising process's, which made it before any API
-            # server, the other ones to remove it after its kill -9, was started).
-            remove_if_parent_dies(os.path.dirname(init.frontends.input_address.removeprefix("ipc://")))
+        if init.frontends is not None and (api_servers_dir := ipc_directory(init.frontends.input_address)):
+            # The API servers' directory, the supervising process's: after its kill -9 while the engines
+            # load, no API server exists yet to remove it.
+            remove_if_parent_dies(api_servers_dir)
         outbox_send, outbox_receive = trio.open_memory_channel[EngineResponse](OUTBOX_SIZE)
         death = DeathReport(outbox_send)
         api_servers = ApiServers(engine_index) if init.frontends is not None else None
@@ -521,11 +526,7 @@ async def _serve(
     async with trio.open_nursery() as nursery:
         in_flight: deque[Step] = deque()
         address = os.environ[HANDSHAKE_ADDRESS_ENV]
-        private_dir = (
-            os.path.dirname(address.removeprefix("ipc://"))
-            if address.startswith("ipc://")
-            else os.environ.get(PRIVATE_DIR_ENV)
-        )
+        private_dir = ipc_directory(address) or os.environ.get(PRIVATE_DIR_ENV)
         executor = Executor(
             config,
             in_flight,

@@ -357,11 +357,15 @@ def completion_logprobs(
     }
 
 
+OPEN_CHARACTER_TOKENS = 4  # a UTF-8 character is at most 4 bytes: so many tokens hold any unfinished one
+
+
 def _open_character(token_ids: Sequence[int], tokenizer: Tokenizer) -> bytes:
     """The bytes at the end of ``token_ids`` of a character they leave
-    unfinished (b"" when they end on a whole one). A UTF-8 character is at
-    most 4 bytes, so the last 4 tokens hold any such bytes."""
-    tail = b"".join(tokenizer.token_bytes(t) for t in token_ids[-4:] if t not in tokenizer.all_special_ids)
+    unfinished (b"" when they end on a whole one); only the last
+    ``OPEN_CHARACTER_TOKENS`` tokens are looked at."""
+    last = token_ids[-OPEN_CHARACTER_TOKENS:]
+    tail = b"".join(tokenizer.token_bytes(t) for t in last if t not in tokenizer.all_special_ids)
     for back in range(1, min(4, len(tail)) + 1):
         lead = tail[-back]
         if lead & 0xC0 != 0x80:  # not a continuation byte: the last character starts here

@@ -106,7 +106,9 @@ class EventFormat:
         """The chunk for one delta of one sample."""
         choice = choices.items[out.index]
         offset = len(choice.text) - len(out.text)
-        earlier = choice.token_ids[: len(choice.token_ids) - len(out.token_ids)]  # (added already)
+        start = len(choice.token_ids) - len(out.token_ids)  # (added already)
+        # The few tokens before this chunk: enough for a character it finishes (not a copy of all of them).
+        earlier = choice.token_ids[max(0, start - oai.OPEN_CHARACTER_TOKENS) : start]
         logprobs = self._logprobs(out.token_ids, out.logprobs, offset, earlier)
         delta: Any = {"content": out.text} if self.kind == "chat" else out.text
         return self._chunk(out.index, delta, logprobs, _finish(out.finish_reason), include_usage)
