@@ -202,6 +202,22 @@ def test_api_server_count_below_1_is_a_usage_error(count, tiny_model_dir):
     assert main(["serve", "--model", model, "--runner", "fake", "--api-server-count", count]) == EXIT_USAGE
 
 
+@pytest.mark.parametrize("count", ["1", "2"])
+def test_a_port_in_use_is_named_in_one_line_and_exit_1(count, tiny_model_dir, capsys):
+    import socket
+
+    from trioserve.cli import EXIT_ERROR, main
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = str(taken.getsockname()[1])
+        options = ["--runner", "fake", "--api-server-count", count, "--port", port, "--startup-timeout", "30"]
+        assert main(["serve", "--model", str(tiny_model_dir("llama")), *options]) == EXIT_ERROR
+    err = capsys.readouterr().err
+    assert f"trioserve: cannot listen on 127.0.0.1:{port}:" in err and "Traceback" not in err, err
+
+
 def engine_cores(pid: int) -> list[int]:
     """The engine-core processes under the supervising process ``pid``."""
     return [

@@ -606,12 +606,13 @@ def cmd_api_servers(args: argparse.Namespace) -> int:
     servers = ApiServers(_engine_config(args), _server_config(args), args.api_server_count)
     raise_fd_limit(fds_needed(servers.server_config.max_connections))  # inherited by the API servers
     try:
-        trio.run(_serve_api_servers, servers)
+        try:
+            trio.run(_serve_api_servers, servers)
+        except BaseExceptionGroup as group:  # the listening socket is opened in a nursery
+            raise collapse(group) from None
     except OSError as exc:  # the address is taken, or not ours
         print(f"trioserve: cannot listen on {args.host}:{args.port}: {exc.strerror or exc}", file=sys.stderr)
         return EXIT_ERROR
-    except BaseExceptionGroup as group:
-        raise collapse(group) from None
     print("trioserve: stopped", file=sys.stderr)
     return EXIT_OK
 
