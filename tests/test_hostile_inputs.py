@@ -7,6 +7,7 @@ test_server_listener.py.)"""
 from __future__ import annotations
 
 import json
+import logging
 import os
 import socket
 import subprocess
@@ -88,6 +89,7 @@ def checker(max_model_len: int = 2048) -> PromptChecker:
     class CountingTokenizer(Tokenizer):
         def __init__(self) -> None:
             self.max_token_chars = 16
+            self.vocab_size = 259
             self.chars_encoded = 0
 
         def encode(self, text: str) -> list[int]:
@@ -152,6 +154,26 @@ def test_a_long_text_is_encoded_with_the_gil_released_into_the_same_ids(tiny_mod
         assert tokenizer.encode(text, add_special_tokens=special) == (
             tokenizer._backend.encode(text, add_special_tokens=special).ids
         )
+
+
+async def test_a_text_encoding_to_ids_beyond_the_models_vocabulary_is_refused_naming_it(tiny_model_dir, caplog):
+    """Found: a tokenizer larger than its model's embedding (a packaging
+    mistake) let any client's text reach the worker with ids it cannot
+    take; the worker died, with every request beside it, and a few such
+    requests used up the restarts."""
+    tokenizer = Tokenizer.from_dir(tiny_model_dir("llama"))
+    assert tokenizer.vocab_size == 259
+    info = EngineInfo(ModelInfo(100, 8192, [2]), 1024, 16, 8192, 1, [2])
+    with caplog.at_level(logging.WARNING, logger="trioserve.prompt"):
+        prompts = PromptChecker(tokenizer, info)
+    assert "the tokenizer has 259 entries but the model's vocabulary has 100" in caplog.text
+    low = max(tokenizer.encode("\x01\x02", add_special_tokens=False))
+    assert low < 100 and prompts.check("\x01\x02")  # ids the model has pass
+    assert max(tokenizer.encode("hi")) >= 100
+    with pytest.raises(InvalidRequestError, match=r"^prompt: the text encodes to token id \d+, outside this model's "):
+        prompts.check("hi")
+    with pytest.raises(InvalidRequestError, match=r"outside this model's vocabulary of 100"):
+        await prompts.check_async("hi " * 5000)  # tokenized in a thread
 
 
 async def test_a_flood_of_mebibyte_prompts_is_refused_at_once_and_costs_the_front_end_no_memory(fake_config):

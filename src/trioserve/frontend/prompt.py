@@ -16,6 +16,7 @@ Errors are ``InvalidRequestError`` (a ``ValueError``) naming the field
 
 from __future__ import annotations
 
+import logging
 import sys
 from collections.abc import Sequence
 
@@ -25,6 +26,8 @@ from trioserve.errors import InvalidRequestError, PromptTooLongError
 from trioserve.frontend.chat_template import TemplatedText
 from trioserve.frontend.tokenizer import GIL_FREE_ENCODE_CHARS, Tokenizer
 from trioserve.messages import EngineInfo, is_plain_int, is_valid_text, short_repr
+
+log = logging.getLogger("trioserve.prompt")
 
 Prompt = str | Sequence[int]
 
@@ -44,6 +47,16 @@ class PromptChecker:
         # for at most max_token_chars characters of text.
         self.max_chars = info.max_model_len * max(1, tokenizer.max_token_chars)
         self._threads = trio.CapacityLimiter(TOKENIZE_THREADS)
+        # A tokenizer with more entries than the model's embedding (a packaging mistake) can
+        # encode text to ids the model cannot take: those are checked for here.
+        self._ids_may_overflow = tokenizer.vocab_size > info.vocab_size
+        if self._ids_may_overflow:
+            log.warning(
+                "the tokenizer has %d entries but the model's vocabulary has %d: a text that encodes to a larger id "
+                "is refused",
+                tokenizer.vocab_size,
+                info.vocab_size,
+            )
 
     def needs_thread(self, prompt: Prompt) -> bool:
         """True for a text long enough to be tokenized off the Trio thread."""
@@ -84,8 +97,16 @@ class PromptChecker:
     def _encode(self, text: str) -> list[int]:
         self._check_text(text)
         if isinstance(text, TemplatedText):  # a chat template's text holds its special tokens already
-            return self.tokenizer.encode(text, add_special_tokens=False)
-        return self.tokenizer.encode(text)
+            token_ids = self.tokenizer.encode(text, add_special_tokens=False)
+        else:
+            token_ids = self.tokenizer.encode(text)
+        if self._ids_may_overflow and token_ids and (largest := max(token_ids)) >= self.vocab_size:
+            raise InvalidRequestError(
+                "prompt",
+                f"the text encodes to token id {largest}, outside this model's vocabulary of {self.vocab_size} "
+                f"(its tokenizer has {self.tokenizer.vocab_size} entries)",
+            )
+        return token_ids
 
     def _token_ids(self, prompt: object) -> list[int]:
         if not isinstance(prompt, Sequence) or isinstance(prompt, (bytes, bytearray)):
