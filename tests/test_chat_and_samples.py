@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import functools
 import json
+import time
 
 import openai
 import pytest
@@ -72,6 +73,103 @@ def test_a_template_runs_sandboxed_and_its_refusals_name_messages():
         ChatTemplate("{{ messages.__class__.__mro__ }}").render([{"role": "user", "content": "x"}])
     with pytest.raises(InvalidRequestError, match=r"^messages: "):  # and to mutate its inputs
         ChatTemplate("{{ messages.append(1) }}").render([{"role": "user", "content": "x"}])
+
+
+USER = [{"role": "user", "content": "x"}]
+
+
+@pytest.mark.parametrize(
+    "source",
+    ["{{ 1 / 0 }}", "{{ range(10**9) | list }}", "{% macro f() %}{{ f() }}{% endmacro %}{{ f() }}",
+     "{{ messages[0].content + 1 }}", "{{ 'x' * 300000000 }}", "{{ [0] * 10**9 }}", "{{ 2 ** (10**9) }}"],
+)  # fmt: skip
+def test_whatever_a_template_raises_or_builds_too_large_is_a_failure_naming_messages(source):
+    """Found: a template that raised anything but a few jinja errors
+    (ZeroDivisionError, OverflowError, RecursionError) got no HTTP response,
+    and ended ``trioserve chat`` with a traceback; ``'x' * 300000000`` built
+    its 300 MB before anything looked at its size."""
+    with pytest.raises(InvalidRequestError, match=r"^messages: the model's chat template failed on them: \S"):
+        ChatTemplate(source).render(USER)
+
+
+def test_a_template_is_stopped_at_its_deadline_and_its_thread_runs_on_unharmed():
+    slow = ChatTemplate("{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}x")
+    started = time.monotonic()
+    with pytest.raises(InvalidRequestError, match=r"^messages: the model's chat template took longer than 0.2 s"):
+        slow.render(USER, timeout_s=0.2)
+    assert time.monotonic() - started < 2
+    # Nothing is left pending for this thread: Python code long after the deadline runs on.
+    assert ChatTemplate("{{ messages[0].content }}").render(USER, timeout_s=0.05) == "x"
+    time.sleep(0.1)
+    assert sum(range(10**6)) == 499999500000
+
+
+def test_a_template_whose_text_outgrows_the_context_is_stopped_there_and_one_rendering_nothing_says_so():
+    from trioserve.errors import PromptTooLongError
+
+    endless = ChatTemplate("{% for i in range(100000) %}{{ 'y' * 1000 }}{% endfor %}")
+    with pytest.raises(PromptTooLongError, match=r"^messages: the model's chat template makes more than 5000 "):
+        endless.render(USER, max_chars=5000)
+    with pytest.raises(InvalidRequestError, match=r"^messages: the model's chat template renders nothing for them"):
+        ChatTemplate("{% if false %}x{% endif %}").render(USER)
+
+
+def test_generation_blocks_and_tojson_options_render_as_transformers_renders_them(tiny_model_dir, tmp_path):
+    """Found: ``{% generation %}`` (chat templates for training) did not
+    compile, so such a model was refused; ``tojson(separators=...)`` failed."""
+    import shutil
+
+    model = tmp_path / "model"
+    shutil.copytree(tiny_model_dir("llama"), model)
+    (model / "chat_template.jinja").write_text(
+        "{% for m in messages %}<{{ m.role }}>{% if m.role == 'assistant' %}{% generation %}"
+        "{{ m.content }}{% endgeneration %}{% else %}{{ m | tojson(separators=(',', ':'), sort_keys=true) }}"
+        "{% endif %}{% endfor %}{{ messages[0] | tojson(indent=2) }}"
+    )
+    template = ChatTemplate.from_dir(model)
+    assert template is not None
+    assert template.render(MESSAGES) == transformers_render(model, MESSAGES)
+
+
+async def test_a_slow_template_holds_up_neither_the_server_nor_other_requests(fake_config, tmp_path, monkeypatch):
+    """Found: templates were rendered on the event loop: one slow render held
+    every connection (``/health`` included) until it ended."""
+    import shutil
+
+    from test_openai_api import raw_request
+    from trioserve.frontend import chat_template
+
+    monkeypatch.setattr(chat_template, "RENDER_TIMEOUT_S", 1.0)
+    model = tmp_path / "model"
+    shutil.copytree(fake_config().model, model)
+    (model / "chat_template.jinja").write_text(
+        "{% if messages[0].content == 'slow' %}{% for i in range(100000) %}{% for j in range(100000) %}"
+        "{% endfor %}{% endfor %}{% endif %}{{ messages[0].content }}"
+    )
+    config = fake_config().replace(model=str(model))
+    with trio.fail_after(60):
+        async with serving(config, model_name="m") as server:
+
+            def chat(content: str) -> tuple[int, dict]:
+                body = {"model": "m", "max_tokens": 3, "messages": [{"role": "user", "content": content}]}
+                status, _, reply = raw_request(server, "POST", "/v1/chat/completions", json.dumps(body).encode())
+                return status, json.loads(reply)
+
+            async def slow() -> None:
+                status, reply = await in_thread(chat, "slow")
+                assert status == 400 and reply["error"]["param"] == "messages", reply
+                assert "took longer than 1 s" in reply["error"]["message"]
+
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(slow)
+                nursery.start_soon(slow)
+                await trio.sleep(0.2)  # both renders are under way
+                started = trio.current_time()
+                assert (await in_thread(raw_request, server, "GET", "/health"))[0] == 200
+                status, reply = await in_thread(chat, "fast")
+                assert status == 200 and reply["choices"][0]["finish_reason"] == "length", reply
+                assert trio.current_time() - started < 0.9  # before either slow one's deadline
+            await wait_blocks_free(server)
 
 
 def test_a_child_gets_seed_plus_its_index_and_no_seed_stays_none():

@@ -75,10 +75,10 @@ def config(fake_config) -> Callable[..., EngineConfig]:
     return fake_config
 
 
-def chat_prompt_tokens(server: Server, messages: list[dict[str, str]]) -> int:
+async def chat_prompt_tokens(server: Server, messages: list[dict[str, str]]) -> int:
     engine = server.engine
     assert engine is not None
-    return len(engine.tokenizer.encode(engine.render_chat(messages), add_special_tokens=False))
+    return len(engine.tokenizer.encode(await engine.render_chat(messages), add_special_tokens=False))
 
 
 MESSAGES = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is the capital of France?"}]
@@ -161,7 +161,7 @@ async def test_chat_completions_streamed_and_not_give_the_same_text_and_n_2_give
                 stream_options={"include_usage": True},
             )
             texts2, finishes2, usage2 = await run(stream_text, two_streamed, 2)
-            prompt_tokens = chat_prompt_tokens(server, MESSAGES)
+            prompt_tokens = await chat_prompt_tokens(server, MESSAGES)
     message = whole.choices[0].message
     assert whole.object == "chat.completion" and message.role == "assistant" and message.content
     assert texts == [message.content] and finishes == ["length"] and usage is None
@@ -372,7 +372,8 @@ async def test_metrics_parse_and_their_counters_move_as_requests_are_served(conf
             await run(api.completions.create, model=MODEL, prompt="Count me", max_tokens=9)
             await run(api.chat.completions.create, model=MODEL, messages=MESSAGES, max_tokens=4, n=2)
             after = parse_metrics((await run(raw_request, server, "GET", "/metrics"))[2])
-            prompt_tokens = len(server.engine.tokenizer.encode("Count me")) + 2 * chat_prompt_tokens(server, MESSAGES)
+            chat_tokens = await chat_prompt_tokens(server, MESSAGES)
+            prompt_tokens = len(server.engine.tokenizer.encode("Count me")) + 2 * chat_tokens
     before = parse_metrics(before_text)
     assert status == 200 and headers["content-type"].startswith("text/plain")
     length = ("trioserve_requests_total", (("engine", "0"), ("finish_reason", "length")))

@@ -11,6 +11,7 @@ plain exceptions (``EngineStartupError``, ``EngineDeadError``,
 from __future__ import annotations
 
 import contextlib
+import functools
 import itertools
 import logging
 import secrets
@@ -21,7 +22,7 @@ import trio
 
 from trioserve.config import EngineConfig
 from trioserve.errors import EngineDeadError, EngineStartupError, InvalidRequestError, collapse, leaves
-from trioserve.frontend.chat_template import ChatTemplate, TemplatedText
+from trioserve.frontend.chat_template import RENDER_THREADS, ChatTemplate, TemplatedText
 from trioserve.frontend.client import EngineCoreClient
 from trioserve.frontend.group import EngineGroup
 from trioserve.frontend.model_dir import load_model_dir
@@ -150,6 +151,7 @@ class Engine:
         self.tokenizer = tokenizer
         self.chat_template = chat_template  # the model's own, or None
         self._prompts = PromptChecker(tokenizer, self.info)
+        self._render_threads = trio.CapacityLimiter(RENDER_THREADS)
         self._ids = itertools.count()
         self._id_prefix = secrets.token_hex(3)
         self._observers: list[RequestObserver] = []
@@ -166,18 +168,27 @@ class Engine:
             except Exception:  # an observer's bug must not fail a request
                 log.exception("a request observer failed")
 
-    def render_chat(
+    async def render_chat(
         self, messages: Sequence[Mapping[str, object]], *, add_generation_prompt: bool = True
     ) -> TemplatedText:
         """The prompt for chat ``messages`` (mappings with ``role`` and
-        ``content``), rendered with the model's chat template; give it to
+        ``content``), rendered with the model's chat template in a worker
+        thread (at most ``RENDER_THREADS`` per engine at once); give it to
         ``stream`` as the prompt. Raises ``InvalidRequestError`` naming
-        ``messages`` when the model has no template or it refuses them."""
-        if self.chat_template is None:
+        ``messages`` when the model has no template, or it refuses them,
+        fails on them or takes longer than ``RENDER_TIMEOUT_S``
+        (``frontend/chat_template.py``), and ``PromptTooLongError`` when its
+        text cannot fit the context. If cancelled, the thread's result is
+        dropped when it ends (by that timeout at the latest)."""
+        template = self.chat_template
+        if template is None:
             raise InvalidRequestError(
                 "messages", "this model has no chat template (chat_template.jinja or tokenizer_config.json)"
             )
-        return self.chat_template.render(messages, add_generation_prompt=add_generation_prompt)
+        render = functools.partial(
+            template.render, messages, add_generation_prompt=add_generation_prompt, max_chars=self._prompts.max_chars
+        )
+        return await trio.to_thread.run_sync(render, abandon_on_cancel=True, limiter=self._render_threads)
 
     @property
     def config(self) -> EngineConfig:

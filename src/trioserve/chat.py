@@ -123,7 +123,7 @@ async def _reply(
     as far as it went."""
     text = ""
     try:
-        prompt = engine.render_chat(conversation.messages)
+        prompt = await engine.render_chat(conversation.messages)
         with scope:
             async with engine.stream(prompt, params) as stream:
                 async for delta in stream:

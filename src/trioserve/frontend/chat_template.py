@@ -5,11 +5,22 @@ in the model directory, else ``chat_template`` in ``tokenizer_config.json``
 (a string, or a list of named templates: the one named ``default``). It is
 rendered as transformers renders it, in an immutable sandboxed Jinja
 environment (a template cannot touch Python objects or change its inputs),
-with ``trim_blocks`` and ``lstrip_blocks``, loop controls, a ``tojson``
-filter that keeps non-ASCII text, and the globals ``raise_exception`` and
+with ``trim_blocks`` and ``lstrip_blocks``, loop controls, the
+``{% generation %}`` block (its text is rendered as it stands), a ``tojson``
+filter that keeps non-ASCII text (with transformers' ``indent``,
+``separators`` and ``sort_keys``), and the globals ``raise_exception`` and
 ``strftime_now``; the variables are ``messages``, ``add_generation_prompt``,
 ``bos_token``, ``eos_token`` (and the other special tokens named in
 tokenizer_config.json). No transformers, so no torch.
+
+A template is the model's code, run on a client's messages, so a render is
+bounded: it is stopped after ``RENDER_TIMEOUT_S`` (an exception raised in
+the rendering thread), ``*``, ``+`` and ``**`` refuse to build a value of
+more than ``MAX_VALUE_SIZE`` elements (or an integer of more bits), and the
+text stops growing at the caller's ``max_chars``. Any failure of the
+template on the messages is an ``InvalidRequestError`` naming ``messages``;
+the template's text is never a crash of its caller. (It can still allocate
+through filters such as ``center``; those are the model's to get right.)
 
 The rendered text already holds the model's special tokens, so it is
 tokenized without adding any (``TemplatedText``), as transformers'
@@ -18,20 +29,30 @@ tokenized without adding any (``TemplatedText``), as transformers'
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
 import datetime
 import json
-from collections.abc import Mapping, Sequence
+import threading
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any, NoReturn
 
 import jinja2
+import jinja2.ext
+import jinja2.nodes
+import jinja2.parser
 import jinja2.sandbox
 
-from trioserve.errors import InvalidRequestError
+from trioserve.errors import InvalidRequestError, PromptTooLongError
 
 TEMPLATE_FILE = "chat_template.jinja"
 TOKENIZER_CONFIG_FILE = "tokenizer_config.json"
 _SPECIAL_TOKENS = ("bos_token", "eos_token", "pad_token", "unk_token")
+
+RENDER_THREADS = 2  # rendering threads per engine at once
+RENDER_TIMEOUT_S = 5.0  # a render of the largest request a server takes is well under 1 s
+MAX_VALUE_SIZE = 1 << 24  # elements of a string or list that *, + or ** may build; bits of an integer
 
 
 class TemplatedText(str):
@@ -69,27 +90,133 @@ class ChatTemplate:
         except jinja2.TemplateSyntaxError as exc:
             raise ValueError(f"{directory}: the chat template does not compile: {exc}") from None
 
-    def render(self, messages: Sequence[Mapping[str, Any]], *, add_generation_prompt: bool = True) -> TemplatedText:
+    def render(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        *,
+        add_generation_prompt: bool = True,
+        max_chars: int = MAX_VALUE_SIZE,
+        timeout_s: float | None = None,
+    ) -> TemplatedText:
         """The prompt for ``messages`` (each a mapping with ``role`` and
         ``content``), ending with the assistant's turn opened when
         ``add_generation_prompt``. Raises ``InvalidRequestError`` naming
-        ``messages`` when the template refuses them."""
+        ``messages`` when the template refuses them, fails on them or takes
+        longer than ``timeout_s`` (default ``RENDER_TIMEOUT_S``), and
+        ``PromptTooLongError`` when its text grows beyond ``max_chars``.
+        Runs in the calling thread."""
+        timeout_s = RENDER_TIMEOUT_S if timeout_s is None else timeout_s
+        pieces: list[str] = []
+        size = 0
         try:
-            text = self._template.render(
-                messages=[dict(m) for m in messages],
-                add_generation_prompt=add_generation_prompt,
-                **self._special_tokens,
-            )
+            with _interrupted_after(timeout_s):
+                for piece in self._template.generate(
+                    messages=[dict(m) for m in messages],
+                    add_generation_prompt=add_generation_prompt,
+                    **self._special_tokens,
+                ):
+                    pieces.append(piece)
+                    size += len(piece)
+                    if size > max_chars:
+                        raise PromptTooLongError(
+                            "messages", f"the model's chat template makes more than {max_chars} characters of them"
+                        )
+        except _RenderTimeout:
+            raise InvalidRequestError(
+                "messages", f"the model's chat template took longer than {timeout_s:g} s on them"
+            ) from None
         except TemplateError as exc:
             raise InvalidRequestError("messages", f"the model's chat template refused them: {exc}") from None
-        except (jinja2.TemplateError, TypeError, ValueError, KeyError, AttributeError) as exc:
-            raise InvalidRequestError("messages", f"the model's chat template failed on them: {exc}") from None
-        return TemplatedText(text)
+        except InvalidRequestError:
+            raise
+        except Exception as exc:  # the template is code: whatever it raises is its failure on these messages
+            reason = str(exc) or type(exc).__name__
+            raise InvalidRequestError("messages", f"the model's chat template failed on them: {reason}") from None
+        if size == 0:
+            raise InvalidRequestError("messages", "the model's chat template renders nothing for them")
+        return TemplatedText("".join(pieces))
+
+
+class _RenderTimeout(Exception):
+    """Raised in a rendering thread from outside when its time is up."""
+
+
+@contextlib.contextmanager
+def _interrupted_after(seconds: float) -> Iterator[None]:
+    """Raise ``_RenderTimeout`` in this thread if the block is still running
+    after ``seconds``: at the next Python instruction it runs (a template
+    runs no long C call of its own; the size limits keep those short).
+    Once the block has ended, no exception can arrive, however close the
+    race: a pending one is cleared."""
+    thread_id = ctypes.c_ulong(threading.get_ident())
+    lock = threading.Lock()
+    running, fired = [True], [False]
+
+    def fire() -> None:
+        with lock:
+            if running[0]:
+                fired[0] = True
+                ctypes.pythonapi.PyThreadState_SetAsyncExc(thread_id, ctypes.py_object(_RenderTimeout))
+
+    timer = threading.Timer(seconds, fire)
+    timer.daemon = True
+    timer.start()
+    try:
+        yield
+    finally:
+        while True:  # an exception that arrives during this cleanup is caught, and the cleanup done again
+            try:
+                with lock:
+                    running[0] = False
+                    if fired[0]:  # raised already, or still pending: clear it
+                        ctypes.pythonapi.PyThreadState_SetAsyncExc(thread_id, None)
+                break
+            except _RenderTimeout:
+                continue
+        timer.cancel()
+
+
+class _BoundedEnvironment(jinja2.sandbox.ImmutableSandboxedEnvironment):
+    """The sandbox, with ``*``, ``+`` and ``**`` refusing enormous values."""
+
+    intercepted_binops = frozenset({"*", "+", "**"})
+
+    def call_binop(self, context: jinja2.runtime.Context, op: str, left: Any, right: Any) -> Any:
+        if op == "**" and isinstance(left, int) and isinstance(right, int) and right > 0:
+            if left.bit_length() * right > MAX_VALUE_SIZE:
+                raise _TooLarge(f"{left} ** {right} is too large for a chat template")
+        elif op == "*" and isinstance(right, int) and hasattr(left, "__len__"):
+            _check_size(len(left) * right)
+        elif op == "*" and isinstance(left, int) and hasattr(right, "__len__"):
+            _check_size(len(right) * left)
+        elif op == "+" and hasattr(left, "__len__") and hasattr(right, "__len__"):
+            _check_size(len(left) + len(right))
+        return super().call_binop(context, op, left, right)
+
+
+class _TooLarge(Exception):
+    """A value a template would build is beyond ``MAX_VALUE_SIZE``."""
+
+
+def _check_size(size: int) -> None:
+    if size > MAX_VALUE_SIZE:
+        raise _TooLarge(f"a value of {size} elements is too large for a chat template")
+
+
+class _GenerationBlock(jinja2.ext.Extension):
+    """``{% generation %}...{% endgeneration %}``: marks the assistant's
+    text for training tools; rendered as the text it holds."""
+
+    tags = {"generation"}  # noqa: RUF012 - an instance variable of jinja2.ext.Extension
+
+    def parse(self, parser: jinja2.parser.Parser) -> list[jinja2.nodes.Node]:
+        next(parser.stream)
+        return parser.parse_statements(("name:endgeneration",), drop_needle=True)
 
 
 def _environment() -> jinja2.sandbox.ImmutableSandboxedEnvironment:
-    env = jinja2.sandbox.ImmutableSandboxedEnvironment(
-        trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"]
+    env = _BoundedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols", _GenerationBlock]
     )
     env.filters["tojson"] = _tojson
     env.globals["raise_exception"] = _raise_exception
@@ -97,8 +224,14 @@ def _environment() -> jinja2.sandbox.ImmutableSandboxedEnvironment:
     return env
 
 
-def _tojson(value: Any, indent: int | None = None, ensure_ascii: bool = False, sort_keys: bool = False) -> str:
-    return json.dumps(value, indent=indent, ensure_ascii=ensure_ascii, sort_keys=sort_keys)
+def _tojson(
+    value: Any,
+    ensure_ascii: bool = False,
+    indent: int | None = None,
+    separators: tuple[str, str] | None = None,
+    sort_keys: bool = False,
+) -> str:
+    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
 
 
 def _raise_exception(message: str) -> NoReturn:

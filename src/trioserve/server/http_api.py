@@ -214,7 +214,7 @@ class HttpApi:
         shutdown grace is over). If cancelled, it is aborted."""
         names: dict[str, str] = {}
         try:
-            stream, fmt, plan = self._start(endpoint, body, client_id)
+            stream, fmt, plan = await self._start(endpoint, body, client_id)
             names = plan.names
             async with stream:
                 if plan.stream:
@@ -226,8 +226,13 @@ class HttpApi:
         except (InvalidRequestError, RequestError, EngineDeadError) as exc:
             mapped = engine_error(exc, names)
             await conn.send_json(mapped.status, mapped.body(), _error_headers(mapped))
+        except Exception as exc:  # a bug: a 500 (logged) if the response has not begun, else the connection ends
+            if conn.response_started:
+                raise
+            mapped = engine_error(exc, names)
+            await conn.send_json(mapped.status, mapped.body(), _error_headers(mapped))
 
-    def _start(
+    async def _start(
         self, endpoint: Endpoint, body: bytes, client_id: str
     ) -> tuple[ParentRequestStream, EventFormat, oai.Plan]:
         """Decode and check the request; its stream (not yet entered)."""
@@ -238,7 +243,7 @@ class HttpApi:
                 chat = oai.decode_body(body, oai.ChatCompletionRequest)
                 self._check_model(chat.model)
                 plan = oai.plan_chat(chat, engine.info.max_model_len)
-                prompt: Any = engine.render_chat(oai.chat_messages(chat))
+                prompt: Any = await engine.render_chat(oai.chat_messages(chat))
                 fmt = chat_format(self.model_name, engine.tokenizer)
             else:
                 completion = oai.decode_body(body, oai.CompletionRequest)

@@ -68,6 +68,11 @@ class HttpConnection:
         """True when the last response is complete and the connection may carry another request."""
         return self._h11.our_state is h11.DONE and self._h11.their_state is h11.DONE
 
+    @property
+    def response_started(self) -> bool:
+        """True once this request's response has begun (its head is sent)."""
+        return self._h11.our_state is not h11.SEND_RESPONSE
+
     async def read_head(self) -> RequestHead | None:
         """The next request's head, or None if the client closed the
         connection before sending one. Raises ``BadRequest`` for a malformed
