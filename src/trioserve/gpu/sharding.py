@@ -24,6 +24,7 @@ interface: nothing listens beyond this machine.
 
 from __future__ import annotations
 
+import logging
 import os
 import socket
 from datetime import timedelta
@@ -33,6 +34,8 @@ import torch
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
+
+log = logging.getLogger("trioserve.gpu.sharding")
 
 
 class NotShardableError(ValueError):
@@ -106,16 +109,38 @@ def init_process_group(rank: int, world_size: int, init_file: str, device: torch
     )
 
 
+MISSING_NAMED = 5  # missing weights named in the error (then a count of the rest)
+
+
 def load_model(model_dir: str, world_size: int, **kwargs: Any) -> PreTrainedModel:
     """``from_pretrained``: the whole model, or with ``world_size`` > 1 (in a
-    process group) this rank's shard of it."""
+    process group) this rank's shard of it. Raises ``ValueError`` naming the
+    weights the model needs that the checkpoint lacks (transformers would
+    fill them with random values and only log it); weights the model does
+    not use are logged."""
     from transformers import AutoModelForCausalLM
 
     if world_size > 1:
         from transformers.distributed.configuration_utils import DistributedConfig
 
         kwargs["distributed_config"] = DistributedConfig(tp_size=world_size)
-    return AutoModelForCausalLM.from_pretrained(model_dir, **kwargs)
+    loaded: Any = AutoModelForCausalLM.from_pretrained(model_dir, output_loading_info=True, **kwargs)
+    model: PreTrainedModel = loaded[0]
+    loading: dict[str, Any] = loaded[1]
+    missing = sorted(loading.get("missing_keys") or ())
+    if missing:
+        named = ", ".join(missing[:MISSING_NAMED]) + (
+            f" and {len(missing) - MISSING_NAMED} more" if len(missing) > MISSING_NAMED else ""
+        )
+        raise ValueError(
+            f"{model_dir}: the checkpoint lacks {len(missing)} weights that {type(model).__name__} needs "
+            f"({named}): its config.json and its weights do not agree"
+        )
+    if unexpected := sorted(loading.get("unexpected_keys") or ()):
+        log.warning(
+            "%s: %d weights in the checkpoint are not used (%s, ...)", model_dir, len(unexpected), unexpected[0]
+        )
+    return model
 
 
 def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
