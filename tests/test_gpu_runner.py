@@ -307,6 +307,17 @@ def test_load_reports_memory_budget_eos_and_context(tiny_model_dir):
     assert ModelRunner(config.replace(max_model_len=100, num_kv_blocks=7)).load().max_num_kv_blocks == 7
 
 
+def test_a_model_whose_context_holds_one_token_is_refused_at_load_naming_config_json(tiny_model_dir, tmp_path):
+    """Found: the engine core refused it after the load, and the operator's
+    last line said only that the engine core exited with code 1."""
+    from trioserve.gpu.model_runner import ModelRunner
+    from trioserve.gpu.tiny_models import write_tiny_model
+
+    model_dir = write_tiny_model(tmp_path / "model", "llama", max_position_embeddings=1)
+    with pytest.raises(ValueError, match=r"config.json's max_position_embeddings is 1: a model's context must hold"):
+        ModelRunner(EngineConfig(model=str(model_dir))).load()
+
+
 def test_logprobs_and_bfloat16_run_end_to_end(tiny_model_dir):
     runner, _ = make_runner(tiny_model_dir("gemma2"), dtype="bfloat16")
     assert runner.kv_caches[0][0].dtype == torch.bfloat16
