@@ -318,6 +318,17 @@ def test_a_model_whose_context_holds_one_token_is_refused_at_load_naming_config_
         ModelRunner(EngineConfig(model=str(model_dir))).load()
 
 
+def test_a_max_model_len_beyond_the_models_positions_is_refused_at_load(tiny_model_dir):
+    """Found: accepted, and a long prompt then took the worker down (learned
+    positions index out of range): each such request killed the engine."""
+    from trioserve.gpu.model_runner import ModelRunner
+
+    config = EngineConfig(model=str(tiny_model_dir("llama")), max_model_len=513)
+    with pytest.raises(ValueError, match=r"^max_model_len: 513 is more than this model's context, 512 tokens"):
+        ModelRunner(config).load()
+    assert ModelRunner(config.replace(max_model_len=512)).load().model.max_model_len == 512
+
+
 def test_logprobs_and_bfloat16_run_end_to_end(tiny_model_dir):
     runner, _ = make_runner(tiny_model_dir("gemma2"), dtype="bfloat16")
     assert runner.kv_caches[0][0].dtype == torch.bfloat16

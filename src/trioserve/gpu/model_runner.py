@@ -172,12 +172,20 @@ class ModelRunner:
         )
         self.num_kv_heads = heads or num_kv_heads  # this rank's share
         self.head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
-        max_model_len = self.config.max_model_len or text.max_position_embeddings
-        if max_model_len < 2:  # (a configured max_model_len is >= 2: EngineConfig checks it)
+        model_len = text.max_position_embeddings
+        if model_len < 2:
             raise ValueError(
-                f"{self.config.model}: config.json's max_position_embeddings is {max_model_len}: a model's context "
+                f"{self.config.model}: config.json's max_position_embeddings is {model_len}: a model's context "
                 "must hold at least 2 tokens (a prompt token and an output token)"
             )
+        if self.config.max_model_len is not None and self.config.max_model_len > model_len:
+            # Past its positions a model fails (learned position embeddings index out of range) or
+            # silently degrades (rotary ones were never trained there).
+            raise ValueError(
+                f"max_model_len: {self.config.max_model_len} is more than this model's context, "
+                f"{model_len} tokens (max_position_embeddings in {self.config.model}/config.json)"
+            )
+        max_model_len = self.config.max_model_len or model_len
         info = ModelInfo(vocab_size=self.vocab_size, max_model_len=max_model_len, eos_token_ids=_eos_token_ids(model))
         return WorkerLoaded(
             model=info, max_num_kv_blocks=self.config.num_kv_blocks or self._blocks_for_budget(max_model_len)
