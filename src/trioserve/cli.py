@@ -53,7 +53,9 @@ def _add_engine_options(parser: argparse.ArgumentParser) -> None:
         "--kv-cache-mib", type=int, default=512, metavar="MIB", help="memory for the KV cache (default: %(default)s)"
     )
     group.add_argument("--max-num-seqs", type=int, default=64, help="most requests in a batch (default: %(default)s)")
-    group.add_argument("--max-model-len", type=int, default=None, help="context length cap, at most the model's own (its default)")
+    group.add_argument(
+        "--max-model-len", type=int, default=None, help="context length cap, at most the model's own (its default)"
+    )
     group.add_argument(
         "--max-steps-in-flight",
         type=int,
