@@ -194,8 +194,8 @@ def api_servers_directory(pid: int) -> str:
     return msgspec.msgpack.decode(bytes.fromhex(raw), type=ApiServerInit).directory
 
 
-@pytest.mark.parametrize("count", ["0", "-1"])
-def test_api_server_count_below_1_is_a_usage_error(count, tiny_model_dir):
+@pytest.mark.parametrize("count", ["0", "-1", "65", str(10**18)])  # (10**18 was a MemoryError, 400 processes ran)
+def test_api_server_count_outside_1_to_64_is_a_usage_error(count, tiny_model_dir):
     from trioserve.cli import EXIT_USAGE, main
 
     model = str(tiny_model_dir("llama"))

@@ -74,3 +74,40 @@ def test_a_path_is_a_model_directory_and_numbers_of_either_kind_are_seconds() ->
 
     config = EngineConfig(model=pathlib.Path("/models/m"), shutdown_grace_s=3)  # type: ignore[arg-type]
     assert config.model == "/models/m" and config.shutdown_grace_s == 3
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        ({"heartbeat_interval_s": float("inf")}, "heartbeat_interval_s: must be at most 1e+09 (a finite number)"),
+        ({"startup_timeout_s": 1e308}, "startup_timeout_s: must be at most 1e+09"),
+        ({"step_timeout_s": float("inf")}, "step_timeout_s: must be at most 1e+09"),
+        ({"torch_threads": 10**18}, "torch_threads: must be in [1, 4096]"),
+    ],
+)
+def test_times_are_finite_and_threads_bounded(options: dict[str, object], message: str) -> None:
+    """Found: an infinite heartbeat interval passed, then killed the worker's
+    heartbeat thread (timestamp out of range); 10**18 torch threads failed
+    only after the model loaded, with "Overflow when unpacking long"."""
+    with pytest.raises(ValueError) as info:
+        EngineConfig(model="m", **options)  # type: ignore[arg-type]
+    assert str(info.value).startswith(message)
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        ({"max_message_bytes": 10**21}, "max_message_bytes: must be at most 9223372036854775807"),
+        ({"max_connections": "10"}, "max_connections: must be an integer (got str '10')"),
+    ],
+)
+def test_server_settings_are_checked_for_type_and_size_like_the_engines(
+    options: dict[str, object], message: str
+) -> None:
+    """Found: --max-message-bytes 10**21 with several API servers failed in
+    msgpack, a 65-line traceback."""
+    from trioserve.server import ServerConfig
+
+    with pytest.raises(ValueError) as info:
+        ServerConfig(**options)  # type: ignore[arg-type]
+    assert str(info.value).startswith(message)

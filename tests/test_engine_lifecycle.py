@@ -413,6 +413,17 @@ async def test_model_load_timeout_names_the_stage_the_worker_and_the_deadline(fa
         assert await wait_no_children() == []
 
 
+async def test_an_engine_core_missing_the_startup_timeout_is_a_startup_error_naming_it(fake_config):
+    """Found: trio.TooSlowError escaped the handshake (a traceback, exit 1)."""
+    with trio.fail_after(30):
+        with pytest.raises(trioserve.EngineStartupError) as info:
+            async with trioserve.open_engine(config=fake_config(startup_timeout_s=0.01)):
+                pass
+        assert info.value.stage == "handshake" and info.value.process == "engine-core-0"
+        assert "engine-core-0 did not say hello within startup_timeout_s=0.01s" in str(info.value)
+        assert await wait_no_children() == []
+
+
 async def test_worker_that_raises_while_loading_names_stage_exit_code_and_error(fake_config, tiny_model_dir, tmp_path):
     model = tmp_path / "model"
     model.mkdir()

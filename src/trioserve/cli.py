@@ -20,7 +20,7 @@ from trioserve.errors import EngineDeadError, EngineStartupError, RequestError, 
 from trioserve.messages import SamplingParams
 from trioserve.nurseries.headless import HeadlessConfig, run_headless
 from trioserve.server import Server, ServerConfig
-from trioserve.server.api_servers import ApiServers
+from trioserve.server.api_servers import MAX_API_SERVERS, ApiServers
 from trioserve.server.listener import fds_needed, raise_fd_limit
 from trioserve.server.server import model_name
 
@@ -622,8 +622,8 @@ def cmd_api_servers(args: argparse.Namespace) -> int:
 def cmd_serve(args: argparse.Namespace) -> int:
     if args.headless:
         return cmd_headless(args)
-    if args.api_server_count < 1:
-        raise ValueError("--api-server-count: must be >= 1")
+    if not 1 <= args.api_server_count <= MAX_API_SERVERS:
+        raise ValueError(f"--api-server-count: must be in [1, {MAX_API_SERVERS}]")
     if args.api_server_count > 1:
         return cmd_api_servers(args)
     server_config = _server_config(args)  # its errors come before any model is built

@@ -61,10 +61,12 @@ def _check(condition: bool, name: str, message: str) -> None:
 
 
 _MAX_INT = 2**63 - 1  # what a message can carry to a child process
+MAX_SECONDS = 1e9  # any time setting: finite, and within what threads and timers take
+MAX_TORCH_THREADS = 4096
 _TYPE_NAMES = {"int": "an integer", "float": "a number", "bool": "True or False", "str": "a string"}
 
 
-def _check_types(config: Any, prefix: str = "") -> None:
+def check_types(config: Any, prefix: str = "") -> None:
     """Every field of the dataclass ``config`` holds a value of its declared
     type (its annotation: ``int``, ``float``, ``bool``, ``str``, each maybe
     ``| None``, a ``Literal`` or a nested config), and integers fit in 64
@@ -126,7 +128,7 @@ class FakeRunnerConfig:
     fault_rank: int = 0  # which worker rank the faults apply to
 
     def __post_init__(self) -> None:
-        _check_types(self, "fake.")
+        check_types(self, "fake.")
         _check(self.vocab_size is None or self.vocab_size >= 4, "fake.vocab_size", "must be at least 4")
         _check(self.max_model_len >= 2, "fake.max_model_len", "must be at least 2")
         _check(self.num_kv_blocks >= 1, "fake.num_kv_blocks", "must be at least 1")
@@ -253,7 +255,7 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if isinstance(self.model, os.PathLike):
             object.__setattr__(self, "model", os.fspath(self.model))  # a pathlib.Path is a directory path too
-        _check_types(self)
+        check_types(self)
         _check(self.model != "", "model", "must be a directory path")
         _check(self.runner in ("hf", "fake"), "runner", "must be 'hf' or 'fake'")
         _check(self.device in ("auto", "cpu", "cuda"), "device", "must be 'auto', 'cpu' or 'cuda'")
@@ -292,12 +294,23 @@ class EngineConfig:
             _check(not self.data_parallel_lockstep, "data_parallel_lockstep", "is not supported across hosts yet")
         _check(self.while_asleep in ("wait", "fail"), "while_asleep", "must be 'wait' or 'fail'")
         _check(isinstance(self.compile, bool), "compile", "must be True or False")
-        _check(self.torch_threads is None or self.torch_threads >= 1, "torch_threads", "must be >= 1")
+        _check(
+            self.torch_threads is None or 1 <= self.torch_threads <= MAX_TORCH_THREADS,
+            "torch_threads",
+            f"must be in [1, {MAX_TORCH_THREADS}]",
+        )
         for name in (
             "startup_timeout_s", "model_load_timeout_s", "shutdown_grace_s", "restart_window_s",
             "heartbeat_interval_s", "step_hang_min_s", "control_timeout_s",
         ):  # fmt: skip
             _check(getattr(self, name) > 0, name, "must be > 0")
+        for name in (
+            "startup_timeout_s", "model_load_timeout_s", "shutdown_grace_s", "restart_window_s",
+            "heartbeat_interval_s", "heartbeat_timeout_s", "step_hang_min_s", "control_timeout_s",
+            "step_timeout_s", "restart_backoff_s", "restart_backoff_max_s", "restart_wait_s", "step_hang_factor",
+        ):  # fmt: skip
+            value = getattr(self, name)
+            _check(value is None or value <= MAX_SECONDS, name, f"must be at most {MAX_SECONDS:g} (a finite number)")
         _check(
             self.heartbeat_timeout_s >= 2 * self.heartbeat_interval_s,
             "heartbeat_timeout_s",

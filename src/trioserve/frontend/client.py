@@ -237,7 +237,7 @@ class EngineCoreClient:
 
     async def _handshake(self, sock: HandshakeSocket, input_address: str, output_address: str) -> EngineInfo:
         self._stage = "handshake"
-        with trio.fail_after(self.config.startup_timeout_s):
+        with trio.move_on_after(self.config.startup_timeout_s) as waited:
             identity, raw = await sock.recv_multipart()
             hello = _decode_handshake(raw)
             if not isinstance(hello, Hello) or hello.engine_index != self.engine_index:
@@ -253,6 +253,12 @@ class EngineCoreClient:
             )
             self.handshake_init = init
             await sock.send_multipart([identity, _encode(init)])
+        if waited.cancelled_caught:
+            raise EngineStartupError(
+                f"{self.name} did not say hello within startup_timeout_s={self.config.startup_timeout_s}s",
+                stage="handshake",
+                process=self.name,
+            )
         self._stage = "model-load"
         reply = await self._wait_ready(sock)
         if isinstance(reply, StartupFailed):

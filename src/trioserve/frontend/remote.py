@@ -75,12 +75,20 @@ class RemoteEngines:
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         """Listen for remote engine cores until cancelled (then the socket and
-        the ZAP handler are closed). ``OSError``-like ``zmq.ZMQError`` if the
-        address cannot be bound."""
+        the ZAP handler are closed). ``EngineStartupError`` naming the address
+        if it cannot be bound (taken, or not this host's)."""
         async with trio.open_nursery() as nursery:
             if self.authenticator is not None:
                 await nursery.start(self.authenticator.run)
-            with TrioZmqSocket.bind(zmq.ROUTER, self.address, linger=0, **self.socket_options()) as sock:
+            try:
+                bound = TrioZmqSocket.bind(zmq.ROUTER, self.address, linger=0, **self.socket_options())
+            except zmq.ZMQError as exc:
+                raise EngineStartupError(
+                    f"cannot listen for engines on other hosts at {self.address} "
+                    f"(--data-parallel-rpc-port): {exc.strerror}",
+                    stage="handshake",
+                ) from None
+            with bound as sock:
                 task_status.started()
                 await self._loop.run(sock)
 

@@ -71,6 +71,7 @@ LISTEN_FD_ENV = "TRIOSERVE_LISTEN_FD"
 READY_FD_ENV = "TRIOSERVE_READY_FD"  # the API server writes b"r" there once it serves
 DRAIN_SIGNAL = signal.SIGUSR1  # to an API server: shut down gracefully (again: end the grace now)
 BACKLOG = 4096
+MAX_API_SERVERS = 64  # processes: each holds a tokenizer and its connections
 log = logging.getLogger("trioserve.api_servers")
 
 
@@ -98,8 +99,8 @@ class ApiServers:
     """The supervising process's state: the engine group and the M API servers."""
 
     def __init__(self, engine_config: EngineConfig, server_config: ServerConfig, count: int) -> None:
-        if count < 2:
-            raise ValueError("api_server_count: the supervising process is for 2 or more API servers")
+        if not 2 <= count <= MAX_API_SERVERS:
+            raise ValueError(f"api_server_count: the supervising process is for 2 to {MAX_API_SERVERS} API servers")
         if engine_config.data_parallel_lockstep:
             raise ValueError("api_server_count: more than 1 is not supported with data_parallel_lockstep yet")
         self.engine_config = engine_config

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from trioserve.config import check_types
+
 
 def _check(condition: bool, name: str, message: str) -> None:
     if not condition:
@@ -38,6 +40,7 @@ class ServerConfig:
     model_name: str | None = None  # the API's name for the model (None: the model directory's name)
 
     def __post_init__(self) -> None:
+        check_types(self)
         _check(isinstance(self.host, str) and self.host != "", "host", "must be an address or host name")
         _check(0 <= self.port <= 65535, "port", "must be in [0, 65535]")
         _check(self.api_key is None or self.api_key.strip() != "", "api_key", "must not be empty")
