@@ -299,16 +299,17 @@ class EngineConfig:
             "torch_threads",
             f"must be in [1, {MAX_TORCH_THREADS}]",
         )
-        for name in (
+        positive = (
             "startup_timeout_s", "model_load_timeout_s", "shutdown_grace_s", "restart_window_s",
             "heartbeat_interval_s", "step_hang_min_s", "control_timeout_s",
-        ):  # fmt: skip
+        )  # fmt: skip
+        for name in positive:
             _check(getattr(self, name) > 0, name, "must be > 0")
-        for name in (
-            "startup_timeout_s", "model_load_timeout_s", "shutdown_grace_s", "restart_window_s",
-            "heartbeat_interval_s", "heartbeat_timeout_s", "step_hang_min_s", "control_timeout_s",
-            "step_timeout_s", "restart_backoff_s", "restart_backoff_max_s", "restart_wait_s", "step_hang_factor",
-        ):  # fmt: skip
+        finite = (
+            "heartbeat_timeout_s", "step_timeout_s", "restart_backoff_s", "restart_backoff_max_s", "restart_wait_s",
+            "step_hang_factor",
+        )  # fmt: skip
+        for name in positive + finite:
             value = getattr(self, name)
             _check(value is None or value <= MAX_SECONDS, name, f"must be at most {MAX_SECONDS:g} (a finite number)")
         _check(
