@@ -10,6 +10,7 @@ import signal
 import tempfile
 import threading
 import time
+import urllib.request
 from collections.abc import AsyncIterator, Callable
 from contextlib import ExitStack, asynccontextmanager
 from pathlib import Path
@@ -21,6 +22,7 @@ import pytest
 import trio
 from helpers.fakes import fake_tokens
 from helpers.serving import running, serve_argv, spawned, tree_of, wait_for_url, wait_gone
+from prometheus_client.parser import text_string_to_metric_families
 from websockets.exceptions import ConnectionClosed
 
 from test_hosts import free_port, headless, headless_argv, kill_tree
@@ -114,6 +116,18 @@ async def test_two_api_servers_share_the_port_and_stream_the_runners_greedy_toke
         assert not any(running(pid) for pid in tree)
 
 
+def engine_load(url: str) -> tuple[float, float]:
+    """Engine 0's running requests and KV-cache usage, as ``/metrics`` says."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{port_of(url)}/metrics", timeout=5) as response:
+        samples = {
+            sample.name: sample.value
+            for family in text_string_to_metric_families(response.read().decode())
+            for sample in family.samples
+            if sample.labels.get("engine") == "0"
+        }
+    return samples["trioserve_num_requests_running"], samples["trioserve_kv_cache_usage_ratio"]
+
+
 def stream_until_closed(ws: Any) -> str:
     """Send a long request on ``ws``; how its stream ended."""
     ws.send(generate("long", [5, 6], max_tokens=100_000, ignore_eos=True))
@@ -159,6 +173,8 @@ async def test_kill_9_of_one_api_server_drops_only_its_connections_and_it_is_res
             assert isinstance(spared_received, dict)
             for r in spared_received.values():
                 assert r.terminal is not None and r.terminal["type"] == "done" and len(r.token_ids) == 150
+            # The victim's request (100,000 tokens) is aborted in the engine: its batch slot and KV blocks are free.
+            await wait_until(lambda: engine_load(url) == (0.0, 0.0), 5)
             # Restarted: a new API server takes the victim's place and serves.
             await wait_until(lambda: len(api_servers(proc.pid)) == 2 and victim not in api_servers(proc.pid), 20)
             restarted_after = time.monotonic() - killed_at

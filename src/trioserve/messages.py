@@ -333,7 +333,13 @@ class AddRequest(msgspec.Struct, tag=True):
 
 
 class AbortRequests(msgspec.Struct, tag=True):
+    """Forget these requests. With ``frontend`` >= 0 (from the supervising
+    process of several API servers, when one dies), also every request that
+    API server's process ``frontend_pid`` sent: nobody reads their outputs."""
+
     request_ids: list[str]
+    frontend: int = -1
+    frontend_pid: int = 0
 
 
 class GetStats(msgspec.Struct, tag=True):
@@ -412,10 +418,14 @@ class Attach(msgspec.Struct, tag=True):
     requests' outputs, and every heartbeat (repeated until ``Attached``).
     ``engine`` is the engine index the API server means: an engine core
     answers only its own (or -1), so an API server that reached a stale
-    address never takes another engine core for the one it wanted."""
+    address never takes another engine core for the one it wanted. A new
+    ``life`` of that API server (a restart, or a life ended by a watchdog)
+    makes the engine core abort what the last one sent."""
 
     frontend: int
     engine: int = -1
+    pid: int = 0  # the API server's process
+    life: int = 0  # its client's life (a number new to each): a new one means the last one's requests are orphans
 
 
 class Attached(msgspec.Struct, tag=True):

@@ -13,7 +13,9 @@ file when the engine core dies; the API servers read it.
 
 A life reads the file (waiting while there is none), connects a PUSH to the
 engine core's API-server PULL and a DEALER to its ROUTER (CURVE clients with
-the deployment's keys when the addresses are TCP), says ``Attach`` (again
+the deployment's keys when the addresses are TCP), says ``Attach`` with a
+number new to the life (the engine core aborts what earlier lives of this
+API server sent: their requests have already failed here) (again
 every ``ATTACH_RETRY_S`` until answered, reading the file again each time and
 connecting anew when it changed) and, given ``Attached(EngineInfo)``, serves
 like any client: its requests carry its index, its call ids are its own
@@ -34,6 +36,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 import os
+import secrets
 from collections.abc import Callable
 
 import msgspec
@@ -139,7 +142,8 @@ class AttachedEngineCoreClient(EngineCoreClient):
         local engine core's start, and a remote one may be away for long);
         the input and output sockets, and the engine's info. If cancelled,
         nothing is left behind."""
-        attach = _encode(Attach(frontend=self.frontend_index, engine=self.engine_index))
+        life = secrets.randbits(62) + 1  # new to this life: the engine core aborts what earlier lives sent
+        attach = _encode(Attach(frontend=self.frontend_index, engine=self.engine_index, pid=os.getpid(), life=life))
         sockets: tuple[TrioZmqSocket, TrioZmqSocket] | None = None
         try:
             while True:

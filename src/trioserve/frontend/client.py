@@ -389,6 +389,12 @@ class EngineCoreClient:
             return
         self._send_abort(request_id)
 
+    def abort_frontend(self, frontend: int, pid: int) -> None:
+        """API server ``frontend`` (process ``pid``) died: the engine core
+        aborts every request it sent. Never blocks."""
+        if self._dead is None:
+            self._send_nowait(_encode(AbortRequests(request_ids=[], frontend=frontend, frontend_pid=pid)))
+
     def start_wave(self, msg: StartWave) -> None:
         """Lockstep: tell the engine core to run a request wave. Never blocks."""
         if self._dead is None:

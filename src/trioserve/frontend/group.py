@@ -227,6 +227,13 @@ class EngineGroup:
             if client is not None and supervisor.engine_index != start.exclude:
                 client.start_wave(StartWave(wave=start.wave, exclude=start.exclude))
 
+    def api_server_died(self, frontend: int, pid: int) -> None:
+        """API server ``frontend`` (process ``pid``) is gone: every engine
+        core aborts the requests it sent, whose outputs nobody would read."""
+        for supervisor in self.supervisors:
+            if (client := supervisor.live_client()) is not None:
+                client.abort_frontend(frontend, pid)
+
     # --- state ------------------------------------------------------------
 
     @property

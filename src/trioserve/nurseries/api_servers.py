@@ -28,17 +28,30 @@ core with its new addresses), while an engine core's addresses change only
 with its life, which its supervisor sees anyway; the cost is that the head
 must reach this host, on these ports.
 
+Orphans. A request whose API server is gone has nobody to read it, and
+must not keep its batch slot and KV blocks. Two things end them: the
+supervising process, seeing API server k's process (pid P) die, sends
+``AbortRequests(frontend=k, frontend_pid=P)`` on its own connection, which
+aborts every request that process sent (``note`` fills in their ids); and
+an ``Attach`` naming a new life of API server k aborts every request its
+earlier lives sent (a restart, or a life its watchdog ended while the
+engine core lived on), which also covers a supervisor that could not say.
+
 Invariants: a request's outputs go to the API server that sent it, and only
 to it, until its last one (then it is forgotten; an abort forgets it too);
 only the socket loop's task touches the ROUTER; an ``Attach`` for another
-engine index is not answered.
+engine index is not answered; no request outlives the API-server life that
+sent it once a later life attached.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import socket
 from collections import defaultdict
+from collections.abc import Callable
+from typing import NamedTuple
 
 import msgspec
 import trio
@@ -64,8 +77,17 @@ from trioserve.transport.zmq_trio import TrioZmqSocket
 
 API_SERVERS_HOST_ENV = "TRIOSERVE_API_SERVERS_HOST"  # on another host: the address to bind
 API_SERVERS_PORT_ENV = "TRIOSERVE_API_SERVERS_PORT"  # ... and the first of the two ports (0: the kernel's)
+log = logging.getLogger("trioserve.engine_core")
 _encode = msgspec.msgpack.Encoder().encode
 _decode_attach = msgspec.msgpack.Decoder(Attach).decode
+
+
+class Life(NamedTuple):
+    """One life of an API server's client of this engine core (its ``Attach``)."""
+
+    frontend: int  # the API server's index
+    pid: int
+    life: int
 
 
 class ApiServers:
@@ -74,9 +96,12 @@ class ApiServers:
     def __init__(self, engine_index: int = -1) -> None:
         self.engine_index = engine_index
         self._identities: dict[int, bytes] = {}  # API server index -> its DEALER's identity
-        self._sender: dict[str, int] = {}  # request id -> the API server that sent it
+        self._lives: dict[int, Life] = {}  # API server index -> its latest life that attached
+        self._sender: dict[str, Life] = {}  # request id -> the life that sent it
         self._loop = SocketLoop(self._received)
         self._attached = b""
+        self._orphans: trio.MemorySendChannel[EngineRequest] | None = None  # the step loop's inbox, while running
+        self._nursery: trio.Nursery | None = None
 
     async def run(
         self,
@@ -104,6 +129,7 @@ class ApiServers:
         if BIND_TCP in (input_address, output_address):
             input_address, output_address = await tcp_addresses(os.environ[HANDSHAKE_ADDRESS_ENV])
         async with trio.open_nursery() as nursery:
+            self._orphans, self._nursery = inbox, nursery
             keys = curve_keys(output_address) if output_address.startswith("tcp://") else None
             if keys is not None:
                 await nursery.start(CurveAuthenticator(keys).run)  # before any server socket is bound
@@ -123,16 +149,38 @@ class ApiServers:
             return
         if attach.engine not in (-1, self.engine_index):
             return  # it means another engine core: let it find the right one
+        life = Life(attach.frontend, attach.pid, attach.life)
+        if self._lives.get(attach.frontend, life) != life:
+            # A new life sends nothing before its Attached: all of this API server's requests are the last ones'.
+            self._abort(self._forget(lambda sender: sender.frontend == life.frontend))
+        self._lives[attach.frontend] = life
         self._identities[attach.frontend] = identity
         self._loop.send_nowait([identity, self._attached])
 
+    def _forget(self, orphaned: Callable[[Life], bool]) -> list[str]:
+        """Forget the requests whose sender is ``orphaned``; their ids."""
+        ids = [request_id for request_id, sender in self._sender.items() if orphaned(sender)]
+        for request_id in ids:
+            del self._sender[request_id]
+        return ids
+
+    def _abort(self, request_ids: list[str]) -> None:
+        if request_ids and self._orphans is not None and self._nursery is not None:
+            log.info("aborting %d requests of an API server's earlier life", len(request_ids))
+            self._nursery.start_soon(self._orphans.send, AbortRequests(request_ids=request_ids))
+
     def note(self, msg: EngineRequest) -> None:
-        """A message from an API server, on its way to the step loop."""
+        """A message on its way to the step loop, from an API server or the
+        supervising process (an ``AbortRequests`` naming a dead API server
+        gets the ids of its requests)."""
         if isinstance(msg, AddRequest) and msg.frontend >= 0:
-            self._sender[msg.request_id] = msg.frontend
+            self._sender[msg.request_id] = self._lives.get(msg.frontend, Life(msg.frontend, 0, 0))
         elif isinstance(msg, AbortRequests):
             for request_id in msg.request_ids:
                 self._sender.pop(request_id, None)
+            if msg.frontend >= 0:
+                dead = Life(msg.frontend, msg.frontend_pid, 0)
+                msg.request_ids.extend(self._forget(lambda sender: sender[:2] == dead[:2]))
 
     def route(self, msg: EngineResponse) -> EngineResponse | None:
         """Send the API servers their share of ``msg``; what is left for the
@@ -141,12 +189,12 @@ class ApiServers:
             own: list[TokenOutput] = []
             theirs: dict[int, list[TokenOutput]] = defaultdict(list)
             for output in msg.outputs:
-                sender = self._sender.get(output.request_id, -1)
+                sender = self._sender.get(output.request_id)
                 if output.finish_reason is not None:
                     self._sender.pop(output.request_id, None)
-                (own if sender < 0 else theirs[sender]).append(output)
-            for sender, outputs in theirs.items():
-                if (identity := self._identities.get(sender)) is not None:
+                (own if sender is None else theirs[sender.frontend]).append(output)
+            for frontend, outputs in theirs.items():
+                if (identity := self._identities.get(frontend)) is not None:
                     self._loop.send_nowait([identity, _encode(EngineOutputs(outputs=outputs))])
             return EngineOutputs(outputs=own) if own else None
         if not isinstance(msg, WaveNotice) and self._identities:

@@ -548,7 +548,9 @@ async def _serve(
         watch = FrontEndWatch(config.heartbeat_timeout_s) if address.startswith("tcp://") else None
         if watch is not None:
             nursery.start_soon(watch.run)
-        await nursery.start(input_socket_actor, init.input_address, inbox_send, watch and watch.heard)
+        # The supervising process of several API servers aborts a dead one's requests, which its note names.
+        note = None if api_servers is None or api_servers[1] is None else api_servers[1].note
+        await nursery.start(input_socket_actor, init.input_address, inbox_send, watch and watch.heard, False, note)
         bound = None  # where the API servers connect
         if api_servers is not None and api_servers[1] is not None and init.frontends is not None:
             start = functools.partial(api_servers[1].run, init.frontends, info, inbox_send)

@@ -180,6 +180,8 @@ class ApiServers:
                 await self._run_one(k, fd, env, ready)
             except* ProcessExited as group:  # it died (an exit asked for by drain() raises nothing)
                 log.warning("api-server-%d: %s", k, group.exceptions[0])
+            if (child := self.children[k]) is not None and self.group is not None:
+                self.group.api_server_died(k, child.pid)  # a drained one's left only if past the grace
             self.children[k] = None
             if self.draining:
                 return
