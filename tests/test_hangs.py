@@ -12,14 +12,16 @@ import signal
 import time
 import urllib.request
 from pathlib import Path
+from typing import Any
 
 import psutil
 import pytest
 import trio
-from helpers.fakes import wait_no_children
+from helpers.fakes import fake_tokens, wait_no_children
 from helpers.serving import running, serve_argv, spawned, tree_of, wait_for_url, wait_gone
 
 import trioserve
+from test_server import Received, collect, generate, open_ws
 from test_supervision import Outcome, assert_idle_and_clean, consume
 from trioserve import SamplingParams
 from trioserve.errors import EngineDeadError
@@ -135,6 +137,51 @@ async def test_health_says_stalled_then_the_server_restarts_the_stopped_engine(t
             await trio.sleep(0.05)
         assert "stalled" in seen, seen
         assert seen[-1] == "ready" and not running(worker)
+        proc.send_signal(signal.SIGTERM)
+        assert await trio.to_thread.run_sync(proc.wait, 20) == 0
+
+
+def stream_through_a_freeze(url: str, frozen: list[int], freeze_s: float) -> Received:
+    """Stream a request of ~3 s; freeze ``frozen`` (SIGSTOP) for ``freeze_s`` once it streams, then thaw them."""
+    with open_ws(url) as ws:
+        ws.send(generate("r", [5, 6], max_tokens=300, ignore_eos=True))
+        first, _ = collect_first(ws)
+        for pid in frozen:
+            os.kill(pid, signal.SIGSTOP)
+        time.sleep(freeze_s)
+        for pid in frozen:
+            os.kill(pid, signal.SIGCONT)
+        received, _ = collect(ws, {"r"}, received={"r": first})
+        return received["r"]
+
+
+def collect_first(ws: Any) -> tuple[Received, dict]:
+    """Read up to the request's first tokens."""
+    while True:
+        msg = json.loads(ws.recv(timeout=10))
+        if msg["type"] == "delta":
+            return Received(token_ids=list(msg["token_ids"])), msg
+        assert msg["type"] not in ("done", "error"), msg
+
+
+@pytest.mark.parametrize("frozen", ["front-end", "whole tree"])
+async def test_a_frozen_front_end_or_tree_is_not_taken_for_a_hung_engine_once_it_runs_again(tiny_model_dir, frozen):
+    """SIGSTOP of the server alone, or of every process (``docker pause``), for
+    three heartbeat timeouts: on SIGCONT each watchdog finds its own deadline
+    past, but the time its process was away is not its peer's silence. The
+    stream ends in full and no process was replaced."""
+    argv = serve_argv(
+        "--model", str(tiny_model_dir("llama")), "--runner", "fake", "--fake-options", '{"step_delay_s": 0.01}',
+        "--heartbeat-interval", "0.2", "--heartbeat-timeout", "1",
+    )  # fmt: skip
+    with trio.fail_after(60), spawned(argv) as proc:
+        url = await trio.to_thread.run_sync(wait_for_url, proc, 30)
+        tree = tree_of(proc.pid)
+        victims = [proc.pid] if frozen == "front-end" else [proc.pid, *tree]
+        received = await trio.to_thread.run_sync(stream_through_a_freeze, url, victims, 3.0)
+        assert received.terminal is not None and received.terminal["type"] == "done", received.terminal
+        assert received.token_ids == fake_tokens([5, 6], 300)
+        assert tree_of(proc.pid) == tree  # the same engine core and worker: none was killed as hung
         proc.send_signal(signal.SIGTERM)
         assert await trio.to_thread.run_sync(proc.wait, 20) == 0
 

@@ -66,6 +66,7 @@ from trioserve.nurseries.engine_core import ENGINE_INDEX_ENV, HANDSHAKE_ADDRESS_
 from trioserve.nurseries.process import ChildProcess, ProcessExited, supervise_process
 from trioserve.rpc import ControlCall, ControlReply, ControlRequest, Pause, Sleep
 from trioserve.transport.outbox import Outbox
+from trioserve.transport.silence import Silence
 from trioserve.transport.zmq_trio import TrioZmqSocket, private_ipc_dir
 
 TO_ENGINE_SIZE = 1024  # messages queued for the input socket
@@ -128,8 +129,7 @@ class EngineCoreClient:
         self._stage: StartupStage = "spawn"
         self._startup_failed: StartupFailed | None = None
         self._dead: EngineDeadError | None = None
-        self._last_heard = trio.current_time()  # any message from the engine core
-        self._silence = trio.CancelScope()  # the watchdog's: its deadline is the last message + the timeout
+        self._silence = Silence()  # since any message from the engine core (this process's absences excused)
         self._engine_stalled = ""  # what its last heartbeat said
 
     # --- life cycle ---------------------------------------------------------
@@ -176,7 +176,7 @@ class EngineCoreClient:
 
     def _serve_sockets(self, nursery: trio.Nursery, input_sock: TrioZmqSocket, output_sock: TrioZmqSocket) -> None:
         """After the handshake: the socket actors, and the watchdog."""
-        self._last_heard = trio.current_time()
+        self._silence = Silence()
         nursery.start_soon(self._input_sender, input_sock)
         nursery.start_soon(self._output_handler, output_sock)
         nursery.start_soon(self._watchdog)
@@ -206,11 +206,12 @@ class EngineCoreClient:
     async def _watchdog(self) -> None:
         """Declare the engine core hung when it sends nothing, not even a
         heartbeat, for ``heartbeat_timeout_s``: its requests fail at once,
-        then it (and its process group) is killed. Cancelling this leaves
+        then it (and its process group) is killed. Time this process itself
+        did not run (it was stopped, or its loop held up) is not the engine
+        core's silence (``transport/silence.py``). Cancelling this leaves
         nothing behind."""
         timeout = self.config.heartbeat_timeout_s
-        with trio.CancelScope(deadline=self._last_heard + timeout) as self._silence:
-            await trio.sleep_forever()  # every message heard moves the deadline on
+        await self._silence.wait(timeout)
         pid = self.process.pid if self.process is not None else self.info.engine_pid if self.info else "?"
         self._die(
             f"{self.name} (pid {pid}) sent nothing for {self._silent_for():.1f}s "
@@ -224,7 +225,7 @@ class EngineCoreClient:
             self.process.declare_hung()
 
     def _silent_for(self) -> float:
-        return trio.current_time() - self._last_heard
+        return self._silence.silent_for()
 
     @property
     def stalled(self) -> str:
@@ -281,22 +282,23 @@ class EngineCoreClient:
         first, with a more precise error) guards against one that beats but
         never answers."""
         deadline = trio.current_time() + self.config.model_load_timeout_s + self.config.startup_timeout_s
-        while True:
-            silent_until = trio.current_time() + self.config.heartbeat_timeout_s
-            with trio.move_on_at(min(deadline, silent_until)) as wait:
-                _, raw = await sock.recv_multipart()
-            if wait.cancelled_caught:
-                self._hung()
-                hung = trio.current_time() >= silent_until
-                why = f"sent nothing for {self.config.heartbeat_timeout_s}s: hung (stopped, or stuck), killed"
-                raise EngineStartupError(
-                    f"{self.name} {why if hung else 'was not ready within model_load_timeout_s + startup_timeout_s'}",
-                    stage="model-load",
-                    process=self.name,
-                )
-            reply = _decode_handshake(raw)
-            if not isinstance(reply, Heartbeat):
-                return reply
+        silence = Silence()
+        with trio.move_on_at(deadline):
+            async with silence.watched(self.config.heartbeat_timeout_s):
+                while True:
+                    _, raw = await sock.recv_multipart()
+                    silence.heard()
+                    reply = _decode_handshake(raw)
+                    if not isinstance(reply, Heartbeat):
+                        return reply
+        self._hung()
+        hung = f"sent nothing for {self.config.heartbeat_timeout_s}s: hung (stopped, or stuck), killed"
+        slow = "was not ready within model_load_timeout_s + startup_timeout_s"
+        raise EngineStartupError(
+            f"{self.name} {hung if silence.expired else slow}",
+            stage="model-load",
+            process=self.name,
+        )
 
     def _startup_message(self, exited: ProcessExited | None = None) -> str:
         parts = [f"{self.name} failed to start during {self._stage}"]
@@ -485,8 +487,7 @@ class EngineCoreClient:
         with sock:
             while True:
                 msg = decoder.decode(await sock.recv())
-                self._last_heard = trio.current_time()
-                self._silence.deadline = self._last_heard + self.config.heartbeat_timeout_s
+                self._silence.heard()
                 if isinstance(msg, EngineOutputs):
                     self._dispatch(msg)
                 elif isinstance(msg, StatsReply | PrefixCacheReset):

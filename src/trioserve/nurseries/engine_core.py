@@ -75,6 +75,7 @@ from trioserve.nurseries.executor import Executor
 from trioserve.nurseries.workers import ExecutorStage, WorkerError
 from trioserve.rpc import ControlRequest
 from trioserve.transport.curve import CurveKeys, load_keys
+from trioserve.transport.silence import Silence
 from trioserve.transport.zmq_trio import TrioZmqSocket
 
 HANDSHAKE_ADDRESS_ENV = "TRIOSERVE_HANDSHAKE_ADDRESS"
@@ -347,14 +348,13 @@ class FrontEndWatch:
 
     def __init__(self, timeout_s: float) -> None:
         self.timeout_s = timeout_s
-        self._scope = trio.CancelScope(deadline=trio.current_time() + timeout_s)
+        self._silence = Silence()  # time this process did not run is excused (transport/silence.py)
 
     def heard(self) -> None:
-        self._scope.deadline = trio.current_time() + self.timeout_s
+        self._silence.heard()
 
     async def run(self) -> None:
-        with self._scope:
-            await trio.sleep_forever()
+        await self._silence.wait(self.timeout_s)
         raise ChildFailed(f"the front-end sent nothing for {self.timeout_s}s (heartbeat_timeout_s): it is gone")
 
 

@@ -50,6 +50,7 @@ from trioserve.nurseries.process import ChildProcess, ProcessExited, supervise_p
 from trioserve.nurseries.worker import WORKER_FD_ENV, WORKER_RANK_ENV
 from trioserve.nurseries.workers import ExecutorStage, WorkerError, WorkerHandle, WorkerHung
 from trioserve.transport.framing import MessageBridge, socketpair_for_child
+from trioserve.transport.silence import TICK_MAX_S, sleep_noting_absence
 
 # How long a worker that reported a failure, or closed its stream, gets to
 # exit, so that the error can name its exit code. It exits at once after its
@@ -126,10 +127,12 @@ class WorkerGroup:
 
     async def _watch_heartbeats(self) -> None:
         """Declare hung a worker silent for ``heartbeat_timeout_s`` (before it
-        was first heard from: ``startup_timeout_s``, which covers its start)."""
+        was first heard from: ``startup_timeout_s``, which covers its start).
+        Time this process itself did not run is not a worker's silence."""
         while True:
-            await trio.sleep(self.config.heartbeat_interval_s / 2)
+            away = await sleep_noting_absence(min(self.config.heartbeat_interval_s / 2, TICK_MAX_S))
             for worker in self._workers:
+                worker.silence.excuse(away)
                 limit = self.config.heartbeat_timeout_s if worker.heard else self.config.startup_timeout_s
                 if worker.silent_for() > limit and worker.process is not None and worker.process.returncode is None:
                     self._kill_hung([worker])

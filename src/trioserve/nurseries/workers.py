@@ -17,6 +17,7 @@ from trioserve.errors import StartupStage
 from trioserve.messages import FromWorker, ToWorker, WorkerFailed
 from trioserve.nurseries.process import ChildProcess
 from trioserve.transport.framing import MessageBridge
+from trioserve.transport.silence import Silence
 
 ExecutorStage = StartupStage | Literal["step"]
 
@@ -59,10 +60,20 @@ class WorkerHandle:
         """A message (a heartbeat at least) came from it since it started."""
         return self.bridge is not None and self.bridge.num_received > 0
 
+    silence: Silence = field(init=False)  # time the engine core itself did not run is excused
+
+    def __post_init__(self) -> None:
+        self.silence = Silence(self._last_heard)
+
+    def _last_heard(self) -> float:
+        """When it last sent anything (heartbeats included); before its bridge
+        exists, now."""
+        return trio.current_time() if self.bridge is None else self.bridge.last_received_at
+
     def silent_for(self) -> float:
-        """Seconds since it last sent anything (heartbeats included)."""
-        started = trio.current_time() if self.bridge is None else self.bridge.last_received_at
-        return trio.current_time() - started
+        """Seconds since it last sent anything (heartbeats included), less
+        the time the engine core itself was seen to be away."""
+        return self.silence.silent_for()
 
     @property
     def name(self) -> str:
