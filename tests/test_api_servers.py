@@ -287,7 +287,10 @@ def stream_to_close(ws: Any, started: Any) -> tuple[str, int | None]:
     return end, info.value.rcvd.code if info.value.rcvd else None
 
 
-async def test_sigterm_drains_every_api_servers_streams_then_exits_0_leaving_nothing(tiny_model_dir):
+@pytest.mark.parametrize("to", ["the supervising process", "every process"])
+async def test_sigterm_drains_every_api_servers_streams_then_exits_0_leaving_nothing(tiny_model_dir, to):
+    """SIGTERM to every process is what systemd's default KillMode and a kill of
+    the process group do: the children leave the stop to their parents."""
     grace = 1.0
     options = ("--fake-options", '{"step_delay_s": 0.01}', "--shutdown-grace", str(grace))
     with trio.fail_after(90), spawned(argv(str(tiny_model_dir("llama")), *options)) as proc, ExitStack() as stack:
@@ -310,7 +313,8 @@ async def test_sigterm_drains_every_api_servers_streams_then_exits_0_leaving_not
                 await streaming.acquire()
             tree = [proc.pid, *tree_of(proc.pid)]
             signalled = time.monotonic()
-            proc.send_signal(signal.SIGTERM)
+            for pid in tree if to == "every process" else [proc.pid]:
+                os.kill(pid, signal.SIGTERM)
         assert ends == [("shutdown", 1001)] * len(sockets)
         assert await in_thread(proc.wait, grace + 15) == 0
         gone_after = await in_thread(wait_gone, tree, signalled, grace + 15)
