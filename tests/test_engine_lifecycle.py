@@ -661,3 +661,33 @@ async def test_a_stream_refused_as_overloaded_may_be_entered_again_once_there_is
                     pass
             async with later:
                 assert [t for out in [o async for o in later] for t in out.token_ids] == fake_tokens([7, 8], 3)
+
+
+async def test_a_stream_read_after_its_block_or_by_two_tasks_at_once_raises_rather_than_waiting_for_ever(fake_config):
+    """After its block the request is aborted: nothing more will come (a
+    finished one simply ends). Two readers would split its outputs, and one
+    would wait for ever after the last."""
+    params = SamplingParams(max_tokens=20, ignore_eos=True)
+    with trio.fail_after(60):
+        async with trioserve.open_engine(config=fake_config(step_delay_s=0.01)) as engine:
+            async with engine.stream([5, 6], params) as stream:
+                await stream.__anext__()
+            with pytest.raises(RuntimeError, match="inside its async with block .it has exited"):
+                await stream.__anext__()
+            async with engine.stream([5, 6], SamplingParams(max_tokens=2, ignore_eos=True)) as finished:
+                assert len([output async for output in finished]) >= 1
+            assert [output async for output in finished] == []  # it had ended: iteration just ends
+            for make in (lambda: engine.stream([5, 6], params), lambda: engine.stream_n([5, 6], params, 2)):
+                async with make() as shared:
+                    read: list[int] = []
+
+                    async def reader(s: Any = shared, into: list[int] = read) -> None:
+                        async for output in s:
+                            into.append(output.num_output_tokens)
+
+                    with pytest.RaisesGroup(pytest.RaisesExc(trio.BusyResourceError, match="another task")):
+                        async with trio.open_nursery() as nursery:
+                            nursery.start_soon(reader)
+                            nursery.start_soon(reader)
+            stats = await engine.stats()
+            assert stats.num_running == stats.num_waiting == 0 and engine.num_requests_in_flight() == 0

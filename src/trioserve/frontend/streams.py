@@ -45,7 +45,9 @@ class Submitter(Protocol):
 class RequestStream:
     """One streaming request; an async context manager and an async iterator of
     ``RequestOutput`` deltas. Iteration ends after the output whose
-    ``finish_reason`` is set."""
+    ``finish_reason`` is set. It is read by one task at a time
+    (``trio.BusyResourceError`` for a second), inside its block
+    (``RuntimeError`` outside it, unless the request had finished)."""
 
     def __init__(
         self,
@@ -67,6 +69,8 @@ class RequestStream:
         self._client: EngineCoreClient | None = None
         self._state: RequestState | None = None
         self._done = False
+        self._exited = False  # its block has exited
+        self._reader = _OneReader(f"request {request_id!r}")
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -94,6 +98,7 @@ class RequestStream:
     async def __aexit__(
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None:
+        self._exited = True
         if not self._done and self._client is not None:
             self._client.abort(self.request_id)
             if self._state is not None:
@@ -106,17 +111,38 @@ class RequestStream:
         """The next delta. If cancelled, nothing is lost: it stays for the next call."""
         if self._done:
             raise StopAsyncIteration
-        if self._state is None:
-            raise RuntimeError("iterate a RequestStream inside its async with block")
-        try:
-            output = await self._state.collector.get()
-        except Exception:  # EngineDeadError, RequestError: the request is over
-            self._done = True
-            self._state.ended("error")
-            raise
+        if self._state is None or self._exited:
+            raise RuntimeError(
+                f"request {self.request_id!r}: iterate a RequestStream inside its async with block"
+                + (" (it has exited: the request was aborted)" if self._exited else "")
+            )
+        with self._reader:
+            try:
+                output = await self._state.collector.get()
+            except Exception:  # EngineDeadError, RequestError: the request is over
+                self._done = True
+                self._state.ended("error")
+                raise
         if output.finished:
             self._done = True
         return output
+
+
+class _OneReader:
+    """Refuses a second task reading a stream while one does: outputs split
+    between two readers, and one of them would wait for ever at the end."""
+
+    def __init__(self, what: str) -> None:
+        self._what = what
+        self._busy = False
+
+    def __enter__(self) -> None:
+        if self._busy:
+            raise trio.BusyResourceError(f"{self._what}: another task is already reading this stream")
+        self._busy = True
+
+    def __exit__(self, *exc: object) -> None:
+        self._busy = False
 
 
 class ParentRequestStream:
@@ -127,7 +153,8 @@ class ParentRequestStream:
     Entering it submits every child to one engine core, or none: if one
     cannot be submitted (or entering is cancelled), none is left submitted.
     Leaving the block early, being cancelled, or a child failing aborts
-    every child still running and frees its KV blocks.
+    every child still running and frees its KV blocks. One task reads it at
+    a time (``trio.BusyResourceError`` for a second).
     """
 
     def __init__(
@@ -155,6 +182,7 @@ class ParentRequestStream:
         self._client: EngineCoreClient | None = None
         self._wakeup = trio.Event()
         self._next = 0  # the child to look at first, so that no sample starves the others
+        self._reader = _OneReader(f"request {request_id!r}")
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -206,14 +234,15 @@ class ParentRequestStream:
         child's error (``EngineDeadError``...) aborts the others and is raised."""
         if not self._children:
             raise RuntimeError("iterate a ParentRequestStream inside its async with block")
-        while self._running:
-            output = self._poll()
-            if output is not None:
-                return output
-            await self._wakeup.wait()
-            self._wakeup = trio.Event()
-            for state in self._children:
-                state.collector.on_ready = self._wakeup.set
+        with self._reader:
+            while self._running:
+                output = self._poll()
+                if output is not None:
+                    return output
+                await self._wakeup.wait()
+                self._wakeup = trio.Event()
+                for state in self._children:
+                    state.collector.on_ready = self._wakeup.set
         raise StopAsyncIteration
 
     def _poll(self) -> RequestOutput | None:
