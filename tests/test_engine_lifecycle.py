@@ -672,7 +672,7 @@ async def test_a_stream_read_after_its_block_or_by_two_tasks_at_once_raises_rath
         async with trioserve.open_engine(config=fake_config(step_delay_s=0.01)) as engine:
             async with engine.stream([5, 6], params) as stream:
                 await stream.__anext__()
-            with pytest.raises(RuntimeError, match="inside its async with block .it has exited"):
+            with pytest.raises(RuntimeError, match=r"inside its async with block \(it has exited"):
                 await stream.__anext__()
             async with engine.stream([5, 6], SamplingParams(max_tokens=2, ignore_eos=True)) as finished:
                 assert len([output async for output in finished]) >= 1
