@@ -329,6 +329,23 @@ def test_a_max_model_len_beyond_the_models_positions_is_refused_at_load(tiny_mod
     assert ModelRunner(config.replace(max_model_len=512)).load().model.max_model_len == 512
 
 
+def test_a_kv_cache_larger_than_the_memory_available_is_refused_before_it_is_allocated(tiny_model_dir, monkeypatch):
+    """Found: --kv-cache-mib 12000 zero-filled 8+ GiB of this 24 GiB host (40000: the OOM killer)."""
+    from trioserve.gpu import model_runner
+
+    runner = model_runner.ModelRunner(EngineConfig(model=str(tiny_model_dir("llama")), block_size=4))
+    runner.load()
+    available = 64 * runner.bytes_per_block
+    monkeypatch.setattr(model_runner, "available_memory", lambda device: available)
+    with pytest.raises(
+        MemoryError, match=r"the KV cache of 64 blocks needs .* more than 90% of the .* MiB of cpu memory"
+    ):
+        runner.init_kv_cache(64)
+    assert runner.kv_caches == []  # nothing allocated
+    runner.init_kv_cache(57)  # within 90%
+    assert runner.num_blocks == 57
+
+
 def test_logprobs_and_bfloat16_run_end_to_end(tiny_model_dir):
     runner, _ = make_runner(tiny_model_dir("gemma2"), dtype="bfloat16")
     assert runner.kv_caches[0][0].dtype == torch.bfloat16

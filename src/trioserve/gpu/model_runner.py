@@ -21,6 +21,7 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+import psutil
 import torch
 
 from trioserve.config import EngineConfig, cpu_threads_per_worker
@@ -69,6 +70,18 @@ def resolve_device(name: str, rank: int | None = None) -> torch.device:
         torch.cuda.set_device(rank)
         return torch.device("cuda", rank)
     return torch.device(name)
+
+
+KV_MEMORY_SHARE = 0.9  # the most of the memory available at allocation that the KV cache may take
+
+
+def available_memory(device: torch.device) -> int:
+    """Bytes of memory available for new allocations on ``device`` now (on
+    the CPU, the host's: what it can give without swapping)."""
+    if device.type == "cuda":
+        free, _total = torch.cuda.mem_get_info(device)
+        return int(free)
+    return int(psutil.virtual_memory().available)
 
 
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
@@ -219,9 +232,19 @@ class ModelRunner:
 
     def init_kv_cache(self, num_blocks: int) -> None:
         """Allocate ``num_blocks`` blocks per layer, zeroed (padding reads must
-        be finite). A compiled model is compiled here, on a dummy step."""
+        be finite). A compiled model is compiled here, on a dummy step.
+        ``MemoryError`` naming the settings when the cache would take more
+        than ``KV_MEMORY_SHARE`` of the device's memory available now (on the
+        CPU, filling it would push the host into swap or the OOM killer)."""
         if num_blocks < 1:
             raise ValueError(f"num_blocks: must be >= 1 (got {num_blocks})")
+        need, available = num_blocks * self.bytes_per_block, available_memory(self.device)
+        if need > KV_MEMORY_SHARE * available:
+            raise MemoryError(
+                f"the KV cache of {num_blocks} blocks needs {need / 2**20:.0f} MiB, more than "
+                f"{KV_MEMORY_SHARE:.0%} of the {available / 2**20:.0f} MiB of {self.device.type} memory available "
+                "now: lower kv_cache_memory_bytes (--kv-cache-mib) or num_kv_blocks"
+            )
         shape = (self.num_layers, 2, num_blocks, self.block_size, self.num_kv_heads, self.head_dim)
         pool = torch.zeros(shape, dtype=self.dtype, device=self.device)  # one allocation
         self.kv_caches = [(pool[layer, 0], pool[layer, 1]) for layer in range(self.num_layers)]  # [N, bs, KVH, D]
