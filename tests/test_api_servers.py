@@ -191,6 +191,32 @@ async def test_kill_9_of_one_api_server_drops_only_its_connections_and_it_is_res
         assert not any(running(pid) for pid in tree)
 
 
+async def test_a_stopped_api_server_is_killed_as_hung_its_request_aborted_and_it_is_restarted(tiny_model_dir):
+    """SIGSTOP (or a wedged event loop): its clients would wait for ever while
+    the other API server says 200 on /health."""
+    options = ("--fake-options", '{"step_delay_s": 0.01}', "--heartbeat-interval", "0.2", "--heartbeat-timeout", "1")
+    with trio.fail_after(90), spawned(argv(str(tiny_model_dir("llama")), *options)) as proc, ExitStack() as stack:
+        url = await in_thread(wait_for_url, proc, 60)
+        pids = api_servers(proc.pid)
+        sockets = await in_thread(open_on_both, stack, url, pids)
+        victim = await in_thread(owner, sockets[0], pids, port_of(url))
+        sockets[0].send(generate("long", [5, 6], max_tokens=100_000, ignore_eos=True))
+        await wait_until(lambda: engine_load(url)[0] == 1.0, 10)
+        os.kill(victim, signal.SIGSTOP)
+        stopped_at = time.monotonic()
+        await wait_until(lambda: not running(victim), 10)
+        assert time.monotonic() - stopped_at < 1 + 2  # the heartbeat timeout, and a margin
+        with pytest.raises(ConnectionClosed):
+            while True:
+                await in_thread(sockets[0].recv, 5)
+        await wait_until(lambda: engine_load(url) == (0.0, 0.0), 5)  # its request is aborted
+        await wait_until(lambda: len(api_servers(proc.pid)) == 2, 20)  # and it is restarted
+        assert victim not in api_servers(proc.pid)
+        proc.send_signal(signal.SIGTERM)
+        assert await in_thread(proc.wait, 20) == 0
+        assert proc.stderr is not None and "sent nothing for" in proc.stderr.read()
+
+
 async def test_kill_9_of_the_supervising_process_leaves_no_process_after_2s(tiny_model_dir):
     with trio.fail_after(90), spawned(argv(str(tiny_model_dir("llama")))) as proc:
         await in_thread(wait_for_url, proc, 60)

@@ -28,12 +28,17 @@ socket, with no window in which the port is closed. The cost: an idle
 process may be woken with nothing to accept (trio's accept simply waits
 again), and the spread across processes is whoever accepts first, not a hash.
 
-Each API server is a supervised child: one that dies is restarted after
+Each API server is a supervised child: one that dies, or falls silent, is
+restarted after
 ``restart_backoff_s`` (doubling), at most ``max_restarts`` times within
 ``restart_window_s`` (the engines' budget), past which ``serve`` stops
-(exit 1). Its clients see their connections close; the other API servers'
-see nothing. Whichever life of an API server first serves reports its
-start. SIGTERM or SIGINT to the supervising process drains them
+(exit 1). Once it serves, it writes a byte on its ready pipe every
+``heartbeat_interval_s`` from its event loop; one silent for
+``heartbeat_timeout_s`` (stopped, or its loop wedged: it serves nobody) is
+killed as hung, which counts as a death. Its clients see their connections
+close, and its requests are aborted in the engine cores
+(``EngineGroup.api_server_died``); the other API servers' see nothing.
+Whichever life of an API server first serves reports its start. SIGTERM or SIGINT to the supervising process drains them
 (``drain``: each shuts down gracefully, as a single server does, and its
 exit is an expected one: ``ChildProcess.expect_exit``), then stops the
 engine cores (before they serve, it stops everything at once). ``kill -9``
@@ -64,6 +69,7 @@ from trioserve.nurseries.child_main import remove_if_parent_dies
 from trioserve.nurseries.process import ChildProcess, ProcessExited, supervise_process
 from trioserve.server.config import ServerConfig
 from trioserve.server.server import Server
+from trioserve.transport.silence import Silence
 from trioserve.transport.zmq_trio import private_ipc_dir
 
 API_SERVER_ENV = "TRIOSERVE_API_SERVER"  # ApiServerInit, msgpack, hex
@@ -222,10 +228,42 @@ class ApiServers:
                 await trio.lowlevel.wait_readable(read_end)
                 if os.read(read_end, 1) == b"r":
                     ready()
+                    await self._watch_heartbeats(k, child, read_end)
         finally:
             for end in (read_end, write_end):
                 if end >= 0:
                     os.close(end)
+
+    async def _watch_heartbeats(self, k: int, child: ChildProcess, read_end: int) -> None:
+        """Read API server ``k``'s heartbeats until its pipe ends (it exits);
+        if it is silent for ``heartbeat_timeout_s``, kill it as hung."""
+        silence = Silence()
+        timeout = self.engine_config.heartbeat_timeout_s
+        async with silence.watched(timeout):
+            while True:
+                await trio.lowlevel.wait_readable(read_end)
+                if not os.read(read_end, 4096):
+                    return  # it is exiting: its reaper says how
+                silence.heard()
+        log.warning(
+            "api-server-%d (pid %d) sent nothing for %.1fs (heartbeat_timeout_s=%ss): hung (stopped, or stuck), killed",
+            k,
+            child.pid,
+            silence.silent_for(),
+            timeout,
+        )
+        child.declare_hung()
+
+
+async def _heartbeats(fd: int, interval_s: float) -> None:
+    """Write a byte on ``fd`` (the ready pipe) every ``interval_s``, from this
+    event loop; a full pipe (the supervising process is stopped) or a closed
+    one (it is gone: the parent watch ends this process) is not an error."""
+    os.set_blocking(fd, False)
+    while True:
+        with contextlib.suppress(BlockingIOError, BrokenPipeError):
+            os.write(fd, b"h")
+        await trio.sleep(interval_s)
 
 
 async def api_server_main() -> None:
@@ -253,4 +291,4 @@ async def api_server_main() -> None:
             nursery.start_soon(run)
             if await server.wait_ready():
                 os.write(ready_fd, b"r")
-                os.close(ready_fd)
+                nursery.start_soon(_heartbeats, ready_fd, init.engine_config.heartbeat_interval_s)
