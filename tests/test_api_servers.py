@@ -4,6 +4,7 @@ the fake runner, the command as an operator runs it."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -365,15 +366,32 @@ def engine_cores_with_workers(pid: int) -> list[psutil.Process]:
     return found
 
 
-@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGKILL])
-async def test_a_signal_while_the_engines_load_stops_everything_at_once_and_leaves_nothing(tiny_model_dir, signum):
+def engine_cores(pid: int) -> list[int]:
+    """The engine-core processes under ``pid``, however far they are."""
+    found = []
+    for p in psutil.Process(pid).children():
+        with contextlib.suppress(psutil.NoSuchProcess):
+            if p.cmdline()[-1:] == ["engine-core"]:
+                found.append(p.pid)
+    return found
+
+
+@pytest.mark.parametrize(
+    ("signum", "when"),
+    [(signal.SIGTERM, "loading"), (signal.SIGKILL, "loading"), (signal.SIGKILL, "engine cores just started")],
+)
+async def test_a_signal_while_the_engines_load_stops_everything_at_once_and_leaves_nothing(
+    tiny_model_dir, signum, when
+):
     """SIGTERM: stopped at once (nothing serves yet, so nothing to drain), exit 0;
     kill -9: every process goes by itself. Either way the supervising process's
-    private directory goes too."""
+    private directory goes too, even when the engine cores have not had their
+    handshake yet (found: it was left)."""
     before = private_dirs()
     options = ("--fake-options", '{"load_delay_s": 60}')
     with trio.fail_after(60), spawned(argv(str(tiny_model_dir("llama")), *options)) as proc:
-        await wait_until(lambda: engine_cores_with_workers(proc.pid), 30)
+        started = engine_cores_with_workers if when == "loading" else engine_cores
+        await wait_until(lambda: started(proc.pid), 30)
         assert private_dirs() - before  # the API servers' directory, made before any of them
         tree = [proc.pid, *tree_of(proc.pid)]
         signalled = time.monotonic()

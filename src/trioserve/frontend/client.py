@@ -62,7 +62,13 @@ from trioserve.messages import (
     StatsReply,
     WaveNotice,
 )
-from trioserve.nurseries.engine_core import ENGINE_INDEX_ENV, HANDSHAKE_ADDRESS_ENV, HANDSHAKE_TIMEOUT_ENV
+from trioserve.nurseries.engine_core import (
+    API_SERVERS_DIR_ENV,
+    ENGINE_INDEX_ENV,
+    HANDSHAKE_ADDRESS_ENV,
+    HANDSHAKE_TIMEOUT_ENV,
+    ipc_directory,
+)
 from trioserve.nurseries.process import ChildProcess, ProcessExited, supervise_process
 from trioserve.rpc import ControlCall, ControlReply, ControlRequest, Pause, Sleep
 from trioserve.transport.outbox import Outbox
@@ -169,6 +175,8 @@ class EngineCoreClient:
                 ENGINE_INDEX_ENV: str(self.engine_index),
                 HANDSHAKE_TIMEOUT_ENV: str(self.config.startup_timeout_s),
             }
+            if self.frontends is not None and (api_servers_dir := ipc_directory(self.frontends.input_address)):
+                env[API_SERVERS_DIR_ENV] = api_servers_dir
             self.process = await nursery.start(self._supervise, env, nursery.cancel_scope)
             info = await self._handshake(handshake, input_address, output_address)
         self._serve_sockets(nursery, input_sock, output_sock)

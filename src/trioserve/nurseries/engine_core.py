@@ -92,6 +92,7 @@ INSECURE_TCP_ENV = "TRIOSERVE_INSECURE_TCP"
 # there; with one rank the engine core removes it at once); the parent
 # removes it when the engine core ends, however it ends.
 PRIVATE_DIR_ENV = "TRIOSERVE_PRIVATE_DIR"
+API_SERVERS_DIR_ENV = "TRIOSERVE_API_SERVERS_DIR"  # where a local engine core listens for API servers
 DEFAULT_HANDSHAKE_TIMEOUT_S = 30.0  # EngineConfig.startup_timeout_s's default
 INBOX_SIZE = 1024  # requests and aborts waiting for the step loop
 LOAD_REPORT_INTERVAL_S = 0.02  # the most often the load goes out when it changes
@@ -471,6 +472,11 @@ async def engine_core_main() -> None:
         remove_if_parent_dies(front_end_dir)
     if PRIVATE_DIR_ENV in os.environ:  # the headless process's, likewise
         remove_if_parent_dies(os.environ[PRIVATE_DIR_ENV])
+    if API_SERVERS_DIR_ENV in os.environ:
+        # The API servers' directory, the supervising process's: after its kill -9 before any API server
+        # runs (the engines start first), nobody else removes it. Taken before the handshake, which a
+        # kill -9 may come before.
+        remove_if_parent_dies(os.environ[API_SERVERS_DIR_ENV])
     handshake = TrioZmqSocket.connect(zmq.DEALER, handshake_address, linger=1000, **socket_options(handshake_address))
     with handshake:
         timeout = handshake_timeout_s()
@@ -487,10 +493,6 @@ async def engine_core_main() -> None:
             # Nothing goes there (no ranks to meet): gone now, a kill -9 of the whole tree cannot leave it.
             with contextlib.suppress(OSError):
                 os.rmdir(os.environ.pop(PRIVATE_DIR_ENV))
-        if init.frontends is not None and (api_servers_dir := ipc_directory(init.frontends.input_address)):
-            # The API servers' directory, the supervising process's: after its kill -9 while the engines
-            # load, no API server exists yet to remove it.
-            remove_if_parent_dies(api_servers_dir)
         outbox_send, outbox_receive = trio.open_memory_channel[EngineResponse](OUTBOX_SIZE)
         death = DeathReport(outbox_send)
         api_servers = ApiServers(engine_index) if init.frontends is not None else None
