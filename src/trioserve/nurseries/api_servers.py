@@ -46,6 +46,7 @@ sent it once a later life attached.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import socket
@@ -167,7 +168,12 @@ class ApiServers:
     def _abort(self, request_ids: list[str]) -> None:
         if request_ids and self._orphans is not None and self._nursery is not None:
             log.info("aborting %d requests of an API server's earlier life", len(request_ids))
-            self._nursery.start_soon(self._orphans.send, AbortRequests(request_ids=request_ids))
+            self._nursery.start_soon(self._send_abort, self._orphans, AbortRequests(request_ids=request_ids))
+
+    @staticmethod
+    async def _send_abort(inbox: trio.MemorySendChannel[EngineRequest], abort: AbortRequests) -> None:
+        with contextlib.suppress(trio.BrokenResourceError, trio.ClosedResourceError):  # the step loop has ended
+            await inbox.send(abort)
 
     def note(self, msg: EngineRequest) -> None:
         """A message on its way to the step loop, from an API server or the
