@@ -21,7 +21,6 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-import psutil
 import torch
 
 from trioserve.config import EngineConfig, cpu_threads_per_worker
@@ -37,7 +36,7 @@ from trioserve.gpu.attention import (
 from trioserve.gpu.compiled import Forward, compiled_forward, eager_forward, inductor_cache_dir
 from trioserve.gpu.cpu_attention import load_decode_kernel
 from trioserve.gpu.cpu_linear import pack_linears, packing_supported
-from trioserve.gpu.host_memory import keep_freed_memory, release_freed_memory, resident_bytes
+from trioserve.gpu.host_memory import available_bytes, keep_freed_memory, release_freed_memory, resident_bytes
 from trioserve.gpu.sampler import SamplingBatch, sample
 from trioserve.messages import (
     CachedRequestData,
@@ -81,7 +80,7 @@ def available_memory(device: torch.device) -> int:
     if device.type == "cuda":
         free, _total = torch.cuda.mem_get_info(device)
         return int(free)
-    return int(psutil.virtual_memory().available)
+    return available_bytes()
 
 
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
