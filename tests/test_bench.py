@@ -18,13 +18,15 @@ import pytest
 import trio
 from helpers.fakes import VOCAB
 
-from trioserve.bench.drivers import Progress
+from trioserve.bench import cli as bench_cli
+from trioserve.bench.drivers import Progress, connections_for
 from trioserve.bench.flops import ModelShape, utilisation, workload_flops
 from trioserve.bench.report import _flops_lines, build_result, flops_figures, flops_targets, format_table, write_json
 from trioserve.bench.run import run_against_server, run_in_process
 from trioserve.bench.stats import RequestRecord, percentile, summarize
 from trioserve.bench.steps import in_run_figures, step_log_env
-from trioserve.bench.workload import WorkloadSpec, build_requests, parse_range
+from trioserve.bench.workload import MAX_NUM_REQUESTS, WorkloadSpec, build_requests, parse_range
+from trioserve.cli import EXIT_USAGE, main
 from trioserve.runners.steplog import STEP_LOG_ENV, StepRecord, format_step, read_step_log
 
 
@@ -250,6 +252,76 @@ def test_options_that_would_fail_only_after_the_run_fail_before_it_in_one_line(t
     done = subprocess.run(command, capture_output=True, text=True, timeout=60, check=False)
     assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr
     assert f"trioserve: invalid input: {message}" in done.stderr and done.stdout == ""  # nothing ran
+
+
+LONG = "a" * 300  # a file name over NAME_MAX (255): ENAMETOOLONG
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        (["--json", f"{{tmp}}/{LONG}/x.json"], f"--json: cannot write {{tmp}}/{LONG}/x.json: File name too long"),
+        (["--plot", f"{{tmp}}/{LONG}.png"], f"--plot: cannot write {{tmp}}/{LONG}.png: File name too long"),
+        (["--json", "{tmp}"], "--json: cannot write {tmp}: it is a directory"),
+        (["--model", f"{{tmp}}/{LONG}"], f"model: cannot use '{{tmp}}/{LONG}': File name too long"),
+        (["--model", "{tmp}"], "model: cannot read {tmp}/config.json: No such file or directory"),
+        (["--num-requests", str(10**18)], f"--num-requests: must be in [1, 1000000] (got {10**18})"),
+        (
+            ["--prompt-len", "5000", "--output-len", "2"],
+            "a request of --prompt-len up to 5000 + --output-len up to 2 = 5002 tokens does not fit the "
+            "model's context of 2048 tokens (the fake runner's max_model_len)",
+        ),
+        (
+            ["--shared-prefix-len", str(10**18)],
+            f"a request of --shared-prefix-len {10**18} + --prompt-len up to 256 + --output-len up to 64 = "
+            f"{10**18 + 320} tokens does not fit the model's context of 2048 tokens (the fake runner's max_model_len)",
+        ),
+        (
+            ["--runner", "hf", "--prompt-len", "400", "--output-len", "200"],
+            "a request of --prompt-len up to 400 + --output-len up to 200 = 600 tokens does not fit the "
+            "model's context of 512 tokens (max_position_embeddings in {model}/config.json)",
+        ),
+    ],
+)
+def test_workloads_and_paths_that_cannot_work_fail_before_anything_starts_in_one_line(
+    tiny_model_dir, tmp_path, capsys, monkeypatch, options, message
+):
+    """Found: a path too long gave a traceback (ENAMETOOLONG); a workload
+    longer than the context ran, every request failing, nan figures; and
+    --num-requests (or --shared-prefix-len) 10**18 built requests until
+    memory ran out."""
+    model = str(tiny_model_dir("llama"))
+    capsys.readouterr()  # what writing the model said, the first time
+
+    def fill(text: str) -> str:
+        return text.format(tmp=tmp_path, model=model)
+
+    def forbidden(*args, **kwargs):
+        raise AssertionError("nothing may start")
+
+    monkeypatch.setattr(bench_cli, "run_in_process", forbidden)
+    monkeypatch.setattr(bench_cli, "run_baseline", forbidden)
+    monkeypatch.setenv("TRIOSERVE_LOG_LEVEL", "WARNING")  # main() sets it; undone after the test
+    args = [
+        "bench",
+        "--runner",
+        "fake",
+        "--model",
+        model,
+        "--baselines",
+        "none",
+        "--num-requests",
+        "2",
+        "--no-progress",
+    ]
+    assert main([*args, *map(fill, options)]) == EXIT_USAGE
+    assert capsys.readouterr().err == f"trioserve: invalid input: {fill(message)}\n"
+
+
+def test_a_workload_is_bounded_and_never_opens_more_connections_than_requests():
+    with pytest.raises(ValueError, match=r"num_requests: must be in \[1, 1000000\] \(got 1000001\)"):
+        spec(num_requests=MAX_NUM_REQUESTS + 1)
+    assert connections_for(spec(num_requests=40, concurrency=10**18)) == 2  # 32 requests a connection
 
 
 def _meta(workload: WorkloadSpec) -> dict:

@@ -4,10 +4,11 @@ Each line the user types becomes a ``user`` message; the whole
 conversation is rendered with the model's chat template and the reply is
 streamed to the terminal as it is generated, then kept as an
 ``assistant`` message. ``/reset`` starts over, ``/exit`` or end of input
-(Ctrl-D) quits. Ctrl-C during a reply stops that reply (it is kept as far
+(Ctrl-D, or no standard input at all) quits. Ctrl-C during a reply stops that reply (it is kept as far
 as it went); at the prompt, it quits. A conversation that no longer fits the context is said so,
 and the user can ``/reset``. A reply that fails because the engine core died is said so, and the
 conversation goes on once the engine has restarted (the session ends only when it is out of restarts).
+Standard input or output that fails (a full disk, a terminal gone) ends the session with ``StdioError``.
 """
 
 from __future__ import annotations
@@ -26,6 +27,26 @@ from trioserve.messages import SamplingParams
 
 PROMPT = "> "
 HELP = "Type a message and press Enter. /reset starts over, /exit (or Ctrl-D) quits."
+
+
+class StdioError(Exception):
+    """Reading standard input or writing standard output failed for a reason
+    other than its end or a reader that has gone (a full disk, a terminal
+    gone). The message names the stream and the reason, in one line."""
+
+
+def write_out(out: TextIO, text: str) -> None:
+    """Write ``text`` to ``out`` and flush it. ``StdioError`` naming the
+    stream when that fails; ``BrokenPipeError`` (whoever read it stopped:
+    ``| head``) is raised as it is."""
+    try:
+        out.write(text)
+        out.flush()
+    except BrokenPipeError:
+        raise
+    except OSError as exc:
+        name = str(getattr(out, "name", "the output")).strip("<>")  # "<stdout>" -> "stdout"
+        raise StdioError(f"cannot write to {name}: {exc.strerror or exc}") from None
 
 
 class Conversation:
@@ -55,22 +76,23 @@ async def run_chat(
 ) -> None:
     """Start an engine and chat until end of input or ``/exit``. If
     cancelled (Ctrl-C), the reply in progress is aborted and the engine
-    stopped. A model without a chat template is refused before it loads."""
+    stopped. A model without a chat template is refused before it loads.
+    ``StdioError`` when standard input or ``out`` fails."""
     await trio.to_thread.run_sync(_check_chat_template, config.model)
     async with open_engine(config=config) as engine:
         conversation = Conversation(system)
-        print(HELP, file=out, flush=True)
+        write_out(out, HELP + "\n")
         while True:
             line = await _read_line()
             if line is None or line.strip() == "/exit":
                 break
             if line.strip() == "/reset":
                 conversation.reset()
-                print("(conversation reset)", file=out, flush=True)
+                write_out(out, "(conversation reset)\n")
             elif line.strip():
                 conversation.ask(line.strip())
                 await _interruptible_reply(engine, conversation, params, out)
-    print(file=out, flush=True)
+    write_out(out, "\n")
 
 
 def _check_chat_template(model: str) -> None:
@@ -88,14 +110,21 @@ def _check_chat_template(model: str) -> None:
 
 
 async def _read_line() -> str | None:
-    """A line from standard input (None at its end). If cancelled, the
-    reading thread is abandoned."""
+    """A line from standard input (None at its end, or when there is no
+    standard input: ``<&-``). ``StdioError`` when reading it fails. If
+    cancelled, the reading thread is abandoned."""
 
     def read() -> str | None:
+        if sys.stdin is None or sys.stdin.closed:
+            return None
         try:
             return input(PROMPT)
         except EOFError:
             return None
+        except BrokenPipeError:  # the reader of the prompt (on stdout) has gone
+            raise
+        except OSError as exc:
+            raise StdioError(f"cannot read from stdin: {exc.strerror or exc}") from None
 
     return await trio.to_thread.run_sync(read, abandon_on_cancel=True)
 
@@ -127,23 +156,21 @@ async def _reply(
         with scope:
             async with engine.stream(prompt, params) as stream:
                 async for delta in stream:
-                    out.write(delta.text)
-                    out.flush()
+                    write_out(out, delta.text)
                     text += delta.text
     except (PromptTooLongError, InvalidRequestError) as exc:
         conversation.forget_last_question()
         hint = " (/reset to start over)" if isinstance(exc, PromptTooLongError) else ""
-        print(f"[{exc}{hint}]", file=out, flush=True)
+        write_out(out, f"[{exc}{hint}]\n")
         return
     except (EngineDeadError, RequestError) as exc:
         if engine.health == "failed":  # out of restarts: the session is over (exit 4)
             raise
         conversation.forget_last_question()  # the engine restarts: the question can be asked again
-        if text:
-            print(file=out)
-        print(f"[{exc}; ask again]", file=out, flush=True)
+        lead = "\n" if text else ""  # end the reply cut short first
+        write_out(out, f"{lead}[{exc}; ask again]\n")
         return
     if scope.cancelled_caught:
-        out.write(" [stopped]")
-    print(file=out, flush=True)
+        write_out(out, " [stopped]")
+    write_out(out, "\n")
     conversation.answer(text)

@@ -14,6 +14,7 @@ import trio
 
 from trioserve.api import open_engine
 from trioserve.bench.cli import add_bench_parser
+from trioserve.chat import StdioError, run_chat, write_out
 from trioserve.cli_options import add_compile_option, add_parallel_options, add_threads_option
 from trioserve.config import EngineConfig, FakeRunnerConfig
 from trioserve.errors import EngineDeadError, EngineStartupError, RequestError, TrioserveError, collapse
@@ -228,14 +229,15 @@ def _add_sampling_options(parser: argparse.ArgumentParser, *, max_tokens: int = 
 
 def _default_model() -> str:
     """The built-in default model's directory, converted on first use; a
-    failure is a start-up error (exit 3) saying what to do."""
+    failure (its package missing, the cache directory unusable, the
+    conversion failing) is a start-up error (exit 3) saying what to do."""
     import subprocess
 
     from trioserve.default_model import default_model_dir
 
     try:
         return str(default_model_dir())
-    except FileNotFoundError as exc:
+    except OSError as exc:
         raise EngineStartupError(str(exc), stage="model-load") from None
     except subprocess.CalledProcessError as exc:
         raise EngineStartupError(
@@ -297,8 +299,7 @@ async def _generate(config: EngineConfig, prompt: str, params: SamplingParams) -
         try:
             async with engine.stream(prompt, params) as stream:
                 async for out in stream:
-                    sys.stdout.write(out.text)
-                    sys.stdout.flush()
+                    write_out(sys.stdout, out.text)
                     final = out
         except EngineDeadError as exc:
             # The supervisor decides once the engine core has exited (well within a second of its
@@ -307,7 +308,7 @@ async def _generate(config: EngineConfig, prompt: str, params: SamplingParams) -
                 raise await engine.wait_failed() from None
             raise RequestError(f"the request failed: {exc}") from None
         elapsed = time.perf_counter() - started
-    sys.stdout.write("\n")
+    write_out(sys.stdout, "\n")
     assert final is not None
     print(
         f"[{final.num_output_tokens} tokens in {elapsed:.2f}s, finish reason: {final.finish_reason}]",
@@ -315,16 +316,23 @@ async def _generate(config: EngineConfig, prompt: str, params: SamplingParams) -
     )
 
 
-def cmd_chat(args: argparse.Namespace) -> int:
-    from trioserve.chat import run_chat
+def _check_stdout() -> None:
+    """``StdioError`` when there is no standard output (``>&-``): nothing to
+    write a reply to, so no engine is started."""
+    if sys.stdout is None:
+        raise StdioError("cannot write to stdout: it is closed")
 
+
+def cmd_chat(args: argparse.Namespace) -> int:
+    _check_stdout()
     config = _engine_config(args)
     params = _sampling_params(args)
-    trio.run(run_chat, config, params, args.system)
+    trio.run(run_chat, config, params, args.system, sys.stdout)
     return EXIT_OK
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
+    _check_stdout()
     config = _engine_config(args)
     params = _sampling_params(args)
     trio.run(_generate, config, args.prompt, params)
@@ -720,9 +728,22 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_INTERRUPTED
     except BrokenPipeError:
         # Whoever read our output stopped (`trioserve generate ... | head`); the engine has stopped.
-        # Point stdout at /dev/null so that the interpreter's last flush at exit does not fail again.
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        _drop_stdout()
         return EXIT_ERROR
+    except StdioError as exc:  # a full disk, a terminal gone; the engine has stopped
+        print(f"trioserve: {exc}", file=sys.stderr)
+        _drop_stdout()
+        return EXIT_ERROR
+
+
+def _drop_stdout() -> None:
+    """Point stdout at /dev/null, so that nothing written to it after a
+    failure (the interpreter's flush at exit included: a traceback, exit
+    120) fails again."""
+    try:
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+    except (AttributeError, OSError, ValueError):  # no stdout (None), or it is closed
+        pass
 
 
 if __name__ == "__main__":

@@ -51,9 +51,12 @@ def gguf_path() -> Path:
 
 def default_model_dir(*, announce: bool = True) -> Path:
     """The default model's directory, converting it first if needed (about
-    20 seconds, once; see the README)."""
+    20 seconds, once; see the README). Raises ``FileNotFoundError`` when the
+    GGUF file is not installed, ``OSError`` when the cache directory cannot
+    be used, and ``subprocess.CalledProcessError`` when the conversion fails,
+    each with a one-line message."""
     target = cache_dir() / DEFAULT_MODEL_NAME
-    if not _complete(target):
+    if not is_complete(target):
         source = gguf_path()
         if announce:
             print(
@@ -63,7 +66,7 @@ def default_model_dir(*, announce: bool = True) -> Path:
                 flush=True,
             )
         started = time.monotonic()
-        _build(target, [sys.executable, "-m", "trioserve.gpu.gguf_convert", str(source)])
+        build_model_dir(target, [sys.executable, "-m", "trioserve.gpu.gguf_convert", str(source)])
         if announce:
             print(f"Converted in {time.monotonic() - started:.0f}s.", file=sys.stderr, flush=True)
     if announce:
@@ -75,23 +78,30 @@ def tiny_random_model_dir() -> Path:
     """A tiny Llama with random weights (its text is gibberish), built in a
     few seconds on first use: for tests and demos that need no real model."""
     target = cache_dir() / TINY_MODEL_NAME
-    if not _complete(target):
-        _build(target, [sys.executable, "-m", "trioserve.gpu.tiny_models", "--arch", "llama", "--seed", "0"])
+    if not is_complete(target):
+        build_model_dir(target, [sys.executable, "-m", "trioserve.gpu.tiny_models", "--arch", "llama", "--seed", "0"])
     return target
 
 
-def _complete(target: Path) -> bool:
-    return (target / _COMPLETE_MARKER).exists()
+def is_complete(target: Path) -> bool:
+    """Whether ``target`` holds a model built to the end (False too when it
+    cannot be looked at: building it says why)."""
+    return os.path.exists(target / _COMPLETE_MARKER)
 
 
-def _build(target: Path, argv: list[str]) -> None:
+def build_model_dir(target: Path, argv: list[str]) -> None:
     """Run ``argv + [directory]`` to write a model into a temporary directory
     beside ``target``, then rename it into place, marked complete. Whatever
     stops it half-way leaves ``target`` as it was (a leftover temporary
-    directory is removed). Raises ``subprocess.CalledProcessError`` if the
-    builder fails."""
-    target.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=target.parent, prefix=".building-") as tmp:
+    directory is removed). Raises ``OSError`` with a one-line message naming
+    the cache directory when it cannot be created or written in, and
+    ``subprocess.CalledProcessError`` if the builder fails."""
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        scratch = tempfile.TemporaryDirectory(dir=target.parent, prefix=".building-")
+    except OSError as exc:
+        raise OSError(_unusable(target.parent, exc)) from None
+    with scratch as tmp:
         building = Path(tmp) / "model"
         subprocess.run([*argv, str(building)], check=True, stdout=subprocess.DEVNULL)
         (building / _COMPLETE_MARKER).write_text("built by trioserve\n")
@@ -99,5 +109,14 @@ def _build(target: Path, argv: list[str]) -> None:
         try:
             os.rename(building, target)
         except OSError:
-            if not _complete(target):  # not a concurrent build
+            if not is_complete(target):  # not a concurrent build
                 raise
+
+
+def _unusable(directory: Path, exc: OSError) -> str:
+    not_a_dir = os.path.lexists(directory) and not os.path.isdir(directory)  # mkdir says only "File exists"
+    why = "it is not a directory" if not_a_dir else exc.strerror or exc
+    return (
+        f"the cache directory {directory} cannot be used: {why} "
+        "(set $TRIOSERVE_CACHE_DIR to a directory this user can write, or pass --model DIR)"
+    )

@@ -6,6 +6,7 @@ import argparse
 import importlib.util
 import json
 import os
+import stat
 import sys
 from pathlib import Path
 from typing import Any
@@ -35,7 +36,7 @@ from trioserve.bench.run import (
 from trioserve.bench.stats import run_window, summarize
 from trioserve.bench.steps import in_run_figures
 from trioserve.bench.vllm_baseline import run_vllm
-from trioserve.bench.workload import WorkloadSpec, parse_range
+from trioserve.bench.workload import MAX_NUM_REQUESTS, WorkloadSpec, parse_range
 from trioserve.cli_options import add_compile_option, add_parallel_options, add_threads_option
 from trioserve.config import EngineConfig, FakeRunnerConfig
 from trioserve.errors import collapse
@@ -86,7 +87,9 @@ def add_bench_parser(subparsers: Any) -> argparse.ArgumentParser:
 
 def _add_workload_options(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("workload")
-    group.add_argument("--num-requests", type=int, default=256, metavar="N", help="default: %(default)s")
+    group.add_argument(
+        "--num-requests", type=int, default=256, metavar="N", help=f"at most {MAX_NUM_REQUESTS} (default: %(default)s)"
+    )
     group.add_argument(
         "--concurrency",
         type=int,
@@ -201,17 +204,55 @@ def _engine_config(args: argparse.Namespace, model_dir: Path) -> EngineConfig:
     )
 
 
-def _vocab_size(model_dir: Path) -> int:
-    config = json.loads((model_dir / "config.json").read_text())
-    return int(config.get("text_config", config)["vocab_size"])
+def _text_config(model_dir: Path) -> dict[str, Any]:
+    """The text model's part of ``model_dir/config.json``. ``ValueError``
+    naming the file when it cannot be read or has no ``vocab_size``."""
+    path = model_dir / "config.json"
+    try:
+        config = json.loads(path.read_text())
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"model: cannot read {path}: {getattr(exc, 'strerror', None) or exc}") from None
+    text = config.get("text_config", config) if isinstance(config, dict) else None
+    if not isinstance(text, dict) or not isinstance(text.get("vocab_size"), int):
+        raise ValueError(f"model: {path} has no vocab_size")
+    return text
 
 
-def _workload(args: argparse.Namespace, model_dir: Path) -> WorkloadSpec:
+def _context(args: argparse.Namespace, config: EngineConfig, text_config: dict[str, Any]) -> tuple[int, str] | None:
+    """The most tokens a request may hold, prompt and output, and where that
+    limit comes from: the fake runner's ``max_model_len`` in process, else
+    the model's ``max_position_embeddings`` (``n_positions``: GPT-2); None
+    when config.json gives neither. (The engine may cap it lower still, to
+    what its KV cache holds.)"""
+    if config.runner == "fake" and not args.url:
+        return config.fake.max_model_len, "the fake runner's max_model_len"
+    for key in ("max_position_embeddings", "n_positions"):
+        value = text_config.get(key)
+        if isinstance(value, int):
+            return value, f"{key} in {config.model}/config.json"
+    return None
+
+
+def _check_fits(spec: WorkloadSpec, context: tuple[int, str] | None) -> None:
+    """``ValueError`` naming the options when the longest request of ``spec``
+    (prompt and output) exceeds ``context``: it could only fail."""
+    if context is None or spec.max_request_len <= context[0]:
+        return
+    parts = [f"--prompt-len up to {spec.prompt_len[1]}", f"--output-len up to {spec.output_len[1]}"]
+    if spec.shared_prefix_len:
+        parts.insert(0, f"--shared-prefix-len {spec.shared_prefix_len}")
+    raise ValueError(
+        f"a request of {' + '.join(parts)} = {spec.max_request_len} tokens does not fit the model's context "
+        f"of {context[0]} tokens ({context[1]})"
+    )
+
+
+def _workload(args: argparse.Namespace, text_config: dict[str, Any]) -> WorkloadSpec:
     return WorkloadSpec(
         num_requests=args.num_requests,
         prompt_len=parse_range(args.prompt_len, "--prompt-len"),
         output_len=parse_range(args.output_len, "--output-len"),
-        vocab_size=_vocab_size(model_dir),
+        vocab_size=text_config["vocab_size"],
         seed=args.seed,
         concurrency=args.concurrency or None,
         request_rate=args.request_rate,
@@ -250,9 +291,7 @@ def _check_outputs(args: argparse.Namespace) -> None:
     matplotlib, a ``--url`` that is not a WebSocket URL."""
     for option, path in (("--json", args.json), ("--plot", args.plot)):
         if path:
-            directory = Path(path).parent
-            if not directory.is_dir() or not os.access(directory, os.W_OK):
-                raise ValueError(f"{option}: cannot write {path}: {directory} is not a directory this user can write")
+            _check_writable(option, path)
     if args.plot and importlib.util.find_spec("matplotlib") is None:
         raise ValueError("--plot needs matplotlib: pip install 'trioserve[bench]' (or matplotlib)")
     if args.url and not args.url.startswith(("ws://", "wss://")):
@@ -261,14 +300,35 @@ def _check_outputs(args: argparse.Namespace) -> None:
         )
 
 
+def _check_writable(option: str, path: str) -> None:
+    """``ValueError`` naming ``option`` and ``path`` unless a file can be
+    written there: ``path`` is not a directory, nor too long, nor under a
+    file, and its directory is one this user can write."""
+    try:
+        is_dir = stat.S_ISDIR(os.stat(path).st_mode)
+    except FileNotFoundError:  # as it should be, or its directory is missing (said below)
+        is_dir = False
+    except OSError as exc:  # too long, under a file, a loop of links
+        raise ValueError(f"{option}: cannot write {path}: {exc.strerror or exc}") from None
+    if is_dir:
+        raise ValueError(f"{option}: cannot write {path}: it is a directory")
+    directory = Path(path).parent
+    if not directory.is_dir() or not os.access(directory, os.W_OK):
+        raise ValueError(f"{option}: cannot write {path}: {directory} is not a directory this user can write")
+
+
 def cmd_bench(args: argparse.Namespace) -> int:
     kinds = _baseline_kinds(args.baselines)
     if "vllm" in kinds and not args.vllm_python:
         raise ValueError("baselines: vllm needs --vllm-python PATH (a virtual environment with vLLM)")
     _check_outputs(args)
+    if not 1 <= args.num_requests <= MAX_NUM_REQUESTS:
+        raise ValueError(f"--num-requests: must be in [1, {MAX_NUM_REQUESTS}] (got {args.num_requests})")
     model_dir = resolve_model(args.model)
     config = _engine_config(args, model_dir)
-    spec = _workload(args, model_dir)
+    text_config = _text_config(model_dir)
+    spec = _workload(args, text_config)
+    _check_fits(spec, _context(args, config, text_config))
     progress = Progress(spec.num_requests, enabled=not args.no_progress)
     print(f"trioserve bench: {_describe(spec)}", file=sys.stderr)
     peak = run_baseline("peak-gemm", config, spec, args.baseline_timeout) if config.runner == "hf" else None

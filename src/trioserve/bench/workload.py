@@ -19,6 +19,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 FIRST_PROMPT_ID = 3
+MAX_NUM_REQUESTS = 1_000_000  # built up front, about 40 bytes per prompt token: 6 GB at the default lengths
 
 
 def parse_range(text: str, option: str = "length range") -> tuple[int, int]:
@@ -47,8 +48,8 @@ class WorkloadSpec:
     shared_prefix_len: int = 0  # tokens every prompt starts with, before its own prompt_len
 
     def __post_init__(self) -> None:
-        if self.num_requests < 1:
-            raise ValueError("num_requests: must be >= 1")
+        if not 1 <= self.num_requests <= MAX_NUM_REQUESTS:
+            raise ValueError(f"num_requests: must be in [1, {MAX_NUM_REQUESTS}] (got {self.num_requests})")
         for name in ("prompt_len", "output_len"):
             lo, hi = getattr(self, name)
             if not 1 <= lo <= hi:
@@ -65,6 +66,11 @@ class WorkloadSpec:
     @property
     def max_prompt_len(self) -> int:
         return self.shared_prefix_len + self.prompt_len[1]
+
+    @property
+    def max_request_len(self) -> int:
+        """The most tokens a request holds at its end, prompt and output."""
+        return self.max_prompt_len + self.output_len[1]
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
