@@ -92,6 +92,28 @@ def headless(argv: list[str], env: dict[str, str] | None = None) -> Iterator[sub
         proc.communicate(timeout=10)
 
 
+@contextmanager
+def headless_logging_to(argv: list[str], stderr: Path) -> Iterator[subprocess.Popen[bytes]]:
+    """A headless process tree, its stderr into the file ``stderr`` (read it
+    while it runs with ``wait_for_lines``); on the way out, what is left of it is killed."""
+    with stderr.open("wb") as out:
+        proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=out, cwd=REPO)
+    try:
+        yield proc
+    finally:
+        kill_tree(proc.pid)
+        proc.wait(timeout=10)
+
+
+async def wait_for_lines(stderr: Path, *texts: str, count: int = 1) -> list[str]:
+    """Wait until ``stderr`` has ``count`` lines holding any of ``texts``; all its lines."""
+    while True:
+        lines = stderr.read_text().splitlines()
+        if sum(any(text in line for text in texts) for line in lines) >= count:
+            return lines
+        await trio.sleep(0.05)
+
+
 def kill_tree(pid: int) -> list[int]:
     """``kill -9`` of ``pid`` and every descendant, at once; their pids."""
     pids = [pid, *tree_of(pid)]
@@ -236,7 +258,8 @@ async def test_a_peer_without_the_key_or_with_another_key_never_reaches_an_engin
                 fake = _encode(EngineOutputs(outputs=[TokenOutput("x", [1], finish_reason="stop")]))
                 await intruders_get_nowhere(engine, [[(sock, add), (sock, fake)] for sock in fakers], thieves)
                 assert hub.num_hellos == 1  # the real engine core's only
-                assert hub.authenticator.num_refused >= 2 and hub.authenticator.num_allowed == 3
+                # The headless process's MayJoin, then its engine core's handshake, input and output sockets.
+                assert hub.authenticator.num_refused >= 2 and hub.authenticator.num_allowed == 4
                 for sock in sockets + thieves + fakers:
                     sock.close()
     assert await wait_no_children() == []
@@ -448,4 +471,89 @@ async def test_a_head_with_no_engine_of_its_own_serves_once_a_headless_one_joins
             assert engine.health == "ready"
             await check_served_by(engine, 0, [4, 5, 6])
             assert engine._group.supervisors[0].remote
+    assert await wait_no_children() == []
+
+
+# --- a headless host that cannot join ---------------------------------------
+
+# Each attempt of a headless host to join, as its log says: the line of this
+# version, or an engine core that failed (what a version that starts one for
+# each attempt says).
+ATTEMPT = ("no answer from the head", "exited with code")
+
+
+async def test_a_headless_host_with_no_head_says_so_in_one_line_per_attempt(keys_dir, tmp_path):
+    port = free_port()  # nothing listens there
+    argv = headless_argv(port, keys_dir, "--startup-timeout", "0.5")
+    stderr = tmp_path / "headless.err"
+    with headless_logging_to(argv, stderr) as proc, trio.fail_after(30):
+        lines = await wait_for_lines(stderr, *ATTEMPT, count=2)
+        assert proc.poll() is None
+    assert not any("Traceback" in line for line in lines)
+    no_answer = f"engine-core-1: no answer from the head at tcp://127.0.0.1:{port} within 0.5s"
+    attempts = [line for line in lines if any(text in line for text in ATTEMPT)]
+    assert all(no_answer in line and "(nothing accepted the connection): retrying in" in line for line in attempts)
+    assert not any("trioserve-engine-core" in line for line in lines)  # none started: no head to join
+
+
+async def test_a_headless_host_whose_head_holds_other_keys_says_that_it_may(head_config, tmp_path):
+    other = tmp_path / "other"
+    write_keys(other)
+    config = head_config(startup_timeout_s=2.0)
+    argv = headless_argv(config.data_parallel_rpc_port, str(other), "--startup-timeout", "0.5")
+    stderr = tmp_path / "headless.err"
+    with trio.fail_after(60):
+        async with trioserve.open_engine(config=config) as engine:
+            with headless_logging_to(argv, stderr):
+                lines = await wait_for_lines(stderr, *ATTEMPT)
+            hub = engine._group.remote
+            assert hub is not None and hub.num_hellos == 0
+    assert not any("Traceback" in line for line in lines)
+    attempt = next(line for line in lines if any(text in line for text in ATTEMPT))
+    assert "it accepted the connection but not the CURVE handshake" in attempt
+    assert f"it may hold other keys than {other}" in attempt
+
+
+async def test_a_second_headless_host_with_a_taken_rank_is_refused_and_joins_only_once_that_rank_is_free(
+    head_config, keys_dir, tmp_path, caplog
+):
+    """Two hosts given the same --data-parallel-start-rank: the second is
+    refused while the first's engine core is live (it used to take its place,
+    and each then displaced the other, for ever); it says which rank is taken,
+    and joins once the first host is gone."""
+    caplog.set_level(logging.WARNING, logger="trioserve.remote")
+    config = head_config(step_delay_s=0.01)
+    argv = headless_argv(config.data_parallel_rpc_port, keys_dir)
+    stderr = tmp_path / "second.err"
+    long = SamplingParams(max_tokens=300, ignore_eos=True)
+    with trio.fail_after(90):
+        async with trioserve.open_engine(config=config) as engine:
+            with headless(argv) as first:
+                pid = await wait_joined(engine)
+                async with engine.stream([3, 4], long, engine_index=1) as stream:
+                    with headless_logging_to(argv, stderr) as second:
+                        with trio.fail_after(20):
+                            lines = await wait_for_lines(stderr, "refused it")
+                        refusal = next(line for line in lines if "refused it" in line)
+                        assert f"engine 1 is taken: its engine core (remote pid {pid}) is live on the head" in refusal
+                        assert not any("Traceback" in line for line in lines)
+                        assert any("engine-core-1, which is live" in r.getMessage() for r in caplog.records)
+                        # An engine core that says Hello without asking first is refused too.
+                        hub = engine._group.remote
+                        assert hub is not None
+                        keys = load_keys(keys_dir).client_options()
+                        with TrioZmqSocket.connect(zmq.DEALER, hub.address, **keys) as rogue:
+                            await rogue.send(_encode(Hello(engine_index=1, pid=4242)))
+                            while not any("(remote pid 4242) joined, but" in r.getMessage() for r in caplog.records):
+                                await trio.sleep(0.05)
+                        tokens = [token async for out in stream for token in out.token_ids]
+                        assert len(tokens) == 300  # the first host's engine core served it to the end
+                        assert await wait_joined(engine) == pid and tree_of(second.pid) == []
+                        # The first host is gone: once the head lets its engine core go, the second joins.
+                        kill_tree(first.pid)
+                        while (new_pid := await wait_joined(engine)) == pid:
+                            await trio.sleep(0.05)
+                        assert new_pid in tree_of(second.pid)
+                        await check_served_by(engine, 1, [7, 8])
+                        assert len([line for line in stderr.read_text().splitlines() if "refused it" in line]) == 1
     assert await wait_no_children() == []

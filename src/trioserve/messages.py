@@ -245,6 +245,24 @@ class Hello(msgspec.Struct, tag=True):
     pid: int
 
 
+class MayJoin(msgspec.Struct, tag=True):
+    """A headless process to the head, before it starts an engine core of
+    index ``engine_index``: may it join? ``previous_pid``: the pid of that
+    process's previous engine core of this index (0: none), which the head
+    may still hold live; the new one is to take its place."""
+
+    engine_index: int
+    previous_pid: int = 0
+
+
+class JoinAnswer(msgspec.Struct, tag=True):
+    """The head's answer to ``MayJoin``: ``refused`` empty, yes; else why
+    not (another live engine core holds that index, or this head takes no
+    engine of that index from other hosts)."""
+
+    refused: str = ""
+
+
 class DataParallelInit(msgspec.Struct, frozen=True):
     """Where an engine core stands among the data-parallel engines in
     lockstep: its rank, and the rendezvous of the collective its output
@@ -317,7 +335,7 @@ class Heartbeat(msgspec.Struct, tag=True):
     load: LoadReport | None = None
 
 
-HandshakeMessage = Hello | HandshakeInit | Heartbeat | Ready | StartupFailed
+HandshakeMessage = Hello | HandshakeInit | Heartbeat | Ready | StartupFailed | MayJoin | JoinAnswer
 
 
 # --- front-end -> engine core ----------------------------------------------

@@ -8,6 +8,13 @@ index ``i`` is kept as ``i``'s latest; the client of ``i``'s next life takes
 it. The handshake messages that follow from the same connection (ZeroMQ
 identity) go to the life that took its ``Hello``.
 
+Before it starts an engine core, a headless process asks (``MayJoin``) and
+is answered (``JoinAnswer``): no while index ``i`` is not one this head
+takes from other hosts, or while ``i``'s life is live (joined, not known
+dead) with an engine core other than that process's previous one of index
+``i`` (two hosts given the same ``--data-parallel-start-rank``; or a
+headless tree restarted before its old engine core was found silent).
+
 ``RemoteEngineCoreClient`` is an ``EngineCoreClient`` without a process. A
 life begins when a ``Hello`` for its index arrives (it waits as long as that
 takes), binds its input and output sockets on ``tcp://data_parallel_address:0``
@@ -19,8 +26,10 @@ engine core's proof that the head lives). When the engine core sends
 nothing for ``heartbeat_timeout_s`` (its host died, its tree was killed, the
 network broke), its requests fail with ``EngineDeadError`` and the life
 ends; the next one waits for the engine core to join again. A ``Hello`` for
-an index whose life is live means that engine core was replaced (its
-headless tree restarted): the live one is dead at once.
+an index whose life is live is refused (dropped, and logged) unless the
+headless process of the live engine core asked for it, with that engine
+core's pid (it restarted its engine core): then the live one is dead at once,
+replaced.
 
 Invariants: only the hub's task touches the ROUTER socket (others queue
 frames with ``send_nowait``); at most one life holds a given connection's
@@ -40,7 +49,7 @@ import zmq
 from trioserve.config import EngineConfig
 from trioserve.errors import EngineStartupError
 from trioserve.frontend.client import EngineCoreClient
-from trioserve.messages import EngineInfo, HandshakeMessage, Hello, Ping
+from trioserve.messages import EngineInfo, HandshakeMessage, Hello, JoinAnswer, MayJoin, Ping
 from trioserve.transport.curve import CurveAuthenticator, load_keys
 from trioserve.transport.router import SocketLoop
 from trioserve.transport.zmq_trio import TrioZmqSocket
@@ -62,9 +71,11 @@ class RemoteEngines:
         self.keys = None if config.curve_keys_dir is None else load_keys(config.curve_keys_dir)
         self.authenticator = None if self.keys is None else CurveAuthenticator(self.keys)
         self._remote = range(config.num_local_engines, config.data_parallel_size)
-        self._hellos: dict[int, list[bytes]] = {}  # engine index -> its latest Hello's frames
+        self._hellos: dict[int, tuple[int, list[bytes]]] = {}  # engine index -> its latest Hello's pid, frames
         self._links: dict[bytes, trio.MemorySendChannel[list[bytes]]] = {}  # identity -> its life
         self._live: dict[int, RemoteEngineCoreClient] = {}
+        self._replaceable: dict[int, int] = {}  # engine index -> remote pid whose successor MayJoin allowed
+        self._refusals_logged: dict[int, int] = {}  # engine index -> remote pid of the live one, logged once
         self._loop = SocketLoop(self._received)
         self._changed = trio.Event()
         self.num_hellos = 0  # Hellos received (from authenticated peers only)
@@ -108,28 +119,68 @@ class RemoteEngines:
             return
         if isinstance(msg, Hello):
             self._hello(msg, frames)
+        elif isinstance(msg, MayJoin):
+            self.send_nowait([identity, _encode(JoinAnswer(refused=self._may_join(msg)))])
         elif (link := self._links.get(identity)) is not None:
             try:
                 link.send_nowait(frames)
             except (trio.WouldBlock, trio.BrokenResourceError):
                 pass  # a heartbeat while loading: the next one will do
 
+    def _may_join(self, query: MayJoin) -> str:
+        """Why an engine core of ``query.engine_index`` may not join now (see
+        the module docstring), or ``""``."""
+        index = query.engine_index
+        if index not in self._remote:
+            return self._not_taken(index)
+        live = self._live.get(index)
+        if live is None or live.dead is not None:
+            return ""
+        if live.remote_pid == query.previous_pid:
+            self._replaceable[index] = live.remote_pid
+            return ""
+        if self._refusals_logged.get(index) != live.remote_pid:
+            self._refusals_logged[index] = live.remote_pid
+            log.warning(
+                "a host asked to join as engine-core-%d, which is live (remote pid %d): refused "
+                "(two hosts with the same --data-parallel-start-rank?)",
+                index,
+                live.remote_pid,
+            )
+        return (
+            f"engine {index} is taken: its engine core (remote pid {live.remote_pid}) is live on the head; "
+            f"does another host run rank {index} (--data-parallel-start-rank)? If it was this host's, "
+            "the head lets it go once silent for its heartbeat timeout"
+        )
+
+    def _not_taken(self, index: int) -> str:
+        if not self._remote:
+            return f"this head takes no engines from other hosts (engine {index} asked)"
+        return (
+            f"this head takes engines {self._remote.start}..{self._remote.stop - 1} from other hosts, "
+            f"not {index} (--data-parallel-start-rank, --data-parallel-size-local)"
+        )
+
     def _hello(self, hello: Hello, frames: list[bytes]) -> None:
         self.num_hellos += 1
-        if hello.engine_index not in self._remote:
-            log.warning(
-                "engine-core-%d (pid %d) joined, but this head takes remote engines %d..%d only: ignored",
-                hello.engine_index,
-                hello.pid,
-                self._remote.start,
-                self._remote.stop - 1,
-            )
+        index = hello.engine_index
+        if index not in self._remote:
+            log.warning("engine-core-%d (pid %d) joined, but %s: ignored", index, hello.pid, self._not_taken(index))
             return
-        log.info("engine-core-%d (remote pid %d) joined", hello.engine_index, hello.pid)
-        self._hellos[hello.engine_index] = frames
-        live = self._live.get(hello.engine_index)
-        if live is not None:
+        live = self._live.get(index)
+        if live is not None and live.dead is None:
+            if self._replaceable.pop(index, None) != live.remote_pid:
+                log.warning(
+                    "engine-core-%d (remote pid %d) joined, but engine-core-%d (remote pid %d) is live: refused",
+                    index,
+                    hello.pid,
+                    index,
+                    live.remote_pid,
+                )
+                return
             live.replaced(hello.pid)
+        log.info("engine-core-%d (remote pid %d) joined", index, hello.pid)
+        self._hellos[index] = (hello.pid, frames)
         self._changed.set()
         self._changed = trio.Event()
 
@@ -139,11 +190,13 @@ class RemoteEngines:
         cancelled, the ``Hello`` stays for the next life."""
         while (hello := self._hellos.pop(client.engine_index, None)) is None:
             await self._changed.wait()
+        client.remote_pid, frames = hello
         send, receive = trio.open_memory_channel[list[bytes]](LINK_SIZE)
-        send.send_nowait(hello)
-        self._links[hello[0]] = send
+        send.send_nowait(frames)
+        self._links[frames[0]] = send
         self._live[client.engine_index] = client
-        return HandshakeLink(self, hello[0], receive)
+        self._replaceable.pop(client.engine_index, None)
+        return HandshakeLink(self, frames[0], receive)
 
     def unlink(self, identity: bytes) -> None:
         self._links.pop(identity, None)
@@ -195,6 +248,7 @@ class RemoteEngineCoreClient(EngineCoreClient):
     ) -> None:
         super().__init__(config, engine_index, on_dead=on_dead)
         self.hub = hub
+        self.remote_pid = 0  # the engine core's, as its Hello said (0: none joined yet)
         self._life: trio.CancelScope | None = None
 
     async def _start(self, nursery: trio.Nursery, ipc_dir: str) -> EngineInfo:

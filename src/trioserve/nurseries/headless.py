@@ -7,10 +7,20 @@ Task tree (one ``trio.run``)::
         └── engine-core process  leads its own process group; its workers join it; a private
                                  directory of this process's for each life (the workers' rendezvous)
 
-Each engine core connects to the head's handshake socket
-(``tcp://data_parallel_address:data_parallel_rpc_port``, CURVE unless
-``insecure_tcp``), takes its configuration from the head's ``HandshakeInit``,
-starts its workers and serves. When the head runs several API-server
+Before each life of an engine core, this process asks the head's
+handshake socket (``tcp://data_parallel_address:data_parallel_rpc_port``,
+CURVE unless ``insecure_tcp``) whether it may join (``MayJoin``, naming its
+previous engine core of that rank: the head lets the new one take its place).
+Until the head says yes, no engine core starts: when no answer comes within
+the handshake timeout, one line says so (nothing accepted the connection; or
+it did, but not the handshake: on CURVE, the head may hold other keys) and it
+asks again after ``backoff_s``; when the head refuses (the rank is another
+live engine core's, or not one it takes from other hosts), one line says why
+and it asks again every ``backoff_s``, quietly while the answer stays the
+same. Without ``reconnect`` either ends the headless process
+(``EngineStartupError``). Then the engine core connects to that socket,
+takes its configuration from the head's ``HandshakeInit``, starts its
+workers and serves. When the head runs several API-server
 processes, the engine core also listens for them, on TCP
 (``nurseries/api_servers.py``): on ``api_address`` (by default this host's
 address on the route to the head) and, with ``api_port`` P, engine core i
@@ -34,10 +44,14 @@ import os
 import sys
 from dataclasses import dataclass
 
+import msgspec
 import trio
+import zmq
+from zmq.utils.monitor import parse_monitor_message
 
 from trioserve.config import ENGINES_ON_HOST_ENV
-from trioserve.errors import EngineDeadError
+from trioserve.errors import EngineDeadError, EngineStartupError
+from trioserve.messages import JoinAnswer, MayJoin
 from trioserve.nurseries.api_servers import API_SERVERS_HOST_ENV, API_SERVERS_PORT_ENV
 from trioserve.nurseries.engine_core import (
     CURVE_KEYS_ENV,
@@ -49,7 +63,7 @@ from trioserve.nurseries.engine_core import (
 )
 from trioserve.nurseries.process import ProcessExited, supervise_process
 from trioserve.transport.curve import load_keys
-from trioserve.transport.zmq_trio import private_ipc_dir
+from trioserve.transport.zmq_trio import TrioZmqSocket, private_ipc_dir, zmq_context
 
 log = logging.getLogger("trioserve.headless")
 
@@ -125,7 +139,9 @@ async def keep_engine(config: HeadlessConfig, rank: int) -> None:
     elif config.insecure_tcp:
         env[INSECURE_TCP_ENV] = "1"
     argv = [sys.executable, "-m", "trioserve.nurseries.entry", "engine-core"]
+    previous_pid = 0  # this rank's last engine core (0: none yet)
     while True:
+        await wait_until_welcome(config, rank, previous_pid)
         try:
             # A private directory for each life, removed here however the engine core ends (kill -9 too).
             with private_ipc_dir() as directory:
@@ -137,7 +153,85 @@ async def keep_engine(config: HeadlessConfig, rank: int) -> None:
                     new_process_group=True,
                 )
         except ProcessExited as exc:
+            previous_pid = exc.pid
             if not config.reconnect:
                 raise EngineDeadError(f"{exc}; not reconnecting (--no-headless-reconnect)") from None
             log.warning("%s: joining %s again in %.1fs", exc, config.handshake_address, config.backoff_s)
         await trio.sleep(config.backoff_s)
+
+
+async def wait_until_welcome(config: HeadlessConfig, rank: int, previous_pid: int) -> None:
+    """Ask the head whether engine core ``rank`` may join (``ask_head``),
+    again every ``backoff_s``, until it says yes; one warning per attempt
+    that got no answer, one per new refusal (see the module docstring).
+    Without ``reconnect``, the first attempt that is no yes raises
+    ``EngineStartupError`` saying why. If cancelled, nothing is left open."""
+    last_refusal = ""
+    while True:
+        answer = await ask_head(config, rank, previous_pid)
+        if isinstance(answer, JoinAnswer) and not answer.refused:
+            return
+        if isinstance(answer, JoinAnswer):
+            why = f"engine-core-{rank}: the head at {config.handshake_address} refused it: {answer.refused}"
+        else:
+            why = f"engine-core-{rank}: {answer}"
+        if not config.reconnect:
+            raise EngineStartupError(f"{why}; not reconnecting (--no-headless-reconnect)", stage="handshake")
+        if not isinstance(answer, JoinAnswer):
+            log.warning("%s: retrying in %.1fs", why, config.backoff_s)
+        elif answer.refused != last_refusal:
+            log.warning("%s; asking again every %.1fs", why, config.backoff_s)
+        last_refusal = answer.refused if isinstance(answer, JoinAnswer) else ""
+        await trio.sleep(config.backoff_s)
+
+
+_MONITORED = zmq.EVENT_CONNECTED | zmq.EVENT_HANDSHAKE_SUCCEEDED
+
+
+async def ask_head(config: HeadlessConfig, rank: int, previous_pid: int) -> JoinAnswer | str:
+    """The head's ``JoinAnswer`` to ``MayJoin(rank, previous_pid)``, or, when
+    none comes within ``handshake_timeout_s``, why not in words: nothing
+    accepted the connection; or something did, but not the ZeroMQ handshake
+    (with CURVE, which says no more to the side that connects: the head may
+    hold other keys); or the connection is up but no answer came. The
+    socket is closed on return, and if cancelled."""
+    keys = None if config.curve_keys_dir is None else load_keys(config.curve_keys_dir)
+    seen: set[int] = set()
+
+    async def watch(monitor: TrioZmqSocket) -> None:
+        while True:
+            seen.add(int(parse_monitor_message(await monitor.recv_multipart())["event"]))
+
+    with TrioZmqSocket(zmq_context().socket(zmq.DEALER)) as sock:
+        sock.socket.setsockopt(zmq.LINGER, 0)
+        for name, value in ({} if keys is None else keys.client_options()).items():
+            sock.socket.setsockopt(getattr(zmq, name.upper()), value)
+        with TrioZmqSocket(sock.socket.get_monitor_socket(_MONITORED)) as monitor:  # before connecting
+            monitor.socket.setsockopt(zmq.LINGER, 0)
+            sock.socket.connect(config.handshake_address)
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(watch, monitor)
+                with trio.move_on_after(config.handshake_timeout_s):
+                    await sock.send(_encode(MayJoin(engine_index=rank, previous_pid=previous_pid)))
+                    reply = await sock.recv()
+                    nursery.cancel_scope.cancel()
+                    try:
+                        return _decode_answer(reply)
+                    except msgspec.DecodeError:
+                        return f"the head at {config.handshake_address} answered with no JoinAnswer: is it trioserve?"
+                nursery.cancel_scope.cancel()
+    none = f"no answer from the head at {config.handshake_address} within {config.handshake_timeout_s}s"
+    if zmq.EVENT_CONNECTED not in seen:
+        return f"{none} (nothing accepted the connection)"
+    if zmq.EVENT_HANDSHAKE_SUCCEEDED in seen:
+        return f"{none}, though it accepted the connection and the handshake"
+    if keys is not None:
+        return (
+            f"{none}: it accepted the connection but not the CURVE handshake; "
+            f"it may hold other keys than {config.curve_keys_dir}"
+        )
+    return f"{none}: it accepted the connection but not the handshake; it may want CURVE keys (--insecure-tcp here)"
+
+
+_encode = msgspec.msgpack.Encoder().encode
+_decode_answer = msgspec.msgpack.Decoder(JoinAnswer).decode

@@ -75,17 +75,24 @@ class CurveKeys:
 def write_keys(directory: str | os.PathLike[str]) -> CurveKeys:
     """Write a new key pair into ``directory``: a new one (created 0700), or
     an existing private one (0700). ``ValueError`` naming the path when it
-    is empty, not a directory, open to others (it is never chmod-ed: it may
-    be a shared one, such as the current directory), cannot be created, or
-    already holds a key pair (never overwritten)."""
+    is empty, cannot be looked at (too long, say), is not a directory, is
+    open to others (it is never chmod-ed: it may be a shared one, such as
+    the current directory), cannot be created, already holds a key pair
+    (never overwritten), or a key file cannot be written (then neither is
+    left there)."""
     if os.fspath(directory) == "":
         raise ValueError("keys: give a directory to write the key pair in")
     path = Path(directory)
     public_file, secret_file = path / f"{KEY_NAME}.key", path / f"{KEY_NAME}.key_secret"
-    if path.exists():
-        if not path.is_dir():
+    try:
+        exists, is_dir = path.exists(), path.is_dir()
+        holds_keys = is_dir and (public_file.exists() or secret_file.exists())
+    except OSError as exc:  # a name too long, a loop of links
+        raise ValueError(f"keys: cannot use {path}: {exc.strerror or exc}") from None
+    if exists:
+        if not is_dir:
             raise ValueError(f"keys: {path} is not a directory")
-        if public_file.exists() or secret_file.exists():
+        if holds_keys:
             raise ValueError(f"keys: {path} already holds a key pair; remove it first, or choose another directory")
         _check_mode(path, "directory", 0o700)
     else:
@@ -95,42 +102,101 @@ def write_keys(directory: str | os.PathLike[str]) -> CurveKeys:
         except OSError as exc:
             raise ValueError(f"keys: cannot create {path}: {exc.strerror or exc}") from None
     public, secret = zmq.curve_keypair()
+    written: list[Path] = []
     for file, text in (
         (public_file, f"public-key = {public.decode()}\n"),
         (secret_file, f"public-key = {public.decode()}\nsecret-key = {secret.decode()}\n"),
     ):
-        fd = os.open(file, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
+        try:
+            fd = os.open(file, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+            written.append(file)
+            with os.fdopen(fd, "w") as f:
+                f.write(text)
+        except OSError as exc:
+            for done in written:
+                done.unlink(missing_ok=True)
+            raise ValueError(f"keys: cannot write {file}: {exc.strerror or exc}") from None
     return CurveKeys(public, secret)
 
 
 def load_keys(directory: str | os.PathLike[str]) -> CurveKeys:
-    """The key pair in ``directory``. ``ValueError`` (naming the path) when
-    the directory is open to others (not 0700), the secret file is readable
-    by others (not 0600), or a file is missing or malformed."""
+    """The key pair in ``directory``. ``ValueError`` (one line naming the
+    path and what is wrong) when the directory is not one, or is open to
+    others (not 0700); when the secret file is missing, a symbolic link, not
+    a regular file (a directory, a FIFO: never opened, so a FIFO cannot
+    block), readable by others (not 0600), or does not hold a key pair (not
+    ASCII text, malformed, or its two keys do not match)."""
     path = Path(directory)
-    _check_mode(path, "directory", 0o700)
+    _check_mode(path, "directory", 0o700, kind=stat.S_IFDIR)
     secret_file = path / f"{KEY_NAME}.key_secret"
-    _check_mode(secret_file, "secret key file", 0o600)
+    _check_mode(secret_file, "secret key file", 0o600, kind=stat.S_IFREG)
+    raw = _read_small_file(secret_file, "secret key file")
+    try:
+        text = raw.decode("ascii")
+    except UnicodeDecodeError:
+        raise ValueError(_not_a_pair(secret_file, "it is not ASCII text")) from None
     fields: dict[str, bytes] = {}
-    for line in secret_file.read_text().splitlines():
+    for line in text.splitlines():
         name, sep, value = line.partition("=")
         if sep:
             fields[name.strip()] = value.strip().encode()
     public, secret = fields.get("public-key", b""), fields.get("secret-key", b"")
-    if len(public) != 40 or len(secret) != 40 or zmq.curve_public(secret) != public:
-        raise ValueError(f"keys: {secret_file} is not a trioserve key pair (write one with `trioserve keys DIR`)")
+    if len(public) != 40 or len(secret) != 40:
+        raise ValueError(_not_a_pair(secret_file, "it needs a public-key and a secret-key line, 40 characters each"))
+    try:
+        matches = zmq.curve_public(secret) == public
+    except zmq.ZMQError:  # a secret key that is not Z85
+        matches = False
+    if not matches:
+        raise ValueError(_not_a_pair(secret_file, "its secret key is not the secret of its public key"))
     return CurveKeys(public, secret)
 
 
-def _check_mode(path: Path, what: str, most: int) -> None:
+def _not_a_pair(path: Path, why: str) -> str:
+    return f"keys: {path} is not a trioserve key pair: {why} (write one with `trioserve keys DIR`)"
+
+
+_MAX_KEY_FILE = 4096  # bytes read at most: a key pair file is about 110
+
+
+def _read_small_file(path: Path, what: str) -> bytes:
+    """The first ``_MAX_KEY_FILE`` bytes of the regular file ``path``, opened
+    without following a link and without blocking, so that a FIFO put there
+    since ``_check_mode`` looked is refused, not waited on. ``ValueError``
+    naming the path (the ``what``) when it cannot be read."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC)
+        with os.fdopen(fd, "rb") as f:
+            if not stat.S_ISREG(os.fstat(fd).st_mode):
+                raise ValueError(f"keys: the {what} {path} is not a regular file")
+            return f.read(_MAX_KEY_FILE)
+    except OSError as exc:
+        raise ValueError(f"keys: cannot read the {what} {path}: {exc.strerror or exc}") from None
+
+
+_FILE_TYPES = {
+    stat.S_IFDIR: "directory",
+    stat.S_IFREG: "regular file",
+    stat.S_IFIFO: "named pipe (FIFO)",
+    stat.S_IFSOCK: "socket",
+    stat.S_IFCHR: "character device",
+    stat.S_IFBLK: "block device",
+}
+
+
+def _check_mode(path: Path, what: str, most: int, *, kind: int | None = None) -> None:
+    """``ValueError`` naming ``path`` (the ``what``) unless it exists, is no
+    symbolic link, is of file type ``kind`` (``stat.S_IFDIR``...; any when
+    None), is this user's, and has no mode bit beyond ``most``."""
     try:
         info = path.lstat()
     except OSError as exc:
         raise ValueError(f"keys: cannot read the {what} {path}: {exc.strerror or exc}") from None
     if stat.S_ISLNK(info.st_mode):
         raise ValueError(f"keys: the {what} {path} is a symbolic link; give the real path")
+    if kind is not None and stat.S_IFMT(info.st_mode) != kind:
+        found = _FILE_TYPES.get(stat.S_IFMT(info.st_mode), "special file")
+        raise ValueError(f"keys: the {what} {path} is a {found}, not a {_FILE_TYPES[kind]}")
     if info.st_uid != os.getuid():
         raise ValueError(f"keys: the {what} {path} belongs to another user")
     mode = stat.S_IMODE(info.st_mode)
