@@ -385,7 +385,15 @@ async def test_head_and_headless_serve_on_both_engines_and_a_killed_headless_tre
                 await wait_joined(engine)
                 await check_served_by(engine, 1, [11, 12])
                 assert engine._group.supervisors[1].num_restarts == 1
-                proc.send_signal(signal.SIGTERM)
+                # Its host stops it (SIGTERM): the head hears so at once, not a heartbeat timeout later.
+                async with engine.stream([3, 4], long, engine_index=1) as remote:
+                    await remote.__anext__()
+                    proc.send_signal(signal.SIGTERM)
+                    signalled = trio.current_time()
+                    with pytest.raises(EngineDeadError, match=r"engine-core-1 \(pid \d+\) was stopped on its host"):
+                        async for _ in remote:
+                            pass
+                    assert trio.current_time() - signalled < 1.0
                 assert await trio.to_thread.run_sync(proc.wait) == 0
     assert await wait_no_children() == []
 

@@ -33,6 +33,7 @@ import math
 import os
 from collections import deque
 from collections.abc import Awaitable, Callable
+from typing import Any
 
 import msgspec
 import trio
@@ -496,20 +497,49 @@ async def engine_core_main() -> None:
         outbox_send, outbox_receive = trio.open_memory_channel[EngineResponse](OUTBOX_SIZE)
         death = DeathReport(outbox_send)
         api_servers = ApiServers(engine_index) if init.frontends is not None else None
+        # A front-end on another host did not stop this engine core itself: it must hear of a stop here
+        # (the headless process's, a SIGTERM) at once, not find it silent a heartbeat timeout later. So
+        # there the output socket outlives a stop too, until the report is sent.
+        remote = init.output_address.startswith("tcp://")
+        output_shield = trio.CancelScope(shield=remote)
         async with trio.open_nursery() as outer:
             # The output socket outlives the rest, so that a failure can be reported.
-            await outer.start(output_socket_actor, init.output_address, outbox_receive, death, api_servers)
+            await outer.start(
+                _within, output_shield, output_socket_actor, init.output_address, outbox_receive, death, api_servers
+            )
             try:
                 await _serve(init, handshake, outbox_send, death, (outer, api_servers))
             except BaseException as exc:  # a failure can come beside a stop's Cancelled (a BaseExceptionGroup)
                 if not any(isinstance(leaf, Exception) for leaf in meaningful_leaves(exc)):
+                    if remote:  # a stop
+                        death.report(f"engine-core-{engine_index} (pid {os.getpid()}) was stopped on its host")
+                        await _flush(outbox_send)
                     raise  # a stop, or KeyboardInterrupt and the like: not a failure to report
                 death.report(describe(exc))
-                with trio.CancelScope(shield=True):
-                    await trio.sleep(0.05)  # let the output socket hand it to ZMQ
+                await _flush(outbox_send)
                 raise ChildFailed(death.reason or "failed") from exc
             finally:
+                output_shield.cancel()
                 outer.cancel_scope.cancel()
+
+
+async def _within(
+    scope: trio.CancelScope, actor: Callable[..., Awaitable[None]], *args: Any, task_status: trio.TaskStatus[None]
+) -> None:
+    """Run ``actor(*args)`` (started as by ``nursery.start``) inside ``scope``."""
+    with scope:
+        await actor(*args, task_status=task_status)
+
+
+async def _flush(outbox: trio.MemorySendChannel[EngineResponse]) -> None:
+    """Give the output socket a moment (at most half a second, even while
+    cancelled) to send what the outbox holds and hand it to ZMQ."""
+    with trio.CancelScope(shield=True):
+        for _ in range(45):  # polled: nothing tells when a channel's buffer empties
+            if not outbox.statistics().current_buffer_used:
+                break
+            await trio.sleep(0.01)
+        await trio.sleep(0.05)
 
 
 async def _serve(
