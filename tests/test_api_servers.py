@@ -314,11 +314,13 @@ def stream_to_close(ws: Any, started: Any) -> tuple[str, int | None]:
     return end, info.value.rcvd.code if info.value.rcvd else None
 
 
-@pytest.mark.parametrize("to", ["the supervising process", "every process"])
+@pytest.mark.parametrize("to", ["the supervising process", "every process", "every process, twice"])
 async def test_sigterm_drains_every_api_servers_streams_then_exits_0_leaving_nothing(tiny_model_dir, to):
     """SIGTERM to every process is what systemd's default KillMode and a kill of
-    the process group do: the children leave the stop to their parents."""
-    grace = 1.0
+    the process group do: the children leave the stop to their parents.
+    A second signal ends the grace at once (a long one, here)."""
+    twice = to.endswith("twice")
+    grace = 30.0 if twice else 1.0
     options = ("--fake-options", '{"step_delay_s": 0.01}', "--shutdown-grace", str(grace))
     with trio.fail_after(90), spawned(argv(str(tiny_model_dir("llama")), *options)) as proc, ExitStack() as stack:
         url = await in_thread(wait_for_url, proc, 60)
@@ -340,12 +342,17 @@ async def test_sigterm_drains_every_api_servers_streams_then_exits_0_leaving_not
                 await streaming.acquire()
             tree = [proc.pid, *tree_of(proc.pid)]
             signalled = time.monotonic()
-            for pid in tree if to == "every process" else [proc.pid]:
+            for pid in tree if to.startswith("every process") else [proc.pid]:
                 os.kill(pid, signal.SIGTERM)
+            if twice:  # found: the API servers dropped every connection
+                await trio.sleep(0.3)
+                for pid in tree:
+                    with contextlib.suppress(ProcessLookupError):
+                        os.kill(pid, signal.SIGTERM)
         assert ends == [("shutdown", 1001)] * len(sockets)
         assert await in_thread(proc.wait, grace + 15) == 0
         gone_after = await in_thread(wait_gone, tree, signalled, grace + 15)
-        assert gone_after < grace + 5, f"{gone_after:.2f}s"
+        assert gone_after < (5 if twice else grace + 5), f"{gone_after:.2f}s"
         assert proc.stderr is not None
         assert "unexpectedly" not in proc.stderr.read()  # they exited as asked
 

@@ -19,12 +19,13 @@ Invariants:
   parent pid changed), by the Trio side at once or by the fallback thread;
 - a process whose parent is gone and which leads its own process group ends
   by SIGKILLing that group, itself included: no descendant outlives it;
-- a SIGTERM reaching a child whose parent lives does not stop it at once:
-  it usually came to the whole process group or cgroup (``timeout``,
-  systemd's default ``KillMode``), so the parent got one too and is draining,
-  and the child must serve on until the parent stops it. It stops by itself
-  ``$TRIOSERVE_SIGTERM_DEFER_S`` later (the parent's two graces and a
-  second: past any drain the parent can make), or at a second SIGTERM.
+- a SIGTERM reaching a child whose parent lives, before the parent asked it
+  to stop, does not stop it: it came to the whole process group or cgroup
+  (``timeout``, systemd's default ``KillMode``: twice, maybe), so the parent
+  got it too and drains, and the child must serve on until the parent stops
+  it. (Sent to the child alone, it is logged and left: SIGKILL ends a child
+  at once, and its supervisor restarts it.) A SIGTERM after the parent asked
+  for a stop (the parent's own escalation), or with no parent watch, stops it.
 """
 
 from __future__ import annotations
@@ -55,8 +56,6 @@ HARD_EXIT_ENV = "TRIOSERVE_HARD_EXIT_S"
 DEFAULT_HARD_EXIT_S = 1.5
 REAP_WAIT_S = 0.5  # how long an ending process waits for the children it SIGKILLed to be reapable
 STOP_BYTE = b"s"  # written by the parent just before it closes the pipe to ask for a stop
-# How long a child whose parent lives leaves a SIGTERM to its parent (set by the parent for each child).
-SIGTERM_DEFER_ENV = "TRIOSERVE_SIGTERM_DEFER_S"
 
 log = logging.getLogger("trioserve.process")
 
@@ -82,6 +81,11 @@ class _ParentWatch:
         self.parent_pid = parent_pid
         self._lock = threading.Lock()
         self._ended_without_stop: bool | None = None  # None: the pipe has not ended yet
+
+    def ended(self) -> bool:
+        """The pipe has ended (a stop asked for, or the parent gone): it is
+        readable. Never blocks; reads nothing."""
+        return bool(select.select([self.fd], [], [], 0)[0])
 
     def parent_gone(self) -> bool:
         """The pipe ended without ``STOP_BYTE``, or this process has another
@@ -274,27 +278,29 @@ async def _child_root(async_main: Callable[[], Awaitable[None]], watch: _ParentW
     """``async_main`` beside the stop watchers; returns when it returns or a
     stop cancels it."""
     async with trio.open_nursery() as nursery:
-        defer_s = float(os.environ.get(SIGTERM_DEFER_ENV, "0")) if watch is not None else 0.0
-        await nursery.start(_cancel_on_sigterm, nursery.cancel_scope, defer_s)
+        await nursery.start(_cancel_on_sigterm, nursery.cancel_scope, watch)
         if watch is not None:
             nursery.start_soon(_cancel_when_parent_pipe_ends, watch, nursery.cancel_scope)
         await async_main()
         nursery.cancel_scope.cancel()
 
 
-async def _cancel_on_sigterm(scope: trio.CancelScope, defer_s: float, *, task_status: trio.TaskStatus[None]) -> None:
-    """Cancel ``scope`` at the first SIGTERM, or with ``defer_s`` (a parent
-    that lives stops this process itself: see the module docstring) that
-    long after it, or at a second. Cancelling this puts back the handler
-    that was there before (``_on_late_sigterm``)."""
+async def _cancel_on_sigterm(
+    scope: trio.CancelScope, watch: _ParentWatch | None, *, task_status: trio.TaskStatus[None]
+) -> None:
+    """Cancel ``scope`` at a SIGTERM, unless the parent lives and has not
+    asked for a stop: then the stop is the parent's (see the module
+    docstring). Cancelling this puts back the handler that was there before
+    (``_on_late_sigterm``)."""
     with trio.open_signal_receiver(signal.SIGTERM) as signals:
         task_status.started()
         async for _ in signals:
-            if defer_s > 0:
-                log.info("SIGTERM: serving on until the parent stops this process (at most %.1fs)", defer_s)
-                with trio.move_on_after(defer_s):
-                    async for _ in signals:
-                        break
+            if watch is not None and not watch.ended():
+                log.warning(
+                    "SIGTERM: serving on; the parent (pid %d) stops this process (SIGKILL ends it now)",
+                    watch.parent_pid,
+                )
+                continue
             log.info("SIGTERM: stopping")
             scope.cancel()
             return

@@ -65,7 +65,6 @@ from trioserve.nurseries.child_main import (
     PARENT_FD_ENV,
     PARENT_PID_ENV,
     REAP_WAIT_S,
-    SIGTERM_DEFER_ENV,
     STOP_BYTE,
     remove_if_parent_dies,
     run_child_main,
@@ -258,7 +257,6 @@ async def _start(
         child_env = {k: v for k, v in (os.environ if env is None else env).items() if k not in SECRET_ENV_NAMES}
         child_env[PARENT_FD_ENV] = str(read_fd)
         child_env[PARENT_PID_ENV] = str(os.getpid())
-        child_env[SIGTERM_DEFER_ENV] = str(2 * grace_s + 1)  # past any drain of ours: then we stop it
         _check_nesting(name, child_env, grace_s)
         process = await trio.lowlevel.open_process(
             argv, pass_fds=(*pass_fds, read_fd), env=child_env, process_group=0 if new_process_group else None
