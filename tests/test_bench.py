@@ -119,6 +119,42 @@ async def test_websocket_driver_against_a_running_server(fake_config):
     assert no_children_left()
 
 
+def test_the_table_shows_the_first_errors_of_a_run_that_had_some():
+    """Found: "0/4 completed, 4 errors" and nan figures, with no reason anywhere."""
+    workload = spec(num_requests=2)
+    records = [RequestRecord(i, 3, 4, error=f"too_long: request {i} is too long") for i in range(2)]
+    table = format_table(build_result(summarize(records), {}, {}, _meta(workload)))
+    assert "0/2 completed, 2 errors" in table
+    assert "first errors" in table and "too_long: request 0 is too long" in table and "request 1" in table
+
+
+async def test_with_url_the_workload_is_checked_against_the_servers_own_context(
+    fake_config, tiny_model_dir, monkeypatch, capsys
+):
+    """Found: against `serve --max-model-len 64`, 100-token prompts all failed
+    (nan figures, no reason given) and 50+30 had their outputs cut short."""
+    from trioserve.server import Server, ServerConfig
+
+    def forbidden(*args, **kwargs):
+        raise AssertionError("nothing may start")
+
+    monkeypatch.setattr(bench_cli, "run_against_server", forbidden)
+    monkeypatch.setenv("TRIOSERVE_LOG_LEVEL", "WARNING")  # main() sets it; undone after the test
+    with trio.fail_after(30):
+        async with trio.open_nursery() as nursery:
+            server = Server(fake_config.replace(max_model_len=64), ServerConfig(port=0, shutdown_grace_s=0.5))
+            nursery.start_soon(server.run)
+            assert await server.wait_ready()
+            argv = ["bench", "--url", server.url, "--model", str(tiny_model_dir("llama")), "--baselines", "none"]
+            argv += ["--num-requests", "2", "--no-progress", "--prompt-len", "50", "--output-len", "30"]
+            assert await trio.to_thread.run_sync(main, argv) == EXIT_USAGE
+            server.shutdown()
+    port = server.url.rsplit(":", 1)[1]
+    err = capsys.readouterr().err
+    assert "= 80 tokens does not fit the model's context of 64 tokens " in err
+    assert f"(max_model_len at http://127.0.0.1:{port}/v1/models)\n" in err
+
+
 @pytest.mark.model
 def test_bench_command_with_a_real_model_and_every_baseline(tiny_model_dir, tmp_path):
     out = tmp_path / "bench.json"

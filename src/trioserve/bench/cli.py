@@ -8,6 +8,7 @@ import json
 import os
 import stat
 import sys
+import urllib.request
 from pathlib import Path
 from typing import Any
 
@@ -221,16 +222,43 @@ def _text_config(model_dir: Path) -> dict[str, Any]:
 def _context(args: argparse.Namespace, config: EngineConfig, text_config: dict[str, Any]) -> tuple[int, str] | None:
     """The most tokens a request may hold, prompt and output, and where that
     limit comes from: the fake runner's ``max_model_len`` in process, else
-    the model's ``max_position_embeddings`` (``n_positions``: GPT-2); None
-    when config.json gives neither. (The engine may cap it lower still, to
-    what its KV cache holds.)"""
-    if config.runner == "fake" and not args.url:
+    the model's ``max_position_embeddings`` (``n_positions``: GPT-2); with
+    ``--url``, the server's own (``server_context``) when it says; None when
+    nothing gives one. (An in-process engine may cap it lower still, to what
+    its KV cache holds.)"""
+    if args.url:
+        served = server_context(args.url, args.api_key)
+        if served is not None:
+            return served, f"max_model_len at {_models_url(args.url)}"
+    elif config.runner == "fake":
         return config.fake.max_model_len, "the fake runner's max_model_len"
     for key in ("max_position_embeddings", "n_positions"):
         value = text_config.get(key)
         if isinstance(value, int):
             return value, f"{key} in {config.model}/config.json"
     return None
+
+
+def _models_url(url: str) -> str:
+    """The OpenAI model list of the server whose WebSocket URL is ``url``."""
+    scheme, _, rest = url.partition("://")
+    return f"{'https' if scheme == 'wss' else 'http'}://{rest.split('/', 1)[0]}/v1/models"
+
+
+def server_context(url: str, api_key: str | None) -> int | None:
+    """The ``max_model_len`` the server at WebSocket ``url`` serves, from its
+    ``GET /v1/models``; None when it cannot be read (the run then says
+    whether the server can be reached at all)."""
+    request = urllib.request.Request(_models_url(url))
+    if api_key:
+        request.add_header("Authorization", f"Bearer {api_key}")
+    try:
+        with urllib.request.urlopen(request, timeout=5) as response:
+            body = json.loads(response.read(1 << 20))
+        value = body["data"][0]["max_model_len"]
+    except (OSError, ValueError, KeyError, IndexError, TypeError):
+        return None
+    return value if isinstance(value, int) and value > 0 else None
 
 
 def _check_fits(spec: WorkloadSpec, context: tuple[int, str] | None) -> None:

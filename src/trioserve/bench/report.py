@@ -176,6 +176,7 @@ def format_table(result: dict[str, Any]) -> str:
         f"  model {result['model']}",
         "",
         f"  {'requests':<32}{r['num_completed']}/{r['num_requests']} completed, {r['num_errors']} errors",
+        *(f"  {'  first errors' if i == 0 else '':<32}{e:.200}" for i, e in enumerate(r.get("first_errors", []))),
         f"  {'duration':<32}{r['duration_s']:.2f} s",
         f"  {'requests/s':<32}{r['requests_per_s']:.3f}",
         f"  {'output tokens/s':<32}{r['output_tokens_per_s']:.1f}",
