@@ -379,7 +379,12 @@ class StartWave(msgspec.Struct, tag=True):
 
 class Ping(msgspec.Struct, tag=True):
     """The front-end is alive: sent every ``heartbeat_interval_s`` to an engine
-    core on another host, which has no parent pipe to tell it so."""
+    core on another host, which has no parent pipe to tell it so. With
+    ``leaving``, the front-end is stopping: the engine core goes at once
+    (its headless process starts another, to join the next head) rather
+    than a heartbeat timeout later."""
+
+    leaving: bool = False
 
 
 EngineRequest = AddRequest | AbortRequests | GetStats | ResetPrefixCache | StartWave | Ping | ControlRequest

@@ -487,8 +487,16 @@ class EngineCoreClient:
 
     async def _input_sender(self, sock: TrioZmqSocket) -> None:
         with sock:
-            while True:
-                await sock.send(await self._to_engine.get())
+            try:
+                while True:
+                    await sock.send(await self._to_engine.get())
+            finally:
+                self._last_words(sock)
+
+    def _last_words(self, sock: TrioZmqSocket) -> None:
+        """The input socket is about to close (the life ends): what to send
+        last, without waiting. Nothing here: a local engine core is stopped by
+        its process's supervision."""
 
     async def _output_handler(self, sock: TrioZmqSocket) -> None:
         decoder = msgspec.msgpack.Decoder(EngineResponse)

@@ -38,6 +38,7 @@ handshake messages.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from collections.abc import Callable, Sequence
 from types import TracebackType
@@ -54,6 +55,7 @@ from trioserve.transport.curve import CurveAuthenticator, load_keys
 from trioserve.transport.router import SocketLoop
 from trioserve.transport.zmq_trio import TrioZmqSocket
 
+LEAVING_S = 0.5  # how long a stopping head's last words to an engine core may take to go out
 LINK_SIZE = 64  # handshake messages (heartbeats while the workers load) waiting for their life
 log = logging.getLogger("trioserve.remote")
 _encode = msgspec.msgpack.Encoder().encode
@@ -286,6 +288,15 @@ class RemoteEngineCoreClient(EngineCoreClient):
         while True:
             self._send_nowait(ping)
             await trio.sleep(self.config.heartbeat_interval_s)
+
+    def _last_words(self, sock: TrioZmqSocket) -> None:
+        """When the life ends while the engine core lives (this head is
+        stopping), say so: ``Ping(leaving=True)``, which ZeroMQ goes on
+        sending for ``LEAVING_S`` after the socket closes."""
+        if self._dead is None and self.info is not None:
+            with contextlib.suppress(zmq.ZMQError):
+                sock.socket.setsockopt(zmq.LINGER, int(LEAVING_S * 1000))
+                sock.socket.send(_encode(Ping(leaving=True)), zmq.NOBLOCK)
 
     def _hung(self) -> None:
         """No process to kill here: the life ends (its sockets close), and the

@@ -271,6 +271,7 @@ async def input_socket_actor(
     heard: Callable[[], None] | None = None,
     bind: bool = False,
     note: Callable[[EngineRequest], None] | None = None,
+    left: Callable[[], None] | None = None,
     *,
     task_status: trio.TaskStatus[str] = trio.TASK_STATUS_IGNORED,
 ) -> None:
@@ -278,7 +279,7 @@ async def input_socket_actor(
     ``bind``; reports the endpoint, the port the kernel picked included):
     decode each message and pass it to the step loop (``heard`` is told of
     every message, ``note`` is shown each one passed on; a ``Ping`` goes no
-    further). Closes a clone of ``inbox``, not ``inbox``.
+    further, and ``left`` is told of one saying the front-end is leaving). Closes a clone of ``inbox``, not ``inbox``.
 
     A message that does not decode is logged and dropped: bad input never
     kills the engine. If cancelled, the socket is closed; nothing is half-read.
@@ -297,10 +298,13 @@ async def input_socket_actor(
                 except msgspec.DecodeError as exc:
                     log.warning("dropping a malformed message from the front-end: %s", exc)
                     continue
-                if not isinstance(msg, Ping):
-                    if note is not None:
-                        note(msg)
-                    await mine.send(msg)
+                if isinstance(msg, Ping):
+                    if msg.leaving and left is not None:
+                        left()
+                    continue
+                if note is not None:
+                    note(msg)
+                await mine.send(msg)
 
 
 def socket_options(address: str, *, bind: bool = False) -> dict[str, object]:
@@ -346,17 +350,28 @@ class FrontEndWatch:
     """On TCP there is no parent pipe: the front-end sends a ``Ping`` every
     ``heartbeat_interval_s``, and when nothing at all comes from it for
     ``heartbeat_timeout_s``, it is gone, and ``run`` raises: the engine core
-    stops its workers and exits (its headless supervisor reconnects)."""
+    stops its workers and exits (its headless supervisor reconnects). A
+    front-end that stops says so (``Ping(leaving=True)``): then at once."""
 
     def __init__(self, timeout_s: float) -> None:
         self.timeout_s = timeout_s
         self._silence = Silence()  # time this process did not run is excused (transport/silence.py)
+        self._scope = trio.CancelScope()
+        self._left = False
 
     def heard(self) -> None:
         self._silence.heard()
 
+    def left(self) -> None:
+        """The front-end said it is stopping (``Ping(leaving=True)``)."""
+        self._left = True
+        self._scope.cancel()
+
     async def run(self) -> None:
-        await self._silence.wait(self.timeout_s)
+        with self._scope:
+            await self._silence.wait(self.timeout_s)
+        if self._left:
+            raise ChildFailed("the front-end said it is stopping: this engine core goes, to join the next one")
         raise ChildFailed(f"the front-end sent nothing for {self.timeout_s}s (heartbeat_timeout_s): it is gone")
 
 
@@ -582,7 +597,8 @@ async def _serve(
             nursery.start_soon(watch.run)
         # The supervising process of several API servers aborts a dead one's requests, which its note names.
         note = None if api_servers is None or api_servers[1] is None else api_servers[1].note
-        await nursery.start(input_socket_actor, init.input_address, inbox_send, watch and watch.heard, False, note)
+        heard, left = (None, None) if watch is None else (watch.heard, watch.left)
+        await nursery.start(input_socket_actor, init.input_address, inbox_send, heard, False, note, left)
         bound = None  # where the API servers connect
         if api_servers is not None and api_servers[1] is not None and init.frontends is not None:
             start = functools.partial(api_servers[1].run, init.frontends, info, inbox_send)
