@@ -186,6 +186,41 @@ async def test_a_frozen_front_end_or_tree_is_not_taken_for_a_hung_engine_once_it
         assert await trio.to_thread.run_sync(proc.wait, 20) == 0
 
 
+def stream_until_error(url: str, server: int, worker: int, freeze_s: float) -> dict[str, Any]:
+    """Stream a long request; freeze the server and stop the worker, thaw the
+    server alone after ``freeze_s``; the stream's terminal message."""
+    with open_ws(url) as ws:
+        ws.send(generate("r", [5, 6], max_tokens=100_000, ignore_eos=True))
+        collect_first(ws)
+        os.kill(server, signal.SIGSTOP)
+        os.kill(worker, signal.SIGSTOP)
+        time.sleep(freeze_s)
+        os.kill(server, signal.SIGCONT)
+        received, _ = collect(ws, {"r"}, timeout=15)
+        assert received["r"].terminal is not None
+        return received["r"].terminal
+
+
+async def test_a_worker_stopped_while_the_front_end_was_frozen_is_still_found_and_named(tiny_model_dir):
+    """The front-end's own absence is excused, not the worker's: the engine
+    core (which ran) kills it as hung, and the clients hear why from the
+    engine core's death report, read before its exit code (found: "exited
+    with code 1", the exit reaped first)."""
+    argv = serve_argv(
+        "--model", str(tiny_model_dir("llama")), "--runner", "fake", "--fake-options", '{"step_delay_s": 0.01}',
+        "--heartbeat-interval", "0.2", "--heartbeat-timeout", "1",
+    )  # fmt: skip
+    with trio.fail_after(60), spawned(argv) as proc:
+        url = await trio.to_thread.run_sync(wait_for_url, proc, 30)
+        worker = worker_of(proc.pid)
+        terminal = await trio.to_thread.run_sync(stream_until_error, url, proc.pid, worker, 3.0)
+        assert terminal["type"] == "error", terminal
+        assert f"worker-0 (pid {worker}) sent nothing for" in terminal["message"], terminal
+        assert not running(worker)
+        proc.send_signal(signal.SIGTERM)
+        assert await trio.to_thread.run_sync(proc.wait, 20) == 0
+
+
 async def test_sigterm_with_a_stopped_worker_leaves_no_process(tiny_model_dir):
     argv = serve_argv("--model", str(tiny_model_dir("llama")), "--runner", "fake", "--shutdown-grace", "1")
     with trio.fail_after(60), spawned(argv) as proc:

@@ -78,6 +78,7 @@ from trioserve.transport.zmq_trio import TrioZmqSocket, private_ipc_dir
 TO_ENGINE_SIZE = 1024  # messages queued for the input socket
 CONTROL_REPLY_GRACE_S = 1.0  # beyond a control call's deadline, for its reply to come back
 log = logging.getLogger("trioserve.client")
+LAST_WORDS_S = 0.02  # after an engine core's exit, for its death report (already in the socket) to be read
 _encode = msgspec.msgpack.Encoder().encode
 _decode_handshake: Callable[[bytes], HandshakeMessage] = msgspec.msgpack.Decoder(HandshakeMessage).decode
 
@@ -198,17 +199,24 @@ class EngineCoreClient:
     ) -> None:
         """The engine-core process, leading a process group of its own (its
         workers join it, so a kill of the group leaves none behind). Its
-        unexpected exit raises ``ProcessExited``; once it was killed as hung
-        and reaped, the client is done: ``scope`` is cancelled."""
+        unexpected exit raises ``ProcessExited`` (after a moment in which
+        the output socket reads what it sent last: its own death report names
+        the cause better than its exit code); once it was killed as hung and
+        reaped, the client is done: ``scope`` is cancelled."""
         argv = [sys.executable, "-m", "trioserve.nurseries.entry", "engine-core"]
-        await supervise_process(
-            argv,
-            name=self.name,
-            env=env,
-            grace_s=self.config.shutdown_grace_s,
-            new_process_group=True,
-            task_status=task_status,
-        )
+        try:
+            await supervise_process(
+                argv,
+                name=self.name,
+                env=env,
+                grace_s=self.config.shutdown_grace_s,
+                new_process_group=True,
+                task_status=task_status,
+            )
+        except ProcessExited:
+            if self.info is not None and self._dead is None:
+                await trio.sleep(LAST_WORDS_S)
+            raise
         scope.cancel()
 
     async def _watchdog(self) -> None:
