@@ -164,16 +164,21 @@ def collect_first(ws: Any) -> tuple[Received, dict]:
         assert msg["type"] not in ("done", "error"), msg
 
 
+def fast_beats_server(tiny_model_dir: Any) -> list[str]:
+    """``serve`` on the fake runner, with a heartbeat every 0.2 s and a 1 s timeout."""
+    return serve_argv(
+        "--model", str(tiny_model_dir("llama")), "--runner", "fake", "--fake-options", '{"step_delay_s": 0.01}',
+        "--heartbeat-interval", "0.2", "--heartbeat-timeout", "1",
+    )  # fmt: skip
+
+
 @pytest.mark.parametrize("frozen", ["front-end", "whole tree"])
 async def test_a_frozen_front_end_or_tree_is_not_taken_for_a_hung_engine_once_it_runs_again(tiny_model_dir, frozen):
     """SIGSTOP of the server alone, or of every process (``docker pause``), for
     three heartbeat timeouts: on SIGCONT each watchdog finds its own deadline
     past, but the time its process was away is not its peer's silence. The
     stream ends in full and no process was replaced."""
-    argv = serve_argv(
-        "--model", str(tiny_model_dir("llama")), "--runner", "fake", "--fake-options", '{"step_delay_s": 0.01}',
-        "--heartbeat-interval", "0.2", "--heartbeat-timeout", "1",
-    )  # fmt: skip
+    argv = fast_beats_server(tiny_model_dir)
     with trio.fail_after(60), spawned(argv) as proc:
         url = await trio.to_thread.run_sync(wait_for_url, proc, 30)
         tree = tree_of(proc.pid)
@@ -206,10 +211,7 @@ async def test_a_worker_stopped_while_the_front_end_was_frozen_is_still_found_an
     core (which ran) kills it as hung, and the clients hear why from the
     engine core's death report, read before its exit code (found: "exited
     with code 1", the exit reaped first)."""
-    argv = serve_argv(
-        "--model", str(tiny_model_dir("llama")), "--runner", "fake", "--fake-options", '{"step_delay_s": 0.01}',
-        "--heartbeat-interval", "0.2", "--heartbeat-timeout", "1",
-    )  # fmt: skip
+    argv = fast_beats_server(tiny_model_dir)
     with trio.fail_after(60), spawned(argv) as proc:
         url = await trio.to_thread.run_sync(wait_for_url, proc, 30)
         worker = worker_of(proc.pid)
