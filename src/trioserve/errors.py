@@ -44,6 +44,11 @@ class RequestError(TrioserveError):
     ``ValueError``)."""
 
 
+class StoppedBySignal(TrioserveError):
+    """A SIGTERM stopped something that runs before any engine does (a model
+    being built on first use): it was stopped and cleaned up, as asked."""
+
+
 class ControlCallError(TrioserveError):
     """A control call (``pause``, ``sleep``, ``collective_rpc``...) failed or
     was not answered in time; the message names the engine core and, when a

@@ -71,7 +71,7 @@ def bench_model_dir(name: str) -> Path:
     target = cache_dir() / name
     if not is_complete(target):
         print(f"trioserve bench: building {name} in {target} (once)", file=sys.stderr)
-        build_model_dir(target, [sys.executable, "-m", "trioserve.bench.models", name])
+        build_model_dir(target, "trioserve.bench.models", [name], name=f"{name} builder")
     return target
 
 

@@ -1,11 +1,13 @@
 """Entry point of every child process: ``python -m trioserve.nurseries.entry ROLE``.
 
-ROLE is ``engine-core`` or ``worker``. Kept apart from the modules it runs so
+ROLE is ``engine-core``, ``worker`` or ``build`` (``build MODULE ARG...``: a
+model builder, see ``builder.py``). Kept apart from the modules it runs so
 that ``-m`` never executes a module the package has already imported.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import sys
@@ -26,6 +28,10 @@ def main(role: str) -> None:
         from trioserve.nurseries.worker import worker_main
 
         run_child_main(worker_main, name="trioserve-worker")
+    elif role == "build":
+        from trioserve.nurseries.builder import builder_main
+
+        run_child_main(functools.partial(builder_main, sys.argv[2:]), name="trioserve-build")
     else:
         sys.exit(f"trioserve.nurseries.entry: unknown role {role!r}")
 
