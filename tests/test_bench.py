@@ -313,6 +313,15 @@ LONG = "a" * 300  # a file name over NAME_MAX (255): ENAMETOOLONG
             f"{10**18 + 320} tokens does not fit the model's context of 2048 tokens (the fake runner's max_model_len)",
         ),
         (
+            ["--num-requests", "1000000", "--prompt-len", "100", "--output-len", "2"],
+            "--num-requests 1000000 x prompts of up to 100 tokens (--prompt-len) = 100000000 prompt tokens: "
+            "at most 50000000 (every prompt is built before the run)",
+        ),
+        (
+            ["--num-requests", "4", "--request-rate", "1e-9"],
+            "--request-rate 1e-09: 4 requests would take about 3e+09 s to arrive, more than a day",
+        ),
+        (
             ["--runner", "hf", "--prompt-len", "400", "--output-len", "200"],
             "a request of --prompt-len up to 400 + --output-len up to 200 = 600 tokens does not fit the "
             "model's context of 512 tokens (max_position_embeddings in {model}/config.json)",

@@ -37,7 +37,13 @@ from trioserve.bench.run import (
 from trioserve.bench.stats import run_window, summarize
 from trioserve.bench.steps import in_run_figures
 from trioserve.bench.vllm_baseline import run_vllm
-from trioserve.bench.workload import MAX_NUM_REQUESTS, WorkloadSpec, parse_range
+from trioserve.bench.workload import (
+    MAX_ARRIVAL_SPAN_S,
+    MAX_NUM_REQUESTS,
+    MAX_PROMPT_TOKENS,
+    WorkloadSpec,
+    parse_range,
+)
 from trioserve.cli_options import add_compile_option, add_parallel_options, add_threads_option
 from trioserve.config import EngineConfig, FakeRunnerConfig
 from trioserve.errors import collapse
@@ -275,6 +281,23 @@ def _check_fits(spec: WorkloadSpec, context: tuple[int, str] | None) -> None:
     )
 
 
+def _check_size(spec: WorkloadSpec) -> None:
+    """``ValueError`` naming the options when ``spec``'s prompts could not all
+    be built in memory, or its requests would take more than a day to arrive."""
+    most = spec.num_requests * spec.max_prompt_len
+    if most > MAX_PROMPT_TOKENS:
+        prompt = "--shared-prefix-len + --prompt-len" if spec.shared_prefix_len else "--prompt-len"
+        raise ValueError(
+            f"--num-requests {spec.num_requests} x prompts of up to {spec.max_prompt_len} tokens ({prompt}) = "
+            f"{most} prompt tokens: at most {MAX_PROMPT_TOKENS} (every prompt is built before the run)"
+        )
+    if spec.request_rate is not None and (span := (spec.num_requests - 1) / spec.request_rate) > MAX_ARRIVAL_SPAN_S:
+        raise ValueError(
+            f"--request-rate {spec.request_rate:g}: {spec.num_requests} requests would take about {span:.3g} s "
+            f"to arrive, more than a day"
+        )
+
+
 def _workload(args: argparse.Namespace, text_config: dict[str, Any]) -> WorkloadSpec:
     return WorkloadSpec(
         num_requests=args.num_requests,
@@ -357,6 +380,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     text_config = _text_config(model_dir)
     spec = _workload(args, text_config)
     _check_fits(spec, _context(args, config, text_config))
+    _check_size(spec)
     progress = Progress(spec.num_requests, enabled=not args.no_progress)
     print(f"trioserve bench: {_describe(spec)}", file=sys.stderr)
     peak = run_baseline("peak-gemm", config, spec, args.baseline_timeout) if config.runner == "hf" else None

@@ -19,7 +19,9 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 FIRST_PROMPT_ID = 3
-MAX_NUM_REQUESTS = 1_000_000  # built up front, about 40 bytes per prompt token: 6 GB at the default lengths
+MAX_NUM_REQUESTS = 1_000_000
+MAX_PROMPT_TOKENS = 50_000_000  # all prompts are built up front, about 40 bytes a token: 2 GB
+MAX_ARRIVAL_SPAN_S = 86_400.0  # with a request rate, the requests' expected arrival span: a day
 
 
 def parse_range(text: str, option: str = "length range") -> tuple[int, int]:
