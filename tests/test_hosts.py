@@ -427,9 +427,12 @@ async def test_a_headless_engine_core_killed_again_and_again_leaves_no_directory
     assert await wait_no_children() == []
 
 
-async def test_a_headless_engine_whose_head_is_gone_stops_its_workers_and_joins_the_next_head(head_config, keys_dir):
+async def test_a_headless_engine_whose_head_is_gone_stops_its_workers_and_joins_the_next_head(
+    head_config, keys_dir, tmp_path
+):
     config = head_config()
-    with headless(headless_argv(config.data_parallel_rpc_port, keys_dir)) as proc:
+    stderr = tmp_path / "headless.err"
+    with headless_logging_to(headless_argv(config.data_parallel_rpc_port, keys_dir), stderr) as proc:
         with trio.fail_after(90):
             async with trioserve.open_engine(config=config) as engine:
                 first = await wait_joined(engine)
@@ -443,6 +446,13 @@ async def test_a_headless_engine_whose_head_is_gone_stops_its_workers_and_joins_
                 assert time.monotonic() - gone_at < HEARTBEAT_TIMEOUT_S
                 await trio.sleep(0.05)
             assert proc.poll() is None  # the headless process stays, to join again
+            # One line says why the engine core went; it did not fail (found: three lines, among them
+            # "failed: the front-end said it is stopping" and "exited with code 1 unexpectedly").
+            lines = await wait_for_lines(stderr, "the head stopped")
+            assert [line for line in lines if f"pid {first}" in line or "the head stopped" in line] == [
+                "WARNING trioserve.headless: engine-core-1: the head stopped: joining "
+                f"tcp://127.0.0.1:{config.data_parallel_rpc_port} again in 1.0s"
+            ], lines
             async with trioserve.open_engine(config=config) as engine:
                 second = await wait_joined(engine)
                 assert second != first

@@ -48,7 +48,7 @@ import trio
 
 from trioserve.errors import leaves
 
-__all__ = ["remove_if_parent_dies", "run_child_main"]
+__all__ = ["ChildExit", "ChildFailed", "remove_if_parent_dies", "run_child_main"]
 
 PARENT_FD_ENV = "TRIOSERVE_PARENT_FD"  # the child's end of the parent-watch pipe
 PARENT_PID_ENV = "TRIOSERVE_PARENT_PID"  # the supervising process, to tell "parent gone" by getppid()
@@ -208,6 +208,25 @@ class ChildFailed(Exception):
     this message), not a traceback."""
 
 
+class ChildExit(Exception):
+    """Raised out of a child's main to end the process with ``code``, an
+    end its parent tells by that code (not a failure): ``message`` goes to
+    the log at INFO, and no "failed" line is written."""
+
+    def __init__(self, code: int, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+def _exit_asked(exc: BaseException) -> ChildExit | None:
+    """The ``ChildExit`` when ``exc`` holds only that (and cancellations)."""
+    found = leaves(exc)
+    exits = [leaf for leaf in found if isinstance(leaf, ChildExit)]
+    if exits and all(isinstance(leaf, (ChildExit, trio.Cancelled)) for leaf in found):
+        return exits[0]
+    return None
+
+
 def _failure_line(exc: BaseException) -> str | None:
     """The one line for a failure that is only ``ChildFailed`` (and
     cancellations), or None when a traceback is due."""
@@ -231,7 +250,8 @@ def run_child_main(async_main: Callable[[], Awaitable[None]], *, name: str) -> N
     ``TRIOSERVE_HARD_EXIT_S`` seconds after the pipe ended. Exits with
     ``os._exit`` (no interpreter teardown): 0 after ``async_main`` returns or
     a stop, 1 after an exception: with its traceback on stderr, or one line
-    for a ``ChildFailed`` (a failure the child has reported itself).
+    for a ``ChildFailed`` (a failure the child has reported itself); a
+    ``ChildExit``'s own code, with no line, for an end the parent expects.
     """
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, _on_late_sigterm)  # trio's receiver restores this when it closes
@@ -249,12 +269,16 @@ def run_child_main(async_main: Callable[[], Awaitable[None]], *, name: str) -> N
         trio.run(_child_root, async_main, watch)
     except BaseException as exc:
         line = _failure_line(exc)
-        if line is not None:
+        if (asked := _exit_asked(exc)) is not None:
+            log.info("%s (pid %d) exits with code %d: %s", name, os.getpid(), asked.code, asked)
+            code = asked.code
+        elif line is not None:
             sys.stderr.write(f"{name} (pid {os.getpid()}) failed: {line}\n")
         else:
             sys.stderr.write(f"{name} (pid {os.getpid()}) failed:\n")
             traceback.print_exc()
-        code = 1
+        if asked is None:
+            code = 1
     # Skip the interpreter's teardown: with torch loaded it can take seconds,
     # and a child holds nothing that the kernel does not release.
     logging.shutdown()

@@ -70,7 +70,7 @@ from trioserve.messages import (
     WaveNotice,
 )
 from trioserve.nurseries.api_servers import ApiServers
-from trioserve.nurseries.child_main import ChildFailed, remove_if_parent_dies
+from trioserve.nurseries.child_main import ChildExit, ChildFailed, remove_if_parent_dies
 from trioserve.nurseries.control import Controller
 from trioserve.nurseries.executor import Executor
 from trioserve.nurseries.workers import ExecutorStage, WorkerError
@@ -346,6 +346,11 @@ def endpoint(sock: TrioZmqSocket) -> str:
     return last.decode()
 
 
+# The exit code of a headless engine core whose front-end said it is stopping
+# (EX_TEMPFAIL): its headless supervisor says so in one line and joins again.
+HEAD_LEFT_EXIT = 75
+
+
 class FrontEndWatch:
     """On TCP there is no parent pipe: the front-end sends a ``Ping`` every
     ``heartbeat_interval_s``, and when nothing at all comes from it for
@@ -371,7 +376,7 @@ class FrontEndWatch:
         with self._scope:
             await self._silence.wait(self.timeout_s)
         if self._left:
-            raise ChildFailed("the front-end said it is stopping: this engine core goes, to join the next one")
+            raise ChildExit(HEAD_LEFT_EXIT, "the front-end said it is stopping: this engine core goes, to join again")
         raise ChildFailed(f"the front-end sent nothing for {self.timeout_s}s (heartbeat_timeout_s): it is gone")
 
 
@@ -525,7 +530,10 @@ async def engine_core_main() -> None:
             try:
                 await _serve(init, handshake, outbox_send, death, (outer, api_servers))
             except BaseException as exc:  # a failure can come beside a stop's Cancelled (a BaseExceptionGroup)
-                if not any(isinstance(leaf, Exception) for leaf in meaningful_leaves(exc)):
+                meaningful = meaningful_leaves(exc)
+                if meaningful and all(isinstance(leaf, ChildExit) for leaf in meaningful):
+                    raise  # the front-end left: nobody to report to
+                if not any(isinstance(leaf, Exception) for leaf in meaningful):
                     if remote:  # a stop
                         death.report(f"engine-core-{engine_index} (pid {os.getpid()}) was stopped on its host")
                         await _flush(outbox_send)

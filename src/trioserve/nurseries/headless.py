@@ -58,6 +58,7 @@ from trioserve.nurseries.engine_core import (
     ENGINE_INDEX_ENV,
     HANDSHAKE_ADDRESS_ENV,
     HANDSHAKE_TIMEOUT_ENV,
+    HEAD_LEFT_EXIT,
     INSECURE_TCP_ENV,
     PRIVATE_DIR_ENV,
 )
@@ -151,12 +152,15 @@ async def keep_engine(config: HeadlessConfig, rank: int) -> None:
                     env={**env, PRIVATE_DIR_ENV: str(directory)},
                     grace_s=config.shutdown_grace_s,
                     new_process_group=True,
+                    usual_exit_codes=frozenset({HEAD_LEFT_EXIT}),
                 )
         except ProcessExited as exc:
             previous_pid = exc.pid
+            head_left = exc.exit_code == HEAD_LEFT_EXIT
+            why = f"engine-core-{rank}: the head stopped" if head_left else str(exc)
             if not config.reconnect:
-                raise EngineDeadError(f"{exc}; not reconnecting (--no-headless-reconnect)") from None
-            log.warning("%s: joining %s again in %.1fs", exc, config.handshake_address, config.backoff_s)
+                raise EngineDeadError(f"{why}; not reconnecting (--no-headless-reconnect)") from None
+            log.warning("%s: joining %s again in %.1fs", why, config.handshake_address, config.backoff_s)
         await trio.sleep(config.backoff_s)
 
 

@@ -205,6 +205,7 @@ async def supervise_process(
     env: Mapping[str, str] | None = None,
     grace_s: float = 5.0,
     new_process_group: bool = False,
+    usual_exit_codes: frozenset[int] = frozenset(),
     task_status: trio.TaskStatus[ChildProcess] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """Start ``argv`` as a child process and stay with it until it is reaped.
@@ -220,7 +221,9 @@ async def supervise_process(
     ``child.declare_hung()`` or ``child.expect_exit()``. Raises ``ProcessExited`` if it exits without
     being asked, whatever the code. If cancelled, it stops the child (same
     escalation, shielded), reaps it, then lets the cancellation go on:
-    nothing is left running.
+    nothing is left running. An unasked exit with one of
+    ``usual_exit_codes`` (an end the caller expects some day) is logged at
+    INFO, not as a warning; it still raises ``ProcessExited``.
     """
     child = await _start(argv, name, pass_fds, env, grace_s, new_process_group)
     log.info("%s (pid %d) started: %s", name, child.pid, " ".join(argv))
@@ -238,7 +241,7 @@ async def supervise_process(
     finally:
         with trio.CancelScope(shield=True):
             await _reap(child)
-    _log_exit(child)
+    _log_exit(child, usual_exit_codes)
     if not child.stop_requested and not child.exit_expected:
         raise ProcessExited(name, child.pid, child.returncode or 0)
 
@@ -338,7 +341,7 @@ async def _reap(child: ChildProcess) -> None:
     child._close_watch()
 
 
-def _log_exit(child: ChildProcess) -> None:
+def _log_exit(child: ChildProcess, usual_exit_codes: frozenset[int]) -> None:
     code = child.returncode
     assert code is not None
     if child.killed_as_hung:
@@ -349,4 +352,5 @@ def _log_exit(child: ChildProcess) -> None:
         level = logging.INFO if code == 0 else logging.WARNING
         log.log(level, "%s (pid %d) %s after it was asked to exit", child.name, child.pid, describe_exit(code))
     else:
-        log.warning("%s (pid %d) %s unexpectedly", child.name, child.pid, describe_exit(code))
+        level = logging.INFO if code in usual_exit_codes else logging.WARNING
+        log.log(level, "%s (pid %d) %s unexpectedly", child.name, child.pid, describe_exit(code))
