@@ -66,6 +66,17 @@ def test_bench_with_an_unusable_cache_dir_is_one_line_naming_it(tmp_path, capsys
     )
 
 
+def test_bench_whose_model_build_fails_is_one_line_naming_it(tmp_path, capsys, monkeypatch):
+    """Found: a failing build of a benchmark model ended ``trioserve bench`` with a traceback."""
+    monkeypatch.setenv("TRIOSERVE_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(default_model, "run_builder", lambda module, args, *, name: 1)  # as a builder that failed
+    assert main(["bench", "--model", "bench-llama-40m", "--baselines", "none"]) == EXIT_USAGE
+    assert last_line(capsys.readouterr().err) == (
+        "trioserve: invalid input: model: building 'bench-llama-40m' failed (exit code 1; its error is above)"
+    )
+    assert os.listdir(tmp_path) == []
+
+
 # --- paths too long -------------------------------------------------------------------
 
 

