@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import argparse
+import functools
 import logging
 import os
 import signal
 import sys
 import time
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 import trio
@@ -41,6 +43,7 @@ EXIT_USAGE = 2  # bad command line or configuration
 EXIT_STARTUP_FAILED = 3  # the engine could not start (the message names the stage and process)
 EXIT_ENGINE_DEAD = 4  # the engine died and could not be restarted (out of restarts)
 EXIT_INTERRUPTED = 130  # Ctrl-C where no graceful shutdown applies
+EXIT_TERMINATED = 143  # SIGTERM where no graceful shutdown applies: the engine stopped in order
 
 
 def _add_engine_options(parser: argparse.ArgumentParser) -> None:
@@ -330,20 +333,46 @@ def _check_stdout() -> None:
         raise StdioError("cannot write to stdout: it is closed")
 
 
+async def _unless_sigterm(main: Callable[[], Awaitable[None]]) -> bool:
+    """Run ``main()``; a SIGTERM cancels it, so that the engine it opened
+    stops in order (its processes would otherwise see this one die). True
+    when a SIGTERM stopped it."""
+    stopped = False
+    with trio.open_signal_receiver(signal.SIGTERM) as signals:
+        async with trio.open_nursery() as nursery:
+
+            async def stop_on_sigterm() -> None:
+                nonlocal stopped
+                async for _ in signals:
+                    stopped = True
+                    nursery.cancel_scope.cancel()
+
+            nursery.start_soon(stop_on_sigterm)
+            await main()
+            nursery.cancel_scope.cancel()
+    return stopped
+
+
+def _one_shot(main: Callable[[], Awaitable[None]]) -> int:
+    """``generate`` and ``chat``: exit 0 when done, 143 after a SIGTERM."""
+    if trio.run(_unless_sigterm, main):
+        print("\ntrioserve: SIGTERM: stopped", file=sys.stderr)
+        return EXIT_TERMINATED
+    return EXIT_OK
+
+
 def cmd_chat(args: argparse.Namespace) -> int:
     _check_stdout()
     config = _engine_config(args)
     params = _sampling_params(args)
-    trio.run(run_chat, config, params, args.system, sys.stdout)
-    return EXIT_OK
+    return _one_shot(functools.partial(run_chat, config, params, args.system, sys.stdout))
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
     _check_stdout()
     config = _engine_config(args)
     params = _sampling_params(args)
-    trio.run(_generate, config, args.prompt, params)
-    return EXIT_OK
+    return _one_shot(functools.partial(_generate, config, args.prompt, params))
 
 
 def _add_server_options(parser: argparse.ArgumentParser) -> None:
