@@ -6,11 +6,16 @@ from __future__ import annotations
 
 import functools
 import json
+import signal
+import subprocess
+import sys
 import time
 
 import openai
+import psutil
 import pytest
 import trio
+from helpers.serving import spawned
 
 import trioserve
 from test_server import in_thread, serving, wait_blocks_free
@@ -306,8 +311,6 @@ async def test_chat_refuses_a_model_without_a_chat_template_before_loading_it(ti
 async def test_chat_whose_engine_is_out_of_restarts_exits_4_in_one_line(tiny_model_dir):
     """The engine's death leaves the chat's own nursery as an exception group:
     the command line takes it apart (it printed a group's traceback, exit 1)."""
-    import sys
-
     argv = [sys.executable, "-m", "trioserve.cli", "chat", "--model", str(tiny_model_dir("llama")),
             "--runner", "fake", "--fake-options", '{"die_at_step": 1}', "--max-restarts", "0"]  # fmt: skip
     with trio.fail_after(60):
@@ -337,32 +340,21 @@ async def test_when_the_engine_dies_under_n_samples_each_counts_as_an_error_not_
 async def test_sigterm_stops_generate_and_chat_with_their_engine_in_order_exit_143(tiny_model_dir, command):
     """Found: SIGTERM killed the command at once; its engine core saw its
     parent die ("the parent is gone: stopping") and the exit was -15."""
-    import signal
-    import subprocess
-    import sys
-
-    import psutil
-
     argv = [sys.executable, "-m", "trioserve.cli", command, "--model", str(tiny_model_dir("llama")),
             "--runner", "fake", "--fake-options", '{"step_delay_s": 0.05}', "--max-tokens", "1000",
             "--ignore-eos", *(["hello"] if command == "generate" else [])]  # fmt: skip
-    proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-    try:
-        with trio.fail_after(60):
-            assert proc.stdin is not None and proc.stdout is not None
-            if command == "chat":
-                proc.stdin.write(b"hello\n")
-                proc.stdin.flush()
-            await in_thread(proc.stdout.read, 1)  # the reply streams: the engine is up
-            tree = psutil.Process(proc.pid).children(recursive=True)
-            assert tree
-            proc.send_signal(signal.SIGTERM)
-            _, err = await in_thread(proc.communicate)
-            assert proc.returncode == 143, err
-            assert err.decode().strip().splitlines()[-1] == "trioserve: SIGTERM: stopped"
-            assert b"parent is gone" not in err and b"Traceback" not in err
-            _, alive = await in_thread(psutil.wait_procs, tree, 5)
-            assert alive == []
-    finally:
-        proc.kill()
-        proc.communicate()
+    with trio.fail_after(60), spawned(argv, stdin=subprocess.PIPE) as proc:
+        assert proc.stdin is not None and proc.stdout is not None
+        if command == "chat":
+            proc.stdin.write("hello\n")
+            proc.stdin.flush()
+        await in_thread(proc.stdout.read, 1)  # the reply streams: the engine is up
+        tree = psutil.Process(proc.pid).children(recursive=True)
+        assert tree
+        proc.send_signal(signal.SIGTERM)
+        _, err = await in_thread(proc.communicate)
+        assert proc.returncode == 143, err
+        assert err.strip().splitlines()[-1] == "trioserve: SIGTERM: stopped"
+        assert "parent is gone" not in err and "Traceback" not in err
+        _, alive = await in_thread(psutil.wait_procs, tree, 5)
+        assert alive == []

@@ -12,7 +12,7 @@ import sys
 import psutil
 import pytest
 import trio
-from tests.helpers.serving import running, serve_argv, spawned
+from helpers.serving import running, serve_argv, spawned
 
 from trioserve.default_model import build_model_dir
 

@@ -21,10 +21,18 @@ def serve_argv(*options: str) -> list[str]:
 
 
 @contextmanager
-def spawned(argv: list[str], env: dict[str, str] | None = None) -> Iterator[subprocess.Popen[str]]:
+def spawned(
+    argv: list[str], env: dict[str, str] | None = None, *, stdin: int | None = None
+) -> Iterator[subprocess.Popen[str]]:
     """Run ``argv``; on the way out, kill whatever of its process tree is left."""
     proc = subprocess.Popen(
-        argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO, env=env or dict(os.environ)
+        argv,
+        stdin=stdin,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        cwd=REPO,
+        env=env or dict(os.environ),
     )
     try:
         yield proc
