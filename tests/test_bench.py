@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import signal
 import subprocess
 import sys
 
@@ -17,6 +18,7 @@ import psutil
 import pytest
 import trio
 from helpers.fakes import VOCAB
+from helpers.serving import running, spawned, tree_of
 
 from trioserve.bench import cli as bench_cli
 from trioserve.bench.drivers import Progress, connections_for
@@ -419,3 +421,47 @@ def test_the_model_only_bound_says_what_its_requests_took_from_the_prefix_cache(
     shared = WorkloadSpec.from_dict({**plain.to_dict(), "shared_prefix_len": 16})
     assert run_model_only(config, shared)["cached_prompt_tokens"] == 3 * 16  # one at a time: the last three hit
     assert run_model_only(config, plain)["cached_prompt_tokens"] == 0
+
+
+BASELINE_SCRIPT = """
+import json, sys
+from trioserve.bench.run import run_baseline
+from trioserve.bench.workload import WorkloadSpec
+from trioserve.config import EngineConfig
+from trioserve.errors import StoppedBySignal
+model = sys.argv[1]
+vocab = json.load(open(model + "/config.json"))["vocab_size"]
+spec = WorkloadSpec(num_requests=512, prompt_len=(32, 32), output_len=(64, 64), vocab_size=vocab)
+try:
+    run_baseline("generate", EngineConfig(model=model), spec)
+except StoppedBySignal as exc:
+    print(exc, file=sys.stderr)
+"""
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGKILL])
+async def test_a_baseline_process_ends_with_the_bench_that_started_it(tiny_model_dir, signum):
+    """Found: ``trioserve bench`` stopped by SIGTERM (or kill -9) left its
+    baseline process running to the end of its workload."""
+    argv = [sys.executable, "-c", BASELINE_SCRIPT, str(tiny_model_dir("llama"))]
+    with trio.fail_after(60), spawned(argv) as proc:
+        while not (baseline := [p for p in tree_of(proc.pid) if "trioserve.bench.baselines" in _cmdline(p)]):
+            assert proc.poll() is None, proc.communicate()
+            await trio.sleep(0.05)
+        await trio.sleep(1.0)  # into its workload
+        proc.send_signal(signum)
+        _, err = await trio.to_thread.run_sync(proc.communicate)
+        if signum == signal.SIGTERM:
+            assert proc.returncode == 0 and err.strip() == (
+                "SIGTERM: stopped the generate baseline before it finished (nothing kept)"
+            ), err
+        with trio.fail_after(3):  # it sees its parent gone (the watch pipe), or was stopped and reaped
+            while running(baseline[0]):
+                await trio.sleep(0.02)
+
+
+def _cmdline(pid: int) -> str:
+    try:
+        return " ".join(psutil.Process(pid).cmdline())
+    except psutil.Error:
+        return ""

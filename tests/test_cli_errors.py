@@ -15,6 +15,7 @@ import pytest
 from trioserve import default_model
 from trioserve.chat import StdioError, write_out
 from trioserve.cli import EXIT_ERROR, EXIT_STARTUP_FAILED, EXIT_USAGE, main
+from trioserve.nurseries.oneshot import Finished
 from trioserve.transport import curve
 
 LONG_NAME = "a" * 300  # over NAME_MAX (255): ENAMETOOLONG
@@ -69,7 +70,7 @@ def test_bench_with_an_unusable_cache_dir_is_one_line_naming_it(tmp_path, capsys
 def test_bench_whose_model_build_fails_is_one_line_naming_it(tmp_path, capsys, monkeypatch):
     """Found: a failing build of a benchmark model ended ``trioserve bench`` with a traceback."""
     monkeypatch.setenv("TRIOSERVE_CACHE_DIR", str(tmp_path))
-    monkeypatch.setattr(default_model, "run_builder", lambda module, args, *, name: 1)  # as a builder that failed
+    monkeypatch.setattr(default_model, "run_oneshot", lambda *args, **options: Finished(1))  # a builder that failed
     assert main(["bench", "--model", "bench-llama-40m", "--baselines", "none"]) == EXIT_USAGE
     assert last_line(capsys.readouterr().err) == (
         "trioserve: invalid input: model: building 'bench-llama-40m' failed (exit code 1; its error is above)"

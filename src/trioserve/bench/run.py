@@ -6,8 +6,7 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
+import re
 import tempfile
 import time
 from dataclasses import dataclass, field
@@ -25,6 +24,7 @@ from trioserve.bench.steps import step_log_env
 from trioserve.bench.workload import BenchRequest, WorkloadSpec, build_requests, warmup_spec
 from trioserve.config import EngineConfig
 from trioserve.messages import EngineStats
+from trioserve.nurseries.oneshot import run_oneshot
 from trioserve.runners.steplog import StepRecord, read_step_log, step_log_path
 
 BASELINE_KINDS = ("model-only", "generate-batch", "generate")  # run by default
@@ -110,22 +110,27 @@ async def _measure(
 
 
 def run_baseline(kind: str, config: EngineConfig, spec: WorkloadSpec, timeout_s: float | None = None) -> dict[str, Any]:
-    """One baseline in a subprocess; its JSON, or ``{"error": ...}``."""
-    command = [
-        sys.executable,
-        "-m",
-        "trioserve.bench.baselines",
-        kind,
-        "--config",
-        msgspec.json.encode(config).decode(),
-        "--spec",
-        json.dumps(spec.to_dict()),
-    ]
-    try:
-        done = subprocess.run(command, capture_output=True, text=True, timeout=timeout_s, check=False)
-    except subprocess.TimeoutExpired:
+    """One baseline in a supervised child process (``nurseries/oneshot.py``:
+    it ends with this process, however this one ends); its JSON, or
+    ``{"error": ...}``. Raises ``StoppedBySignal`` after a SIGTERM (and
+    ``KeyboardInterrupt`` after a SIGINT), once the child is gone."""
+    args = [kind, "--config", msgspec.json.encode(config).decode(), "--spec", json.dumps(spec.to_dict())]
+    done = run_oneshot("trioserve.bench.baselines", args, name=f"{kind} baseline", capture=True, timeout_s=timeout_s)
+    if done.timed_out:
         return {"kind": kind, "error": f"timed out after {timeout_s:.0f} s"}
-    if done.returncode != 0:
-        last = (done.stderr.strip().splitlines() or ["(no output)"])[-1]
-        return {"kind": kind, "error": f"exit {done.returncode}: {last}"}
+    if done.exit_code != 0:
+        return {"kind": kind, "error": f"exit {done.exit_code}: {_last_words(done.stderr)}"}
     return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def _last_words(stderr: str) -> str:
+    """Why a one-shot process failed, from its stderr: its one "failed:" line
+    without the process's name, or, when that only gives an exit code, the
+    line above it (an argument parser's message, say)."""
+    lines = stderr.strip().splitlines() or ["(no output)"]
+    failed = re.fullmatch(r"trioserve-oneshot \(pid \d+\) failed: (.*)", lines[-1])
+    if failed is None:
+        return lines[-1]
+    if re.search(r"exited with code -?\d+$", failed.group(1)) and len(lines) > 1:
+        return lines[-2]
+    return failed.group(1)

@@ -1,7 +1,7 @@
 """Entry point of every child process: ``python -m trioserve.nurseries.entry ROLE``.
 
-ROLE is ``engine-core``, ``worker`` or ``build`` (``build MODULE ARG...``: a
-model builder, see ``builder.py``). Kept apart from the modules it runs so
+ROLE is ``engine-core``, ``worker`` or ``run`` (``run MODULE ARG...``: a
+one-shot program, a model builder or a benchmark baseline, see ``oneshot.py``). Kept apart from the modules it runs so
 that ``-m`` never executes a module the package has already imported.
 """
 
@@ -10,10 +10,15 @@ from __future__ import annotations
 import functools
 import logging
 import os
+import signal
 import sys
 
 
 def main(role: str) -> None:
+    # First of all, before the slow imports: Ctrl-C reaches the whole process group, and it is
+    # the parent's to handle (run_child_main keeps SIGINT ignored; found: a Ctrl-C while a child
+    # imported trio printed the child's KeyboardInterrupt traceback).
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     logging.basicConfig(
         level=os.environ.get("TRIOSERVE_LOG_LEVEL", "WARNING"),
         format=f"%(levelname)s {role}[%(process)d] %(name)s: %(message)s",
@@ -28,10 +33,10 @@ def main(role: str) -> None:
         from trioserve.nurseries.worker import worker_main
 
         run_child_main(worker_main, name="trioserve-worker")
-    elif role == "build":
-        from trioserve.nurseries.builder import builder_main
+    elif role == "run":
+        from trioserve.nurseries.oneshot import oneshot_main
 
-        run_child_main(functools.partial(builder_main, sys.argv[2:]), name="trioserve-build")
+        run_child_main(functools.partial(oneshot_main, sys.argv[2:]), name="trioserve-oneshot")
     else:
         sys.exit(f"trioserve.nurseries.entry: unknown role {role!r}")
 

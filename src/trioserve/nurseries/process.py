@@ -206,6 +206,9 @@ async def supervise_process(
     grace_s: float = 5.0,
     new_process_group: bool = False,
     usual_exit_codes: frozenset[int] = frozenset(),
+    runs_to_end: bool = False,
+    stdout: int | None = None,
+    stderr: int | None = None,
     task_status: trio.TaskStatus[ChildProcess] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """Start ``argv`` as a child process and stay with it until it is reaped.
@@ -215,7 +218,8 @@ async def supervise_process(
     gets ``TRIOSERVE_PARENT_FD`` (the child's end of the parent-watch pipe,
     passed with ``pass_fds``) and ``TRIOSERVE_PARENT_PID``. With
     ``new_process_group`` the child leads a new process group (see the module
-    docstring for when the group is killed).
+    docstring for when the group is killed). ``stdout`` and ``stderr``: file
+    descriptors for the child's (default: this process's).
 
     Returns once the child exits after ``child.stop()``,
     ``child.declare_hung()`` or ``child.expect_exit()``. Raises ``ProcessExited`` if it exits without
@@ -223,9 +227,11 @@ async def supervise_process(
     escalation, shielded), reaps it, then lets the cancellation go on:
     nothing is left running. An unasked exit with one of
     ``usual_exit_codes`` (an end the caller expects some day) is logged at
-    INFO, not as a warning; it still raises ``ProcessExited``.
+    INFO, not as a warning; it still raises ``ProcessExited``. A child that
+    ``runs_to_end`` (a one-shot program) ends by itself: whatever its exit,
+    it is its answer, read from ``child.returncode``, not ``ProcessExited``.
     """
-    child = await _start(argv, name, pass_fds, env, grace_s, new_process_group)
+    child = await _start(argv, name, pass_fds, env, grace_s, new_process_group, (stdout, stderr))
     log.info("%s (pid %d) started: %s", name, child.pid, " ".join(argv))
     try:
         task_status.started(child)
@@ -241,8 +247,8 @@ async def supervise_process(
     finally:
         with trio.CancelScope(shield=True):
             await _reap(child)
-    _log_exit(child, usual_exit_codes)
-    if not child.stop_requested and not child.exit_expected:
+    _log_exit(child, usual_exit_codes, runs_to_end)
+    if not child.stop_requested and not child.exit_expected and not runs_to_end:
         raise ProcessExited(name, child.pid, child.returncode or 0)
 
 
@@ -253,6 +259,7 @@ async def _start(
     env: Mapping[str, str] | None,
     grace_s: float,
     new_process_group: bool,
+    stdio: tuple[int | None, int | None] = (None, None),
 ) -> ChildProcess:
     """Open the parent-watch pipe, start the child, register it as live."""
     read_fd, write_fd = os.pipe()  # both non-inheritable: only pass_fds hands read_fd on
@@ -262,7 +269,12 @@ async def _start(
         child_env[PARENT_PID_ENV] = str(os.getpid())
         _check_nesting(name, child_env, grace_s)
         process = await trio.lowlevel.open_process(
-            argv, pass_fds=(*pass_fds, read_fd), env=child_env, process_group=0 if new_process_group else None
+            argv,
+            pass_fds=(*pass_fds, read_fd),
+            env=child_env,
+            process_group=0 if new_process_group else None,
+            stdout=stdio[0],
+            stderr=stdio[1],
         )
     except BaseException:
         os.close(write_fd)
@@ -341,7 +353,7 @@ async def _reap(child: ChildProcess) -> None:
     child._close_watch()
 
 
-def _log_exit(child: ChildProcess, usual_exit_codes: frozenset[int]) -> None:
+def _log_exit(child: ChildProcess, usual_exit_codes: frozenset[int], runs_to_end: bool) -> None:
     code = child.returncode
     assert code is not None
     if child.killed_as_hung:
@@ -351,6 +363,9 @@ def _log_exit(child: ChildProcess, usual_exit_codes: frozenset[int]) -> None:
     elif child.exit_expected:
         level = logging.INFO if code == 0 else logging.WARNING
         log.log(level, "%s (pid %d) %s after it was asked to exit", child.name, child.pid, describe_exit(code))
+    elif runs_to_end:
+        level = logging.INFO if code == 0 else logging.WARNING
+        log.log(level, "%s (pid %d) %s", child.name, child.pid, describe_exit(code))
     else:
         level = logging.INFO if code in usual_exit_codes else logging.WARNING
         log.log(level, "%s (pid %d) %s unexpectedly", child.name, child.pid, describe_exit(code))
