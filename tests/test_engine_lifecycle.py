@@ -565,6 +565,7 @@ async def test_engine_core_without_handshake_reply_exits_at_its_handshake_deadli
         rb"within 0.5s \(TRIOSERVE_HANDSHAKE_TIMEOUT_S\)",
         stderr,
     ), stderr.decode(errors="replace")
+    assert b"Traceback" not in stderr, stderr.decode(errors="replace")  # found: a traceback, not one line
 
 
 @pytest.mark.parametrize(

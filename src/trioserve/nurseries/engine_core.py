@@ -503,12 +503,10 @@ async def engine_core_main() -> None:
         timeout = handshake_timeout_s()
         with trio.move_on_after(timeout) as scope:
             init = await _handshake(handshake, engine_index)
-        if scope.cancelled_caught:
-            raise EngineStartupError(
+        if scope.cancelled_caught:  # nobody to tell: one line on stderr (found: a traceback)
+            raise ChildFailed(
                 f"engine-core-{engine_index} (pid {os.getpid()}) got no HandshakeInit from the front-end "
-                f"within {timeout}s ({HANDSHAKE_TIMEOUT_ENV})",
-                stage="handshake",
-                process=f"engine-core-{engine_index}",
+                f"within {timeout}s ({HANDSHAKE_TIMEOUT_ENV})"
             )
         if PRIVATE_DIR_ENV in os.environ and init.config.tensor_parallel_size == 1:
             # Nothing goes there (no ranks to meet): gone now, a kill -9 of the whole tree cannot leave it.
