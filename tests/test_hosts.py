@@ -459,6 +459,48 @@ async def test_a_headless_engine_whose_head_is_gone_stops_its_workers_and_joins_
                 await check_served_by(engine, 1, [6])
 
 
+async def test_a_head_that_stops_while_a_headless_engine_core_loads_tells_it_and_it_goes_at_once(
+    fake_config, keys_dir, tmp_path
+):
+    """Found: a head stopped while the engine core joining it loaded its model
+    said nothing (only a live engine core hears ``Ping(leaving)`` on its input
+    socket): the engine core loaded to the end, then waited a heartbeat
+    timeout, and failed in three lines."""
+    port = free_port()
+    config = fake_config(
+        data_parallel_size=1,
+        data_parallel_size_local=0,
+        data_parallel_rpc_port=port,
+        curve_keys_dir=keys_dir,
+        heartbeat_interval_s=0.25,
+        heartbeat_timeout_s=HEARTBEAT_TIMEOUT_S,
+        load_delay_s=60.0,  # the headless worker loads for a minute: the head stops long before
+    )
+    argv = headless_argv(port, keys_dir)
+    argv[argv.index("--data-parallel-size") + 1] = "1"
+    argv[argv.index("--data-parallel-start-rank") + 1] = "0"
+    stderr = tmp_path / "headless.err"
+    with headless_logging_to(argv, stderr) as proc, trio.fail_after(60):
+
+        async def head() -> None:
+            async with trioserve.open_engine(config=config):
+                raise AssertionError("ready, though the headless worker loads for a minute")
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(head)
+            while len(tree := tree_of(proc.pid)) < 2:  # an engine core, and its worker loading
+                await trio.sleep(0.05)
+            await trio.sleep(0.5)  # into the load
+            nursery.cancel_scope.cancel()  # the head stops
+        stopped_at = time.monotonic()
+        while any(running(p) for p in tree):
+            assert time.monotonic() - stopped_at < HEARTBEAT_TIMEOUT_S, "not told: gone only by a timeout"
+            await trio.sleep(0.05)
+        lines = await wait_for_lines(stderr, "the head stopped")
+        assert not [line for line in lines if "failed" in line or "unexpectedly" in line], lines
+        assert proc.poll() is None  # it waits for the next head
+
+
 async def test_without_reconnect_a_headless_process_exits_when_its_head_is_gone(head_config, keys_dir):
     config = head_config()
     argv = headless_argv(config.data_parallel_rpc_port, keys_dir, "--no-headless-reconnect")

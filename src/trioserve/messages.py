@@ -335,9 +335,6 @@ class Heartbeat(msgspec.Struct, tag=True):
     load: LoadReport | None = None
 
 
-HandshakeMessage = Hello | HandshakeInit | Heartbeat | Ready | StartupFailed | MayJoin | JoinAnswer
-
-
 # --- front-end -> engine core ----------------------------------------------
 
 
@@ -388,6 +385,10 @@ class Ping(msgspec.Struct, tag=True):
 
 
 EngineRequest = AddRequest | AbortRequests | GetStats | ResetPrefixCache | StartWave | Ping | ControlRequest
+
+# On the handshake socket. A head that stops while an engine core on another host
+# is still joining (before its Ready) sends it Ping(leaving=True) there.
+HandshakeMessage = Hello | HandshakeInit | Heartbeat | Ready | StartupFailed | MayJoin | JoinAnswer | Ping
 
 
 # --- engine core -> front-end ----------------------------------------------

@@ -78,6 +78,7 @@ class RemoteEngines:
         self._live: dict[int, RemoteEngineCoreClient] = {}
         self._replaceable: dict[int, int] = {}  # engine index -> remote pid whose successor MayJoin allowed
         self._refusals_logged: dict[int, int] = {}  # engine index -> remote pid of the live one, logged once
+        self._joining: set[bytes] = set()  # identities whose handshake has not ended (a stop does not end it)
         self._loop = SocketLoop(self._received)
         self._changed = trio.Event()
         self.num_hellos = 0  # Hellos received (from authenticated peers only)
@@ -103,7 +104,27 @@ class RemoteEngines:
                 ) from None
             with bound as sock:
                 task_status.started()
-                await self._loop.run(sock)
+                try:
+                    await self._loop.run(sock)
+                finally:
+                    self._say_leaving(sock)
+
+    def _say_leaving(self, sock: TrioZmqSocket) -> None:
+        """This head stops: tell every engine core that is joining it (its
+        ``Hello`` waiting for a life, or its workers loading), which would
+        otherwise wait for a heartbeat timeout or its start-up deadline. The
+        socket then lingers ``LEAVING_S`` for the messages to go out."""
+        identities = self._joining | {frames[0] for _, frames in self._hellos.values()}
+        if not identities:
+            return
+        with contextlib.suppress(zmq.ZMQError):
+            sock.socket.setsockopt(zmq.LINGER, int(LEAVING_S * 1000))
+            for identity in identities:
+                sock.socket.send_multipart([identity, _encode(Ping(leaving=True))], zmq.NOBLOCK)
+
+    def joined(self, identity: bytes) -> None:
+        """The handshake of the engine core at ``identity`` ended (``Ready``, or a failure)."""
+        self._joining.discard(identity)
 
     def send_nowait(self, frames: Sequence[bytes]) -> None:
         """Queue ``frames`` (identity first) for the hub's task to send."""
@@ -196,6 +217,7 @@ class RemoteEngines:
         send, receive = trio.open_memory_channel[list[bytes]](LINK_SIZE)
         send.send_nowait(frames)
         self._links[frames[0]] = send
+        self._joining.add(frames[0])
         self._live[client.engine_index] = client
         self._replaceable.pop(client.engine_index, None)
         return HandshakeLink(self, frames[0], receive)
@@ -263,10 +285,13 @@ class RemoteEngineCoreClient(EngineCoreClient):
             output_sock = TrioZmqSocket.bind(zmq.PULL, f"tcp://{host}:0", linger=0, **opts)
             try:
                 info = await self._handshake(link, _endpoint(input_sock), _endpoint(output_sock))
-            except BaseException:
+            except BaseException as exc:
                 input_sock.close()
                 output_sock.close()
+                if not isinstance(exc, trio.Cancelled):  # a stop leaves it joining: the hub says leaving
+                    self.hub.joined(link.identity)
                 raise
+            self.hub.joined(link.identity)
         self._serve_sockets(nursery, input_sock, output_sock)
         nursery.start_soon(self._pinger)
         return info

@@ -44,7 +44,7 @@ from trioserve.core.request import Request
 from trioserve.core.scheduler import Scheduler
 from trioserve.core.step import Step
 from trioserve.core.waves import EngineWaves
-from trioserve.errors import EngineStartupError, describe, meaningful_leaves
+from trioserve.errors import EngineStartupError, describe, first_leaf, meaningful_leaves
 from trioserve.messages import (
     AbortRequests,
     AddRequest,
@@ -76,6 +76,7 @@ from trioserve.nurseries.executor import Executor
 from trioserve.nurseries.workers import ExecutorStage, WorkerError
 from trioserve.rpc import ControlRequest
 from trioserve.transport.curve import CurveKeys, load_keys
+from trioserve.transport.router import SocketLoop
 from trioserve.transport.silence import Silence
 from trioserve.transport.zmq_trio import TrioZmqSocket
 
@@ -404,9 +405,28 @@ async def output_socket_actor(
 async def _handshake(sock: TrioZmqSocket, engine_index: int) -> HandshakeInit:
     await sock.send(_encode(Hello(engine_index=engine_index, pid=os.getpid())))
     msg = msgspec.msgpack.decode(await sock.recv(), type=HandshakeMessage)
+    _check_not_leaving(msg)
     if not isinstance(msg, HandshakeInit):
         raise EngineStartupError(f"expected HandshakeInit, got {type(msg).__name__}", stage="handshake")
     return msg
+
+
+def _check_not_leaving(msg: HandshakeMessage) -> None:
+    """``ChildExit(HEAD_LEFT_EXIT)`` when ``msg`` says that a head on another
+    host stops while this engine core joins it."""
+    if isinstance(msg, Ping) and msg.leaving:
+        raise ChildExit(HEAD_LEFT_EXIT, "the front-end said it is stopping while this engine core joined it")
+
+
+def _hear_leaving(frames: list[bytes]) -> None:
+    """A message on the handshake socket while the workers load: only a head
+    that stops says anything there."""
+    try:
+        msg = msgspec.msgpack.decode(frames[0], type=HandshakeMessage)
+    except msgspec.DecodeError:
+        log.warning("dropping a malformed message on the handshake socket")
+        return
+    _check_not_leaving(msg)
 
 
 def handshake_timeout_s() -> float:
@@ -588,7 +608,7 @@ async def _serve(
             engine_index=int(os.environ.get(ENGINE_INDEX_ENV, "0")),
             private_dir=private_dir,
         )
-        info = await _start_executor(nursery, executor, handshake)
+        info = await _start_executor(nursery, executor, handshake, address.startswith("tcp://"))
         scheduler = Scheduler(
             num_blocks=info.num_kv_blocks,
             block_size=info.block_size,
@@ -634,21 +654,35 @@ async def _listen_for_api_servers(
         raise EngineStartupError(message, stage="handshake", process=process) from None
 
 
-async def _start_executor(nursery: trio.Nursery, executor: Executor, handshake: TrioZmqSocket) -> EngineInfo:
+async def _start_executor(
+    nursery: trio.Nursery, executor: Executor, handshake: TrioZmqSocket, remote: bool
+) -> EngineInfo:
     """Start the workers, with heartbeats on the handshake socket while they
-    load; on a failure, tell the front-end ``StartupFailed`` and raise."""
+    load; on a failure, tell the front-end ``StartupFailed`` and raise. With
+    a ``remote`` front-end (another host), also listen there meanwhile: a
+    head that stops says so (``ChildExit(HEAD_LEFT_EXIT)``, the workers
+    stopped first)."""
+    loop = SocketLoop(_hear_leaving) if remote else None  # one task owns the socket: it sends and receives
 
     async def send(msg: Heartbeat) -> None:
-        await handshake.send(_encode(msg))
+        if loop is None:
+            await handshake.send(_encode(msg))
+        else:
+            loop.send_nowait([_encode(msg)])
+            await trio.lowlevel.checkpoint()
 
     try:
         async with trio.open_nursery() as beats:
+            if loop is not None:
+                beats.start_soon(loop.run, handshake)
             beats.start_soon(_heartbeats, send, executor)
             try:
                 info: EngineInfo = await nursery.start(executor.run)
             finally:
                 beats.cancel_scope.cancel()
     except BaseException as exc:
+        if first_leaf(exc, ChildExit) is not None:
+            raise  # the head left: nobody to tell
         with trio.CancelScope(shield=True), trio.move_on_after(1):
             await handshake.send(_encode(_startup_failure(exc, executor.stage)))
         raise
