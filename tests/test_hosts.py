@@ -25,7 +25,7 @@ from helpers.fakes import fake_tokens, wait_no_children
 from helpers.serving import REPO, running, tree_of
 
 import trioserve
-from trioserve import SamplingParams
+from trioserve import EngineConfig, SamplingParams
 from trioserve.api import open_attached_engine
 from trioserve.cli import EXIT_ENGINE_DEAD, EXIT_USAGE, main
 from trioserve.errors import EngineDeadError
@@ -79,6 +79,25 @@ def headless_argv(port: int, keys_dir: str | None, *options: str) -> list[str]:
         "--data-parallel-size", "2", "--data-parallel-size-local", "1", "--data-parallel-start-rank", "1",
         "--data-parallel-address", "127.0.0.1", "--data-parallel-rpc-port", str(port), *keys, *options,
     ]  # fmt: skip
+
+
+def head_of_one_remote_engine(fake_config, keys_dir: str, **options) -> tuple[EngineConfig, list[str]]:
+    """A head with no engine of its own (``options``: more of its config), and
+    the command of the headless host whose engine 0 it takes."""
+    port = free_port()
+    config = fake_config(
+        data_parallel_size=1,
+        data_parallel_size_local=0,
+        data_parallel_rpc_port=port,
+        curve_keys_dir=keys_dir,
+        heartbeat_interval_s=0.25,
+        heartbeat_timeout_s=HEARTBEAT_TIMEOUT_S,
+        **options,
+    )
+    argv = headless_argv(port, keys_dir)
+    argv[argv.index("--data-parallel-size") + 1] = "1"
+    argv[argv.index("--data-parallel-start-rank") + 1] = "0"
+    return config, argv
 
 
 @contextmanager
@@ -466,19 +485,8 @@ async def test_a_head_that_stops_while_a_headless_engine_core_loads_tells_it_and
     said nothing (only a live engine core hears ``Ping(leaving)`` on its input
     socket): the engine core loaded to the end, then waited a heartbeat
     timeout, and failed in three lines."""
-    port = free_port()
-    config = fake_config(
-        data_parallel_size=1,
-        data_parallel_size_local=0,
-        data_parallel_rpc_port=port,
-        curve_keys_dir=keys_dir,
-        heartbeat_interval_s=0.25,
-        heartbeat_timeout_s=HEARTBEAT_TIMEOUT_S,
-        load_delay_s=60.0,  # the headless worker loads for a minute: the head stops long before
-    )
-    argv = headless_argv(port, keys_dir)
-    argv[argv.index("--data-parallel-size") + 1] = "1"
-    argv[argv.index("--data-parallel-start-rank") + 1] = "0"
+    # The headless worker loads for a minute: the head stops long before.
+    config, argv = head_of_one_remote_engine(fake_config, keys_dir, load_delay_s=60.0)
     stderr = tmp_path / "headless.err"
     with headless_logging_to(argv, stderr) as proc, trio.fail_after(60):
 
@@ -515,18 +523,7 @@ async def test_without_reconnect_a_headless_process_exits_when_its_head_is_gone(
 
 
 async def test_a_head_with_no_engine_of_its_own_serves_once_a_headless_one_joins(fake_config, keys_dir):
-    port = free_port()
-    config = fake_config(
-        data_parallel_size=1,
-        data_parallel_size_local=0,
-        data_parallel_rpc_port=port,
-        curve_keys_dir=keys_dir,
-        heartbeat_interval_s=0.25,
-        heartbeat_timeout_s=HEARTBEAT_TIMEOUT_S,
-    )
-    argv = headless_argv(port, keys_dir)
-    argv[argv.index("--data-parallel-size") + 1] = "1"
-    argv[argv.index("--data-parallel-start-rank") + 1] = "0"
+    config, argv = head_of_one_remote_engine(fake_config, keys_dir)
     with headless(argv), trio.fail_after(60):
         async with trioserve.open_engine(config=config) as engine:  # ready once engine 0 joined
             assert engine.health == "ready"
