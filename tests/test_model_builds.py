@@ -9,6 +9,7 @@ import re
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import psutil
@@ -19,7 +20,7 @@ from helpers.serving import running, serve_argv, spawned
 from trioserve import cli, default_model
 from trioserve.default_model import build_model_dir
 from trioserve.errors import EngineStartupError
-from trioserve.nurseries.oneshot import Finished, run_oneshot
+from trioserve.nurseries.oneshot import ONESHOT_GRACE_S, Finished, run_oneshot
 
 
 def _builder(proc: subprocess.Popen[str]) -> psutil.Process | None:
@@ -170,3 +171,11 @@ def test_a_converter_killed_by_a_signal_is_named_not_an_error_above(monkeypatch)
     monkeypatch.setattr(default_model, "default_model_dir", killed)
     with pytest.raises(EngineStartupError, match=r"failed \(exit code -9; the converter was killed by SIGKILL\)$"):
         cli._default_model()
+
+
+def test_a_program_past_its_time_limit_is_stopped_and_reported_as_timed_out(tmp_path):
+    started = time.monotonic()
+    done = run_oneshot("trioserve.gpu.tiny_models", [str(tmp_path / "m")], name="slow", capture=True, timeout_s=0.3)
+    assert done.timed_out and done.exit_code is None
+    assert time.monotonic() - started < 0.3 + ONESHOT_GRACE_S
+    assert os.listdir(tmp_path) == []  # stopped while it imported torch: it wrote nothing

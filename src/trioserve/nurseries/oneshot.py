@@ -96,7 +96,7 @@ async def _run(
 ) -> int | None:
     terminated = False
     child: ChildProcess | None = None
-    with trio.move_on_after(timeout_s if timeout_s is not None else float("inf")):
+    with trio.move_on_after(timeout_s if timeout_s is not None else float("inf")) as limit:
         async with trio.open_nursery() as nursery:
 
             async def stop_on_sigterm(*, task_status: trio.TaskStatus[None]) -> None:
@@ -128,7 +128,9 @@ async def _run(
             child = await nursery.start(supervise)
     if terminated:
         raise StoppedBySignal(f"SIGTERM: stopped the {name} before it finished (nothing kept)")
-    return None if child is None else child.returncode
+    if limit.cancelled_caught or child is None:
+        return None  # stopped at its time limit (and reaped)
+    return child.returncode
 
 
 async def oneshot_main(argv: list[str]) -> None:
