@@ -179,3 +179,13 @@ def test_a_program_past_its_time_limit_is_stopped_and_reported_as_timed_out(tmp_
     assert done.timed_out and done.exit_code is None
     assert time.monotonic() - started < 0.3 + ONESHOT_GRACE_S
     assert os.listdir(tmp_path) == []  # stopped while it imported torch: it wrote nothing
+
+
+def test_an_incomplete_model_directory_in_the_way_is_replaced(tmp_path, monkeypatch):
+    target = tmp_path / "model"
+    target.mkdir()
+    (target / "config.json").write_text("left by something else")  # no completion marker
+    monkeypatch.setattr(default_model, "run_oneshot", _fake_builder())
+    build_model_dir(target, "trioserve.gpu.tiny_models", [], name="tiny-model builder")
+    assert default_model.is_complete(target) and (target / "config.json").read_text() == "{}"
+    assert os.listdir(tmp_path) == ["model"]

@@ -44,7 +44,7 @@ EXIT_USAGE = 2  # bad command line or configuration
 EXIT_STARTUP_FAILED = 3  # the engine could not start (the message names the stage and process)
 EXIT_ENGINE_DEAD = 4  # the engine died and could not be restarted (out of restarts)
 EXIT_INTERRUPTED = 130  # Ctrl-C where no graceful shutdown applies
-EXIT_TERMINATED = 143  # SIGTERM where no graceful shutdown applies: the engine stopped in order
+EXIT_TERMINATED = 143  # SIGTERM where no graceful shutdown applies (not serve): what it started was stopped in order
 
 
 def _add_engine_options(parser: argparse.ArgumentParser) -> None:
@@ -758,9 +758,9 @@ def main(argv: list[str] | None = None) -> int:
     except EngineDeadError as exc:
         print(f"trioserve: the engine died and was not recovered: {exc}", file=sys.stderr)
         return EXIT_ENGINE_DEAD
-    except StoppedBySignal as exc:  # a SIGTERM while a model was being built, before any engine
+    except StoppedBySignal as exc:  # a SIGTERM while a model was built (before any engine) or a baseline ran
         print(f"trioserve: {exc}", file=sys.stderr)
-        return EXIT_OK
+        return EXIT_OK if args.command == "serve" else EXIT_TERMINATED  # serve's every graceful stop is 0
     except TrioserveError as exc:
         print(f"trioserve: {type(exc).__name__}: {exc}", file=sys.stderr)
         return EXIT_ERROR

@@ -17,6 +17,7 @@ weights (gibberish, but built in seconds), for tests and demos.
 
 from __future__ import annotations
 
+import errno
 import importlib.util
 import os
 import shutil
@@ -117,15 +118,28 @@ def build_model_dir(target: Path, module: str, args: list[str], *, name: str) ->
         code = run_oneshot(module, [*args, str(building)], name=name, scratch=Path(tmp), quiet=True).exit_code
         if code != 0:
             raise subprocess.CalledProcessError(code or 0, [module, *args])
-        if is_complete(target):
-            return  # another process built it meanwhile: it stays, ours goes with the scratch directory
         try:
             (building / _COMPLETE_MARKER).write_text("built by trioserve\n")
-            shutil.rmtree(target, ignore_errors=True)  # a half-built one from a crash (never a complete one)
-            os.rename(building, target)
+            _put_in_place(building, target, Path(tmp))
         except OSError as exc:
             if not is_complete(target):  # not a concurrent build
                 raise OSError(_unusable(target.parent, exc)) from None
+
+
+def _put_in_place(building: Path, target: Path, scratch: Path) -> None:
+    """Rename ``building`` to ``target``, never removing a complete model: a
+    rename does not replace a directory that holds anything, so when another
+    process finished first, its model stays and ours goes with ``scratch``.
+    An incomplete ``target`` (not ours: ours are complete when renamed) is
+    moved into ``scratch`` first."""
+    try:
+        os.rename(building, target)
+        return
+    except OSError as exc:
+        if exc.errno not in (errno.ENOTEMPTY, errno.EEXIST) or is_complete(target):
+            raise
+    os.rename(target, scratch / "incomplete")
+    os.rename(building, target)
 
 
 def _remove_abandoned_scratch(directory: Path) -> None:

@@ -229,7 +229,8 @@ async def supervise_process(
     ``usual_exit_codes`` (an end the caller expects some day) is logged at
     INFO, not as a warning; it still raises ``ProcessExited``. A child that
     ``runs_to_end`` (a one-shot program) ends by itself: whatever its exit,
-    it is its answer, read from ``child.returncode``, not ``ProcessExited``.
+    it is its answer, read from ``child.returncode`` (logged at INFO), not
+    ``ProcessExited``.
     """
     child = await _start(argv, name, pass_fds, env, grace_s, new_process_group, (stdout, stderr))
     log.info("%s (pid %d) started: %s", name, child.pid, " ".join(argv))
@@ -363,9 +364,8 @@ def _log_exit(child: ChildProcess, usual_exit_codes: frozenset[int], runs_to_end
     elif child.exit_expected:
         level = logging.INFO if code == 0 else logging.WARNING
         log.log(level, "%s (pid %d) %s after it was asked to exit", child.name, child.pid, describe_exit(code))
-    elif runs_to_end:
-        level = logging.INFO if code == 0 else logging.WARNING
-        log.log(level, "%s (pid %d) %s", child.name, child.pid, describe_exit(code))
+    elif runs_to_end:  # its caller says what its exit means
+        log.info("%s (pid %d) %s", child.name, child.pid, describe_exit(code))
     else:
         level = logging.INFO if code in usual_exit_codes else logging.WARNING
         log.log(level, "%s (pid %d) %s unexpectedly", child.name, child.pid, describe_exit(code))
