@@ -97,6 +97,15 @@ def first_leaf(exc: BaseException, kind: type[_E]) -> _E | None:
     return next((leaf for leaf in leaves(exc) if isinstance(leaf, kind)), None)
 
 
+def sole_leaf(exc: BaseException, kind: type[_E]) -> _E | None:
+    """The first leaf of ``exc`` when every leaf but cancellations is a
+    ``kind`` (the failure is only that), else None."""
+    meaningful = meaningful_leaves(exc)
+    if meaningful and all(isinstance(leaf, kind) for leaf in meaningful):
+        return first_leaf(exc, kind)
+    return None
+
+
 def describe(exc: BaseException) -> str:
     """One line per meaningful leaf, joined with "; ": our own errors by their
     message (it names what failed), others as ``Type: message``."""

@@ -46,7 +46,7 @@ from typing import NoReturn
 
 import trio
 
-from trioserve.errors import leaves
+from trioserve.errors import sole_leaf
 
 __all__ = ["ChildExit", "ChildFailed", "remove_if_parent_dies", "run_child_main"]
 
@@ -218,25 +218,6 @@ class ChildExit(Exception):
         self.code = code
 
 
-def _exit_asked(exc: BaseException) -> ChildExit | None:
-    """The ``ChildExit`` when ``exc`` holds only that (and cancellations)."""
-    found = leaves(exc)
-    exits = [leaf for leaf in found if isinstance(leaf, ChildExit)]
-    if exits and all(isinstance(leaf, (ChildExit, trio.Cancelled)) for leaf in found):
-        return exits[0]
-    return None
-
-
-def _failure_line(exc: BaseException) -> str | None:
-    """The one line for a failure that is only ``ChildFailed`` (and
-    cancellations), or None when a traceback is due."""
-    found = leaves(exc)
-    failed = [leaf for leaf in found if isinstance(leaf, ChildFailed)]
-    if failed and all(isinstance(leaf, (ChildFailed, trio.Cancelled)) for leaf in found):
-        return str(failed[0])
-    return None
-
-
 def run_child_main(async_main: Callable[[], Awaitable[None]], *, name: str) -> None:
     """Run ``async_main`` as a supervised child: call it from ``__main__``.
 
@@ -268,17 +249,15 @@ def run_child_main(async_main: Callable[[], Awaitable[None]], *, name: str) -> N
     try:
         trio.run(_child_root, async_main, watch)
     except BaseException as exc:
-        line = _failure_line(exc)
-        if (asked := _exit_asked(exc)) is not None:
+        code = 1
+        if (asked := sole_leaf(exc, ChildExit)) is not None:
             log.info("%s (pid %d) exits with code %d: %s", name, os.getpid(), asked.code, asked)
             code = asked.code
-        elif line is not None:
-            sys.stderr.write(f"{name} (pid {os.getpid()}) failed: {line}\n")
+        elif (failed := sole_leaf(exc, ChildFailed)) is not None:  # reported by the child itself: one line
+            sys.stderr.write(f"{name} (pid {os.getpid()}) failed: {failed}\n")
         else:
             sys.stderr.write(f"{name} (pid {os.getpid()}) failed:\n")
             traceback.print_exc()
-        if asked is None:
-            code = 1
     # Skip the interpreter's teardown: with torch loaded it can take seconds,
     # and a child holds nothing that the kernel does not release.
     logging.shutdown()

@@ -44,7 +44,7 @@ from trioserve.core.request import Request
 from trioserve.core.scheduler import Scheduler
 from trioserve.core.step import Step
 from trioserve.core.waves import EngineWaves
-from trioserve.errors import EngineStartupError, describe, first_leaf, meaningful_leaves
+from trioserve.errors import EngineStartupError, describe, first_leaf, meaningful_leaves, sole_leaf
 from trioserve.messages import (
     AbortRequests,
     AddRequest,
@@ -548,10 +548,9 @@ async def engine_core_main() -> None:
             try:
                 await _serve(init, handshake, outbox_send, death, (outer, api_servers))
             except BaseException as exc:  # a failure can come beside a stop's Cancelled (a BaseExceptionGroup)
-                meaningful = meaningful_leaves(exc)
-                if meaningful and all(isinstance(leaf, ChildExit) for leaf in meaningful):
+                if sole_leaf(exc, ChildExit) is not None:
                     raise  # the front-end left: nobody to report to
-                if not any(isinstance(leaf, Exception) for leaf in meaningful):
+                if not any(isinstance(leaf, Exception) for leaf in meaningful_leaves(exc)):
                     if remote:  # a stop
                         death.report(f"engine-core-{engine_index} (pid {os.getpid()}) was stopped on its host")
                         await _flush(outbox_send)
