@@ -29,6 +29,7 @@ from trioserve.errors import (
 )
 from trioserve.messages import SamplingParams
 from trioserve.nurseries.headless import HeadlessConfig, run_headless
+from trioserve.nurseries.oneshot import until_sigterm
 from trioserve.nurseries.process import describe_exit
 from trioserve.server import Server, ServerConfig
 from trioserve.server.api_servers import MAX_API_SERVERS, ApiServers
@@ -335,29 +336,9 @@ def _check_stdout() -> None:
         raise StdioError("cannot write to stdout: it is closed")
 
 
-async def _unless_sigterm(main: Callable[[], Awaitable[None]]) -> bool:
-    """Run ``main()``; a SIGTERM cancels it, so that the engine it opened
-    stops in order (its processes would otherwise see this one die). True
-    when a SIGTERM stopped it."""
-    stopped = False
-    with trio.open_signal_receiver(signal.SIGTERM) as signals:
-        async with trio.open_nursery() as nursery:
-
-            async def stop_on_sigterm() -> None:
-                nonlocal stopped
-                async for _ in signals:
-                    stopped = True
-                    nursery.cancel_scope.cancel()
-
-            nursery.start_soon(stop_on_sigterm)
-            await main()
-            nursery.cancel_scope.cancel()
-    return stopped
-
-
 def _one_shot(main: Callable[[], Awaitable[None]]) -> int:
     """``generate`` and ``chat``: exit 0 when done, 143 after a SIGTERM."""
-    if trio.run(_unless_sigterm, main):
+    if trio.run(until_sigterm, main):
         print("\ntrioserve: SIGTERM: stopped", file=sys.stderr)
         return EXIT_TERMINATED
     return EXIT_OK

@@ -24,6 +24,7 @@ import signal
 import sys
 import tempfile
 import threading
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO
@@ -94,43 +95,52 @@ async def _run(
     stdio: tuple[int | None, int | None],
     timeout_s: float | None,
 ) -> int | None:
-    terminated = False
-    child: ChildProcess | None = None
+    started: list[ChildProcess] = []
+
+    async def supervise() -> None:  # returns once the child is reaped
+        async with trio.open_nursery() as nursery:
+            start = functools.partial(
+                supervise_process,
+                argv,
+                name=name,
+                env=env,
+                grace_s=ONESHOT_GRACE_S,
+                runs_to_end=True,
+                stdout=stdio[0],
+                stderr=stdio[1],
+            )
+            started.append(await nursery.start(start))
+
     with trio.move_on_after(timeout_s if timeout_s is not None else float("inf")) as limit:
+        if await until_sigterm(supervise):  # supervise_process stopped the child and reaped it
+            raise StoppedBySignal(f"SIGTERM: stopped the {name} before it finished (nothing kept)")
+    if limit.cancelled_caught or not started:
+        return None  # stopped at its time limit (and reaped)
+    return started[0].returncode
+
+
+async def until_sigterm(main: Callable[[], Awaitable[object]]) -> bool:
+    """Run ``main()``; a SIGTERM cancels it, so that what it started stops in
+    order (a process killed by the signal would leave its children to find
+    it gone). True when a SIGTERM stopped it. Outside the main thread, where
+    no signal arrives, it only runs ``main()``."""
+    if threading.current_thread() is not threading.main_thread():
+        await main()
+        return False
+    stopped = False
+    with trio.open_signal_receiver(signal.SIGTERM) as signals:
         async with trio.open_nursery() as nursery:
 
-            async def stop_on_sigterm(*, task_status: trio.TaskStatus[None]) -> None:
-                nonlocal terminated
-                if threading.current_thread() is not threading.main_thread():
-                    task_status.started()  # signals reach only the main thread's handlers
-                    return
-                with trio.open_signal_receiver(signal.SIGTERM) as signals:
-                    task_status.started()
-                    async for _ in signals:
-                        terminated = True
-                        nursery.cancel_scope.cancel()  # supervise_process stops the child and reaps it
-                        return
+            async def stop_on_sigterm() -> None:
+                nonlocal stopped
+                async for _ in signals:
+                    stopped = True
+                    nursery.cancel_scope.cancel()
 
-            async def supervise(*, task_status: trio.TaskStatus[ChildProcess]) -> None:
-                await supervise_process(
-                    argv,
-                    name=name,
-                    env=env,
-                    grace_s=ONESHOT_GRACE_S,
-                    runs_to_end=True,
-                    stdout=stdio[0],
-                    stderr=stdio[1],
-                    task_status=task_status,
-                )
-                nursery.cancel_scope.cancel()  # done (or failed): stop listening for signals
-
-            await nursery.start(stop_on_sigterm)
-            child = await nursery.start(supervise)
-    if terminated:
-        raise StoppedBySignal(f"SIGTERM: stopped the {name} before it finished (nothing kept)")
-    if limit.cancelled_caught or child is None:
-        return None  # stopped at its time limit (and reaped)
-    return child.returncode
+            nursery.start_soon(stop_on_sigterm)
+            await main()
+            nursery.cancel_scope.cancel()
+    return stopped
 
 
 async def oneshot_main(argv: list[str]) -> None:
