@@ -1,8 +1,9 @@
 """Entry point of every child process: ``python -m trioserve.nurseries.entry ROLE``.
 
 ROLE is ``engine-core``, ``worker`` or ``run`` (``run MODULE ARG...``: a
-one-shot program, a model builder or a benchmark baseline, see ``oneshot.py``). Kept apart from the modules it runs so
-that ``-m`` never executes a module the package has already imported.
+one-shot program, a model builder or a benchmark baseline, see
+``oneshot.py``). Kept apart from the modules it runs so that ``-m`` never
+executes a module the package has already imported.
 """
 
 from __future__ import annotations
