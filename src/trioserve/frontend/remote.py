@@ -62,6 +62,18 @@ _encode = msgspec.msgpack.Encoder().encode
 _decode = msgspec.msgpack.Decoder(HandshakeMessage).decode
 
 
+def _say_leaving_on(sock: TrioZmqSocket, envelopes: list[list[bytes]]) -> None:
+    """Send ``Ping(leaving=True)`` once per envelope (a ROUTER's: the peer's
+    identity; else none) without waiting, and let ZeroMQ go on sending for
+    ``LEAVING_S`` after ``sock`` closes. Nothing is raised: this runs on the
+    way out."""
+    leaving = _encode(Ping(leaving=True))
+    with contextlib.suppress(zmq.ZMQError):
+        sock.socket.setsockopt(zmq.LINGER, int(LEAVING_S * 1000))
+        for envelope in envelopes:
+            sock.socket.send_multipart([*envelope, leaving], zmq.NOBLOCK)
+
+
 class RemoteEngines:
     """The head's handshake socket for engine cores on other hosts (see the
     module docstring). Run it (``await nursery.start(hub.run)``) before the
@@ -115,12 +127,8 @@ class RemoteEngines:
         otherwise wait for a heartbeat timeout or its start-up deadline. The
         socket then lingers ``LEAVING_S`` for the messages to go out."""
         identities = self._joining | {frames[0] for _, frames in self._hellos.values()}
-        if not identities:
-            return
-        with contextlib.suppress(zmq.ZMQError):
-            sock.socket.setsockopt(zmq.LINGER, int(LEAVING_S * 1000))
-            for identity in identities:
-                sock.socket.send_multipart([identity, _encode(Ping(leaving=True))], zmq.NOBLOCK)
+        if identities:
+            _say_leaving_on(sock, [[identity] for identity in identities])
 
     def joined(self, identity: bytes) -> None:
         """The handshake of the engine core at ``identity`` ended (``Ready``, or a failure)."""
@@ -319,9 +327,7 @@ class RemoteEngineCoreClient(EngineCoreClient):
         stopping), say so: ``Ping(leaving=True)``, which ZeroMQ goes on
         sending for ``LEAVING_S`` after the socket closes."""
         if self._dead is None and self.info is not None:
-            with contextlib.suppress(zmq.ZMQError):
-                sock.socket.setsockopt(zmq.LINGER, int(LEAVING_S * 1000))
-                sock.socket.send(_encode(Ping(leaving=True)), zmq.NOBLOCK)
+            _say_leaving_on(sock, [[]])
 
     def _hung(self) -> None:
         """No process to kill here: the life ends (its sockets close), and the
