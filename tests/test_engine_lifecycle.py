@@ -17,6 +17,7 @@ from typing import Any
 import psutil
 import pytest
 import trio
+from helpers.concurrent import run_in_one_batch
 from helpers.fakes import EOS, VOCAB, children, fake_tokens, wait_no_children
 
 import trioserve
@@ -39,19 +40,12 @@ async def test_generate_returns_the_runner_tokens_in_order(fake_config):
 async def test_concurrent_streams_finish_correctly_through_preemption(fake_config):
     config = fake_config(num_kv_blocks=12, max_num_batched_tokens=32)  # 48 token slots
     prompts = [[(7 * i + j) % 250 + 3 for j in range(3 + 2 * i)] for i in range(10)]
-    results = {}
     with trio.fail_after(60):
         async with trioserve.open_engine(config=config) as engine:
-
-            async def one(i: int) -> None:
-                results[i] = await engine.generate(prompts[i], SamplingParams(max_tokens=12))
-
-            async with trio.open_nursery() as nursery:
-                for i in range(len(prompts)):
-                    nursery.start_soon(one, i)
+            results = await run_in_one_batch(engine, prompts, SamplingParams(max_tokens=12))
             stats = await engine.stats()
     for i, prompt in enumerate(prompts):
-        assert results[i].token_ids == fake_tokens(prompt, 12), f"request {i}"
+        assert results[i] == fake_tokens(prompt, 12), f"request {i}"
     assert stats.num_preemptions > 0
     assert stats.num_free_blocks == stats.num_total_blocks == 12
     assert stats.num_running == stats.num_waiting == 0

@@ -8,7 +8,7 @@ import random
 
 import pytest
 import trio
-from helpers.concurrent import run_concurrently
+from helpers.concurrent import run_concurrently, run_in_one_batch
 from helpers.reference import reference_greedy
 
 import trioserve
@@ -84,7 +84,7 @@ async def test_concurrent_greedy_requests_match_transformers_generate(tiny_model
         # recomputed (from what is still cached), and still produce the same tokens.
         small = base.replace(num_kv_blocks=24, max_num_batched_tokens=64)
         async with trioserve.open_engine(config=small) as engine:
-            assert await run_concurrently(engine, prompts, params) == expected
+            assert await run_in_one_batch(engine, prompts, params) == expected
             assert (await engine.stats()).num_preemptions > 0
             assert await run_shared_prefix_prompts(engine, system, shared, params) == expected_shared
             stats = await engine.stats()
@@ -92,7 +92,7 @@ async def test_concurrent_greedy_requests_match_transformers_generate(tiny_model
             assert stats.num_free_blocks == stats.num_total_blocks == 24
         if arch == ARCHITECTURES[0]:  # one step at a time gives the same tokens (once is enough)
             async with trioserve.open_engine(config=small.replace(max_steps_in_flight=1)) as engine:
-                assert await run_concurrently(engine, prompts, params) == expected
+                assert await run_in_one_batch(engine, prompts, params) == expected
                 assert (await engine.stats()).num_preemptions > 0
                 assert await run_shared_prefix_prompts(engine, system, shared, params) == expected_shared
 

@@ -21,3 +21,26 @@ async def run_concurrently(
         for i in range(len(prompts)):
             nursery.start_soon(one, i)
     return [results[i] for i in range(len(prompts))]
+
+
+async def run_in_one_batch(
+    engine: trioserve.Engine, prompts: list[list[int]], params: SamplingParams
+) -> list[list[int]]:
+    """As ``run_concurrently``, but every prompt reaches the scheduler in one
+    go: generation is paused while they are submitted (the engine core holds
+    them) and resumed once all of them wait. A test that counts on the
+    requests meeting (preemptions in a small cache) then does not depend on
+    how fast they arrive on a busy machine."""
+    results: dict[int, list[int]] = {}
+
+    async def one(i: int) -> None:
+        results[i] = (await engine.generate(prompts[i], params)).token_ids
+
+    await engine.pause()
+    async with trio.open_nursery() as nursery:
+        for i in range(len(prompts)):
+            nursery.start_soon(one, i)
+        while (await engine.stats()).num_waiting < len(prompts):
+            await trio.sleep(0.01)
+        await engine.resume()
+    return [results[i] for i in range(len(prompts))]
