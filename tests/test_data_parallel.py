@@ -54,7 +54,11 @@ async def test_a_uniform_load_is_spread_evenly_and_no_request_waits_while_an_eng
             async with trio.open_nursery() as nursery:
                 for stream in streams:
                     await stream.__aenter__()
-                await trio.sleep(0.3)
+                # (Polled: an engine core busy elsewhere may not have stepped them yet. Were one
+                # engine given five, one would wait for good and this would time out.)
+                with trio.move_on_after(10):
+                    while [(e.num_running, e.num_waiting) for e in (await engine.stats()).engines] != [(4, 0)] * 2:
+                        await trio.sleep(0.05)
                 stats = await engine.stats()
                 assert [(e.num_running, e.num_waiting) for e in stats.engines] == [(4, 0), (4, 0)]
                 assert sorted(s.engine_index for s in streams) == [0, 0, 0, 0, 1, 1, 1, 1]
