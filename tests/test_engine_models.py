@@ -109,13 +109,17 @@ async def test_seeded_sampling_does_not_depend_on_the_batch(tiny_model_dir):
             results: dict[str, list[int]] = {}
 
             async def seeded_one() -> None:
-                await trio.sleep(0.01)  # join a batch already running
                 results["seeded"] = (await engine.generate(prompt, seeded)).token_ids
 
+            # All seven in one batch for sure (held while paused, then given to the scheduler at once).
+            await engine.pause()
             async with trio.open_nursery() as nursery:
                 for other in others:
                     nursery.start_soon(engine.generate, other, noise)
                 nursery.start_soon(seeded_one)
+                while (await engine.stats()).num_waiting < len(others) + 1:
+                    await trio.sleep(0.01)
+                await engine.resume()
             assert results["seeded"] == alone
             different_seed = SamplingParams(max_tokens=16, temperature=1.0, seed=8, ignore_eos=True)
             assert (await engine.generate(prompt, different_seed)).token_ids != alone
