@@ -182,8 +182,13 @@ def test_pause_waits_for_running_requests_or_aborts_them_and_resume_starts_the_w
 
 
 def test_sleep_gives_the_kv_cache_back_and_wake_up_serves_the_same_tokens(tp_engine):
+    # 40 tokens: two whole blocks of 16 that the prefix cache keeps, unless the engine sleeps (found:
+    # a prompt hitting them after a wake-up read the zeroed KV cache and gave other tokens).
+    prompt = list(range(9, 49))
+
     async def scenario(engine: trioserve.Engine) -> None:
-        expected = (await engine.generate([9, 10, 11, 12], GREEDY)).token_ids
+        expected = (await engine.generate(prompt, GREEDY)).token_ids
+        assert (await engine.generate(prompt, GREEDY)).num_cached_tokens == 32
         awake = (await engine.stats()).workers
         await engine.sleep(level=1)
         assert engine.health == "sleeping"
@@ -192,17 +197,19 @@ def test_sleep_gives_the_kv_cache_back_and_wake_up_serves_the_same_tokens(tp_eng
             assert after.kv_cache_bytes == 0 and after.sleep_level == 1
             assert before.rss_bytes - after.rss_bytes >= before.kv_cache_bytes / 2, (before, after)
         # A request made while asleep waits for the wake-up.
-        async with engine.stream([9, 10, 11, 12], GREEDY) as waiting:
+        async with engine.stream(prompt, GREEDY) as waiting:
             assert (await engine.stats()).num_waiting == 1
             await engine.wake_up()
             assert engine.health == "ready"
-            assert [t async for out in waiting for t in out.token_ids] == expected
+            outs = [out async for out in waiting]
+            assert [t for out in outs for t in out.token_ids] == expected
+            assert outs[-1].num_cached_tokens == 0
         # Level 2 frees the weights too; they are loaded again from the model directory.
         await engine.sleep(level=2)
         assert all(w.num_parameters == 0 for w in (await engine.stats()).workers)
         await engine.wake_up()
         assert all(w.num_parameters > 0 and w.kv_cache_bytes > 0 for w in (await engine.stats()).workers)
-        assert (await engine.generate([9, 10, 11, 12], GREEDY)).token_ids == expected
+        assert (await engine.generate(prompt, GREEDY)).token_ids == expected
 
     tp_engine.call(scenario, bound_s=90)
 

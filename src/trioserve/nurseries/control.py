@@ -21,6 +21,8 @@ Invariants:
   first answers the pending ``Pause`` (``Sleep``) at once;
 - the workers sleep only once no request runs, so no step runs while they
   sleep; a ``Sleep`` that fails on any rank wakes every rank up again;
+- a ``Sleep`` forgets every cached prefix (the KV cache it names is freed,
+  and a wake-up zeroes it);
 - every call is answered exactly once, unless the engine core dies first
   (then the front-end fails it with the engine's death).
 """
@@ -185,6 +187,9 @@ class Controller:
                 return  # answered already (a WakeUp came first)
             self._going_to_sleep = None
             results, error = await self._on_workers(SleepShard(level=call.level), msg.timeout_s)
+            # A rank that slept gave its KV cache back, and wakes with a zeroed one: no cached
+            # prefix survives (found: a prompt hitting one after a wake-up read zeros, wrong tokens).
+            self.scheduler.reset_prefix_cache()
             if error:  # some ranks may sleep: wake them all
                 await self._on_workers(WakeShard(), msg.timeout_s)
             else:
