@@ -5,6 +5,7 @@ the fake runner, the command as an operator runs it."""
 from __future__ import annotations
 
 import contextlib
+import http.client
 import json
 import os
 import signal
@@ -78,9 +79,32 @@ def open_on_both(stack: ExitStack, url: str, pids: list[int], timeout: float = 3
     raise AssertionError(f"the connections never reached every API server: {sorted(kept)} of {pids}")
 
 
+def http_on_both(stack: ExitStack, port: int, pids: list[int], timeout: float = 30) -> list[http.client.HTTPConnection]:
+    """One kept-alive HTTP connection to each API server in ``pids``, in that order (closed with ``stack``)."""
+    kept: dict[int, http.client.HTTPConnection] = {}
+    deadline = time.monotonic() + timeout
+    while len(kept) < len(pids) and time.monotonic() < deadline:
+        conn = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
+        conn.connect()
+        pid = owner(conn, pids, port)
+        if pid in kept:
+            conn.close()
+        else:
+            kept[pid] = conn
+            stack.callback(conn.close)
+    assert len(kept) == len(pids), f"the connections never reached every API server: {sorted(kept)} of {pids}"
+    return [kept[pid] for pid in pids]
+
+
+def http_call(conn: http.client.HTTPConnection, method: str, path: str) -> tuple[int, dict]:
+    conn.request(method, path)
+    response = conn.getresponse()
+    return response.status, json.loads(response.read())
+
+
 def owner(ws: Any, pids: list[int], port: int) -> int:
-    """The API server holding ``ws``'s connection."""
-    local = ws.socket.getsockname()[1]
+    """The API server holding the connection of ``ws`` (a WebSocket, or an HTTPConnection)."""
+    local = (ws.socket if hasattr(ws, "socket") else ws.sock).getsockname()[1]
     for pid in pids:
         for c in psutil.Process(pid).net_connections(kind="tcp"):
             if c.laddr and c.laddr.port == port and c.raddr and c.raddr.port == local:
@@ -274,7 +298,16 @@ async def test_kill_9_of_the_engine_core_ends_every_api_servers_streams_at_once_
     options = ("--fake-options", '{"step_delay_s": 0.01}')
     with trio.fail_after(120), spawned(argv(str(tiny_model_dir("llama")), *options)) as proc, ExitStack() as stack:
         url = await in_thread(wait_for_url, proc, 60)
-        sockets = await in_thread(open_on_both, stack, url, api_servers(proc.pid))
+        pids = api_servers(proc.pid)
+        sockets = await in_thread(open_on_both, stack, url, pids)
+        # Paused through one API server, resumed through the other: each says what the engine core
+        # says (found: each kept its own calls' state, so the first said "paused" for good, and
+        # paused the engine core's next life again after a restart: every request then waited).
+        a, b = await in_thread(http_on_both, stack, port_of(url), pids)
+        assert (await in_thread(http_call, a, "POST", "/v1/engine/pause"))[0] == 200
+        await wait_until(lambda: http_call(b, "GET", "/health") == (503, {"status": "paused"}), 5)
+        assert (await in_thread(http_call, b, "POST", "/v1/engine/resume"))[0] == 200
+        await wait_until(lambda: http_call(a, "GET", "/health") == (200, {"status": "ready"}), 5)
         ends: list[str] = []
         (engine,) = engine_cores(proc.pid)
         async with trio.open_nursery() as nursery:

@@ -18,6 +18,7 @@ import secrets
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from typing import Any
 
+import msgspec
 import trio
 
 from trioserve.config import EngineConfig
@@ -51,6 +52,9 @@ from trioserve.rpc import (
 )
 
 log = logging.getLogger("trioserve.api")
+# A call that runs on the workers (sleep, wake_up, collective_rpc) gets at least this long: past
+# its timeout the workers count as hung and are killed with their engine core.
+MIN_WORKER_CALL_TIMEOUT_S = 1.0
 RequestObserver = Callable[[RequestMetrics], None]
 
 
@@ -221,14 +225,17 @@ class Engine:
 
     async def wait_failed(self) -> EngineDeadError:
         """Wait until the engine has failed for good (it died more often than
-        its restart budget allows); returns the error every request now raises."""
+        its restart budget allows); returns the error every request now raises.
+        Raises ``EngineDeadError`` once it is stopped (it will never fail)."""
         return await self._group.wait_failed()
 
     async def wait_ready(self) -> None:
-        """Wait until the engine is ready (at once, unless it is restarting).
-        Raises ``EngineDeadError`` if it failed or stopped instead."""
-        await self._group.wait_health("ready", "failed", "stopped")
-        if self.health != "ready":
+        """Wait until the engine is up: at once, unless it is starting or
+        restarting (``ready``, and also ``paused``, ``sleeping`` or
+        ``stalled``: up, though not generating for now). Raises
+        ``EngineDeadError`` if it failed or stopped instead."""
+        await self._group.wait_health("ready", "paused", "sleeping", "stalled", "failed", "stopped")
+        if self.health in ("failed", "stopped"):
             await self._group.ready_client()  # raises the reason
 
     def stream(
@@ -362,14 +369,14 @@ class Engine:
         while asleep wait for ``wake_up()``, or fail at once with
         ``RequestError`` when ``config.while_asleep == "fail"``."""
         _check_mode(mode)
-        if level not in (1, 2):
+        if type(level) is not int or level not in (1, 2):  # not True, not 1.0
             raise InvalidRequestError("level", f"must be 1 or 2 (got {level!r})")
-        await self._control(Sleep(level=level, mode=mode), timeout_s)
+        await self._control(Sleep(level=level, mode=mode), timeout_s, on_workers=True)
 
     async def wake_up(self, *, timeout_s: float | None = None) -> None:
         """Restore what ``sleep()`` freed (weights reloaded from the model
         directory, a zeroed KV cache) and generate again, unless paused."""
-        await self._control(WakeUp(), timeout_s)
+        await self._control(WakeUp(), timeout_s, on_workers=True)
 
     async def collective_rpc(self, call: CollectiveCall, *, timeout_s: float | None = None) -> list[WorkerResult]:
         """Run ``call`` (``DescribeShard`` or ``Echo``) on every worker of
@@ -379,14 +386,30 @@ class Engine:
         within ``timeout_s`` are hung: their engine core dies and restarts."""
         if not isinstance(call, DescribeShard | Echo):
             raise InvalidRequestError("call", f"must be DescribeShard or Echo (got {type(call).__name__})")
-        replies = await self._control(CollectiveRpc(call=call), timeout_s)
+        try:  # its fields as the engine core will decode them (found: Echo(text=123) was dropped there)
+            msgspec.convert(msgspec.to_builtins(call), type(call))
+        except msgspec.ValidationError as exc:
+            raise InvalidRequestError("call", f"{type(call).__name__}: {exc}") from None
+        replies = await self._control(CollectiveRpc(call=call), timeout_s, on_workers=True)
         return [result for reply in replies for result in reply.results]
 
-    async def _control(self, call: ControlCall, timeout_s: float | None) -> list[ControlReply]:
+    async def _control(
+        self, call: ControlCall, timeout_s: float | None, on_workers: bool = False
+    ) -> list[ControlReply]:
+        """``on_workers``: the call runs on the workers, and those that miss
+        ``timeout_s`` are killed as hung, so one given is at least
+        ``MIN_WORKER_CALL_TIMEOUT_S`` (found: 1e-6 s killed a healthy engine
+        core, and every request on it). None: ``config.control_timeout_s``."""
         if timeout_s is None:
-            timeout_s = self.config.control_timeout_s
-        if not (isinstance(timeout_s, int | float) and 0 < timeout_s < float("inf")):
+            return await self._group.control(call, self.config.control_timeout_s)
+        if isinstance(timeout_s, bool) or not (isinstance(timeout_s, int | float) and 0 < timeout_s < float("inf")):
             raise InvalidRequestError("timeout_s", f"must be a positive number of seconds (got {timeout_s!r})")
+        if on_workers and timeout_s < MIN_WORKER_CALL_TIMEOUT_S:
+            raise InvalidRequestError(
+                "timeout_s",
+                f"must be at least {MIN_WORKER_CALL_TIMEOUT_S:g} s for {type(call).__name__}, which runs on the "
+                f"workers: one that misses it is killed as hung (got {timeout_s!r})",
+            )
         return await self._group.control(call, float(timeout_s))
 
     @property

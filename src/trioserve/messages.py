@@ -29,7 +29,7 @@ import msgspec
 
 from trioserve.config import EngineConfig
 from trioserve.errors import InvalidRequestError, StartupStage
-from trioserve.rpc import ControlReply, ControlRequest, ShardInfo, WorkerCall, WorkerResult
+from trioserve.rpc import ControlReply, ControlRequest, GenerationState, ShardInfo, WorkerCall, WorkerResult
 
 FinishReason = Literal["stop", "length", "abort", "error"]
 
@@ -329,10 +329,12 @@ class Heartbeat(msgspec.Struct, tag=True):
     """The engine core is alive: sent every ``heartbeat_interval_s``, during
     start-up (on the handshake socket) and after (on the output socket).
     ``stalled`` says why a hang is suspected (a worker late with its own
-    heartbeat, a step running far longer than usual); empty when all is well."""
+    heartbeat, a step running far longer than usual); empty when all is well.
+    Once it serves, ``load`` and ``state`` (paused, asleep) too."""
 
     stalled: str = ""
     load: LoadReport | None = None
+    state: GenerationState | None = None
 
 
 # --- front-end -> engine core ----------------------------------------------

@@ -134,6 +134,20 @@ class ControlRequest(msgspec.Struct, tag=True):
     timeout_s: float  # what the workers get to answer; past it they count as hung
 
 
+class GenerationState(msgspec.Struct, frozen=True):
+    """An engine core's own word on whether it generates: ``paused`` by a
+    ``Pause`` not yet resumed; its workers asleep (``sleep_level`` 1 or 2) or
+    not (0); ``holding`` new requests (paused, asleep, or a ``Sleep`` waiting
+    for the requests to end). Sent with every reply to a call and every
+    heartbeat, to every front-end of the engine core, so that each one's
+    ``health`` (and what it asks of the engine core's next life) is the
+    engine core's state, whoever changed it."""
+
+    paused: bool = False
+    sleep_level: int = 0
+    holding: bool = False
+
+
 class ControlReply(msgspec.Struct, tag=True):
     """One engine core's answer: each rank's result (``CollectiveRpc``,
     ``Sleep``, ``WakeUp``), or ``error`` naming the rank that failed; and
@@ -142,5 +156,4 @@ class ControlReply(msgspec.Struct, tag=True):
     call_id: int
     results: list[WorkerResult] = msgspec.field(default_factory=list)
     error: str = ""
-    paused: bool = False
-    sleep_level: int = 0
+    state: GenerationState = GenerationState()

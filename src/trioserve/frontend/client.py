@@ -70,7 +70,7 @@ from trioserve.nurseries.engine_core import (
     ipc_directory,
 )
 from trioserve.nurseries.process import ChildProcess, ProcessExited, supervise_process
-from trioserve.rpc import ControlCall, ControlReply, ControlRequest, Pause, Sleep
+from trioserve.rpc import ControlCall, ControlReply, ControlRequest, GenerationState, Pause, Sleep
 from trioserve.transport.outbox import Outbox
 from trioserve.transport.silence import Silence
 from trioserve.transport.zmq_trio import TrioZmqSocket, private_ipc_dir
@@ -130,8 +130,9 @@ class EngineCoreClient:
         self.frontend_index = -1  # this front-end's index among the API servers (-1: the engine core's own)
         self._calls: dict[int, tuple[trio.Event, list[StatsReply | PrefixCacheReset]]] = {}  # by call id
         self._control_calls: dict[int, tuple[trio.Event, list[ControlReply]]] = {}
-        self.paused = False  # generation paused (as of the engine core's last control reply)
-        self.sleep_level = 0  # the workers sleep (1, 2), or 0
+        # Paused, asleep: the engine core's word, from its last reply to any front-end's call or heartbeat.
+        self.state = GenerationState()
+        self.asking: list[ControlCall] = []  # this front-end's calls not answered yet
         self._call_ids = itertools.count()
         self._stage: StartupStage = "spawn"
         self._startup_failed: StartupFailed | None = None
@@ -465,7 +466,9 @@ class EngineCoreClient:
 
         The workers get ``timeout_s`` to answer (past it the engine core
         kills them as hung and dies); the reply gets ``CONTROL_REPLY_GRACE_S``
-        more. A pause or sleep counts from now for ``health``. Raises
+        more. A pause or sleep counts from now for ``health``, until the
+        engine core's next word on it (its reply; if this is cancelled, its
+        next heartbeat). Raises
         ``ControlCallError`` (naming the rank when a worker raised; the
         engine serves on) or, if the engine core died, ``EngineDeadError``.
         If cancelled, the reply is dropped (the call may still take effect).
@@ -474,19 +477,26 @@ class EngineCoreClient:
         call_id = next(self._call_ids)
         event, result = trio.Event(), list[ControlReply]()
         self._control_calls[call_id] = (event, result)
+        before = self.state
         if isinstance(call, Pause | Sleep):
-            self.paused = True  # new requests wait from now on
+            self.state = msgspec.structs.replace(before, holding=True)  # new requests wait from now on
+        assumed = self.state
+        self.asking.append(call)
+        sent = False
         try:
             await self._to_engine.put(_encode(ControlRequest(call_id=call_id, call=call, timeout_s=timeout_s)))
+            sent = True
             with trio.move_on_after(timeout_s + CONTROL_REPLY_GRACE_S):
                 await event.wait()
         finally:
             del self._control_calls[call_id]
+            self.asking.remove(call)
+            if not sent and self.state is assumed:  # cancelled before it went out: nothing changes
+                self.state = before
         self.check_alive()
         if not result:
             raise ControlCallError(f"{self.name}: {type(call).__name__} was not answered within {timeout_s}s")
         reply = result[0]
-        self.paused, self.sleep_level = reply.paused, reply.sleep_level
         if reply.error:
             raise ControlCallError(reply.error)
         return reply
@@ -523,6 +533,7 @@ class EngineCoreClient:
                     if self.on_wave is not None:
                         self.on_wave(msg)
                 elif isinstance(msg, ControlReply):
+                    self.state = msg.state  # whichever front-end's call it answers
                     control = self._control_calls.get(msg.call_id)
                     if control is not None:
                         control[1].append(msg)
@@ -531,6 +542,8 @@ class EngineCoreClient:
                     self._report_load(msg)
                 elif isinstance(msg, Heartbeat):
                     self._engine_stalled = msg.stalled
+                    if msg.state is not None and not self._control_calls:  # else the reply says it
+                        self.state = msg.state
                     if msg.load is not None:
                         self._report_load(msg.load)
                 elif isinstance(msg, EngineDead):

@@ -46,7 +46,7 @@ import trio
 
 from trioserve.config import EngineConfig
 from trioserve.core import waves
-from trioserve.errors import ControlCallError, EngineDeadError
+from trioserve.errors import ControlCallError, EngineDeadError, leaves
 from trioserve.frontend.attached import (
     AttachedEngineCoreClient,
     api_server_addresses,
@@ -112,6 +112,7 @@ class EngineGroup:
                 on_engine_ready=self._engine_ready if api_servers_dir is not None else None,
                 on_engine_dead=self._engine_dead,
                 remote=attach is not None or i >= config.num_local_engines,
+                reapplies=attach is None,  # the engine core's own front-end does, for all of them
             )
             for i in range(n)
         ]
@@ -347,8 +348,8 @@ class EngineGroup:
     async def control(self, call: ControlCall, timeout_s: float) -> list[ControlReply]:
         """Send ``call`` to every engine core that is up, at once; their
         replies, by engine index. While none is up, waits for one like a
-        request. A pause or sleep is also remembered for engine cores started
-        later (after a restart). Raises ``ControlCallError`` (naming each
+        request. A pause or sleep asked while an engine core is down is
+        remembered for its next life. Raises ``ControlCallError`` (naming each
         engine core, and the rank, that failed) once every reply is in."""
         await self.ready_client()
         replies: dict[int, ControlReply] = {}
@@ -360,11 +361,18 @@ class EngineGroup:
             except (ControlCallError, EngineDeadError) as exc:
                 errors.append(str(exc))
 
-        async with trio.open_nursery() as nursery:
-            for supervisor in self.supervisors:
-                supervisor.remember(call)
-                if (client := supervisor.live_client()) is not None:
-                    nursery.start_soon(one, supervisor, client)
+        try:
+            async with trio.open_nursery() as nursery:
+                for supervisor in self.supervisors:
+                    if (client := supervisor.live_client()) is not None:
+                        nursery.start_soon(one, supervisor, client)
+                    else:
+                        supervisor.remember(call)
+        except BaseExceptionGroup as group:
+            cancelled = leaves(group)
+            if all(isinstance(leaf, trio.Cancelled) for leaf in cancelled):
+                raise cancelled[0] from None  # a bare Cancelled, as from every other call (found: a group of it)
+            raise
         for supervisor in self.supervisors:
             supervisor.state_changed()  # health reads the replies' state now
         if errors:

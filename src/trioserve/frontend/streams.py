@@ -68,6 +68,7 @@ class RequestStream:
         self._client_id = client_id
         self._client: EngineCoreClient | None = None
         self._state: RequestState | None = None
+        self._entering = False  # __aenter__ under way
         self._done = False
         self._exited = False  # its block has exited
         self._reader = _OneReader(f"request {request_id!r}")
@@ -86,13 +87,17 @@ class RequestStream:
         """Check the prompt, if that is still to do, and submit the request.
         If cancelled, it was not submitted. A stream is entered once (its
         request runs once): ``RuntimeError`` the second time."""
-        if self._state is not None:
+        if self._state is not None or self._entering:
             raise RuntimeError(f"request {self.request_id!r}: a stream runs once; make a new one with engine.stream()")
-        if self._token_ids is None:
-            self._token_ids = await self._engine.check_prompt(self._prompt)
-        state = self._engine.new_state(self.request_id, self._token_ids, self._params, self._client_id)
-        self._client = await self._engine.submit([state], self._target)
-        self._state = state  # once submitted: a refused stream may be entered again
+        self._entering = True  # found: two tasks entering at once both submitted it (one copy orphaned)
+        try:
+            if self._token_ids is None:
+                self._token_ids = await self._engine.check_prompt(self._prompt)
+            state = self._engine.new_state(self.request_id, self._token_ids, self._params, self._client_id)
+            self._client = await self._engine.submit([state], self._target)
+            self._state = state  # once submitted: a refused stream may be entered again
+        finally:
+            self._entering = False
         return self
 
     async def __aexit__(
@@ -178,6 +183,7 @@ class ParentRequestStream:
         self._params = params
         self._client_id = client_id
         self._children: list[RequestState] = []
+        self._entering = False  # __aenter__ under way
         self._running: dict[int, RequestState] = {}  # by index: submitted and not finished
         self._client: EngineCoreClient | None = None
         self._wakeup = trio.Event()
@@ -191,10 +197,18 @@ class ParentRequestStream:
     async def __aenter__(self) -> ParentRequestStream:
         """Check the prompt if still to do, and submit every child. If
         cancelled, none is left submitted. Entered once, as ``RequestStream``."""
-        if self._children:
+        if self._children or self._entering:
             raise RuntimeError(
                 f"request {self.request_id!r}: a stream runs once; make a new one with engine.stream_n()"
             )
+        self._entering = True
+        try:
+            await self._submit()
+        finally:
+            self._entering = False
+        return self
+
+    async def _submit(self) -> None:
         if self._token_ids is None:
             self._token_ids = await self._engine.check_prompt(self._prompt)
         children = []
@@ -211,7 +225,6 @@ class ParentRequestStream:
         self._client = await self._engine.submit(children, self._target)
         self._children = children
         self._running = dict(enumerate(children))
-        return self
 
     async def __aexit__(
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None

@@ -18,6 +18,14 @@ would exceed ``max_restarts`` within ``restart_window_s`` turns health
 When the supervisor is cancelled (the engine is shut down), health is
 ``stopped``.
 
+Paused and asleep are the engine core's word (``GenerationState``, with every
+reply to a call and every heartbeat, to every front-end of it): ``health``
+reads it, whichever API server paused or resumed. An engine core's next life
+is put in the state its last one was in, by the supervisor that ``reapplies``
+(the engine core's own front-end; not an attached API server of several, which
+would only repeat it), and a pause or sleep asked while no engine core lives
+is kept for the next.
+
 The first start is not retried: a model that cannot load, or a deadline
 missed on first start, is a configuration problem, raised to the caller as
 ``EngineStartupError``. A restart that fails to start counts against the
@@ -37,7 +45,7 @@ from trioserve.config import EngineConfig
 from trioserve.errors import ControlCallError, EngineDeadError, EngineStartupError, leaves
 from trioserve.frontend.client import EngineCoreClient
 from trioserve.messages import EngineInfo, LoadReport
-from trioserve.rpc import ControlCall, Pause, Resume, Sleep, WakeUp
+from trioserve.rpc import ControlCall, Pause, Resume, Sleep, SleepLevel, WakeUp
 
 Health = Literal["starting", "ready", "stalled", "paused", "sleeping", "restarting", "failed", "stopped"]
 # Makes the client of one engine-core life: (config, engine index, on_dead).
@@ -70,9 +78,11 @@ class EngineSupervisor:
         on_engine_ready: Callable[[EngineCoreClient], None] | None = None,
         on_engine_dead: Callable[[EngineCoreClient], None] | None = None,
         remote: bool = False,
+        reapplies: bool = True,
     ) -> None:
         self.config = config
         self.remote = remote  # an engine core on another host: it joins, it is not started here
+        self.reapplies = reapplies  # puts a new life in the state the last one was in
         self._client_factory = client_factory
         self._on_load = on_load
         self._on_new_client = on_new_client  # a new engine core's client, before it starts
@@ -88,7 +98,7 @@ class EngineSupervisor:
         self._deaths: deque[float] = deque()
         self._last_reason = "unknown"  # why the latest engine core died
         self._changed = trio.Event()
-        # The pause and sleep asked for and not yet undone: a new engine core is put in the same state.
+        # The pause and sleep a new engine core is put in: its last life's, and those asked while none lived.
         self._wanted: dict[type, ControlCall] = {}
 
     @property
@@ -101,9 +111,9 @@ class EngineSupervisor:
             return self._health
         if client.stalled:
             return "stalled"
-        if client.sleep_level:
+        if client.state.sleep_level:
             return "sleeping"
-        return "paused" if client.paused else "ready"
+        return "paused" if client.state.holding else "ready"
 
     @property
     def stalled(self) -> str:
@@ -222,8 +232,8 @@ class EngineSupervisor:
         self._last_reason = str(client.dead) if client.dead is not None else "it exited"
 
     def remember(self, call: ControlCall) -> None:
-        """Note a pause or sleep (undone by resume and wake-up), so that an
-        engine core started later is put in the same state."""
+        """Note a pause or sleep (undone by resume and wake-up) asked while
+        no engine core lives, so that the next one is put in that state."""
         if isinstance(call, Pause | Sleep):
             self._wanted[type(call)] = call
         elif isinstance(call, Resume | WakeUp):
@@ -235,18 +245,33 @@ class EngineSupervisor:
         self._changed = trio.Event()
 
     async def _reapply(self, client: EngineCoreClient) -> None:
-        """Pause (or put to sleep) a new engine core as the last one was,
-        before any request reaches it. A failure is logged: it serves then."""
-        for call in list(self._wanted.values()):
+        """Pause (or put to sleep) a new engine core as the last one was, or
+        as asked meanwhile, before any request reaches it. A failure is
+        logged: it serves then. From now on its own word is the state."""
+        wanted, self._wanted = list(self._wanted.values()), {}
+        for call in wanted:
             try:
                 await client.control(call, self.config.control_timeout_s)
-            except (ControlCallError, EngineDeadError) as exc:
+            except EngineDeadError:
+                self._wanted[type(call)] = call  # for the next life
+            except ControlCallError as exc:
                 log.error("%s: could not %s the new engine core: %s", self.name, type(call).__name__, exc)
 
     def _on_dead(self, client: EngineCoreClient) -> None:
         """Called by the client the moment its engine core is known dead."""
         if client is self.client:
             self.client = None
+            if self.reapplies:
+                # The next life is put in this one's state as it last said, or as a pause or sleep it
+                # was asked and died before answering would have left it (calls from now on count too).
+                state = client.state
+                self._wanted = {Pause: Pause()} if state.paused else {}
+                if state.sleep_level:
+                    level: SleepLevel = 1 if state.sleep_level == 1 else 2
+                    self._wanted[Sleep] = Sleep(level=level)
+                for call in client.asking:
+                    if isinstance(call, Pause | Sleep):
+                        self._wanted[type(call)] = call
             self._set_health("restarting")
         if self._on_engine_dead is not None:
             self._on_engine_dead(client)
@@ -316,8 +341,12 @@ class EngineSupervisor:
         await self._changed.wait()
 
     async def wait_failed(self) -> EngineDeadError:
-        """Wait until the engine has failed for good (out of restarts); its error."""
+        """Wait until the engine has failed for good (out of restarts); its
+        error. Raises ``EngineDeadError`` if it is stopped instead (then it
+        never fails)."""
         while self.failure is None:
+            if self._health == "stopped":
+                raise EngineDeadError(f"{self.name} is stopped")
             await self._changed.wait()
         return self.failure
 

@@ -50,6 +50,7 @@ from trioserve.rpc import (
     ControlReply,
     ControlRequest,
     DescribeShard,
+    GenerationState,
     Pause,
     Resume,
     ShardInfo,
@@ -216,7 +217,8 @@ class Controller:
     def _reply(self, msg: Call, results: list[WorkerResult] | None = None, error: str = "") -> None:
         if isinstance(msg, GetStats):
             return  # a GetStats is answered in run_ready only
-        reply = ControlReply(
-            call_id=msg.call_id, results=results or [], error=error, paused=self.paused, sleep_level=self.sleep_level
-        )
-        self._replies.append(reply)
+        self._replies.append(ControlReply(call_id=msg.call_id, results=results or [], error=error, state=self.state))
+
+    @property
+    def state(self) -> GenerationState:
+        return GenerationState(paused=self.paused, sleep_level=self.sleep_level, holding=not self.admitting)

@@ -631,7 +631,7 @@ async def _serve(
         await handshake.send(_encode(Ready(info=info, frontends=bound)))
         lockstep = None if init.data_parallel is None else EngineWaves(init.data_parallel.rank)
         core = EngineCore(scheduler, executor, info, in_flight, lockstep)
-        nursery.start_soon(_heartbeats, outbox.send, executor, core.load)
+        nursery.start_soon(_heartbeats, outbox.send, executor, core)
         await core.step_loop(inbox_receive, outbox)
 
 
@@ -689,13 +689,15 @@ async def _start_executor(
 
 
 async def _heartbeats(
-    send: Callable[[Heartbeat], Awaitable[None]],
-    executor: Executor,
-    load: Callable[[], LoadReport] | None = None,
+    send: Callable[[Heartbeat], Awaitable[None]], executor: Executor, core: EngineCore | None = None
 ) -> None:
     """Send a ``Heartbeat`` every ``heartbeat_interval_s``, saying whether a
-    hang is suspected, and the load once requests are served. Cancelling it
-    leaves nothing half-sent."""
+    hang is suspected, and once requests are served (``core``), the load and
+    whether generation is paused or asleep. Cancelling it leaves nothing
+    half-sent."""
     while True:
-        await send(Heartbeat(stalled=executor.suspicion(), load=None if load is None else load()))
+        if core is None:
+            await send(Heartbeat(stalled=executor.suspicion()))
+        else:
+            await send(Heartbeat(stalled=executor.suspicion(), load=core.load(), state=core.control.state))
         await trio.sleep(executor.config.heartbeat_interval_s)

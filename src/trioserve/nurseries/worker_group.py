@@ -234,6 +234,7 @@ class WorkerGroup:
 
     async def _call_all(self, messages: list[ToWorker], reply_type: type[_Reply]) -> list[_Reply]:
         """Send each worker its message, then take one reply from each."""
+        self._answered = set()  # none yet, even if this is cancelled while sending (found: no worker named late)
         await self._send_all(messages)
         return await self._receive_all(reply_type)
 

@@ -179,7 +179,7 @@ class HttpApi:
         call = head.path.rstrip("/").removeprefix(_CONTROL_PREFIX)
         query = {k: v[-1] for k, v in parse_qs(urlsplit(head.target).query).items()}
         try:
-            timeout_s = float(query.get("timeout_s", engine.config.control_timeout_s))
+            timeout_s = float(query["timeout_s"]) if "timeout_s" in query else None  # None: the engine's default
             mode: Any = query.get("mode", "wait")
             if call == "pause":
                 await engine.pause(mode=mode, timeout_s=timeout_s)
