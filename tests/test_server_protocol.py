@@ -275,3 +275,24 @@ def test_logprobs_give_each_tokens_own_bytes_offsets_by_character_and_leave_out_
     second = completion_logprobs(ids[3:], logprobs[3:], tokenizer, offset=11, earlier=ids[:3])
     assert second["text_offset"] == [11, 11, 12]
     assert len(legacy["tokens"]) == len(legacy["token_logprobs"]) == len(legacy["top_logprobs"]) == 6
+
+
+def test_logprobs_offsets_count_each_invalid_byte_as_its_replacement_and_stop_at_a_cut_text(tiny_model_dir):
+    """Found: bytes that are no UTF-8 counted as no character (the text shows
+    U+FFFD for each), so every later offset fell behind; and the tokens of a
+    stop string, which the text leaves out, were listed."""
+    from trioserve.frontend.tokenizer import Tokenizer
+    from trioserve.server.openai_protocol import chat_logprobs, completion_logprobs
+
+    tokenizer = Tokenizer.from_dir(tiny_model_dir("llama"))
+    raw = b"\xffg\xfeg"
+    ids = [3 + b for b in raw]
+    logprobs = [SampleLogprobs(-0.5, [t], [-0.5]) for t in ids]
+    assert raw.decode(errors="replace") == "\ufffdg\ufffdg"
+    assert completion_logprobs(ids, logprobs, tokenizer, offset=0)["text_offset"] == [0, 1, 2, 3]
+    # "abXYc" with the stop string "XY": the text is "ab", and so are the tokens.
+    ids = [3 + b for b in b"abXYc"]
+    logprobs = [SampleLogprobs(-0.5, [t], [-0.5]) for t in ids]
+    legacy = completion_logprobs(ids, logprobs, tokenizer, offset=5, text_length=2)
+    assert (legacy["tokens"], legacy["text_offset"]) == (["a", "b"], [5, 6])
+    assert [item["token"] for item in chat_logprobs(ids, logprobs, tokenizer, text_length=2)["content"]] == ["a", "b"]

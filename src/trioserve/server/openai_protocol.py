@@ -12,6 +12,7 @@ supported and how it differs from OpenAI's API.
 
 from __future__ import annotations
 
+import codecs
 import re
 import secrets
 import time
@@ -329,31 +330,54 @@ def _text(tokenizer: Tokenizer, token_id: int) -> str:
     return tokenizer.decode([token_id], skip_special_tokens=False)
 
 
+def _placed(
+    token_ids: list[int],
+    logprobs: list[SampleLogprobs],
+    tokenizer: Tokenizer,
+    earlier: Sequence[int],
+    text_length: int | None,
+) -> list[tuple[int, SampleLogprobs, int]]:
+    """The tokens whose text is in the choice's text (``_content``), each with
+    how many characters of these tokens' text come before it: the
+    characters its first byte's character starts after (a character's bytes
+    may be spread over several tokens, and chunks). Bytes that are no UTF-8
+    count as the U+FFFD the text shows for each (found: they counted as
+    none, and every later offset fell behind). ``text_length``: these tokens'
+    text, once it is final; tokens starting past it are dropped (found: the
+    tokens of a stop string, which the text leaves out, were listed)."""
+    decoder = codecs.getincrementaldecoder("utf-8")("replace")
+    decoder.decode(_open_character(earlier, tokenizer))  # a character they leave open: none counted yet
+    placed, before = [], 0
+    for token_id, lp in _content(token_ids, logprobs, tokenizer):
+        if text_length is not None and before >= text_length:
+            break
+        placed.append((token_id, lp, before))
+        before += len(decoder.decode(tokenizer.token_bytes(token_id)))
+    return placed
+
+
 def completion_logprobs(
     token_ids: list[int],
     logprobs: list[SampleLogprobs],
     tokenizer: Tokenizer,
     offset: int,
     earlier: Sequence[int] = (),
+    text_length: int | None = None,
 ) -> dict[str, Any]:
     """The legacy completions ``logprobs`` object for these tokens, whose
     text starts ``offset`` characters into the choice's text; ``earlier``
-    are the choice's tokens before them (a stream's earlier chunks). A
-    token's offset is where the character holding its first byte starts (a
-    character's bytes may be spread over several tokens, and chunks)."""
-    content = _content(token_ids, logprobs, tokenizer)
-    offsets, before = [], _open_character(earlier, tokenizer)
-    for token_id, _ in content:
-        offsets.append(offset + len(before.decode(errors="ignore")))  # whole characters before it
-        before += tokenizer.token_bytes(token_id)
+    are the choice's tokens before them (a stream's earlier chunks);
+    ``text_length``: their text's, once final (see ``_placed``). A token's
+    offset is where the character holding its first byte starts."""
+    content = _placed(token_ids, logprobs, tokenizer, earlier, text_length)
     return {
-        "tokens": [_text(tokenizer, token_id) for token_id, _ in content],
-        "token_logprobs": [lp.logprob for _, lp in content],
+        "tokens": [_text(tokenizer, token_id) for token_id, _, _ in content],
+        "token_logprobs": [lp.logprob for _, lp, _ in content],
         "top_logprobs": [
             {_text(tokenizer, t): p for t, p in zip(lp.top_token_ids, lp.top_logprobs, strict=True)}
-            for _, lp in content
+            for _, lp, _ in content
         ],
-        "text_offset": offsets,
+        "text_offset": [offset + before for _, _, before in content],
     }
 
 
@@ -374,17 +398,24 @@ def _open_character(token_ids: Sequence[int], tokenizer: Tokenizer) -> bytes:
     return b""
 
 
-def chat_logprobs(token_ids: list[int], logprobs: list[SampleLogprobs], tokenizer: Tokenizer) -> dict[str, Any]:
+def chat_logprobs(
+    token_ids: list[int],
+    logprobs: list[SampleLogprobs],
+    tokenizer: Tokenizer,
+    earlier: Sequence[int] = (),
+    text_length: int | None = None,
+) -> dict[str, Any]:
     """The chat ``logprobs`` object (``{"content": [...]}``) for these
-    tokens. ``bytes`` are each token's own bytes, so that a client can join
-    those of a character spread over several tokens (whose ``token`` text
-    alone is U+FFFD)."""
+    tokens (``earlier`` and ``text_length`` as for ``completion_logprobs``).
+    ``bytes`` are each token's own bytes, so that a client can join those of
+    a character spread over several tokens (whose ``token`` text alone is
+    U+FFFD)."""
 
     def entry(token_id: int, logprob: float) -> dict[str, Any]:
         return {"token": _text(tokenizer, token_id), "logprob": logprob, "bytes": list(tokenizer.token_bytes(token_id))}
 
     content = []
-    for token_id, lp in _content(token_ids, logprobs, tokenizer):
+    for token_id, lp, _ in _placed(token_ids, logprobs, tokenizer, earlier, text_length):
         item = entry(token_id, lp.logprob)
         item["top_logprobs"] = [entry(t, p) for t, p in zip(lp.top_token_ids, lp.top_logprobs, strict=True)]
         content.append(item)

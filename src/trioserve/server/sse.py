@@ -68,13 +68,20 @@ class EventFormat:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model, "choices": choices}
 
     def _logprobs(
-        self, token_ids: list[int], logprobs: list[SampleLogprobs] | None, offset: int, earlier: list[int]
+        self,
+        token_ids: list[int],
+        logprobs: list[SampleLogprobs] | None,
+        offset: int,
+        earlier: list[int],
+        text_length: int | None,
     ) -> Any:
+        """``text_length``: the text of these tokens, once it is final (the
+        sample's end): tokens past it (a stop string's) are left out."""
         if logprobs is None:
             return None
         if self.kind == "chat":
-            return oai.chat_logprobs(token_ids, logprobs, self.tokenizer)
-        return oai.completion_logprobs(token_ids, logprobs, self.tokenizer, offset, earlier)
+            return oai.chat_logprobs(token_ids, logprobs, self.tokenizer, earlier, text_length)
+        return oai.completion_logprobs(token_ids, logprobs, self.tokenizer, offset, earlier, text_length)
 
     def response(self, choices: Choices, prompt_tokens: int) -> dict[str, Any]:
         """The whole (non-streamed) response."""
@@ -82,7 +89,7 @@ class EventFormat:
         for index, c in enumerate(choices.items):
             item: dict[str, Any] = {
                 "index": index,
-                "logprobs": self._logprobs(c.token_ids, c.logprobs, 0, []),
+                "logprobs": self._logprobs(c.token_ids, c.logprobs, 0, [], len(c.text)),
                 "finish_reason": _finish(c.finish_reason),
             }
             if self.kind == "chat":
@@ -109,7 +116,8 @@ class EventFormat:
         start = len(choice.token_ids) - len(out.token_ids)  # (added already)
         # The few tokens before this chunk: enough for a character it finishes (not a copy of all of them).
         earlier = choice.token_ids[max(0, start - oai.OPEN_CHARACTER_TOKENS) : start]
-        logprobs = self._logprobs(out.token_ids, out.logprobs, offset, earlier)
+        final = len(out.text) if out.finish_reason is not None else None
+        logprobs = self._logprobs(out.token_ids, out.logprobs, offset, earlier, final)
         delta: Any = {"content": out.text} if self.kind == "chat" else out.text
         return self._chunk(out.index, delta, logprobs, _finish(out.finish_reason), include_usage)
 
