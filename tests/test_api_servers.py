@@ -485,6 +485,37 @@ async def test_the_usual_exit_codes_hold_4_when_the_engine_is_out_of_restarts(ti
         assert not any(running(pid) for pid in tree)
 
 
+async def test_an_engine_out_of_restarts_is_failed_on_every_api_server_and_the_other_serves_on(tiny_model_dir):
+    """Found: each API server showed it ``restarting`` for good (counting one
+    restart more), waiting for a life its supervising process never starts."""
+    options = ("--data-parallel-size", "2", "--max-restarts", "0")
+    with trio.fail_after(90), spawned(argv(str(tiny_model_dir("llama")), *options)) as proc, ExitStack() as stack:
+        url = await in_thread(wait_for_url, proc, 60)
+        pids = api_servers(proc.pid)
+        connections = await in_thread(http_on_both, stack, port_of(url), pids)
+        os.kill(engine_cores(proc.pid)[0], signal.SIGKILL)
+        healths = [
+            {
+                "status": "ready",
+                "engines": [{"engine": i, "status": "failed" if i == dead else "ready"} for i in (0, 1)],
+            }
+            for dead in (0, 1)
+        ]
+        await wait_until(lambda: http_call(connections[0], "GET", "/health") in [(200, h) for h in healths], 10)
+        dead = [(200, h) for h in healths].index(http_call(connections[0], "GET", "/health"))
+        for conn in connections:
+            await wait_until(lambda conn=conn: http_call(conn, "GET", "/health") == (200, healths[dead]), 10)
+            conn.request("GET", "/metrics")
+            metrics = conn.getresponse().read().decode()
+            assert f'trioserve_engine_restarts_total{{engine="{dead}"}} 0.0' in metrics
+        sockets = await in_thread(open_on_both, stack, url, pids)
+        for ws in sockets:
+            received = await in_thread(stream_on, ws, {"x": [11, 12]}, max_tokens=5, ignore_eos=True)
+            assert received["x"].token_ids == fake_tokens([11, 12], 5)
+        proc.send_signal(signal.SIGTERM)
+        assert await in_thread(proc.wait, 20) == 0
+
+
 # --- with an engine on another host -------------------------------------------
 
 HEARTBEAT_TIMEOUT_S = 1.5

@@ -193,6 +193,13 @@ def test_parse_request_head_lowercases_header_names():
     assert parsed.has_bearer_token("k") and not parsed.has_bearer_token("kk")
 
 
+def test_a_target_in_absolute_form_has_its_path():
+    """RFC 9112, 3.2.2: a server takes ``POST http://host/path`` (found: it was answered 426)."""
+    parsed = head("POST", "http://x:8000/v1/completions?a=1")
+    assert (parsed.path, parsed.is_api) == ("/v1/completions", True)
+    assert head("GET", "https://x").path == "/"
+
+
 @pytest.mark.parametrize("raw", [b"GARBAGE\r\n\r\n", b"GET / HTTP/2\r\n\r\n", b"GET / HTTP/1.1\r\nno-colon\r\n\r\n"])
 def test_parse_request_head_rejects_malformed_heads(raw):
     with pytest.raises(http.BadRequest):

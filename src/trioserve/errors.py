@@ -39,6 +39,11 @@ class EngineDeadError(TrioserveError):
     """The engine core (or one of its workers) died; the request cannot finish."""
 
 
+class EngineFailedError(EngineDeadError):
+    """The engine failed for good (out of restarts), as its supervising
+    process says to an attached API server."""
+
+
 class RequestError(TrioserveError):
     """A request failed for a reason of its own (not bad input: that is
     ``ValueError``)."""

@@ -23,8 +23,11 @@ like any client: its requests carry its index, its call ids are its own
 core dies (it says ``EngineDead``, its end of the connection closes, or it
 is silent for ``heartbeat_timeout_s``: a host that vanished closes nothing),
 the requests of this API server fail with ``EngineDeadError`` and the life
-ends; the next one attaches to the engine core that takes its place. Nothing
-here starts, stops or restarts a process.
+ends; the next one attaches to the engine core that takes its place. An
+engine that failed for good (out of restarts) gets no next one: the
+supervisor writes why in ``engine-<i>.failed``, and a life waiting for
+addresses raises ``EngineFailedError`` with it. Nothing here starts, stops
+or restarts a process.
 
 Invariants: a life connects only to addresses the supervisor wrote for its
 engine index, and takes only an ``Attached`` from an engine core of that
@@ -44,6 +47,7 @@ import trio
 import zmq
 
 from trioserve.config import EngineConfig
+from trioserve.errors import EngineFailedError
 from trioserve.frontend.client import EngineCoreClient
 from trioserve.messages import Attach, Attached, EngineInfo, EngineResponse, FrontEndsInit
 from trioserve.transport.curve import load_keys
@@ -78,6 +82,27 @@ def forget_engine_addresses(directory: str, engine_index: int) -> None:
     """Engine core ``engine_index`` is dead: no API server connects there any more."""
     with contextlib.suppress(FileNotFoundError):
         os.unlink(_addresses_file(directory, engine_index))
+
+
+def _failure_file(directory: str, engine_index: int) -> str:
+    return os.path.join(directory, f"engine-{engine_index}.failed")
+
+
+def write_engine_failure(directory: str, engine_index: int, reason: str) -> None:
+    """Tell the API servers that engine ``engine_index`` failed for good (it will not be restarted)."""
+    path = _failure_file(directory, engine_index)
+    with open(f"{path}.partial", "w", encoding="utf-8") as f:
+        f.write(reason)
+    os.replace(f"{path}.partial", path)
+
+
+def read_engine_failure(directory: str, engine_index: int) -> str | None:
+    """Why engine ``engine_index`` failed for good, or None while it has not."""
+    try:
+        with open(_failure_file(directory, engine_index), encoding="utf-8", errors="replace") as f:
+            return f.read()
+    except FileNotFoundError:
+        return None
 
 
 def read_engine_addresses(directory: str, engine_index: int) -> FrontEndsInit | None:
@@ -154,6 +179,8 @@ class AttachedEngineCoreClient(EngineCoreClient):
                     if addresses is not None:
                         sockets = self._connect(addresses)
                 if sockets is None:
+                    if (reason := read_engine_failure(self._directory, self.engine_index)) is not None:
+                        raise EngineFailedError(reason)  # no next life to wait for
                     await trio.sleep(ATTACH_RETRY_S)
                     continue
                 with trio.move_on_after(ATTACH_RETRY_S):

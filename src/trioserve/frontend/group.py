@@ -52,6 +52,7 @@ from trioserve.frontend.attached import (
     api_server_addresses,
     forget_engine_addresses,
     write_engine_addresses,
+    write_engine_failure,
 )
 from trioserve.frontend.client import EngineCoreClient
 from trioserve.frontend.coordinator import Coordinator
@@ -111,6 +112,7 @@ class EngineGroup:
                 on_new_client=self._new_client,
                 on_engine_ready=self._engine_ready if api_servers_dir is not None else None,
                 on_engine_dead=self._engine_dead,
+                on_failed=self._engine_failed if api_servers_dir is not None else None,
                 remote=attach is not None or i >= config.num_local_engines,
                 reapplies=attach is None,  # the engine core's own front-end does, for all of them
             )
@@ -147,6 +149,11 @@ class EngineGroup:
         if self.lockstep:
             self._lockstep_death(client)
 
+    def _engine_failed(self, supervisor: EngineSupervisor) -> None:
+        """An engine failed for good: tell the API servers (they would wait for its next life)."""
+        assert self._api_servers_dir is not None and supervisor.failure is not None
+        write_engine_failure(self._api_servers_dir, supervisor.engine_index, str(supervisor.failure))
+
     def _remote_client(
         self, config: EngineConfig, engine_index: int, on_dead: Callable[[EngineCoreClient], None]
     ) -> EngineCoreClient:
@@ -176,7 +183,8 @@ class EngineGroup:
                 if supervisor.remote:
                     nursery.start_soon(supervisor.run)
             await self._start_all(nursery)
-            while all(s.info is None for s in self.supervisors):  # no local engine: the first to join
+            # No local engine: the first to join (or none, if every one has failed for good).
+            while all(s.info is None for s in self.supervisors) and self.health != "failed":
                 await self._any_change()
             task_status.started(self.info)
             await self.wait_failed()

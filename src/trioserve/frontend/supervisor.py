@@ -42,7 +42,14 @@ from typing import Literal
 import trio
 
 from trioserve.config import EngineConfig
-from trioserve.errors import ControlCallError, EngineDeadError, EngineStartupError, leaves
+from trioserve.errors import (
+    ControlCallError,
+    EngineDeadError,
+    EngineFailedError,
+    EngineStartupError,
+    first_leaf,
+    leaves,
+)
 from trioserve.frontend.client import EngineCoreClient
 from trioserve.messages import EngineInfo, LoadReport
 from trioserve.rpc import ControlCall, Pause, Resume, Sleep, SleepLevel, WakeUp
@@ -77,6 +84,7 @@ class EngineSupervisor:
         on_new_client: Callable[[EngineCoreClient], None] | None = None,
         on_engine_ready: Callable[[EngineCoreClient], None] | None = None,
         on_engine_dead: Callable[[EngineCoreClient], None] | None = None,
+        on_failed: Callable[[EngineSupervisor], None] | None = None,
         remote: bool = False,
         reapplies: bool = True,
     ) -> None:
@@ -88,6 +96,7 @@ class EngineSupervisor:
         self._on_new_client = on_new_client  # a new engine core's client, before it starts
         self._on_engine_ready = on_engine_ready  # an engine core ready, before requests are routed to it
         self._on_engine_dead = on_engine_dead  # an engine core known dead
+        self._on_failed = on_failed  # out of restarts, for good
         self.engine_index = engine_index
         self.name = f"engine-core-{engine_index}"
         self._health: Health = "starting"
@@ -133,6 +142,7 @@ class EngineSupervisor:
         try:
             if self.remote:
                 await self._run_remote(task_status)
+                return
             await self._start_first(task_status)
             while True:
                 if not self._may_restart():
@@ -166,12 +176,17 @@ class EngineSupervisor:
         None is started here (its host's ``serve --headless`` does that), so
         none counts against the restart budget: health is ``starting`` until
         it first joins, ``restarting`` while it is away, and routing passes
-        it by meanwhile. ``task_status`` hears of its first join."""
+        it by meanwhile; each later join counts as a restart. An attached
+        API server's engine that its supervising process gave up on turns
+        ``failed`` (then this returns). ``task_status`` hears of its first
+        join."""
         reported = False
 
         def ready(info: EngineInfo) -> None:
             nonlocal reported
-            if not reported:
+            if reported:
+                self.num_restarts += 1  # (found: counted at each death, the last one too)
+            else:
                 reported = True
                 task_status.started(info)
 
@@ -179,12 +194,16 @@ class EngineSupervisor:
             try:
                 await self._run_generation(ready)
             except BaseExceptionGroup as group:
+                if (failed := first_leaf(group, EngineFailedError)) is not None:
+                    self.failure = EngineDeadError(str(failed))
+                    log.error("%s: %s", self.name, failed)
+                    self._set_health("failed")  # (found: "restarting" for good)
+                    return
                 error = _startup_error(group)
                 if error is None:
                     raise
                 log.warning("%s: a join failed: %s", self.name, error)
             if reported:
-                self.num_restarts += 1
                 self._set_health("restarting")
             await trio.sleep(self.config.restart_backoff_s)
 
@@ -298,6 +317,8 @@ class EngineSupervisor:
         )
         log.error("%s", self.failure)
         self._set_health("failed")
+        if self._on_failed is not None:
+            self._on_failed(self)
         return False
 
     def _backoff(self) -> float:

@@ -16,6 +16,7 @@ import json
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
+from urllib.parse import urlsplit
 
 import h11
 import trio
@@ -63,7 +64,12 @@ class RequestHead:
 
     @property
     def path(self) -> str:
-        return self.target.split("?", 1)[0]
+        target = self.target
+        if not target.startswith("/") and "://" in target:
+            # The absolute form (``POST http://host/v1/completions``), which a server must take
+            # (RFC 9112, 3.2.2; found: it was answered 426 as if it were no API path).
+            target = urlsplit(target).path or "/"
+        return target.split("?", 1)[0]
 
     @classmethod
     def from_h11(cls, request: h11.Request) -> RequestHead:
