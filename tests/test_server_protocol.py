@@ -266,20 +266,22 @@ def test_logprobs_give_each_tokens_own_bytes_offsets_by_character_and_leave_out_
     reply (not in the text, so not in its logprobs)."""
     from trioserve.frontend.tokenizer import Tokenizer
     from trioserve.gpu.tiny_models import EOS_ID
-    from trioserve.server.openai_protocol import chat_logprobs, completion_logprobs
+    from trioserve.server.openai_protocol import chat_logprobs, completion_logprobs, place_tokens
 
     tokenizer = Tokenizer.from_dir(tiny_model_dir("llama"))
     ids = [3 + b for b in "a🎉b".encode()] + [EOS_ID]
     logprobs = [SampleLogprobs(-0.5, [t, 3 + ord("z")], [-0.5, -1.0]) for t in ids]
-    content = chat_logprobs(ids, logprobs, tokenizer)["content"]
+    placed, taken = place_tokens(ids, logprobs, tokenizer)
+    assert taken == 7
+    content = chat_logprobs(placed, tokenizer)["content"]
     assert len(content) == 6
     assert b"".join(bytes(item["bytes"]) for item in content).decode() == "a🎉b"
     assert [item["token"] for item in content][:2] == ["a", "\ufffd"]  # a piece of a character alone
     assert content[1]["top_logprobs"][0]["bytes"] == [0xF0] and content[1]["top_logprobs"][1]["token"] == "z"
-    legacy = completion_logprobs(ids, logprobs, tokenizer, offset=10)
+    legacy = completion_logprobs(placed, tokenizer, offset=10)
     assert legacy["text_offset"] == [10, 11, 11, 11, 11, 12]  # each piece at its character's start
     # Streamed, the emoji cut between two chunks: the second chunk's text starts with the emoji.
-    second = completion_logprobs(ids[3:], logprobs[3:], tokenizer, offset=11, earlier=ids[:3])
+    second = completion_logprobs(place_tokens(ids[3:], logprobs[3:], tokenizer, earlier=ids[:3])[0], tokenizer, 11)
     assert second["text_offset"] == [11, 11, 12]
     assert len(legacy["tokens"]) == len(legacy["token_logprobs"]) == len(legacy["top_logprobs"]) == 6
 
@@ -289,17 +291,25 @@ def test_logprobs_offsets_count_each_invalid_byte_as_its_replacement_and_stop_at
     U+FFFD for each), so every later offset fell behind; and the tokens of a
     stop string, which the text leaves out, were listed."""
     from trioserve.frontend.tokenizer import Tokenizer
-    from trioserve.server.openai_protocol import chat_logprobs, completion_logprobs
+    from trioserve.server.openai_protocol import completion_logprobs, place_tokens
 
     tokenizer = Tokenizer.from_dir(tiny_model_dir("llama"))
     raw = b"\xffg\xfeg"
     ids = [3 + b for b in raw]
     logprobs = [SampleLogprobs(-0.5, [t], [-0.5]) for t in ids]
     assert raw.decode(errors="replace") == "\ufffdg\ufffdg"
-    assert completion_logprobs(ids, logprobs, tokenizer, offset=0)["text_offset"] == [0, 1, 2, 3]
-    # "abXYc" with the stop string "XY": the text is "ab", and so are the tokens.
+    assert completion_logprobs(place_tokens(ids, logprobs, tokenizer)[0], tokenizer, 0)["text_offset"] == [0, 1, 2, 3]
+    # "abXYc" with the stop string "XY": the text is "ab"; the tokens past it are not taken (in a
+    # stream, they wait for text that may never come, and at the sample's end are left out).
     ids = [3 + b for b in b"abXYc"]
     logprobs = [SampleLogprobs(-0.5, [t], [-0.5]) for t in ids]
-    legacy = completion_logprobs(ids, logprobs, tokenizer, offset=5, text_length=2)
-    assert (legacy["tokens"], legacy["text_offset"]) == (["a", "b"], [5, 6])
-    assert [item["token"] for item in chat_logprobs(ids, logprobs, tokenizer, text_length=2)["content"]] == ["a", "b"]
+    placed, taken = place_tokens(ids, logprobs, tokenizer, text_length=2)
+    legacy = completion_logprobs(placed, tokenizer, offset=5)
+    assert (legacy["tokens"], legacy["text_offset"], taken) == (["a", "b"], [5, 6], 2)
+    assert place_tokens(ids, logprobs, tokenizer, text_length=0) == ([], 0)
+    # "x", the start of a character that "f" breaks (shown as U+FFFD), then the stop string "f":
+    # the text is "x\ufffd", and "f" starts past it.
+    ids = [3 + b for b in b"x\xc2f"]
+    logprobs = [SampleLogprobs(-0.5, [t], [-0.5]) for t in ids]
+    placed, taken = place_tokens(ids, logprobs, tokenizer, text_length=2)
+    assert ([before for _, _, before in placed], taken) == ([0, 1], 2)

@@ -316,68 +316,74 @@ def models_list(model: str, max_model_len: int, created: int) -> dict[str, Any]:
     return {"object": "list", "data": [model_entry(model, max_model_len, created)]}
 
 
-def _content(
-    token_ids: list[int], logprobs: list[SampleLogprobs], tokenizer: Tokenizer
-) -> list[tuple[int, SampleLogprobs]]:
-    """The tokens whose text is in the choice's text, with their logprobs:
-    special tokens (the end-of-sequence token that ended a reply, say) are
-    not, as the text is decoded without them."""
-    pairs = zip(token_ids, logprobs, strict=True)
-    return [(token_id, lp) for token_id, lp in pairs if token_id not in tokenizer.all_special_ids]
+Placed = list[tuple[int, SampleLogprobs, int]]  # (token id, its logprobs, characters before it)
 
 
 def _text(tokenizer: Tokenizer, token_id: int) -> str:
     return tokenizer.decode([token_id], skip_special_tokens=False)
 
 
-def _placed(
-    token_ids: list[int],
-    logprobs: list[SampleLogprobs],
+def place_tokens(
+    token_ids: Sequence[int],
+    logprobs: Sequence[SampleLogprobs],
     tokenizer: Tokenizer,
-    earlier: Sequence[int],
-    text_length: int | None,
-) -> list[tuple[int, SampleLogprobs, int]]:
-    """The tokens whose text is in the choice's text (``_content``), each with
-    how many characters of these tokens' text come before it: the
-    characters its first byte's character starts after (a character's bytes
-    may be spread over several tokens, and chunks). Bytes that are no UTF-8
-    count as the U+FFFD the text shows for each (found: they counted as
-    none, and every later offset fell behind). ``text_length``: these tokens'
-    text, once it is final; tokens starting past it are dropped (found: the
-    tokens of a stop string, which the text leaves out, were listed)."""
-    decoder = codecs.getincrementaldecoder("utf-8")("replace")
-    decoder.decode(_open_character(earlier, tokenizer))  # a character they leave open: none counted yet
-    placed, before = [], 0
-    for token_id, lp in _content(token_ids, logprobs, tokenizer):
-        if text_length is not None and before >= text_length:
-            break
-        placed.append((token_id, lp, before))
-        before += len(decoder.decode(tokenizer.token_bytes(token_id)))
-    return placed
-
-
-def completion_logprobs(
-    token_ids: list[int],
-    logprobs: list[SampleLogprobs],
-    tokenizer: Tokenizer,
-    offset: int,
     earlier: Sequence[int] = (),
     text_length: int | None = None,
-) -> dict[str, Any]:
-    """The legacy completions ``logprobs`` object for these tokens, whose
-    text starts ``offset`` characters into the choice's text; ``earlier``
-    are the choice's tokens before them (a stream's earlier chunks);
-    ``text_length``: their text's, once final (see ``_placed``). A token's
-    offset is where the character holding its first byte starts."""
-    content = _placed(token_ids, logprobs, tokenizer, earlier, text_length)
+) -> tuple[Placed, int]:
+    """Where the tokens stand in their text: each token whose text is in the
+    choice's text, with how many characters of that text come before it (the
+    characters its first byte's character starts after: a character's bytes
+    may be spread over several tokens, and chunks); and how many of
+    ``token_ids`` that takes. ``earlier``: the choice's tokens before these.
+
+    Special tokens (the end-of-sequence token that ended a reply, say) are
+    never placed, as the text is decoded without them. Bytes that are no
+    UTF-8 count as the U+FFFD the text shows for each (found: they counted as
+    none, and every later offset fell behind). With ``text_length`` (how
+    much text these tokens have given so far), the tokens starting past it
+    are not taken: their text is still held back (the start of a stop string,
+    say), or, at a sample's end, never shown (found: a stop string's tokens
+    were listed though the text leaves them out)."""
+    decoder = codecs.getincrementaldecoder("utf-8")("replace")
+    decoder.decode(_open_character(earlier, tokenizer))  # a character they leave open: none counted yet
+    placed: Placed = []
+    decoded = 0  # characters the bytes so far have given
+    for taken, (token_id, lp) in enumerate(zip(token_ids, logprobs, strict=True)):
+        data = b"" if token_id in tokenizer.all_special_ids else tokenizer.token_bytes(token_id)
+        before = decoded
+        pending = decoder.getstate()[0]  # the start of a character, still open
+        if pending and data and not _continues(pending, data[:1]):
+            before += 1  # that start is a U+FFFD of its own, before this token's first byte
+        if text_length is not None and before >= text_length:
+            return placed, taken
+        if data:
+            placed.append((token_id, lp, before))
+            decoded += len(decoder.decode(data))
+    return placed, len(token_ids)
+
+
+def _continues(start: bytes, byte: bytes) -> bool:
+    """Whether ``byte`` goes on the UTF-8 character that ``start`` begins."""
+    try:
+        codecs.getincrementaldecoder("utf-8")().decode(start + byte)
+    except UnicodeDecodeError:
+        return False
+    return True
+
+
+def completion_logprobs(placed: Placed, tokenizer: Tokenizer, offset: int) -> dict[str, Any]:
+    """The legacy completions ``logprobs`` object for these tokens
+    (``place_tokens``), whose text starts ``offset`` characters into the
+    choice's text. A token's offset is where the character holding its first
+    byte starts."""
     return {
-        "tokens": [_text(tokenizer, token_id) for token_id, _, _ in content],
-        "token_logprobs": [lp.logprob for _, lp, _ in content],
+        "tokens": [_text(tokenizer, token_id) for token_id, _, _ in placed],
+        "token_logprobs": [lp.logprob for _, lp, _ in placed],
         "top_logprobs": [
             {_text(tokenizer, t): p for t, p in zip(lp.top_token_ids, lp.top_logprobs, strict=True)}
-            for _, lp, _ in content
+            for _, lp, _ in placed
         ],
-        "text_offset": [offset + before for _, _, before in content],
+        "text_offset": [offset + before for _, _, before in placed],
     }
 
 
@@ -398,24 +404,17 @@ def _open_character(token_ids: Sequence[int], tokenizer: Tokenizer) -> bytes:
     return b""
 
 
-def chat_logprobs(
-    token_ids: list[int],
-    logprobs: list[SampleLogprobs],
-    tokenizer: Tokenizer,
-    earlier: Sequence[int] = (),
-    text_length: int | None = None,
-) -> dict[str, Any]:
-    """The chat ``logprobs`` object (``{"content": [...]}``) for these
-    tokens (``earlier`` and ``text_length`` as for ``completion_logprobs``).
-    ``bytes`` are each token's own bytes, so that a client can join those of
-    a character spread over several tokens (whose ``token`` text alone is
-    U+FFFD)."""
+def chat_logprobs(placed: Placed, tokenizer: Tokenizer) -> dict[str, Any]:
+    """The chat ``logprobs`` object (``{"content": [...]}``) for these tokens
+    (``place_tokens``). ``bytes`` are each token's own bytes, so that a client
+    can join those of a character spread over several tokens (whose
+    ``token`` text alone is U+FFFD)."""
 
     def entry(token_id: int, logprob: float) -> dict[str, Any]:
         return {"token": _text(tokenizer, token_id), "logprob": logprob, "bytes": list(tokenizer.token_bytes(token_id))}
 
     content = []
-    for token_id, lp, _ in _placed(token_ids, logprobs, tokenizer, earlier, text_length):
+    for token_id, lp, _ in placed:
         item = entry(token_id, lp.logprob)
         item["top_logprobs"] = [entry(t, p) for t, p in zip(lp.top_token_ids, lp.top_logprobs, strict=True)]
         content.append(item)

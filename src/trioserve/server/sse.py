@@ -25,6 +25,7 @@ class Choice:
     finish_reason: str | None = None
     num_output_tokens: int = 0
     num_cached_tokens: int = 0  # prompt tokens the engine found in its prefix cache
+    num_placed: int = 0  # a stream's tokens whose logprobs went out (or never will: past the final text)
 
 
 class Choices:
@@ -67,21 +68,10 @@ class EventFormat:
     def _envelope(self, obj: str, choices: list[dict[str, Any]]) -> dict[str, Any]:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model, "choices": choices}
 
-    def _logprobs(
-        self,
-        token_ids: list[int],
-        logprobs: list[SampleLogprobs] | None,
-        offset: int,
-        earlier: list[int],
-        text_length: int | None,
-    ) -> Any:
-        """``text_length``: the text of these tokens, once it is final (the
-        sample's end): tokens past it (a stop string's) are left out."""
-        if logprobs is None:
-            return None
+    def _logprobs(self, placed: oai.Placed, offset: int) -> Any:
         if self.kind == "chat":
-            return oai.chat_logprobs(token_ids, logprobs, self.tokenizer, earlier, text_length)
-        return oai.completion_logprobs(token_ids, logprobs, self.tokenizer, offset, earlier, text_length)
+            return oai.chat_logprobs(placed, self.tokenizer)
+        return oai.completion_logprobs(placed, self.tokenizer, offset)
 
     def response(self, choices: Choices, prompt_tokens: int) -> dict[str, Any]:
         """The whole (non-streamed) response."""
@@ -89,7 +79,9 @@ class EventFormat:
         for index, c in enumerate(choices.items):
             item: dict[str, Any] = {
                 "index": index,
-                "logprobs": self._logprobs(c.token_ids, c.logprobs, 0, [], len(c.text)),
+                "logprobs": None
+                if c.logprobs is None
+                else self._logprobs(oai.place_tokens(c.token_ids, c.logprobs, self.tokenizer, (), len(c.text))[0], 0),
                 "finish_reason": _finish(c.finish_reason),
             }
             if self.kind == "chat":
@@ -112,12 +104,18 @@ class EventFormat:
     def chunk(self, out: RequestOutput, choices: Choices, include_usage: bool) -> dict[str, Any]:
         """The chunk for one delta of one sample."""
         choice = choices.items[out.index]
-        offset = len(choice.text) - len(out.text)
-        start = len(choice.token_ids) - len(out.token_ids)  # (added already)
-        # The few tokens before this chunk: enough for a character it finishes (not a copy of all of them).
-        earlier = choice.token_ids[max(0, start - oai.OPEN_CHARACTER_TOKENS) : start]
-        final = len(out.text) if out.finish_reason is not None else None
-        logprobs = self._logprobs(out.token_ids, out.logprobs, offset, earlier, final)
+        logprobs = None
+        if choice.logprobs is not None:
+            # The tokens whose text this chunk holds: those of earlier chunks whose text was held
+            # back, and this chunk's own as far as its text goes (the rest wait for a later chunk's,
+            # and at the sample's end, past its final text, are left out).
+            start = choice.num_placed
+            earlier = choice.token_ids[max(0, start - oai.OPEN_CHARACTER_TOKENS) : start]  # for a character they finish
+            placed, taken = oai.place_tokens(
+                choice.token_ids[start:], choice.logprobs[start:], self.tokenizer, earlier, len(out.text)
+            )
+            choice.num_placed = len(choice.token_ids) if out.finish_reason is not None else start + taken
+            logprobs = self._logprobs(placed, len(choice.text) - len(out.text))
         delta: Any = {"content": out.text} if self.kind == "chat" else out.text
         return self._chunk(out.index, delta, logprobs, _finish(out.finish_reason), include_usage)
 
