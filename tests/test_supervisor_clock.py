@@ -19,6 +19,7 @@ from trioserve.errors import EngineDeadError
 from trioserve.frontend.client import EngineCoreClient
 from trioserve.frontend.supervisor import EngineSupervisor
 from trioserve.messages import EngineInfo, ModelInfo
+from trioserve.rpc import ControlCall, ControlReply, GenerationState, Pause, Resume, Sleep, WakeUp
 
 INFO = EngineInfo(
     model=ModelInfo(vocab_size=259, max_model_len=64, eos_token_ids=[2]),
@@ -154,4 +155,71 @@ async def test_a_request_waiting_for_a_restart_gets_the_new_engine_the_moment_it
         asked_at = trio.current_time()
         client = await supervisor.ready_client()
         assert client is lives.clients[1] and trio.current_time() == asked_at + 2.0
+        nursery.cancel_scope.cancel()
+
+
+class ControlledClient(FakeClient):
+    """A fake life that takes control calls as an engine core would, and records them."""
+
+    def __init__(self, config: EngineConfig, index: int, on_dead: Callable[[EngineCoreClient], None]) -> None:
+        super().__init__(config, index, on_dead)
+        self.calls: list[str] = []
+
+    async def control(self, call: ControlCall, timeout_s: float) -> ControlReply:
+        self.calls.append(type(call).__name__)
+        paused = {Pause: True, Resume: False}.get(type(call), self.state.paused)
+        level = call.level if isinstance(call, Sleep) else 0 if isinstance(call, WakeUp) else self.state.sleep_level
+        self.state = GenerationState(paused=paused, sleep_level=level, holding=paused or level > 0)
+        return ControlReply(call_id=0, state=self.state)
+
+
+async def test_a_new_life_is_put_in_the_state_the_last_one_said_and_the_calls_asked_meanwhile(autojump_clock):
+    lives = Lives()
+
+    def factory(config: EngineConfig, index: int, on_dead: Callable[[EngineCoreClient], None]) -> FakeClient:
+        client = ControlledClient(config, index, on_dead)
+        lives.clients.append(client)
+        lives.changed.set()
+        lives.changed = trio.Event()
+        return client
+
+    supervisor = EngineSupervisor(config(), client_factory=factory)
+
+    async def kill_and_wait(life: int) -> ControlledClient:
+        lives.clients[life - 1].kill()
+        client = await lives.next_life(life + 1)
+        while supervisor.health in ("restarting", "starting"):
+            await supervisor.wait_changed()
+        assert isinstance(client, ControlledClient)
+        return client
+
+    async with trio.open_nursery() as nursery:
+        await nursery.start(supervisor.run)
+        first = lives.clients[0]
+        first.state = GenerationState(paused=True, holding=True)  # its last word: paused (by any front-end)
+        lives.clients[0].kill()
+        await lives.next_life(2)
+        supervisor.remember(Resume())  # asked while it is down: the pause is not sent
+        while supervisor.health in ("restarting", "starting"):
+            await supervisor.wait_changed()
+        second = lives.clients[1]
+        assert isinstance(second, ControlledClient)
+        assert (second.calls, supervisor.health) == ([], "ready")
+        # Its last word: asleep; a pause asked while it is down; then both are sent to the next.
+        second.state = GenerationState(sleep_level=2, holding=True)
+        second.kill()
+        await lives.next_life(3)
+        supervisor.remember(Pause())
+        while supervisor.health in ("restarting", "starting"):
+            await supervisor.wait_changed()
+        third = lives.clients[2]
+        assert isinstance(third, ControlledClient)
+        assert (third.calls, supervisor.health) == (["Sleep", "Pause"], "sleeping")
+        assert third.state.sleep_level == 2
+        # Killed while a pause it was asked has no answer yet: the next life is paused.
+        await third.control(WakeUp(), 1.0)
+        await third.control(Resume(), 1.0)
+        third.asking.append(Pause())
+        fourth = await kill_and_wait(3)
+        assert (fourth.calls, supervisor.health) == (["Pause"], "paused")
         nursery.cancel_scope.cancel()

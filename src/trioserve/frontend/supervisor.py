@@ -251,12 +251,15 @@ class EngineSupervisor:
         self._last_reason = str(client.dead) if client.dead is not None else "it exited"
 
     def remember(self, call: ControlCall) -> None:
-        """Note a pause or sleep (undone by resume and wake-up) asked while
-        no engine core lives, so that the next one is put in that state."""
-        if isinstance(call, Pause | Sleep):
-            self._wanted[type(call)] = call
-        elif isinstance(call, Resume | WakeUp):
-            self._wanted.pop(Pause if isinstance(call, Resume) else Sleep, None)
+        """Note a pause, resume, sleep or wake-up asked while no engine core
+        lives (or while the next one is being put in its state), so that the
+        next one is put in that state. A resume (wake-up) cancels a pause
+        (sleep) still to send, else it is sent too: the one it undoes may
+        have gone out already."""
+        if isinstance(call, Pause | Sleep | Resume | WakeUp):
+            undone = {Pause: Resume, Resume: Pause, Sleep: WakeUp, WakeUp: Sleep}[type(call)]
+            if self._wanted.pop(undone, None) is None or isinstance(call, Pause | Sleep):
+                self._wanted[type(call)] = call
 
     def state_changed(self) -> None:
         """Wake those waiting for a change: the engine was paused, resumed, put to sleep or woken."""
@@ -267,14 +270,15 @@ class EngineSupervisor:
         """Pause (or put to sleep) a new engine core as the last one was, or
         as asked meanwhile, before any request reaches it. A failure is
         logged: it serves then. From now on its own word is the state."""
-        wanted, self._wanted = list(self._wanted.values()), {}
-        for call in wanted:
-            try:
-                await client.control(call, self.config.control_timeout_s)
-            except EngineDeadError:
-                self._wanted[type(call)] = call  # for the next life
-            except ControlCallError as exc:
-                log.error("%s: could not %s the new engine core: %s", self.name, type(call).__name__, exc)
+        while self._wanted and client.dead is None:  # (calls asked meanwhile are remembered: sent too)
+            wanted, self._wanted = list(self._wanted.values()), {}
+            for call in wanted:
+                try:
+                    await client.control(call, self.config.control_timeout_s)
+                except EngineDeadError:
+                    self._wanted.setdefault(type(call), call)  # for the next life
+                except ControlCallError as exc:
+                    log.error("%s: could not %s the new engine core: %s", self.name, type(call).__name__, exc)
 
     def _on_dead(self, client: EngineCoreClient) -> None:
         """Called by the client the moment its engine core is known dead."""
