@@ -85,7 +85,8 @@ def http_on_both(stack: ExitStack, port: int, pids: list[int], timeout: float = 
     deadline = time.monotonic() + timeout
     while len(kept) < len(pids) and time.monotonic() < deadline:
         conn = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
-        conn.connect()
+        conn.request("GET", "/health")  # answered: accepted by an API server, not waiting in the queue
+        conn.getresponse().read()
         pid = owner(conn, pids, port)
         if pid in kept:
             conn.close()
@@ -214,6 +215,24 @@ async def test_kill_9_of_one_api_server_drops_only_its_connections_and_it_is_res
         proc.send_signal(signal.SIGTERM)
         assert await in_thread(proc.wait, 20) == 0
         assert not any(running(pid) for pid in tree)
+
+
+async def test_an_api_server_restarted_while_the_engine_is_paused_says_paused_from_its_start(tiny_model_dir):
+    """Found: it said "ready" until the engine core's next heartbeat (its
+    ``Attached`` now carries the engine core's state)."""
+    options = ("--heartbeat-interval", "5", "--heartbeat-timeout", "20")
+    with trio.fail_after(90), spawned(argv(str(tiny_model_dir("llama")), *options)) as proc, ExitStack() as stack:
+        url = await in_thread(wait_for_url, proc, 60)
+        pids = api_servers(proc.pid)
+        conn = (await in_thread(http_on_both, stack, port_of(url), pids))[0]
+        assert await in_thread(http_call, conn, "POST", "/v1/engine/pause") == (200, {"health": "paused"})
+        os.kill(pids[1], signal.SIGKILL)
+        await wait_until(lambda: len(api_servers(proc.pid)) == 2 and pids[1] not in api_servers(proc.pid), 20)
+        now = api_servers(proc.pid)
+        new = (await in_thread(http_on_both, stack, port_of(url), now))[now.index(next(p for p in now if p != pids[0]))]
+        assert await in_thread(http_call, new, "GET", "/health") == (503, {"status": "paused"})
+        proc.send_signal(signal.SIGTERM)
+        assert await in_thread(proc.wait, 20) == 0
 
 
 async def test_a_stopped_api_server_is_killed_as_hung_its_request_aborted_and_it_is_restarted(tiny_model_dir):

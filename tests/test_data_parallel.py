@@ -202,6 +202,27 @@ async def test_lockstep_on_the_real_collective_runs_bursts_and_gives_the_greedy_
             assert counts[-1][0] == counts[-1][1]
 
 
+async def test_in_lockstep_an_engine_with_no_work_sleeps_while_the_other_finishes_its_wave(dp_config):
+    """Found: the idle engine slept at once, then its wave's next dummy step
+    reached its asleep runner, and both engine cores died. An asleep engine
+    takes part in the wave's dummy steps (they compute nothing)."""
+    config = dp_config(data_parallel_lockstep=True, step_delay_s=0.005)
+    with trio.fail_after(60):
+        async with trioserve.open_engine(config=config) as engine:
+            params = SamplingParams(max_tokens=150, ignore_eos=True)
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(partial(engine.generate, [3, 4], params, engine_index=0))
+                while (await engine.stats()).engines[0].num_running == 0:
+                    await trio.sleep(0.01)
+                await engine.sleep(1)  # engine 1 sleeps now, engine 0 once its request ends
+            assert engine.engine_healths == ["sleeping", "sleeping"]
+            await engine.wake_up()
+            counts = await _bursts(engine, per_burst=3)
+            assert counts[-1][0] == counts[-1][1]
+            assert engine.num_restarts == 0
+        assert await wait_no_children() == []
+
+
 async def test_in_lockstep_one_engine_dying_restarts_them_all_and_they_serve_again(dp_config):
     config = dp_config(data_parallel_lockstep=True, step_delay_s=0.005)
     with trio.fail_after(60):

@@ -455,9 +455,11 @@ class Attach(msgspec.Struct, tag=True):
 
 
 class Attached(msgspec.Struct, tag=True):
-    """The engine core's answer to ``Attach``."""
+    """The engine core's answer to ``Attach``: its info, and whether it is
+    paused or asleep (as its last reply or heartbeat said)."""
 
     info: EngineInfo
+    state: GenerationState = GenerationState()
 
 
 EngineResponse = (
@@ -515,6 +517,13 @@ class SchedulerOutput(msgspec.Struct, tag=True):
     # Lockstep: the output rank joins the data-parallel collective with this
     # engine's "has unfinished requests" (a step with no tokens is a dummy step).
     dp_unfinished: bool | None = None
+
+
+def is_dummy(sched: SchedulerOutput) -> bool:
+    """A step with nothing to compute and no request to add or move on (what
+    lockstep runs on an engine with no work, even an asleep one); it may
+    still carry requests to forget."""
+    return not (sched.num_scheduled_tokens or sched.new_requests or sched.cached_requests)
 
 
 class WorkerInit(msgspec.Struct, tag=True):

@@ -188,6 +188,7 @@ class AttachedEngineCoreClient(EngineCoreClient):
                     while True:
                         msg = _decode(await sockets[1].recv())
                         if isinstance(msg, Attached):
+                            self.state = msg.state
                             return (*sockets, msg.info)
         except BaseException:
             _close(sockets)

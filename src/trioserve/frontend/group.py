@@ -356,8 +356,9 @@ class EngineGroup:
     async def control(self, call: ControlCall, timeout_s: float) -> list[ControlReply]:
         """Send ``call`` to every engine core that is up, at once; their
         replies, by engine index. While none is up, waits for one like a
-        request. A pause or sleep asked while an engine core is down is
-        remembered for its next life. Raises ``ControlCallError`` (naming each
+        request. A call asked while an engine core is down is remembered for
+        its next life (by an attached API server of several, which puts no
+        life in its state, it fails for that engine core). Raises ``ControlCallError`` (naming each
         engine core, and the rank, that failed) once every reply is in."""
         await self.ready_client()
         replies: dict[int, ControlReply] = {}
@@ -374,8 +375,13 @@ class EngineGroup:
                 for supervisor in self.supervisors:
                     if (client := supervisor.live_client()) is not None:
                         nursery.start_soon(one, supervisor, client)
-                    else:
+                    elif supervisor.reapplies:
                         supervisor.remember(call)
+                    else:  # an API server of several: the next life is put in its state by its supervisor
+                        errors.append(
+                            f"{supervisor.name} is restarting: {type(call).__name__} did not reach it "
+                            "(ask again once it is up)"
+                        )
         except BaseExceptionGroup as group:
             cancelled = leaves(group)
             if all(isinstance(leaf, trio.Cancelled) for leaf in cancelled):

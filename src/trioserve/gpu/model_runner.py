@@ -46,6 +46,7 @@ from trioserve.messages import (
     SamplingParams,
     SchedulerOutput,
     WorkerLoaded,
+    is_dummy,
 )
 from trioserve.rpc import ShardInfo
 from trioserve.runners.steplog import STEP_LOG_ENV, StepRecord, format_step, step_log_path
@@ -335,6 +336,10 @@ class ModelRunner:
 
     @torch.inference_mode()
     def _execute(self, sched: SchedulerOutput) -> RunnerOutput:
+        if is_dummy(sched):  # lockstep's step with nothing to compute: also while asleep, with its peers
+            for req_id in sched.finished_req_ids:
+                self.requests.pop(req_id, None)
+            return RunnerOutput(req_ids=[], sampled_token_ids=[])
         if self._forward is None or not self.kv_caches:
             raise RuntimeError("execute() before load() and init_kv_cache(), or while asleep")
         self._update_requests(sched)

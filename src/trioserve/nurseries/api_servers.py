@@ -69,9 +69,11 @@ from trioserve.messages import (
     EngineRequest,
     EngineResponse,
     FrontEndsInit,
+    Heartbeat,
     TokenOutput,
     WaveNotice,
 )
+from trioserve.rpc import ControlReply, GenerationState
 from trioserve.transport.curve import CurveAuthenticator
 from trioserve.transport.router import SocketLoop
 from trioserve.transport.zmq_trio import TrioZmqSocket
@@ -100,7 +102,8 @@ class ApiServers:
         self._lives: dict[int, Life] = {}  # API server index -> its latest life that attached
         self._sender: dict[str, Life] = {}  # request id -> the life that sent it
         self._loop = SocketLoop(self._received)
-        self._attached = b""
+        self._info: EngineInfo | None = None
+        self._state = GenerationState()  # as the engine core's last reply or heartbeat said
         self._orphans: trio.MemorySendChannel[EngineRequest] | None = None  # the step loop's inbox, while running
         self._nursery: trio.Nursery | None = None
 
@@ -125,7 +128,7 @@ class ApiServers:
             socket_options,
         )
 
-        self._attached = _encode(Attached(info=info))
+        self._info = info
         input_address, output_address = init.input_address, init.output_address
         if BIND_TCP in (input_address, output_address):
             input_address, output_address = await tcp_addresses(os.environ[HANDSHAKE_ADDRESS_ENV])
@@ -156,7 +159,9 @@ class ApiServers:
             self._abort(self._forget(lambda sender: sender.frontend == life.frontend))
         self._lives[attach.frontend] = life
         self._identities[attach.frontend] = identity
-        self._loop.send_nowait([identity, self._attached])
+        assert self._info is not None
+        # Paused or asleep from its first moment (found: "ready" until the next heartbeat).
+        self._loop.send_nowait([identity, _encode(Attached(info=self._info, state=self._state))])
 
     def _forget(self, orphaned: Callable[[Life], bool]) -> list[str]:
         """Forget the requests whose sender is ``orphaned``; their ids."""
@@ -203,6 +208,8 @@ class ApiServers:
                 if (identity := self._identities.get(frontend)) is not None:
                     self._loop.send_nowait([identity, _encode(EngineOutputs(outputs=outputs))])
             return EngineOutputs(outputs=own) if own else None
+        if isinstance(msg, ControlReply | Heartbeat) and msg.state is not None:
+            self._state = msg.state
         if not isinstance(msg, WaveNotice) and self._identities:
             raw = _encode(msg)
             for identity in self._identities.values():

@@ -20,7 +20,7 @@ from types import FrameType
 import trio
 
 from trioserve.config import EngineConfig
-from trioserve.messages import ModelInfo, RunnerOutput, SchedulerOutput, WorkerLoaded
+from trioserve.messages import ModelInfo, RunnerOutput, SchedulerOutput, WorkerLoaded, is_dummy
 from trioserve.rpc import ShardInfo
 
 FAULT_SIGNAL = signal.SIGUSR1
@@ -142,6 +142,10 @@ class FakeRunner:
                 time.sleep(3600)
 
     def execute(self, sched: SchedulerOutput) -> RunnerOutput:
+        if self.sleep_level and is_dummy(sched):  # lockstep: an asleep engine still steps with its peers
+            for req_id in sched.finished_req_ids:
+                self._tokens.pop(req_id, None)
+            return RunnerOutput(req_ids=[], sampled_token_ids=[])
         if self.sleep_level:
             raise RuntimeError("fake runner: a step while asleep")
         self.num_steps += 1
