@@ -165,8 +165,14 @@ class ControlledClient(FakeClient):
         super().__init__(config, index, on_dead)
         self.calls: list[str] = []
 
+    blocks = False  # its calls are answered only by its death (EngineDeadError), as a real client's are
+
     async def control(self, call: ControlCall, timeout_s: float) -> ControlReply:
+        self.check_alive()
         self.calls.append(type(call).__name__)
+        if self.blocks:
+            await self.wait_dead()
+            self.check_alive()
         paused = {Pause: True, Resume: False}.get(type(call), self.state.paused)
         level = call.level if isinstance(call, Sleep) else 0 if isinstance(call, WakeUp) else self.state.sleep_level
         self.state = GenerationState(paused=paused, sleep_level=level, holding=paused or level > 0)
@@ -222,4 +228,41 @@ async def test_a_new_life_is_put_in_the_state_the_last_one_said_and_the_calls_as
         third.asking.append(Pause())
         fourth = await kill_and_wait(3)
         assert (fourth.calls, supervisor.health) == (["Pause"], "paused")
+        nursery.cancel_scope.cancel()
+
+
+@pytest.mark.parametrize("undo", [Resume(), WakeUp()])
+async def test_a_life_that_dies_while_put_in_its_state_leaves_the_call_asked_meanwhile_last(autojump_clock, undo):
+    """Found: a resume (wake-up) asked while the new life was being paused
+    (put to sleep), then its death, left the next life paused (asleep) for
+    good: the unanswered call was put back after the one that undid it. And
+    the dead life was marked ready."""
+    lives = Lives()
+
+    def factory(config: EngineConfig, index: int, on_dead: Callable[[EngineCoreClient], None]) -> FakeClient:
+        client = ControlledClient(config, index, on_dead)
+        client.blocks = len(lives.clients) == 1  # the second life never answers
+        lives.clients.append(client)
+        lives.changed.set()
+        lives.changed = trio.Event()
+        return client
+
+    supervisor = EngineSupervisor(config(), client_factory=factory)
+    async with trio.open_nursery() as nursery:
+        await nursery.start(supervisor.run)
+        paused = isinstance(undo, Resume)
+        lives.clients[0].state = GenerationState(paused=paused, sleep_level=0 if paused else 1, holding=True)
+        lives.clients[0].kill()
+        second = await lives.next_life(2)
+        await trio.testing.wait_all_tasks_blocked()
+        assert isinstance(second, ControlledClient) and second.calls == (["Pause"] if paused else ["Sleep"])
+        supervisor.remember(undo)  # asked now: no engine core is live yet
+        second.kill()
+        await trio.testing.wait_all_tasks_blocked()
+        assert supervisor.client is not second and supervisor.health == "restarting"
+        third = await lives.next_life(3)
+        while supervisor.health in ("restarting", "starting"):
+            await supervisor.wait_changed()
+        assert isinstance(third, ControlledClient)
+        assert (third.calls, supervisor.health) == ([], "ready")
         nursery.cancel_scope.cancel()

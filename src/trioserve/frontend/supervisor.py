@@ -241,6 +241,9 @@ class EngineSupervisor:
 
             info: EngineInfo = await nursery.start(run_client)
             await self._reapply(client)
+            if client.dead is not None:  # it died while being put in its state: it never served
+                nursery.start_soon(self._stop_when_dead_but_running, client, nursery.cancel_scope)
+                return
             if self._on_engine_ready is not None:
                 self._on_engine_ready(client)
             self.client, self.info = client, info
@@ -272,11 +275,16 @@ class EngineSupervisor:
         logged: it serves then. From now on its own word is the state."""
         while self._wanted and client.dead is None:  # (calls asked meanwhile are remembered: sent too)
             wanted, self._wanted = list(self._wanted.values()), {}
-            for call in wanted:
+            for i, call in enumerate(wanted):
                 try:
                     await client.control(call, self.config.control_timeout_s)
                 except EngineDeadError:
-                    self._wanted.setdefault(type(call), call)  # for the next life
+                    # For the next life: the calls not sent, then those asked meanwhile, in that order
+                    # (found: a resume asked meanwhile was put before the pause it undid).
+                    meanwhile, self._wanted = list(self._wanted.values()), {}
+                    for again in wanted[i:] + meanwhile:
+                        self.remember(again)
+                    return
                 except ControlCallError as exc:
                     log.error("%s: could not %s the new engine core: %s", self.name, type(call).__name__, exc)
 
