@@ -8,6 +8,7 @@ import contextlib
 import http.client
 import json
 import os
+import re
 import signal
 import tempfile
 import threading
@@ -215,6 +216,26 @@ async def test_kill_9_of_one_api_server_drops_only_its_connections_and_it_is_res
         proc.send_signal(signal.SIGTERM)
         assert await in_thread(proc.wait, 20) == 0
         assert not any(running(pid) for pid in tree)
+
+
+async def test_a_control_call_that_finds_an_engine_core_restarting_is_a_503_naming_it(tiny_model_dir):
+    """An API server of several keeps no call for an engine core's next life
+    (found: two of them each replayed their own, in no fixed order, and a
+    pause through one then a resume through the other left it paused)."""
+    options = ("--data-parallel-size", "2", "--fake-options", '{"load_delay_s": 2}')
+    with trio.fail_after(90), spawned(argv(str(tiny_model_dir("llama")), *options)) as proc, ExitStack() as stack:
+        url = await in_thread(wait_for_url, proc, 60)
+        (conn,) = (await in_thread(http_on_both, stack, port_of(url), api_servers(proc.pid)))[:1]
+        os.kill(engine_cores(proc.pid)[0], signal.SIGKILL)
+        await wait_until(lambda: "restarting" in json.dumps(http_call(conn, "GET", "/health")), 5)
+        status, body = await in_thread(http_call, conn, "POST", "/v1/engine/pause")
+        assert (status, body["error"]["code"]) == (503, "engine_restarting"), body
+        assert re.search(r"engine-core-\d is restarting: Pause did not reach it", body["error"]["message"]), body
+        assert (await in_thread(http_call, conn, "POST", "/v1/engine/resume"))[0] == 503
+        ready = {"status": "ready", "engines": [{"engine": 0, "status": "ready"}, {"engine": 1, "status": "ready"}]}
+        await wait_until(lambda: http_call(conn, "GET", "/health") == (200, ready), 20)  # nobody paused it again
+        proc.send_signal(signal.SIGTERM)
+        assert await in_thread(proc.wait, 20) == 0
 
 
 async def test_an_api_server_restarted_while_the_engine_is_paused_says_paused_from_its_start(tiny_model_dir):

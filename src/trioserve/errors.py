@@ -57,7 +57,13 @@ class StoppedBySignal(TrioserveError):
 class ControlCallError(TrioserveError):
     """A control call (``pause``, ``sleep``, ``collective_rpc``...) failed or
     was not answered in time; the message names the engine core and, when a
-    worker raised, its rank. The engine serves on."""
+    worker raised, its rank. The engine serves on. ``restarting``: it failed
+    only for engine cores that were restarting (asked through one of several
+    API servers): asked again once they are up, it may succeed."""
+
+    def __init__(self, message: str, *, restarting: bool = False) -> None:
+        super().__init__(message)
+        self.restarting = restarting
 
 
 class EngineOverloadedError(RequestError):

@@ -363,6 +363,7 @@ class EngineGroup:
         await self.ready_client()
         replies: dict[int, ControlReply] = {}
         errors: list[str] = []
+        restarting: list[str] = []
 
         async def one(supervisor: EngineSupervisor, client: EngineCoreClient) -> None:
             try:
@@ -378,7 +379,7 @@ class EngineGroup:
                     elif supervisor.reapplies:
                         supervisor.remember(call)
                     else:  # an API server of several: the next life is put in its state by its supervisor
-                        errors.append(
+                        restarting.append(
                             f"{supervisor.name} is restarting: {type(call).__name__} did not reach it "
                             "(ask again once it is up)"
                         )
@@ -389,8 +390,8 @@ class EngineGroup:
             raise
         for supervisor in self.supervisors:
             supervisor.state_changed()  # health reads the replies' state now
-        if errors:
-            raise ControlCallError("; ".join(errors))
+        if errors or restarting:
+            raise ControlCallError("; ".join(errors + restarting), restarting=not errors)
         return [replies[i] for i in sorted(replies)]
 
 

@@ -192,8 +192,9 @@ class HttpApi:
                 await engine.wake_up(timeout_s=timeout_s)
         except ValueError as exc:  # InvalidRequestError, or a number that does not parse
             error = OpenAIError(400, f"{call}: {exc}", code="invalid_value")
-        except ControlCallError as exc:
-            error = OpenAIError(500, str(exc), type="server_error", code="control_failed")
+        except ControlCallError as exc:  # (a 503, with Retry-After, while it failed only for restarting engines)
+            status, code = (503, "engine_restarting") if exc.restarting else (500, "control_failed")
+            error = OpenAIError(status, str(exc), type="server_error", code=code)
         except EngineDeadError as exc:
             error = engine_error(exc, {})
         else:
