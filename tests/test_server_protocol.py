@@ -266,50 +266,68 @@ def test_logprobs_give_each_tokens_own_bytes_offsets_by_character_and_leave_out_
     reply (not in the text, so not in its logprobs)."""
     from trioserve.frontend.tokenizer import Tokenizer
     from trioserve.gpu.tiny_models import EOS_ID
-    from trioserve.server.openai_protocol import chat_logprobs, completion_logprobs, place_tokens
+    from trioserve.server.openai_protocol import TokenPlacer, chat_logprobs, completion_logprobs
 
     tokenizer = Tokenizer.from_dir(tiny_model_dir("llama"))
     ids = [3 + b for b in "a🎉b".encode()] + [EOS_ID]
     logprobs = [SampleLogprobs(-0.5, [t, 3 + ord("z")], [-0.5, -1.0]) for t in ids]
-    placed, taken = place_tokens(ids, logprobs, tokenizer)
-    assert taken == 7
+    whole = TokenPlacer(tokenizer)
+    placed = whole.place(ids, logprobs, len("a🎉b"))
+    assert whole.num_taken == 6  # the EOS, past the text, is never taken
     content = chat_logprobs(placed, tokenizer)["content"]
     assert len(content) == 6
     assert b"".join(bytes(item["bytes"]) for item in content).decode() == "a🎉b"
     assert [item["token"] for item in content][:2] == ["a", "\ufffd"]  # a piece of a character alone
     assert content[1]["top_logprobs"][0]["bytes"] == [0xF0] and content[1]["top_logprobs"][1]["token"] == "z"
-    legacy = completion_logprobs(placed, tokenizer, offset=10)
-    assert legacy["text_offset"] == [10, 11, 11, 11, 11, 12]  # each piece at its character's start
-    # Streamed, the emoji cut between two chunks: the second chunk's text starts with the emoji.
-    second = completion_logprobs(place_tokens(ids[3:], logprobs[3:], tokenizer, earlier=ids[:3])[0], tokenizer, 11)
-    assert second["text_offset"] == [11, 11, 12]
+    legacy = completion_logprobs(placed, tokenizer)
+    assert legacy["text_offset"] == [0, 1, 1, 1, 1, 2]  # each piece at its character's start
     assert len(legacy["tokens"]) == len(legacy["token_logprobs"]) == len(legacy["top_logprobs"]) == 6
+    # Streamed: the first chunk's text is "a" (the emoji's first bytes held back, unfinished); the
+    # emoji's tokens come with the chunk whose text holds it.
+    stream = TokenPlacer(tokenizer)
+    assert completion_logprobs(stream.place(ids[:3], logprobs[:3], 1), tokenizer)["text_offset"] == [0]
+    assert completion_logprobs(stream.place(ids, logprobs, 3), tokenizer)["text_offset"] == [1, 1, 1, 1, 2]
 
 
 def test_logprobs_offsets_count_each_invalid_byte_as_its_replacement_and_stop_at_a_cut_text(tiny_model_dir):
     """Found: bytes that are no UTF-8 counted as no character (the text shows
-    U+FFFD for each), so every later offset fell behind; and the tokens of a
-    stop string, which the text leaves out, were listed."""
+    U+FFFD for each), so every later offset fell behind; the tokens of a stop
+    string, which the text leaves out, were listed; and after a token whose
+    text was held back in part, the next one was placed at its chunk's start."""
     from trioserve.frontend.tokenizer import Tokenizer
-    from trioserve.server.openai_protocol import completion_logprobs, place_tokens
+    from trioserve.server.openai_protocol import TokenPlacer, completion_logprobs
 
     tokenizer = Tokenizer.from_dir(tiny_model_dir("llama"))
-    raw = b"\xffg\xfeg"
-    ids = [3 + b for b in raw]
-    logprobs = [SampleLogprobs(-0.5, [t], [-0.5]) for t in ids]
-    assert raw.decode(errors="replace") == "\ufffdg\ufffdg"
-    assert completion_logprobs(place_tokens(ids, logprobs, tokenizer)[0], tokenizer, 0)["text_offset"] == [0, 1, 2, 3]
-    # "abXYc" with the stop string "XY": the text is "ab"; the tokens past it are not taken (in a
-    # stream, they wait for text that may never come, and at the sample's end are left out).
-    ids = [3 + b for b in b"abXYc"]
-    logprobs = [SampleLogprobs(-0.5, [t], [-0.5]) for t in ids]
-    placed, taken = place_tokens(ids, logprobs, tokenizer, text_length=2)
-    legacy = completion_logprobs(placed, tokenizer, offset=5)
-    assert (legacy["tokens"], legacy["text_offset"], taken) == (["a", "b"], [5, 6], 2)
-    assert place_tokens(ids, logprobs, tokenizer, text_length=0) == ([], 0)
+
+    def offsets(raw: bytes, *text_lengths: int) -> list[list[int]]:
+        ids = [3 + b for b in raw]
+        logprobs = [SampleLogprobs(-0.5, [t], [-0.5]) for t in ids]
+        placer = TokenPlacer(tokenizer)
+        return [completion_logprobs(placer.place(ids, logprobs, n), tokenizer)["text_offset"] for n in text_lengths]
+
+    assert b"\xffg\xfeg".decode(errors="replace") == "\ufffdg\ufffdg"
+    assert offsets(b"\xffg\xfeg", 4) == [[0, 1, 2, 3]]
+    # "abXYc" with the stop string "XY": the text is "ab"; the tokens past it are never taken.
+    assert offsets(b"abXYc", 0, 2, 2) == [[], [0, 1], []]
     # "x", the start of a character that "f" breaks (shown as U+FFFD), then the stop string "f":
     # the text is "x\ufffd", and "f" starts past it.
-    ids = [3 + b for b in b"x\xc2f"]
-    logprobs = [SampleLogprobs(-0.5, [t], [-0.5]) for t in ids]
-    placed, taken = place_tokens(ids, logprobs, tokenizer, text_length=2)
-    assert ([before for _, _, before in placed], taken) == ([0, 1], 2)
+    assert offsets(b"x\xc2f", 2) == [[0, 1]]
+
+    class Words:  # a vocabulary of whole words, as real ones have
+        all_special_ids: frozenset[int] = frozenset()
+        pieces = (b"world", b",", b" how")
+
+        def token_bytes(self, token_id: int) -> bytes:
+            return self.pieces[token_id]
+
+        def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
+            return b"".join(self.pieces[t] for t in token_ids).decode(errors="replace")
+
+    # One token's text in two chunks: "wor" shown, "ld" held back (it may begin a stop string that
+    # turns out not to be), then "ld, how": "," is at 5, not at its chunk's start (3).
+    words = Words()
+    placer = TokenPlacer(words)  # type: ignore[arg-type]
+    ids, logprobs = [0, 1, 2], [SampleLogprobs(-0.5, [t], [-0.5]) for t in range(3)]
+    first, second = placer.place(ids, logprobs, 3), placer.place(ids, logprobs, len("world, how"))
+    assert completion_logprobs(first, words)["text_offset"] == [0]  # type: ignore[arg-type]
+    assert completion_logprobs(second, words)["text_offset"] == [5, 6]  # type: ignore[arg-type]

@@ -323,43 +323,48 @@ def _text(tokenizer: Tokenizer, token_id: int) -> str:
     return tokenizer.decode([token_id], skip_special_tokens=False)
 
 
-def place_tokens(
-    token_ids: Sequence[int],
-    logprobs: Sequence[SampleLogprobs],
-    tokenizer: Tokenizer,
-    earlier: Sequence[int] = (),
-    text_length: int | None = None,
-) -> tuple[Placed, int]:
-    """Where the tokens stand in their text: each token whose text is in the
-    choice's text, with how many characters of that text come before it (the
-    characters its first byte's character starts after: a character's bytes
-    may be spread over several tokens, and chunks); and how many of
-    ``token_ids`` that takes. ``earlier``: the choice's tokens before these.
+class TokenPlacer:
+    """Where a sample's tokens stand in its text, as the text comes (a
+    stream's chunks) or all at once: ``place`` takes the tokens whose text
+    has come, each with how many characters of the sample's text come before
+    it (the characters its first byte's character starts after: a
+    character's bytes may be spread over several tokens, and chunks).
 
     Special tokens (the end-of-sequence token that ended a reply, say) are
     never placed, as the text is decoded without them. Bytes that are no
-    UTF-8 count as the U+FFFD the text shows for each (found: they counted as
-    none, and every later offset fell behind). With ``text_length`` (how
-    much text these tokens have given so far), the tokens starting past it
-    are not taken: their text is still held back (the start of a stop string,
-    say), or, at a sample's end, never shown (found: a stop string's tokens
-    were listed though the text leaves them out)."""
-    decoder = codecs.getincrementaldecoder("utf-8")("replace")
-    decoder.decode(_open_character(earlier, tokenizer))  # a character they leave open: none counted yet
-    placed: Placed = []
-    decoded = 0  # characters the bytes so far have given
-    for taken, (token_id, lp) in enumerate(zip(token_ids, logprobs, strict=True)):
-        data = b"" if token_id in tokenizer.all_special_ids else tokenizer.token_bytes(token_id)
-        before = decoded
-        pending = decoder.getstate()[0]  # the start of a character, still open
-        if pending and data and not _continues(pending, data[:1]):
-            before += 1  # that start is a U+FFFD of its own, before this token's first byte
-        if text_length is not None and before >= text_length:
-            return placed, taken
-        if data:
-            placed.append((token_id, lp, before))
-            decoded += len(decoder.decode(data))
-    return placed, len(token_ids)
+    UTF-8 count as the U+FFFD the text shows for each (found: they counted
+    as none, and every later offset fell behind). A token starting past the
+    text so far is not taken: its text is still held back (the start of a
+    stop string, say), or, at the sample's end, never shown (found: a stop
+    string's tokens were listed though the text leaves them out). Positions
+    count from the sample's start, so a token whose text was held back in
+    part places the next one right (found: it was placed at its chunk's
+    start)."""
+
+    def __init__(self, tokenizer: Tokenizer) -> None:
+        self._tokenizer = tokenizer
+        self._decoder = codecs.getincrementaldecoder("utf-8")("replace")
+        self._decoded = 0  # characters the bytes of the tokens taken have given
+        self.num_taken = 0  # tokens taken (placed, or special)
+
+    def place(self, token_ids: Sequence[int], logprobs: Sequence[SampleLogprobs], text_length: int) -> Placed:
+        """The tokens of ``token_ids`` (all of the sample's so far, with
+        their ``logprobs``) not taken yet whose character starts within the
+        sample's first ``text_length`` characters."""
+        placed: Placed = []
+        for token_id, lp in zip(token_ids[self.num_taken :], logprobs[self.num_taken :], strict=True):
+            data = b"" if token_id in self._tokenizer.all_special_ids else self._tokenizer.token_bytes(token_id)
+            before = self._decoded
+            pending = self._decoder.getstate()[0]  # the start of a character, still open
+            if pending and data and not _continues(pending, data[:1]):
+                before += 1  # that start is a U+FFFD of its own, before this token's first byte
+            if before >= text_length:
+                break
+            if data:
+                placed.append((token_id, lp, before))
+                self._decoded += len(self._decoder.decode(data))
+            self.num_taken += 1
+        return placed
 
 
 def _continues(start: bytes, byte: bytes) -> bool:
@@ -371,11 +376,10 @@ def _continues(start: bytes, byte: bytes) -> bool:
     return True
 
 
-def completion_logprobs(placed: Placed, tokenizer: Tokenizer, offset: int) -> dict[str, Any]:
+def completion_logprobs(placed: Placed, tokenizer: Tokenizer) -> dict[str, Any]:
     """The legacy completions ``logprobs`` object for these tokens
-    (``place_tokens``), whose text starts ``offset`` characters into the
-    choice's text. A token's offset is where the character holding its first
-    byte starts."""
+    (``TokenPlacer``). A token's ``text_offset`` is where the character
+    holding its first byte starts in the choice's text."""
     return {
         "tokens": [_text(tokenizer, token_id) for token_id, _, _ in placed],
         "token_logprobs": [lp.logprob for _, lp, _ in placed],
@@ -383,30 +387,13 @@ def completion_logprobs(placed: Placed, tokenizer: Tokenizer, offset: int) -> di
             {_text(tokenizer, t): p for t, p in zip(lp.top_token_ids, lp.top_logprobs, strict=True)}
             for _, lp, _ in placed
         ],
-        "text_offset": [offset + before for _, _, before in placed],
+        "text_offset": [before for _, _, before in placed],
     }
-
-
-OPEN_CHARACTER_TOKENS = 4  # a UTF-8 character is at most 4 bytes: so many tokens hold any unfinished one
-
-
-def _open_character(token_ids: Sequence[int], tokenizer: Tokenizer) -> bytes:
-    """The bytes at the end of ``token_ids`` of a character they leave
-    unfinished (b"" when they end on a whole one); only the last
-    ``OPEN_CHARACTER_TOKENS`` tokens are looked at."""
-    last = token_ids[-OPEN_CHARACTER_TOKENS:]
-    tail = b"".join(tokenizer.token_bytes(t) for t in last if t not in tokenizer.all_special_ids)
-    for back in range(1, min(4, len(tail)) + 1):
-        lead = tail[-back]
-        if lead & 0xC0 != 0x80:  # not a continuation byte: the last character starts here
-            size = 1 if lead < 0x80 else 2 if lead >> 5 == 0b110 else 3 if lead >> 4 == 0b1110 else 4
-            return tail[-back:] if size > back else b""
-    return b""
 
 
 def chat_logprobs(placed: Placed, tokenizer: Tokenizer) -> dict[str, Any]:
     """The chat ``logprobs`` object (``{"content": [...]}``) for these tokens
-    (``place_tokens``). ``bytes`` are each token's own bytes, so that a client
+    (``TokenPlacer``). ``bytes`` are each token's own bytes, so that a client
     can join those of a character spread over several tokens (whose
     ``token`` text alone is U+FFFD)."""
 

@@ -25,7 +25,7 @@ class Choice:
     finish_reason: str | None = None
     num_output_tokens: int = 0
     num_cached_tokens: int = 0  # prompt tokens the engine found in its prefix cache
-    num_placed: int = 0  # a stream's tokens whose logprobs went out (or never will: past the final text)
+    placer: oai.TokenPlacer | None = None  # a stream's: which tokens' logprobs went out
 
 
 class Choices:
@@ -68,10 +68,10 @@ class EventFormat:
     def _envelope(self, obj: str, choices: list[dict[str, Any]]) -> dict[str, Any]:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model, "choices": choices}
 
-    def _logprobs(self, placed: oai.Placed, offset: int) -> Any:
+    def _logprobs(self, placed: oai.Placed) -> Any:
         if self.kind == "chat":
             return oai.chat_logprobs(placed, self.tokenizer)
-        return oai.completion_logprobs(placed, self.tokenizer, offset)
+        return oai.completion_logprobs(placed, self.tokenizer)
 
     def response(self, choices: Choices, prompt_tokens: int) -> dict[str, Any]:
         """The whole (non-streamed) response."""
@@ -81,7 +81,7 @@ class EventFormat:
                 "index": index,
                 "logprobs": None
                 if c.logprobs is None
-                else self._logprobs(oai.place_tokens(c.token_ids, c.logprobs, self.tokenizer, (), len(c.text))[0], 0),
+                else self._logprobs(oai.TokenPlacer(self.tokenizer).place(c.token_ids, c.logprobs, len(c.text))),
                 "finish_reason": _finish(c.finish_reason),
             }
             if self.kind == "chat":
@@ -106,16 +106,12 @@ class EventFormat:
         choice = choices.items[out.index]
         logprobs = None
         if choice.logprobs is not None:
-            # The tokens whose text this chunk holds: those of earlier chunks whose text was held
-            # back, and this chunk's own as far as its text goes (the rest wait for a later chunk's,
-            # and at the sample's end, past its final text, are left out).
-            start = choice.num_placed
-            earlier = choice.token_ids[max(0, start - oai.OPEN_CHARACTER_TOKENS) : start]  # for a character they finish
-            placed, taken = oai.place_tokens(
-                choice.token_ids[start:], choice.logprobs[start:], self.tokenizer, earlier, len(out.text)
-            )
-            choice.num_placed = len(choice.token_ids) if out.finish_reason is not None else start + taken
-            logprobs = self._logprobs(placed, len(choice.text) - len(out.text))
+            # The tokens whose text has come: those of earlier chunks whose text was held back, and
+            # this chunk's as far as the text goes (the rest wait for a later chunk; at the sample's
+            # end, those past its final text are left out).
+            if choice.placer is None:
+                choice.placer = oai.TokenPlacer(self.tokenizer)
+            logprobs = self._logprobs(choice.placer.place(choice.token_ids, choice.logprobs, len(choice.text)))
         delta: Any = {"content": out.text} if self.kind == "chat" else out.text
         return self._chunk(out.index, delta, logprobs, _finish(out.finish_reason), include_usage)
 
