@@ -165,12 +165,12 @@ class ControlledClient(FakeClient):
         super().__init__(config, index, on_dead)
         self.calls: list[str] = []
 
-    blocks = False  # its calls are answered only by its death (EngineDeadError), as a real client's are
+    answers: int | None = None  # how many calls it answers; the later ones only its death does (EngineDeadError)
 
     async def control(self, call: ControlCall, timeout_s: float) -> ControlReply:
         self.check_alive()
         self.calls.append(type(call).__name__)
-        if self.blocks:
+        if self.answers is not None and len(self.calls) > self.answers:
             await self.wait_dead()
             self.check_alive()
         paused = {Pause: True, Resume: False}.get(type(call), self.state.paused)
@@ -241,7 +241,7 @@ async def test_a_life_that_dies_while_put_in_its_state_leaves_the_call_asked_mea
 
     def factory(config: EngineConfig, index: int, on_dead: Callable[[EngineCoreClient], None]) -> FakeClient:
         client = ControlledClient(config, index, on_dead)
-        client.blocks = len(lives.clients) == 1  # the second life never answers
+        client.answers = 0 if len(lives.clients) == 1 else None  # the second life never answers
         lives.clients.append(client)
         lives.changed.set()
         lives.changed = trio.Event()
@@ -265,4 +265,34 @@ async def test_a_life_that_dies_while_put_in_its_state_leaves_the_call_asked_mea
             await supervisor.wait_changed()
         assert isinstance(third, ControlledClient)
         assert (third.calls, supervisor.health) == ([], "ready")
+        nursery.cancel_scope.cancel()
+
+
+async def test_a_life_that_dies_while_put_in_its_state_leaves_every_call_to_the_next(autojump_clock):
+    """Found: a pause that the dying life had answered (before it died on the
+    sleep) was lost: the next life was asleep but not paused."""
+    lives = Lives()
+
+    def factory(config: EngineConfig, index: int, on_dead: Callable[[EngineCoreClient], None]) -> FakeClient:
+        client = ControlledClient(config, index, on_dead)
+        client.answers = 1 if len(lives.clients) == 1 else None  # the second life answers the pause only
+        lives.clients.append(client)
+        lives.changed.set()
+        lives.changed = trio.Event()
+        return client
+
+    supervisor = EngineSupervisor(config(), client_factory=factory)
+    async with trio.open_nursery() as nursery:
+        await nursery.start(supervisor.run)
+        lives.clients[0].state = GenerationState(paused=True, sleep_level=2, holding=True)
+        lives.clients[0].kill()
+        second = await lives.next_life(2)
+        await trio.testing.wait_all_tasks_blocked()
+        assert isinstance(second, ControlledClient) and second.calls == ["Pause", "Sleep"]
+        second.kill()
+        third = await lives.next_life(3)
+        while supervisor.health in ("restarting", "starting"):
+            await supervisor.wait_changed()
+        assert isinstance(third, ControlledClient)
+        assert (third.calls, supervisor.health, third.state.paused) == (["Pause", "Sleep"], "sleeping", True)
         nursery.cancel_scope.cancel()

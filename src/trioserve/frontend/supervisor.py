@@ -275,14 +275,15 @@ class EngineSupervisor:
         logged: it serves then. From now on its own word is the state."""
         while self._wanted and client.dead is None:  # (calls asked meanwhile are remembered: sent too)
             wanted, self._wanted = list(self._wanted.values()), {}
-            for i, call in enumerate(wanted):
+            for call in wanted:
                 try:
                     await client.control(call, self.config.control_timeout_s)
                 except EngineDeadError:
-                    # For the next life: the calls not sent, then those asked meanwhile, in that order
-                    # (found: a resume asked meanwhile was put before the pause it undid).
+                    # For the next life: these calls (those it answered died with it), then those asked
+                    # meanwhile, in that order (found: a resume asked meanwhile was put before the pause
+                    # it undid; a pause it had answered was lost).
                     meanwhile, self._wanted = list(self._wanted.values()), {}
-                    for again in wanted[i:] + meanwhile:
+                    for again in wanted + meanwhile:
                         self.remember(again)
                     return
                 except ControlCallError as exc:
