@@ -207,9 +207,11 @@ class Engine:
     @property
     def health(self) -> Health:
         """``starting``, ``ready``, ``stalled`` (ready, but a hang is suspected:
-        see ``EngineConfig.heartbeat_timeout_s``), ``restarting`` (the engine
-        core died, or was declared hung and killed, and is being restarted),
-        ``failed`` (out of restarts: for good) or ``stopped``."""
+        see ``EngineConfig.heartbeat_timeout_s``), ``paused`` or ``sleeping``
+        (up, but holding new requests: ``pause()``, ``sleep()``),
+        ``restarting`` (the engine core died, or was declared hung and killed,
+        and is being restarted), ``failed`` (out of restarts: for good) or
+        ``stopped``."""
         return self._group.health
 
     @property
@@ -397,7 +399,7 @@ class Engine:
         self, call: ControlCall, timeout_s: float | None, on_workers: bool = False
     ) -> list[ControlReply]:
         """``on_workers``: the call runs on the workers, and those that miss
-        ``timeout_s`` are killed as hung, so one given is at least
+        ``timeout_s`` are killed as hung, so one given here is at least
         ``MIN_WORKER_CALL_TIMEOUT_S`` (found: 1e-6 s killed a healthy engine
         core, and every request on it). None: ``config.control_timeout_s``."""
         if timeout_s is None:

@@ -17,7 +17,8 @@ the deployment's keys when the addresses are TCP), says ``Attach`` with a
 number new to the life (the engine core aborts what earlier lives of this
 API server sent: their requests have already failed here) (again
 every ``ATTACH_RETRY_S`` until answered, reading the file again each time and
-connecting anew when it changed) and, given ``Attached(EngineInfo)``, serves
+connecting anew when it changed) and, given ``Attached`` (the engine's info and its
+paused or asleep state), serves
 like any client: its requests carry its index, its call ids are its own
 (index << 32 up), the engine core's heartbeats keep it alive. When the engine
 core dies (it says ``EngineDead``, its end of the connection closes, or it

@@ -17,8 +17,9 @@ with the least load (``frontend/coordinator.py``); while none is ready it
 waits at most ``restart_wait_s``.
 
 Health: ``ready`` while at least one engine is ready; otherwise ``stalled``,
-``restarting``, ``starting`` (the best any engine is), or ``failed`` once
-every engine has failed for good; ``stopped`` after shutdown.
+``paused``, ``sleeping``, ``restarting``, ``starting`` (the best any engine
+is), or ``failed`` once every engine has failed for good; ``stopped`` after
+shutdown.
 
 Several API-server processes (``serve --api-server-count M``): in the
 supervising process (``api_servers_dir``), each engine core also listens for
@@ -183,8 +184,11 @@ class EngineGroup:
                 if supervisor.remote:
                     nursery.start_soon(supervisor.run)
             await self._start_all(nursery)
-            # No local engine: the first to join (or none, if every one has failed for good).
-            while all(s.info is None for s in self.supervisors) and self.health != "failed":
+            # No local engine: the first to join. An API server of several may find every one failed
+            # for good before any joined it: nothing to serve, it fails with their error.
+            while all(s.info is None for s in self.supervisors):
+                if self.health == "failed":
+                    raise await self.wait_failed()
                 await self._any_change()
             task_status.started(self.info)
             await self.wait_failed()
@@ -376,11 +380,13 @@ class EngineGroup:
                 for supervisor in self.supervisors:
                     if (client := supervisor.live_client()) is not None:
                         nursery.start_soon(one, supervisor, client)
+                    elif supervisor.health == "failed":
+                        continue  # for good: it will never generate again
                     elif supervisor.reapplies:
                         supervisor.remember(call)
                     else:  # an API server of several: the next life is put in its state by its supervisor
                         restarting.append(
-                            f"{supervisor.name} is restarting: {type(call).__name__} did not reach it "
+                            f"{supervisor.name} is {supervisor.health}: {type(call).__name__} did not reach it "
                             "(ask again once it is up)"
                         )
         except BaseExceptionGroup as group:

@@ -12,7 +12,8 @@ suspected: the engine core or a worker late with its heartbeat, or a step far
 slower than usual); when the engine core dies (or is declared hung and killed), every
 request in flight fails with ``EngineDeadError`` at once (its client does
 that) and health turns ``restarting``; after a backoff a new engine core
-(with new workers) is started, and health is ``ready`` again. A death that
+(with new workers) is started, and health is ``ready`` again (or ``paused``,
+``sleeping``, as it was). A death that
 would exceed ``max_restarts`` within ``restart_window_s`` turns health
 ``failed`` for good: requests then fail at once, and ``wait_failed`` returns.
 When the supervisor is cancelled (the engine is shut down), health is
@@ -23,8 +24,8 @@ reply to a call and every heartbeat, to every front-end of it): ``health``
 reads it, whichever API server paused or resumed. An engine core's next life
 is put in the state its last one was in, by the supervisor that ``reapplies``
 (the engine core's own front-end; not an attached API server of several, which
-would only repeat it), and a pause or sleep asked while no engine core lives
-is kept for the next.
+would only repeat it), and the pause, resume, sleep and wake-up calls asked
+while no engine core lives are kept for the next.
 
 The first start is not retried: a model that cannot load, or a deadline
 missed on first start, is a configuration problem, raised to the caller as
@@ -256,9 +257,10 @@ class EngineSupervisor:
     def remember(self, call: ControlCall) -> None:
         """Note a pause, resume, sleep or wake-up asked while no engine core
         lives (or while the next one is being put in its state), so that the
-        next one is put in that state. A resume (wake-up) cancels a pause
-        (sleep) still to send, else it is sent too: the one it undoes may
-        have gone out already."""
+        next one is put in that state. A call cancels its opposite still to
+        send (a resume a pause, a pause a resume; the same for sleep and
+        wake-up); a resume or wake-up with nothing to cancel is sent too: the
+        call it undoes may have gone out already."""
         if isinstance(call, Pause | Sleep | Resume | WakeUp):
             undone = {Pause: Resume, Resume: Pause, Sleep: WakeUp, WakeUp: Sleep}[type(call)]
             if self._wanted.pop(undone, None) is None or isinstance(call, Pause | Sleep):

@@ -5,7 +5,8 @@ engine core then binds two more, where ``HandshakeInit.frontends`` says: a
 PULL that every API server's PUSH connects to (requests, aborts, calls:
 fair-queued among them), and a ROUTER that every API server's DEALER
 connects to. An API server says ``Attach(index, engine)`` there and gets
-``Attached(EngineInfo)``; from then on it gets the outputs of the requests it
+``Attached`` (its ``EngineInfo``, and whether it is paused or asleep, as its
+last reply or heartbeat said); from then on it gets the outputs of the requests it
 sent (each ``AddRequest`` names its API server), and every heartbeat, load
 report, reply to a call (call ids are unique per API server) and
 ``EngineDead``. Its supervisor gets all of those too, and the outputs of its

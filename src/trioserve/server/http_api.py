@@ -173,7 +173,9 @@ class HttpApi:
 
     async def _control(self, conn: HttpConnection, head: RequestHead) -> None:
         """Run the control call the path names; 200 with the engine's health
-        after it, 400 for a bad query value, 500 when the call failed. If
+        after it, 400 for a bad query value, 500 when the call failed, 503
+        ``engine_restarting`` when it failed only for engine cores not up
+        (several API servers), 503 ``engine_dead`` when none is. If
         cancelled (the client went away), the call may still take effect."""
         engine = self._engine()
         call = head.path.rstrip("/").removeprefix(_CONTROL_PREFIX)
