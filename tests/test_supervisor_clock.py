@@ -48,12 +48,16 @@ class FakeClient(EngineCoreClient):
 class Lives:
     """Every fake client the supervisor made, in order."""
 
-    def __init__(self) -> None:
+    def __init__(self, *, controlled: bool = False, second_answers: int | None = None) -> None:
         self.clients: list[FakeClient] = []
         self.changed = trio.Event()
+        self._controlled = controlled  # lives that take control calls (ControlledClient)
+        self._second_answers = second_answers  # ... of which the second answers only so many
 
     def factory(self, config: EngineConfig, index: int, on_dead: Callable[[EngineCoreClient], None]) -> FakeClient:
-        client = FakeClient(config, index, on_dead)
+        client = ControlledClient(config, index, on_dead) if self._controlled else FakeClient(config, index, on_dead)
+        if isinstance(client, ControlledClient) and len(self.clients) == 1:
+            client.answers = self._second_answers
         self.clients.append(client)
         self.changed.set()
         self.changed = trio.Event()
@@ -180,16 +184,8 @@ class ControlledClient(FakeClient):
 
 
 async def test_a_new_life_is_put_in_the_state_the_last_one_said_and_the_calls_asked_meanwhile(autojump_clock):
-    lives = Lives()
-
-    def factory(config: EngineConfig, index: int, on_dead: Callable[[EngineCoreClient], None]) -> FakeClient:
-        client = ControlledClient(config, index, on_dead)
-        lives.clients.append(client)
-        lives.changed.set()
-        lives.changed = trio.Event()
-        return client
-
-    supervisor = EngineSupervisor(config(), client_factory=factory)
+    lives = Lives(controlled=True)
+    supervisor = EngineSupervisor(config(), client_factory=lives.factory)
 
     async def kill_and_wait(life: int) -> ControlledClient:
         lives.clients[life - 1].kill()
@@ -237,17 +233,8 @@ async def test_a_life_that_dies_while_put_in_its_state_leaves_the_call_asked_mea
     (put to sleep), then its death, left the next life paused (asleep) for
     good: the unanswered call was put back after the one that undid it. And
     the dead life was marked ready."""
-    lives = Lives()
-
-    def factory(config: EngineConfig, index: int, on_dead: Callable[[EngineCoreClient], None]) -> FakeClient:
-        client = ControlledClient(config, index, on_dead)
-        client.answers = 0 if len(lives.clients) == 1 else None  # the second life never answers
-        lives.clients.append(client)
-        lives.changed.set()
-        lives.changed = trio.Event()
-        return client
-
-    supervisor = EngineSupervisor(config(), client_factory=factory)
+    lives = Lives(controlled=True, second_answers=0)
+    supervisor = EngineSupervisor(config(), client_factory=lives.factory)
     async with trio.open_nursery() as nursery:
         await nursery.start(supervisor.run)
         paused = isinstance(undo, Resume)
@@ -271,17 +258,8 @@ async def test_a_life_that_dies_while_put_in_its_state_leaves_the_call_asked_mea
 async def test_a_life_that_dies_while_put_in_its_state_leaves_every_call_to_the_next(autojump_clock):
     """Found: a pause that the dying life had answered (before it died on the
     sleep) was lost: the next life was asleep but not paused."""
-    lives = Lives()
-
-    def factory(config: EngineConfig, index: int, on_dead: Callable[[EngineCoreClient], None]) -> FakeClient:
-        client = ControlledClient(config, index, on_dead)
-        client.answers = 1 if len(lives.clients) == 1 else None  # the second life answers the pause only
-        lives.clients.append(client)
-        lives.changed.set()
-        lives.changed = trio.Event()
-        return client
-
-    supervisor = EngineSupervisor(config(), client_factory=factory)
+    lives = Lives(controlled=True, second_answers=1)
+    supervisor = EngineSupervisor(config(), client_factory=lives.factory)
     async with trio.open_nursery() as nursery:
         await nursery.start(supervisor.run)
         lives.clients[0].state = GenerationState(paused=True, sleep_level=2, holding=True)
