@@ -47,7 +47,7 @@ import trio
 
 from trioserve.config import EngineConfig
 from trioserve.core import waves
-from trioserve.errors import ControlCallError, EngineDeadError, leaves
+from trioserve.errors import ControlCallError, EngineDeadError, leaves, meaningful_leaves
 from trioserve.frontend.attached import (
     AttachedEngineCoreClient,
     api_server_addresses,
@@ -390,9 +390,8 @@ class EngineGroup:
                             "(ask again once it is up)"
                         )
         except BaseExceptionGroup as group:
-            cancelled = leaves(group)
-            if all(isinstance(leaf, trio.Cancelled) for leaf in cancelled):
-                raise cancelled[0] from None  # a bare Cancelled, as from every other call (found: a group of it)
+            if not meaningful_leaves(group):  # a bare Cancelled, as from every other call (found: a group of it)
+                raise leaves(group)[0] from None
             raise
         for supervisor in self.supervisors:
             supervisor.state_changed()  # health reads the replies' state now

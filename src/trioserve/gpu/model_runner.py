@@ -337,8 +337,7 @@ class ModelRunner:
     @torch.inference_mode()
     def _execute(self, sched: SchedulerOutput) -> RunnerOutput:
         if is_dummy(sched):  # lockstep's step with nothing to compute: also while asleep, with its peers
-            for req_id in sched.finished_req_ids:
-                self.requests.pop(req_id, None)
+            self._update_requests(sched)  # (it only forgets requests)
             return RunnerOutput(req_ids=[], sampled_token_ids=[])
         if self._forward is None or not self.kv_caches:
             raise RuntimeError("execute() before load() and init_kv_cache(), or while asleep")

@@ -68,7 +68,12 @@ class EventFormat:
     def _envelope(self, obj: str, choices: list[dict[str, Any]]) -> dict[str, Any]:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model, "choices": choices}
 
-    def _logprobs(self, placed: oai.Placed) -> Any:
+    def _logprobs(self, choice: Choice, placer: oai.TokenPlacer) -> Any:
+        """The logprobs of ``choice``'s tokens that ``placer`` has not taken
+        yet and whose text has come (None when none were asked for)."""
+        if choice.logprobs is None:
+            return None
+        placed = placer.place(choice.token_ids, choice.logprobs, len(choice.text))
         if self.kind == "chat":
             return oai.chat_logprobs(placed, self.tokenizer)
         return oai.completion_logprobs(placed, self.tokenizer)
@@ -79,9 +84,7 @@ class EventFormat:
         for index, c in enumerate(choices.items):
             item: dict[str, Any] = {
                 "index": index,
-                "logprobs": None
-                if c.logprobs is None
-                else self._logprobs(oai.TokenPlacer(self.tokenizer).place(c.token_ids, c.logprobs, len(c.text))),
+                "logprobs": self._logprobs(c, oai.TokenPlacer(self.tokenizer)),
                 "finish_reason": _finish(c.finish_reason),
             }
             if self.kind == "chat":
@@ -104,14 +107,12 @@ class EventFormat:
     def chunk(self, out: RequestOutput, choices: Choices, include_usage: bool) -> dict[str, Any]:
         """The chunk for one delta of one sample."""
         choice = choices.items[out.index]
-        logprobs = None
-        if choice.logprobs is not None:
-            # The tokens whose text has come: those of earlier chunks whose text was held back, and
-            # this chunk's as far as the text goes (the rest wait for a later chunk; at the sample's
-            # end, those past its final text are left out).
-            if choice.placer is None:
-                choice.placer = oai.TokenPlacer(self.tokenizer)
-            logprobs = self._logprobs(choice.placer.place(choice.token_ids, choice.logprobs, len(choice.text)))
+        # The tokens whose text has come: those of earlier chunks whose text was held back, and this
+        # chunk's as far as the text goes (the rest wait for a later chunk; at the sample's end, those
+        # past its final text are left out).
+        if choice.placer is None:
+            choice.placer = oai.TokenPlacer(self.tokenizer)
+        logprobs = self._logprobs(choice, choice.placer)
         delta: Any = {"content": out.text} if self.kind == "chat" else out.text
         return self._chunk(out.index, delta, logprobs, _finish(out.finish_reason), include_usage)
 
