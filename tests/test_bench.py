@@ -13,6 +13,7 @@ import os
 import signal
 import subprocess
 import sys
+from functools import partial
 
 import psutil
 import pytest
@@ -450,7 +451,7 @@ async def test_a_baseline_process_ends_with_the_bench_that_started_it(tiny_model
             await trio.sleep(0.05)
         await trio.sleep(1.0)  # into its workload
         proc.send_signal(signum)
-        _, err = await trio.to_thread.run_sync(proc.communicate)
+        _, err = await trio.to_thread.run_sync(partial(proc.communicate, timeout=30))
         if signum == signal.SIGTERM:
             assert proc.returncode == 0 and err.strip() == (
                 "SIGTERM: stopped the generate baseline before it finished (nothing kept)"

@@ -413,7 +413,7 @@ async def test_head_and_headless_serve_on_both_engines_and_a_killed_headless_tre
                         async for _ in remote:
                             pass
                     assert trio.current_time() - signalled < 1.0
-                assert await trio.to_thread.run_sync(proc.wait) == 0
+                assert await trio.to_thread.run_sync(proc.wait, 30) == 0
     assert await wait_no_children() == []
 
 
@@ -441,7 +441,7 @@ async def test_a_headless_engine_core_killed_again_and_again_leaves_no_directory
                 await check_served_by(engine, 1, [7, 8])
                 assert len(os.listdir(host_tmp)) == 1
                 proc.send_signal(signal.SIGTERM)
-                assert await trio.to_thread.run_sync(proc.wait) == 0
+                assert await trio.to_thread.run_sync(proc.wait, 30) == 0
             assert os.listdir(host_tmp) == []
     assert await wait_no_children() == []
 
