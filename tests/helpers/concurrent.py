@@ -27,10 +27,12 @@ async def run_in_one_batch(
     engine: trioserve.Engine, prompts: list[list[int]], params: SamplingParams
 ) -> list[list[int]]:
     """As ``run_concurrently``, but every prompt reaches the scheduler in one
-    go: generation is paused while they are submitted (the engine core holds
-    them) and resumed once all of them wait. A test that counts on the
-    requests meeting (preemptions in a small cache) then does not depend on
-    how fast they arrive on a busy machine."""
+    go, in their order: generation is paused while they are submitted one by
+    one (the engine core holds them) and resumed once all of them wait. A
+    test that counts on the requests meeting (preemptions in a small cache)
+    then depends neither on how fast they arrive on a busy machine nor on the
+    order Trio happens to run the submitting tasks in (found: in some orders
+    the eight requests of a test fit without a preemption)."""
     results: dict[int, list[int]] = {}
 
     async def one(i: int) -> None:
@@ -40,7 +42,7 @@ async def run_in_one_batch(
     async with trio.open_nursery() as nursery:
         for i in range(len(prompts)):
             nursery.start_soon(one, i)
-        while (await engine.stats()).num_waiting < len(prompts):
-            await trio.sleep(0.01)
+            while (await engine.stats()).num_waiting < i + 1:
+                await trio.sleep(0.01)
         await engine.resume()
     return [results[i] for i in range(len(prompts))]
