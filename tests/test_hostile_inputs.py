@@ -9,11 +9,14 @@ from __future__ import annotations
 import json
 import logging
 import os
+import signal
 import socket
 import subprocess
 import sys
 import threading
 import time
+import urllib.error
+import urllib.request
 
 import psutil
 import pytest
@@ -336,3 +339,47 @@ async def test_a_flood_that_never_reads_does_not_hold_back_a_polite_clients_requ
                     ws.socket.shutdown(socket.SHUT_RDWR)
                     ws.socket.close()
             await wait_blocks_free(server, timeout=15)
+
+
+async def test_serve_started_with_its_standard_descriptors_closed_serves_and_stops_leaving_nothing(tiny_model_dir):
+    """Found: started with ``<&- >&- 2>&-`` (a daemonizer that closes them),
+    ``serve``'s descriptor 2 was a socket and every child inherited it as its
+    standard error, and an engine core's end raised (``sys.stdout`` was
+    None). Each closed one is ``/dev/null`` now, in every process."""
+    with socket.socket() as probe:  # stdout is closed: the port must be known beforehand
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    argv = ["serve", "--port", str(port), "--model", str(tiny_model_dir("llama")), "--runner", "fake"]
+    closed = ["bash", "-c", 'exec "$@" <&- >&- 2>&-', "bash", sys.executable, "-m", "trioserve.cli", *argv]
+    base = f"http://127.0.0.1:{port}"
+
+    def completion() -> dict:
+        with urllib.request.urlopen(f"{base}/v1/models", timeout=10) as response:
+            model = json.loads(response.read())["data"][0]["id"]
+        body = json.dumps({"model": model, "prompt": "hi", "max_tokens": 3}).encode()
+        request = urllib.request.Request(f"{base}/v1/completions", body, {"Content-Type": "application/json"})
+        with urllib.request.urlopen(request, timeout=10) as response:
+            return json.loads(response.read())
+
+    with trio.fail_after(60), spawned(closed) as proc:
+        while await in_thread(http_status, f"{base}/health") != 200:
+            assert proc.poll() is None
+            await trio.sleep(0.05)
+        tree = [proc.pid, *tree_of(proc.pid)]
+        assert len(tree) == 3
+        for pid in tree:
+            assert [os.readlink(f"/proc/{pid}/fd/{fd}") for fd in (0, 1, 2)] == [os.devnull] * 3, pid
+        assert (await in_thread(completion))["choices"][0]["finish_reason"] == "length"
+        proc.send_signal(signal.SIGTERM)
+        assert await trio.to_thread.run_sync(proc.wait, 30) == 0
+    assert not [pid for pid in tree if psutil.pid_exists(pid) and psutil.Process(pid).status() != "zombie"]
+
+
+def http_status(url: str) -> int:
+    try:
+        with urllib.request.urlopen(url, timeout=2) as response:
+            return int(response.status)
+    except urllib.error.HTTPError as error:
+        return error.code
+    except OSError:  # not listening yet
+        return 0

@@ -29,6 +29,7 @@ from trioserve.errors import (
     collapse,
 )
 from trioserve.messages import SamplingParams
+from trioserve.nurseries.child_main import ensure_standard_fds
 from trioserve.nurseries.headless import HeadlessConfig, run_headless
 from trioserve.nurseries.oneshot import until_sigterm
 from trioserve.nurseries.process import describe_exit
@@ -717,11 +718,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """The ``trioserve`` command: its exit code. SIGINT is honoured in every
-    phase, even when this process was started with it ignored (a background
-    job of a script, ``nohup``): ``kill -INT`` then means what it says. Found:
-    started so, ``serve`` ignored a SIGINT while it converted the default
-    model, and then served on; while serving it had always stopped."""
+    """The ``trioserve`` command: its exit code. A closed standard
+    descriptor gets ``/dev/null`` (``ensure_standard_fds``). SIGINT is
+    honoured in every phase, even when this process was started with it
+    ignored (a background job of a script, ``nohup``): ``kill -INT`` then
+    means what it says. Found: started so, ``serve`` ignored a SIGINT while
+    it converted the default model, and then served on; while serving it had
+    always stopped."""
+    ensure_standard_fds()  # before anything opens a descriptor
     honoured = threading.current_thread() is threading.main_thread()
     previous = signal.signal(signal.SIGINT, signal.default_int_handler) if honoured else None
     try:

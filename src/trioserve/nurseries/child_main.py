@@ -1,5 +1,6 @@
-"""The child's side of process supervision, and what any process must clean
-up before it ends.
+"""The child's side of process supervision, what any process must clean up
+before it ends, and the standard descriptors any process of ours must have
+from its start (``ensure_standard_fds``).
 
 ``run_child_main`` is the entry point of every child program (see
 ``process.py`` for the parent's side and the timing of a stop). This module
@@ -48,7 +49,7 @@ import trio
 
 from trioserve.errors import sole_leaf
 
-__all__ = ["ChildExit", "ChildFailed", "remove_if_parent_dies", "run_child_main"]
+__all__ = ["ChildExit", "ChildFailed", "ensure_standard_fds", "remove_if_parent_dies", "run_child_main"]
 
 PARENT_FD_ENV = "TRIOSERVE_PARENT_FD"  # the child's end of the parent-watch pipe
 PARENT_PID_ENV = "TRIOSERVE_PARENT_PID"  # the supervising process, to tell "parent gone" by getppid()
@@ -58,6 +59,28 @@ REAP_WAIT_S = 0.5  # how long an ending process waits for the children it SIGKIL
 STOP_BYTE = b"s"  # written by the parent just before it closes the pipe to ask for a stop
 
 log = logging.getLogger("trioserve.process")
+
+
+def ensure_standard_fds() -> None:
+    """Put ``/dev/null`` on each of descriptors 0, 1 and 2 that is closed (a
+    process started with ``>&-``, or by a daemonizer that closed them). Call
+    it first, before anything opens a descriptor: the first socket, pipe or
+    epoll a process opens takes the lowest free number, so what it or its
+    children (which inherit 0, 1 and 2) then write to standard error would go
+    into that socket. Found: started with ``>&- 2>&-``, ``serve``'s
+    descriptor 2 was a socket, and every child's standard error with it.
+    Python's own stream stays None where the descriptor was closed at its
+    start, so a command can still tell that its output would go nowhere
+    (``generate >&-`` says so)."""
+    for fd in (0, 1, 2):
+        try:
+            os.fstat(fd)
+        except OSError:  # closed
+            null = os.open(os.devnull, os.O_RDWR)  # the lowest free number: fd itself, as lower ones are open
+            if null != fd:
+                os.dup2(null, fd)
+                os.close(null)
+            os.set_inheritable(fd, True)  # os.open's descriptors are not; the standard ones must be
 
 
 def signal_child(pid: int, sig: int, *, group: bool) -> None:
@@ -253,6 +276,8 @@ def run_child_main(async_main: Callable[[], Awaitable[None]], *, name: str) -> N
         if (asked := sole_leaf(exc, ChildExit)) is not None:
             log.info("%s (pid %d) exits with code %d: %s", name, os.getpid(), asked.code, asked)
             code = asked.code
+        elif sys.stderr is None:  # closed when the process started: nowhere to say it
+            pass
         elif (failed := sole_leaf(exc, ChildFailed)) is not None:  # reported by the child itself: one line
             sys.stderr.write(f"{name} (pid {os.getpid()}) failed: {failed}\n")
         else:
@@ -261,8 +286,9 @@ def run_child_main(async_main: Callable[[], Awaitable[None]], *, name: str) -> N
     # Skip the interpreter's teardown: with torch loaded it can take seconds,
     # and a child holds nothing that the kernel does not release.
     logging.shutdown()
-    sys.stdout.flush()
-    sys.stderr.flush()
+    for stream in (sys.stdout, sys.stderr):
+        if stream is not None:  # None: closed when the process started
+            stream.flush()
     _end_process(code)
 
 

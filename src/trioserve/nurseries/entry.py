@@ -16,7 +16,10 @@ import sys
 
 
 def main(role: str) -> None:
-    # First of all, before the slow imports: Ctrl-C reaches the whole process group, and it is
+    from trioserve.nurseries.child_main import ensure_standard_fds
+
+    ensure_standard_fds()  # before anything opens a descriptor
+    # Before the slow imports: Ctrl-C reaches the whole process group, and it is
     # the parent's to handle (run_child_main keeps SIGINT ignored; found: a Ctrl-C while a child
     # imported trio printed the child's KeyboardInterrupt traceback).
     signal.signal(signal.SIGINT, signal.SIG_IGN)

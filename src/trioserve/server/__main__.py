@@ -6,9 +6,11 @@ from __future__ import annotations
 import logging
 import os
 
+from trioserve.nurseries.child_main import ensure_standard_fds
 from trioserve.nurseries.process import run_child_main
 from trioserve.server.api_servers import api_server_main
 
+ensure_standard_fds()  # before anything opens a descriptor (imports open none that stay)
 logging.basicConfig(
     level=os.environ.get("TRIOSERVE_LOG_LEVEL", "WARNING"),
     format="%(levelname)s api-server[%(process)d] %(name)s: %(message)s",
