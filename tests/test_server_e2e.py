@@ -74,12 +74,23 @@ def stream_until_closed(url: str, started: Any, n: int) -> tuple[dict[str, Recei
     return received, info.value.rcvd.code if info.value.rcvd else None
 
 
-@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
-async def test_a_signal_with_streams_in_flight_ends_every_stream_and_exits_0(tiny_model_dir, signum):
+@pytest.mark.parametrize(
+    ("signum", "stderr_gone"),
+    [(signal.SIGINT, False), (signal.SIGTERM, False), (signal.SIGINT, True)],
+    ids=["SIGINT", "SIGTERM", "SIGINT-stderr-reader-gone"],
+)
+async def test_a_signal_with_streams_in_flight_ends_every_stream_and_exits_0(tiny_model_dir, signum, stderr_gone):
+    """``stderr_gone``: the reader of its standard error has ended (``serve
+    2>&1 | tee log``, where Ctrl-C ends tee too). Found: saying "shutting
+    down" raised BrokenPipeError, which cut the graceful shutdown short (exit 1)."""
     grace = 1.0
     argv = serve_argv("--model", str(tiny_model_dir("llama")), "--runner", "fake", "--shutdown-grace", str(grace))
     with trio.fail_after(60), spawned(argv) as proc:
         url = await in_thread(wait_for_url, proc, 30)
+        if stderr_gone:
+            assert proc.stderr is not None
+            proc.stderr.close()
+            proc.stderr = None  # what spawned reads on its way out
         tree = psutil.Process(proc.pid).children(recursive=True)
         assert len(tree) >= 2  # the engine core and its worker
         streaming = trio.Semaphore(0)

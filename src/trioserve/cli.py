@@ -325,10 +325,21 @@ async def _generate(config: EngineConfig, prompt: str, params: SamplingParams) -
         elapsed = time.perf_counter() - started
     write_out(sys.stdout, "\n")
     assert final is not None
-    print(
-        f"[{final.num_output_tokens} tokens in {elapsed:.2f}s, finish reason: {final.finish_reason}]",
-        file=sys.stderr,
-    )
+    say(f"[{final.num_output_tokens} tokens in {elapsed:.2f}s, finish reason: {final.finish_reason}]")
+
+
+def say(line: str) -> None:
+    """``line`` on standard error, flushed. Dropped where standard error is
+    gone (a pipe whose reader ended: ``serve 2>&1 | tee log``, where Ctrl-C
+    ends tee too), so that saying what happens never stops it. Found: there,
+    serve's "SIGTERM: shutting down" raised BrokenPipeError, which cut its
+    graceful shutdown short and made it exit 1."""
+    if sys.stderr is None:  # closed when the process started (print would fall back to stdout)
+        return
+    try:
+        print(line, file=sys.stderr, flush=True)
+    except (OSError, ValueError):  # gone, or closed (ValueError: I/O operation on closed file)
+        pass
 
 
 def _check_stdout() -> None:
@@ -341,7 +352,7 @@ def _check_stdout() -> None:
 def _one_shot(main: Callable[[], Awaitable[None]]) -> int:
     """``generate`` and ``chat``: exit 0 when done, 143 after a SIGTERM."""
     if trio.run(until_sigterm, main):
-        print("\ntrioserve: SIGTERM: stopped", file=sys.stderr)
+        say("\ntrioserve: SIGTERM: stopped")
         return EXIT_TERMINATED
     return EXIT_OK
 
@@ -510,7 +521,7 @@ async def _serve(server: Server) -> None:
 
             async def stop_on_signals() -> None:
                 async for signum in signals:
-                    print(f"trioserve: {signal.Signals(signum).name}: shutting down", file=sys.stderr, flush=True)
+                    say(f"trioserve: {signal.Signals(signum).name}: shutting down")
                     server.shutdown()
 
             async def announce() -> None:
@@ -556,7 +567,7 @@ async def _run_headless(config: HeadlessConfig) -> None:
                 flush=True,
             )
             async for signum in signals:
-                print(f"trioserve: {signal.Signals(signum).name}: stopping", file=sys.stderr, flush=True)
+                say(f"trioserve: {signal.Signals(signum).name}: stopping")
                 nursery.cancel_scope.cancel()
 
 
@@ -586,7 +597,7 @@ def cmd_headless(args: argparse.Namespace) -> int:
         shutdown_grace_s=min(5.0, args.shutdown_grace),
     )
     trio.run(_run_headless, config)  # (main() takes exception groups apart)
-    print("trioserve: stopped", file=sys.stderr)
+    say("trioserve: stopped")
     return EXIT_OK
 
 
@@ -614,7 +625,7 @@ async def _serve_api_servers(servers: ApiServers) -> None:
 
             nursery.start_soon(start)
             async for signum in signals:
-                print(f"trioserve: {signal.Signals(signum).name}: shutting down", file=sys.stderr, flush=True)
+                say(f"trioserve: {signal.Signals(signum).name}: shutting down")
                 if not serving.is_set():  # still starting: nothing to drain
                     nursery.cancel_scope.cancel()
                     break
@@ -642,9 +653,9 @@ def cmd_api_servers(args: argparse.Namespace) -> int:
         except BaseExceptionGroup as group:  # the listening socket is opened in a nursery
             raise collapse(group) from None
     except OSError as exc:  # the address is taken, or not ours
-        print(f"trioserve: cannot listen on {args.host}:{args.port}: {exc.strerror or exc}", file=sys.stderr)
+        say(f"trioserve: cannot listen on {args.host}:{args.port}: {exc.strerror or exc}")
         return EXIT_ERROR
-    print("trioserve: stopped", file=sys.stderr)
+    say("trioserve: stopped")
     return EXIT_OK
 
 
@@ -661,9 +672,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
     try:
         trio.run(_serve, server)
     except OSError as exc:  # the address is taken, or not ours
-        print(f"trioserve: cannot listen on {args.host}:{args.port}: {exc.strerror or exc}", file=sys.stderr)
+        say(f"trioserve: cannot listen on {args.host}:{args.port}: {exc.strerror or exc}")
         return EXIT_ERROR
-    print("trioserve: stopped", file=sys.stderr)
+    say("trioserve: stopped")
     return EXIT_OK
 
 
@@ -740,7 +751,7 @@ def _main(argv: list[str] | None) -> int:
     args = parser.parse_args(argv)
     args.log_level = getattr(args, "log_level", "WARNING")
     if not isinstance(logging.getLevelName(args.log_level.upper()), int):
-        print(f"trioserve: invalid input: --log-level: unknown level {args.log_level!r}", file=sys.stderr)
+        say(f"trioserve: invalid input: --log-level: unknown level {args.log_level!r}")
         return EXIT_USAGE
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
     os.environ.setdefault("TRIOSERVE_LOG_LEVEL", args.log_level.upper())
@@ -751,32 +762,32 @@ def _main(argv: list[str] | None) -> int:
             raise collapse(group) from None
         return code
     except ValueError as exc:
-        print(f"trioserve: invalid input: {exc}", file=sys.stderr)
+        say(f"trioserve: invalid input: {exc}")
         return EXIT_USAGE
     except EngineStartupError as exc:
-        print(f"trioserve: the engine could not start: {exc}", file=sys.stderr)
+        say(f"trioserve: the engine could not start: {exc}")
         return EXIT_STARTUP_FAILED
     except EngineDeadError as exc:
-        print(f"trioserve: the engine died and was not recovered: {exc}", file=sys.stderr)
+        say(f"trioserve: the engine died and was not recovered: {exc}")
         return EXIT_ENGINE_DEAD
     except StoppedBySignal as exc:  # a SIGTERM while a model was built (before any engine) or a baseline ran
-        print(f"trioserve: {exc}", file=sys.stderr)
+        say(f"trioserve: {exc}")
         return EXIT_OK if args.command == "serve" else EXIT_TERMINATED  # serve's every graceful stop is 0
     except TrioserveError as exc:
-        print(f"trioserve: {type(exc).__name__}: {exc}", file=sys.stderr)
+        say(f"trioserve: {type(exc).__name__}: {exc}")
         return EXIT_ERROR
     except KeyboardInterrupt:  # serve's own SIGINT handler runs only once it serves
         if args.command == "serve":  # before: a model build, stopped in order (nothing kept)
-            print("\ntrioserve: SIGINT: stopped before serving", file=sys.stderr)
+            say("\ntrioserve: SIGINT: stopped before serving")
             return EXIT_OK  # serve's every graceful stop is 0
-        print("\ntrioserve: interrupted", file=sys.stderr)
+        say("\ntrioserve: interrupted")
         return EXIT_INTERRUPTED
     except BrokenPipeError:
         # Whoever read our output stopped (`trioserve generate ... | head`); the engine has stopped.
         _drop_stdout()
         return EXIT_ERROR
     except StdioError as exc:  # a full disk, a terminal gone; the engine has stopped
-        print(f"trioserve: {exc}", file=sys.stderr)
+        say(f"trioserve: {exc}")
         _drop_stdout()
         return EXIT_ERROR
 

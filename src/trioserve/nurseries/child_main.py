@@ -31,6 +31,7 @@ Invariants:
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import select
@@ -276,20 +277,32 @@ def run_child_main(async_main: Callable[[], Awaitable[None]], *, name: str) -> N
         if (asked := sole_leaf(exc, ChildExit)) is not None:
             log.info("%s (pid %d) exits with code %d: %s", name, os.getpid(), asked.code, asked)
             code = asked.code
-        elif sys.stderr is None:  # closed when the process started: nowhere to say it
-            pass
-        elif (failed := sole_leaf(exc, ChildFailed)) is not None:  # reported by the child itself: one line
-            sys.stderr.write(f"{name} (pid {os.getpid()}) failed: {failed}\n")
         else:
-            sys.stderr.write(f"{name} (pid {os.getpid()}) failed:\n")
-            traceback.print_exc()
+            _report_failure(name, exc)
     # Skip the interpreter's teardown: with torch loaded it can take seconds,
     # and a child holds nothing that the kernel does not release.
     logging.shutdown()
     for stream in (sys.stdout, sys.stderr):
-        if stream is not None:  # None: closed when the process started
+        with contextlib.suppress(OSError, ValueError, AttributeError):  # gone or closed; None: closed at start
             stream.flush()
     _end_process(code)
+
+
+def _report_failure(name: str, exc: BaseException) -> None:
+    """One line for a ``ChildFailed`` (a failure the child has reported
+    itself), else a traceback, on standard error; nothing where it is gone
+    (its reader ended) or was closed at the start, so that the process still
+    ends its children first."""
+    if sys.stderr is None:
+        return
+    try:
+        if (failed := sole_leaf(exc, ChildFailed)) is not None:
+            sys.stderr.write(f"{name} (pid {os.getpid()}) failed: {failed}\n")
+        else:
+            sys.stderr.write(f"{name} (pid {os.getpid()}) failed:\n")
+            traceback.print_exception(exc, file=sys.stderr)
+    except (OSError, ValueError):
+        pass
 
 
 def _take_parent_watch() -> _ParentWatch | None:
