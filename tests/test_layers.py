@@ -27,6 +27,7 @@ RANKS = {
     "config": 0,
     "rpc": 0,  # the control calls: a closed union that messages carries
     "byte_level": 0,  # the byte-level vocabularies' alphabet (the front-end's tokenizer, the tiny models)
+    "stdio": 0,  # a process's standard descriptors, and lines said on them
     "messages": 1,
     "core": 2,
     "transport": 3,
@@ -51,6 +52,7 @@ THIRD_PARTY = {
     "errors": {"trio"},  # lazily: to tell a cancellation from a failure
     "config": set(),
     "byte_level": set(),
+    "stdio": set(),
     "rpc": {"msgspec"},
     "messages": {"msgspec"},
     "core": {"msgspec"},

@@ -122,6 +122,31 @@ async def test_a_signal_with_streams_in_flight_ends_every_stream_and_exits_0(tin
             assert r.terminal["type"] == "done" or r.terminal["code"] == "shutdown", r.terminal
 
 
+async def test_serve_whose_stdout_reader_is_gone_serves_and_says_its_url_on_stderr(tiny_model_dir):
+    """Found: ``serve | true`` (the reader of its standard output gone before
+    it served) exited 1 without a word. A server's log pipe may end or
+    restart; serving goes on, and the URL line goes to standard error."""
+    argv = serve_argv("--model", str(tiny_model_dir("llama")), "--runner", "fake")
+    with trio.fail_after(60), spawned(argv) as proc:
+        assert proc.stdout is not None and proc.stderr is not None
+        proc.stdout.close()
+        proc.stdout = None  # what spawned reads on its way out
+
+        def url_on_stderr() -> str:
+            assert proc.stderr is not None
+            for line in proc.stderr:
+                if line.startswith("trioserve: serving on "):
+                    return line.split()[3]
+            raise AssertionError(f"exited with {proc.wait()} before serving")
+
+        url = await in_thread(url_on_stderr)
+        with open_ws(url) as ws:
+            ws.send(generate("a", "hi", max_tokens=3))
+            assert collect(ws, {"a"})[0]["a"].terminal["type"] == "done"  # type: ignore[index]
+        proc.send_signal(signal.SIGTERM)
+        assert await in_thread(proc.wait, 30) == 0
+
+
 def readme_block(containing: str) -> str:
     """The README's first ``bash`` block that holds ``containing``."""
     readme = (REPO / "README.md").read_text()

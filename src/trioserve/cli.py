@@ -29,7 +29,6 @@ from trioserve.errors import (
     collapse,
 )
 from trioserve.messages import SamplingParams
-from trioserve.nurseries.child_main import ensure_standard_fds
 from trioserve.nurseries.headless import HeadlessConfig, run_headless
 from trioserve.nurseries.oneshot import until_sigterm
 from trioserve.nurseries.process import describe_exit
@@ -37,6 +36,7 @@ from trioserve.server import Server, ServerConfig
 from trioserve.server.api_servers import MAX_API_SERVERS, ApiServers
 from trioserve.server.listener import fds_needed, raise_fd_limit
 from trioserve.server.server import model_name
+from trioserve.stdio import announce, drop_stdout, ensure_standard_fds, say
 
 API_KEY_ENV = "TRIOSERVE_API_KEY"  # never passed on to a child process (nurseries.process.SECRET_ENV_NAMES)
 
@@ -328,20 +328,6 @@ async def _generate(config: EngineConfig, prompt: str, params: SamplingParams) -
     say(f"[{final.num_output_tokens} tokens in {elapsed:.2f}s, finish reason: {final.finish_reason}]")
 
 
-def say(line: str) -> None:
-    """``line`` on standard error, flushed. Dropped where standard error is
-    gone (a pipe whose reader ended: ``serve 2>&1 | tee log``, where Ctrl-C
-    ends tee too), so that saying what happens never stops it. Found: there,
-    serve's "SIGTERM: shutting down" raised BrokenPipeError, which cut its
-    graceful shutdown short and made it exit 1."""
-    if sys.stderr is None:  # closed when the process started (print would fall back to stdout)
-        return
-    try:
-        print(line, file=sys.stderr, flush=True)
-    except (OSError, ValueError):  # gone, or closed (ValueError: I/O operation on closed file)
-        pass
-
-
 def _check_stdout() -> None:
     """``StdioError`` when there is no standard output (``>&-``): nothing to
     write a reply to, so no engine is started."""
@@ -524,12 +510,11 @@ async def _serve(server: Server) -> None:
                     say(f"trioserve: {signal.Signals(signum).name}: shutting down")
                     server.shutdown()
 
-            async def announce() -> None:
+            async def announce_when_ready() -> None:
                 if await server.wait_ready():
-                    print(
+                    announce(
                         f"trioserve: serving on {server.url} (health: {server.health_url}, "
-                        f"OpenAI API: {server.http_url}, model {server.api.model_name!r})",
-                        flush=True,
+                        f"OpenAI API: {server.http_url}, model {server.api.model_name!r})"
                     )
 
             async def run_server() -> None:
@@ -541,7 +526,7 @@ async def _serve(server: Server) -> None:
                     nursery.cancel_scope.cancel()
 
             nursery.start_soon(stop_on_signals)
-            nursery.start_soon(announce)
+            nursery.start_soon(announce_when_ready)
             nursery.start_soon(run_server)
     if failure:
         raise failure[0]
@@ -562,10 +547,7 @@ async def _run_headless(config: HeadlessConfig) -> None:
         async with trio.open_nursery() as nursery:
             await nursery.start(run_headless, config)
             last = config.start_rank + config.num_engines - 1
-            print(
-                f"trioserve: headless engine cores {config.start_rank}..{last} joining {config.handshake_address}",
-                flush=True,
-            )
+            announce(f"trioserve: headless engine cores {config.start_rank}..{last} joining {config.handshake_address}")
             async for signum in signals:
                 say(f"trioserve: {signal.Signals(signum).name}: stopping")
                 nursery.cancel_scope.cancel()
@@ -615,11 +597,10 @@ async def _serve_api_servers(servers: ApiServers) -> None:
                 host = servers.server_config.host
                 host = f"[{host}]" if ":" in host else host
                 name = servers.server_config.model_name or model_name(servers.engine_config)
-                print(
+                announce(
                     f"trioserve: serving on ws://{host}:{port} (health: http://{host}:{port}/health, "
                     f"OpenAI API: http://{host}:{port}/v1, model {name!r}; {servers.count} API servers, "
-                    f"pids {', '.join(str(pid) for pid in servers.pids)})",
-                    flush=True,
+                    f"pids {', '.join(str(pid) for pid in servers.pids)})"
                 )
                 serving.set()
 
@@ -784,22 +765,12 @@ def _main(argv: list[str] | None) -> int:
         return EXIT_INTERRUPTED
     except BrokenPipeError:
         # Whoever read our output stopped (`trioserve generate ... | head`); the engine has stopped.
-        _drop_stdout()
+        drop_stdout()
         return EXIT_ERROR
     except StdioError as exc:  # a full disk, a terminal gone; the engine has stopped
         say(f"trioserve: {exc}")
-        _drop_stdout()
+        drop_stdout()
         return EXIT_ERROR
-
-
-def _drop_stdout() -> None:
-    """Point stdout at /dev/null, so that nothing written to it after a
-    failure (the interpreter's flush at exit included: a traceback, exit
-    120) fails again."""
-    try:
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-    except (AttributeError, OSError, ValueError):  # no stdout (None), or it is closed
-        pass
 
 
 if __name__ == "__main__":

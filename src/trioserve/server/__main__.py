@@ -6,9 +6,9 @@ from __future__ import annotations
 import logging
 import os
 
-from trioserve.nurseries.child_main import ensure_standard_fds
 from trioserve.nurseries.process import run_child_main
 from trioserve.server.api_servers import api_server_main
+from trioserve.stdio import ensure_standard_fds
 
 ensure_standard_fds()  # before anything opens a descriptor (imports open none that stay)
 logging.basicConfig(

@@ -1,0 +1,73 @@
+"""A process's standard descriptors, and lines said on them that never stop
+what they report.
+
+A server's standard output and error are often pipes to a logger (``serve
+2>&1 | tee log``, a supervisor's log collector) that may end or restart
+before the server does: a line that cannot be written is dropped, never an
+exception in the middle of a shutdown. ``ensure_standard_fds`` runs first in
+every process of ours.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+
+def ensure_standard_fds() -> None:
+    """Put ``/dev/null`` on each of descriptors 0, 1 and 2 that is closed (a
+    process started with ``>&-``, or by a daemonizer that closed them). Call
+    it first, before anything opens a descriptor: the first socket, pipe or
+    epoll a process opens takes the lowest free number, so what it or its
+    children (which inherit 0, 1 and 2) then write to standard error would go
+    into that socket. Found: started with ``>&- 2>&-``, ``serve``'s
+    descriptor 2 was a socket, and every child's standard error with it.
+    Python's own stream stays None where the descriptor was closed at its
+    start, so a command can still tell that its output would go nowhere
+    (``generate >&-`` says so)."""
+    for fd in (0, 1, 2):
+        try:
+            os.fstat(fd)
+        except OSError:  # closed
+            null = os.open(os.devnull, os.O_RDWR)  # the lowest free number: fd itself, as lower ones are open
+            if null != fd:
+                os.dup2(null, fd)
+                os.close(null)
+            os.set_inheritable(fd, True)  # os.open's descriptors are not; the standard ones must be
+
+
+def say(line: str) -> None:
+    """``line`` on standard error, flushed; dropped where standard error is
+    gone (its reader ended) or was closed at the start. Found: with ``serve
+    2>&1 | tee log``, where Ctrl-C ends tee too, "SIGINT: shutting down"
+    raised BrokenPipeError, which cut the graceful shutdown short (exit 1)."""
+    if sys.stderr is None:  # print would fall back to stdout
+        return
+    try:
+        print(line, file=sys.stderr, flush=True)
+    except (OSError, ValueError):  # gone, or closed (ValueError: I/O operation on closed file)
+        pass
+
+
+def announce(line: str) -> None:
+    """``line`` on standard output, flushed (``serving on ...``, which scripts
+    read there); where standard output is gone or closed, on standard error
+    instead, and standard output then points at ``/dev/null``. Found: ``serve
+    | true`` (its reader gone before it served) exited 1 without a word."""
+    try:
+        if sys.stdout is not None:
+            print(line, flush=True)
+            return
+    except (OSError, ValueError):
+        drop_stdout()
+    say(line)
+
+
+def drop_stdout() -> None:
+    """Point stdout at /dev/null, so that nothing written to it after a
+    failure (the interpreter's flush at exit included: a traceback, exit
+    120) fails again."""
+    try:
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+    except (AttributeError, OSError, ValueError):  # no stdout (None), or it is closed
+        pass
