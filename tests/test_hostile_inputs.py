@@ -383,3 +383,18 @@ def http_status(url: str) -> int:
         return error.code
     except OSError:  # not listening yet
         return 0
+
+
+async def test_serve_with_a_temporary_directory_too_long_for_socket_paths_serves(tiny_model_dir, tmp_path):
+    """Found: a long ``TMPDIR`` (over ~60 bytes) made ``serve`` fail with a
+    traceback from zmq. Its private directories now go in /tmp."""
+    long = tmp_path / ("x" * 100)
+    long.mkdir()
+    argv = serve_argv("--model", str(tiny_model_dir("llama")), "--runner", "fake")
+    with trio.fail_after(60), spawned(argv, env={**os.environ, "TMPDIR": str(long)}) as proc:
+        url = await in_thread(wait_for_url, proc, 30)
+        with open_ws(url) as ws:
+            ws.send(generate("a", "hi", max_tokens=3))
+            assert collect(ws, {"a"})[0]["a"].terminal["type"] == "done"  # type: ignore[index]
+        proc.send_signal(signal.SIGTERM)
+        assert await trio.to_thread.run_sync(proc.wait, 30) == 0

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import itertools
+import os
 import stat
+import tempfile
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -13,6 +15,7 @@ import trio
 import trio.testing
 import zmq
 
+from trioserve.transport import zmq_trio
 from trioserve.transport.zmq_trio import TrioZmqSocket, private_ipc_dir, zmq_context
 
 _inproc_names = itertools.count()
@@ -201,3 +204,26 @@ def test_private_ipc_dir_is_0700_and_removed_on_exit() -> None:
         assert stat.S_IMODE(path.stat().st_mode) == 0o700
         (path / "socket").touch()
     assert not path.exists()
+
+
+def test_a_temporary_directory_too_long_for_socket_paths_gives_a_private_dir_in_tmp(tmp_path, monkeypatch) -> None:
+    """Found: with a long ``TMPDIR``, ``serve`` failed with a traceback from
+    zmq (an ipc path over 107 bytes)."""
+    long = tmp_path / ("x" * 100)
+    long.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(long))
+    with private_ipc_dir("trioserve-dp-") as path:
+        assert path.parent == Path(zmq_trio.SHORT_TMP)
+        assert stat.S_IMODE(path.stat().st_mode) == 0o700
+        name = "x" * (zmq_trio.IPC_NAME_ROOM - 1)  # the room left for a socket's name: it binds
+        sock = zmq_context().socket(zmq.PULL)
+        try:
+            sock.bind(f"ipc://{path}/{name}")
+        finally:
+            sock.close(linger=0)
+    assert not path.exists()
+    monkeypatch.setattr(zmq_trio, "SHORT_TMP", str(tmp_path / "no-such-dir"))
+    with pytest.raises(OSError, match=r"too long for ipc:// socket paths .* set TMPDIR to a shorter directory"):
+        with private_ipc_dir():
+            pass
+    assert os.listdir(long) == []
