@@ -156,3 +156,15 @@ def test_a_failing_write_names_the_stream_and_a_closed_pipe_passes_as_it_is():
     out = io.StringIO()
     write_out(out, "fine")
     assert out.getvalue() == "fine"
+
+
+def test_an_open_files_limit_too_low_to_start_an_engine_is_one_line_naming_it(tiny_model_dir):
+    """Found: under ``ulimit -n 16`` (the hard limit), a traceback from zmq's bind."""
+    done = run_cli(tiny_model_dir, "generate", "hi", shell='ulimit -n 16 && exec "$0" "$@"')
+    assert done.returncode == EXIT_ERROR
+    assert done.stderr == (
+        "trioserve: the open-files limit (RLIMIT_NOFILE) is 16, below the 64 that an engine needs to start: "
+        "raise 'ulimit -n'\n"
+    )
+    soft_only = run_cli(tiny_model_dir, "generate", "hi", shell='ulimit -S -n 16 && exec "$0" "$@"')
+    assert soft_only.returncode == 0, soft_only.stderr  # raised up to the hard limit, which allows it

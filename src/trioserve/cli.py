@@ -34,7 +34,7 @@ from trioserve.nurseries.oneshot import until_sigterm
 from trioserve.nurseries.process import describe_exit
 from trioserve.server import Server, ServerConfig
 from trioserve.server.api_servers import MAX_API_SERVERS, ApiServers
-from trioserve.server.listener import fds_needed, raise_fd_limit
+from trioserve.server.listener import fd_limit, fds_needed, raise_fd_limit
 from trioserve.server.server import model_name
 from trioserve.stdio import announce, drop_stdout, ensure_standard_fds, say
 
@@ -46,6 +46,9 @@ EXIT_ERROR = 1  # anything else: cannot listen, a request failed, ...
 EXIT_USAGE = 2  # bad command line or configuration
 EXIT_STARTUP_FAILED = 3  # the engine could not start (the message names the stage and process)
 EXIT_ENGINE_DEAD = 4  # the engine died and could not be restarted (out of restarts)
+# Below this many open files, the engine's start fails in zmq (the fake runner's tree needed 28; a worker
+# with torch, more): refused at once, naming the limit, where it gave a traceback.
+MIN_OPEN_FILES = 64
 EXIT_INTERRUPTED = 130  # Ctrl-C where no graceful shutdown applies
 EXIT_TERMINATED = 143  # SIGTERM where no graceful shutdown applies (not serve): what it started was stopped in order
 
@@ -736,6 +739,13 @@ def _main(argv: list[str] | None) -> int:
         return EXIT_USAGE
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
     os.environ.setdefault("TRIOSERVE_LOG_LEVEL", args.log_level.upper())
+    raise_fd_limit(MIN_OPEN_FILES)  # the process is ours
+    if args.command != "keys" and (limit := fd_limit()) is not None and limit < MIN_OPEN_FILES:
+        say(
+            f"trioserve: the open-files limit (RLIMIT_NOFILE) is {limit}, below the {MIN_OPEN_FILES} that "
+            f"an engine needs to start: raise 'ulimit -n'"
+        )
+        return EXIT_ERROR
     try:
         try:
             code: int = args.func(args)
