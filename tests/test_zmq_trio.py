@@ -212,18 +212,33 @@ def test_a_temporary_directory_too_long_for_socket_paths_gives_a_private_dir_in_
     long = tmp_path / ("x" * 100)
     long.mkdir()
     monkeypatch.setattr(tempfile, "tempdir", str(long))
-    with private_ipc_dir("trioserve-dp-") as path:
+    name = "engine-12-out"
+    with private_ipc_dir("trioserve-api-", socket_names=["in", name]) as path:
         assert path.parent == Path(zmq_trio.SHORT_TMP)
         assert stat.S_IMODE(path.stat().st_mode) == 0o700
-        name = "x" * (zmq_trio.IPC_NAME_ROOM - 1)  # the room left for a socket's name: it binds
         sock = zmq_context().socket(zmq.PULL)
         try:
             sock.bind(f"ipc://{path}/{name}")
         finally:
             sock.close(linger=0)
     assert not path.exists()
+    with private_ipc_dir() as path:  # no socket in it: any length will do
+        assert path.parent == long
+    # In a shorter one, a name that just fits stays in TMPDIR; one byte more does not.
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    fits = zmq_trio.IPC_PATH_MAX_LEN - len(f"{tmp_path}/trioserve-12345678/")
+    assert fits > 10
+    with private_ipc_dir(socket_names=["x" * fits]) as path:
+        assert path.parent == tmp_path
+        sock = zmq_context().socket(zmq.PULL)
+        try:
+            sock.bind(f"ipc://{path}/{'x' * fits}")
+        finally:
+            sock.close(linger=0)
+    with private_ipc_dir(socket_names=["x" * (fits + 1)]) as path:
+        assert path.parent == Path(zmq_trio.SHORT_TMP)
     monkeypatch.setattr(zmq_trio, "SHORT_TMP", str(tmp_path / "no-such-dir"))
     with pytest.raises(OSError, match=r"too long for ipc:// socket paths .* set TMPDIR to a shorter directory"):
-        with private_ipc_dir():
+        with private_ipc_dir(socket_names=["x" * (fits + 1)]):
             pass
     assert os.listdir(long) == []

@@ -150,7 +150,9 @@ class EngineCoreClient:
         the engine core is asked to stop, then terminated, and always reaped.
         """
         directory: contextlib.AbstractContextManager[Path | None] = (
-            private_ipc_dir() if self.uses_ipc_dir else contextlib.nullcontext()
+            private_ipc_dir(socket_names=("handshake", f"input-{self.engine_index}", "output"))
+            if self.uses_ipc_dir
+            else contextlib.nullcontext()
         )
         try:
             with directory as ipc_dir:

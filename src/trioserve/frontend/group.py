@@ -170,7 +170,7 @@ class EngineGroup:
             return
         # The lockstep collective's rendezvous files; each engine core removes
         # the directory if this process dies without doing so.
-        with private_ipc_dir("trioserve-dp-") as rendezvous:
+        with private_ipc_dir("trioserve-dp-", socket_names=[f"dp-{2**32}"]) as rendezvous:  # dp-<generation>
             self._rendezvous_dir = str(rendezvous)
             await self._run(task_status)
 

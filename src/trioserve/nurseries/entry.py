@@ -16,13 +16,13 @@ import sys
 
 
 def main(role: str) -> None:
-    from trioserve.stdio import ensure_standard_fds
-
-    ensure_standard_fds()  # before anything opens a descriptor
-    # Before the slow imports: Ctrl-C reaches the whole process group, and it is
+    # First of all, before the slow imports: Ctrl-C reaches the whole process group, and it is
     # the parent's to handle (run_child_main keeps SIGINT ignored; found: a Ctrl-C while a child
     # imported trio printed the child's KeyboardInterrupt traceback).
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    from trioserve.stdio import ensure_standard_fds
+
+    ensure_standard_fds()  # before anything opens a descriptor that stays open
     logging.basicConfig(
         level=os.environ.get("TRIOSERVE_LOG_LEVEL", "WARNING"),
         format=f"%(levelname)s {role}[%(process)d] %(name)s: %(message)s",

@@ -64,6 +64,7 @@ import trio
 
 from trioserve.config import EngineConfig
 from trioserve.errors import TrioserveError
+from trioserve.frontend.attached import api_server_addresses
 from trioserve.frontend.group import EngineGroup
 from trioserve.nurseries.child_main import remove_if_parent_dies
 from trioserve.nurseries.process import ChildProcess, ProcessExited, supervise_process
@@ -146,7 +147,9 @@ class ApiServers:
         port once every API server serves. Runs until cancelled (then every
         process is stopped and reaped), or raises ``ApiServerFailed``, or the
         engine group's ``EngineDeadError`` once every engine failed for good."""
-        with listen(self.server_config) as sock, private_ipc_dir("trioserve-api-") as directory:
+        last = self.engine_config.data_parallel_size - 1
+        sockets = [address.removeprefix("ipc://").rsplit("/", 1)[1] for address in api_server_addresses("", last)]
+        with listen(self.server_config) as sock, private_ipc_dir("trioserve-api-", socket_names=sockets) as directory:
             self.port = sock.getsockname()[1]
             self.group = EngineGroup(self.engine_config, api_servers_dir=str(directory))
             async with trio.open_nursery() as nursery:

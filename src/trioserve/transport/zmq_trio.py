@@ -248,38 +248,38 @@ def _new_socket(socket_type: int, opts: dict[str, Any], attach: Callable[[zmq.So
 
 
 IPC_PATH_MAX_LEN = getattr(zmq, "IPC_PATH_MAX_LEN", 0) or 107  # a Unix socket's path, in bytes
-IPC_NAME_ROOM = 32  # for the socket names put in a private directory ("/engine-12-out"), with room to spare
 SHORT_TMP = "/tmp"
 
 
 @contextlib.contextmanager
-def private_ipc_dir(prefix: str = "trioserve-") -> Iterator[Path]:
+def private_ipc_dir(prefix: str = "trioserve-", *, socket_names: Sequence[str] = ()) -> Iterator[Path]:
     """A fresh directory only this user can enter (mode 0700), for ``ipc://``
-    socket files; it is removed, with whatever is in it, on exit.
+    socket files (``socket_names``: those the caller binds in it) and other
+    private files; it is removed, with whatever is in it, on exit.
 
     It is made in the temporary directory (``TMPDIR``), or in ``/tmp`` when
-    that one's path leaves too little of the ~107 bytes a Unix socket path
-    may have (found: with a long ``TMPDIR``, ``serve`` failed with a
-    traceback from zmq); ``OSError`` naming ``TMPDIR`` if neither will do.
-    Socket names in it must stay within ``IPC_NAME_ROOM`` bytes.
+    the longest of ``socket_names`` there would pass the ~107 bytes a Unix
+    socket path may have (found: with a long ``TMPDIR``, ``serve`` failed
+    with a traceback from zmq); ``OSError`` naming ``TMPDIR`` if neither
+    will do.
     """
-    path = Path(tempfile.mkdtemp(prefix=prefix, dir=_ipc_base(prefix)))
+    path = Path(tempfile.mkdtemp(prefix=prefix, dir=_ipc_base(prefix, max(map(len, socket_names), default=0))))
     try:
         yield path
     finally:
         shutil.rmtree(path, ignore_errors=True)
 
 
-def _ipc_base(prefix: str) -> str:
-    def fits(base: str) -> bool:  # mkdtemp adds a slash and 8 characters
-        return len(os.fsencode(base)) + 1 + len(prefix) + 8 + IPC_NAME_ROOM <= IPC_PATH_MAX_LEN
+def _ipc_base(prefix: str, longest_name: int) -> str:
+    def fits(base: str) -> bool:  # mkdtemp adds a slash and 8 characters, the socket a slash and its name
+        return not longest_name or len(os.fsencode(base)) + len(prefix) + 8 + longest_name + 2 <= IPC_PATH_MAX_LEN
 
     base = tempfile.gettempdir()
     if fits(base):
         return base
-    if os.path.isdir(SHORT_TMP) and os.access(SHORT_TMP, os.W_OK | os.X_OK):
+    if fits(SHORT_TMP) and os.path.isdir(SHORT_TMP) and os.access(SHORT_TMP, os.W_OK | os.X_OK):
         return SHORT_TMP
     raise OSError(
         f"the temporary directory {base!r} is too long for ipc:// socket paths (at most {IPC_PATH_MAX_LEN} bytes "
-        f"with the socket's name) and {SHORT_TMP} is not writable: set TMPDIR to a shorter directory"
+        f"with the socket's name) and {SHORT_TMP} will not do: set TMPDIR to a shorter directory"
     )
