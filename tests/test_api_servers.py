@@ -738,3 +738,32 @@ async def test_a_headless_tree_killed_or_silent_ends_its_streams_on_both_api_ser
         proc.send_signal(signal.SIGTERM)
         assert await in_thread(proc.wait, 20) == 0
         assert not any(running(pid) for pid in tree)
+
+
+async def test_an_api_server_that_cannot_be_forked_is_started_again_after_its_backoff(fake_config, monkeypatch, caplog):
+    """Found: a fork of an API server that failed (EAGAIN: the process table
+    full) ended the whole ``serve`` (which then said "cannot listen"). It is
+    a death like any other: counted, and the API server is started again."""
+    from trioserve.server.api_servers import ApiServers
+    from trioserve.server.config import ServerConfig
+
+    real_open_process = trio.lowlevel.open_process
+    failures = [1]
+
+    async def open_process(argv, **options):
+        if failures[0] > 0 and argv[-1] == "trioserve.server":
+            failures[0] -= 1
+            raise BlockingIOError(11, "Resource temporarily unavailable")
+        return await real_open_process(argv, **options)
+
+    monkeypatch.setattr(trio.lowlevel, "open_process", open_process)
+    servers = ApiServers(fake_config(restart_backoff_s=0.05), ServerConfig(port=0), 2)
+    with trio.fail_after(60):
+        async with trio.open_nursery() as nursery:
+            port = await nursery.start(servers.run)
+            assert failures == [0] and sorted(servers.num_restarts) == [0, 1]
+            with ExitStack() as stack:
+                conns = await in_thread(http_on_both, stack, port, [c.pid for c in servers.children if c])
+                assert [(await in_thread(http_call, conn, "GET", "/health"))[0] for conn in conns] == [200, 200]
+            nursery.cancel_scope.cancel()
+    assert any("could not start: [Errno 11] Resource temporarily unavailable" in r.message for r in caplog.records)

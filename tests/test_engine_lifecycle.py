@@ -686,3 +686,38 @@ async def test_a_stream_read_after_its_block_or_by_two_tasks_at_once_raises_rath
                             nursery.start_soon(reader)
             stats = await engine.stats()
             assert stats.num_running == stats.num_waiting == 0 and engine.num_requests_in_flight() == 0
+
+
+async def test_an_engine_core_that_cannot_be_forked_is_a_spawn_error_at_start_and_a_failed_restart_later(
+    fake_config, monkeypatch, caplog
+):
+    """Found: a fork that failed (EAGAIN: the process table full) escaped as
+    a bare BlockingIOError, from the start (``serve`` then said "cannot
+    listen") and from a restart (which ended the whole front-end)."""
+    real_open_process = trio.lowlevel.open_process
+    failures = [0]
+
+    async def open_process(argv, **options):
+        if failures[0] > 0 and "engine-core" in argv:
+            failures[0] -= 1
+            raise BlockingIOError(11, "Resource temporarily unavailable")
+        return await real_open_process(argv, **options)
+
+    monkeypatch.setattr(trio.lowlevel, "open_process", open_process)
+    failures[0] = 1
+    with trio.fail_after(30):
+        with pytest.raises(trioserve.EngineStartupError) as failed:
+            async with trioserve.open_engine(config=fake_config()):
+                pass
+    assert failed.value.stage == "spawn" and failed.value.process == "engine-core-0"
+    assert str(failed.value) == "could not start engine-core-0: [Errno 11] Resource temporarily unavailable"
+    params = SamplingParams(max_tokens=3, temperature=0, ignore_eos=True)
+    with trio.fail_after(30):
+        async with trioserve.open_engine(config=fake_config(restart_backoff_s=0.05)) as engine:
+            failures[0] = 1  # the next start fails: a failed restart, then the one after serves
+            os.kill(engine.info.engine_pid, signal.SIGKILL)
+            while engine.num_restarts < 2 or engine.health != "ready":
+                await trio.sleep(0.02)
+            assert len((await engine.generate([5, 6], params)).token_ids) == 3
+    assert any("restart 1 failed: could not start engine-core-0" in r.message for r in caplog.records)
+    assert await wait_no_children() == []

@@ -17,6 +17,8 @@ import threading
 import time
 import urllib.error
 import urllib.request
+from functools import partial
+from pathlib import Path
 
 import psutil
 import pytest
@@ -398,3 +400,23 @@ async def test_serve_with_a_temporary_directory_too_long_for_socket_paths_serves
             assert collect(ws, {"a"})[0]["a"].terminal["type"] == "done"  # type: ignore[index]
         proc.send_signal(signal.SIGTERM)
         assert await trio.to_thread.run_sync(proc.wait, 30) == 0
+
+
+async def test_modules_in_the_working_directory_reach_no_process_of_the_tree(tiny_model_dir, tmp_path):
+    """Found: every child ran ``python -m``, which puts the working directory
+    first on ``sys.path``: a ``trio.py`` or ``random.py`` where ``serve`` was
+    started was imported by each child (the engine could not start; a file
+    planted there ran as code in the server)."""
+    script = Path(sys.executable).parent / "trioserve"  # the installed command: its own directory first, not ours
+    for name in ("trio", "random", "msgspec"):
+        (tmp_path / f"{name}.py").write_text(f"print('PLANTED {name}')\nraise SystemExit(7)\n")
+    argv = [str(script), "serve", "--port", "0", "--model", str(tiny_model_dir("llama")), "--runner", "fake"]
+    with trio.fail_after(60), spawned(argv, cwd=tmp_path) as proc:
+        url = await in_thread(wait_for_url, proc, 30)
+        with open_ws(url) as ws:
+            ws.send(generate("a", "hi", max_tokens=3))
+            assert collect(ws, {"a"})[0]["a"].terminal["type"] == "done"  # type: ignore[index]
+        proc.send_signal(signal.SIGTERM)
+        out, err = await trio.to_thread.run_sync(partial(proc.communicate, timeout=30))
+    assert proc.returncode == 0, err
+    assert "PLANTED" not in out + err

@@ -22,16 +22,16 @@ def serve_argv(*options: str) -> list[str]:
 
 @contextmanager
 def spawned(
-    argv: list[str], env: dict[str, str] | None = None, *, stdin: int | None = None
+    argv: list[str], env: dict[str, str] | None = None, *, stdin: int | None = None, cwd: Path = REPO
 ) -> Iterator[subprocess.Popen[str]]:
-    """Run ``argv``; on the way out, kill whatever of its process tree is left."""
+    """Run ``argv`` (in ``cwd``); on the way out, kill whatever of its process tree is left."""
     proc = subprocess.Popen(
         argv,
         stdin=stdin,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
-        cwd=REPO,
+        cwd=cwd,
         env=env or dict(os.environ),
     )
     try:

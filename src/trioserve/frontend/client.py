@@ -19,7 +19,6 @@ import contextlib
 import itertools
 import logging
 import os
-import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Protocol
@@ -69,7 +68,7 @@ from trioserve.nurseries.engine_core import (
     HANDSHAKE_TIMEOUT_ENV,
     ipc_directory,
 )
-from trioserve.nurseries.process import ChildProcess, ProcessExited, supervise_process
+from trioserve.nurseries.process import ChildProcess, ProcessExited, python_argv, supervise_process
 from trioserve.rpc import ControlCall, ControlReply, ControlRequest, GenerationState, Pause, Sleep
 from trioserve.transport.outbox import Outbox
 from trioserve.transport.silence import Silence
@@ -181,7 +180,10 @@ class EngineCoreClient:
             }
             if self.frontends is not None and (api_servers_dir := ipc_directory(self.frontends.input_address)):
                 env[API_SERVERS_DIR_ENV] = api_servers_dir
-            self.process = await nursery.start(self._supervise, env, nursery.cancel_scope)
+            try:
+                self.process = await nursery.start(self._supervise, env, nursery.cancel_scope)
+            except OSError as exc:  # no process: fork failed (EAGAIN: the process table is full; ENOMEM)
+                raise EngineStartupError(f"could not start {self.name}: {exc}", stage="spawn", process=self.name)
             info = await self._handshake(handshake, input_address, output_address)
         self._serve_sockets(nursery, input_sock, output_sock)
         return info
@@ -206,7 +208,7 @@ class EngineCoreClient:
         the output socket reads what it sent last: its own death report names
         the cause better than its exit code); once it was killed as hung and
         reaped, the client is done: ``scope`` is cancelled."""
-        argv = [sys.executable, "-m", "trioserve.nurseries.entry", "engine-core"]
+        argv = python_argv("trioserve.nurseries.entry", "engine-core")
         try:
             await supervise_process(
                 argv,

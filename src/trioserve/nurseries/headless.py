@@ -41,7 +41,6 @@ from __future__ import annotations
 
 import logging
 import os
-import sys
 from dataclasses import dataclass
 
 import msgspec
@@ -62,7 +61,7 @@ from trioserve.nurseries.engine_core import (
     INSECURE_TCP_ENV,
     PRIVATE_DIR_ENV,
 )
-from trioserve.nurseries.process import ProcessExited, supervise_process
+from trioserve.nurseries.process import ProcessExited, python_argv, supervise_process
 from trioserve.transport.curve import load_keys
 from trioserve.transport.zmq_trio import TrioZmqSocket, private_ipc_dir, zmq_context
 
@@ -139,7 +138,7 @@ async def keep_engine(config: HeadlessConfig, rank: int) -> None:
         env[CURVE_KEYS_ENV] = config.curve_keys_dir
     elif config.insecure_tcp:
         env[INSECURE_TCP_ENV] = "1"
-    argv = [sys.executable, "-m", "trioserve.nurseries.entry", "engine-core"]
+    argv = python_argv("trioserve.nurseries.entry", "engine-core")
     previous_pid = 0  # this rank's last engine core (0: none yet)
     while True:
         await wait_until_welcome(config, rank, previous_pid)
@@ -161,6 +160,11 @@ async def keep_engine(config: HeadlessConfig, rank: int) -> None:
             if not config.reconnect:
                 raise EngineDeadError(f"{why}; not reconnecting (--no-headless-reconnect)") from None
             log.warning("%s: joining %s again in %.1fs", why, config.handshake_address, config.backoff_s)
+        except OSError as exc:  # it could not start (fork: EAGAIN, the process table full): try again
+            why = f"engine-core-{rank}: could not start: {exc}"
+            if not config.reconnect:
+                raise EngineDeadError(f"{why}; not reconnecting (--no-headless-reconnect)") from None
+            log.warning("%s; again in %.1fs", why, config.backoff_s)
         await trio.sleep(config.backoff_s)
 
 

@@ -33,7 +33,7 @@ import trio
 
 from trioserve.errors import StoppedBySignal, collapse, describe
 from trioserve.nurseries.child_main import ChildFailed, remove_if_parent_dies
-from trioserve.nurseries.process import ChildProcess, supervise_process
+from trioserve.nurseries.process import ChildProcess, python_argv, supervise_process
 
 # After a stop the child's Trio side abandons the program's thread and exits;
 # its hard exit (1.5 s) and reaping (0.5 s) fit inside this grace.
@@ -71,7 +71,7 @@ def run_oneshot(
     nowhere). In the main thread, a SIGTERM stops the child and raises
     ``StoppedBySignal``; a SIGINT does the same and raises
     ``KeyboardInterrupt``."""
-    argv = [sys.executable, "-m", "trioserve.nurseries.entry", "run", module, *args]
+    argv = python_argv("trioserve.nurseries.entry", "run", module, *args)
     env = {**os.environ, **({SCRATCH_ENV: str(scratch)} if scratch is not None else {})}
     with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err, open(os.devnull, "wb") as nowhere:
         stdout = out.fileno() if capture else nowhere.fileno() if quiet else None

@@ -55,6 +55,7 @@ from __future__ import annotations
 import logging
 import os
 import signal
+import sys
 from collections.abc import Mapping, Sequence
 
 import trio
@@ -76,6 +77,7 @@ __all__ = [
     "SECRET_ENV_NAMES",
     "ChildProcess",
     "ProcessExited",
+    "python_argv",
     "remove_if_parent_dies",
     "run_child_main",
     "supervise_process",
@@ -84,6 +86,16 @@ __all__ = [
 # Environment variables that never reach a child process, whatever ``env``
 # supervise_process is given: secrets that only the front-end needs.
 SECRET_ENV_NAMES: frozenset[str] = frozenset({"TRIOSERVE_API_KEY"})
+
+
+def python_argv(module: str, *args: str) -> list[str]:
+    """``python -P -m module args``: a child of ours runs this interpreter,
+    and imports nothing from the directory it was started in (``-P``).
+    Found: a ``random.py`` or ``trio.py`` in the working directory of
+    ``serve`` was imported by every child: the engine could not start, and
+    a file planted there ran as code in the server."""
+    return [sys.executable, "-P", "-m", module, *args]
+
 
 log = logging.getLogger("trioserve.process")
 

@@ -24,7 +24,6 @@ import contextlib
 import os
 import secrets
 import shutil
-import sys
 import tempfile
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
@@ -46,7 +45,7 @@ from trioserve.messages import (
     WorkerHeartbeat,
     WorkerLoaded,
 )
-from trioserve.nurseries.process import ChildProcess, ProcessExited, supervise_process
+from trioserve.nurseries.process import ChildProcess, ProcessExited, python_argv, supervise_process
 from trioserve.nurseries.worker import WORKER_FD_ENV, WORKER_RANK_ENV
 from trioserve.nurseries.workers import ExecutorStage, WorkerError, WorkerHandle, WorkerHung
 from trioserve.transport.framing import MessageBridge, socketpair_for_child
@@ -157,7 +156,7 @@ class WorkerGroup:
         env = {**os.environ, WORKER_FD_ENV: str(child_end.fileno()), WORKER_RANK_ENV: str(rank)}
         if self.config.device == "cpu":
             env["CUDA_VISIBLE_DEVICES"] = ""  # transformers' sharding picks the accelerator it sees
-        argv = [sys.executable, "-m", "trioserve.nurseries.entry", "worker"]
+        argv = python_argv("trioserve.nurseries.entry", "worker")
         try:
             worker.process = await nursery.start(
                 partial(self._monitor, argv, worker, pass_fds=[child_end.fileno()], env=env)

@@ -55,7 +55,6 @@ import logging
 import os
 import signal
 import socket
-import sys
 from collections import deque
 from collections.abc import Callable
 
@@ -67,7 +66,7 @@ from trioserve.errors import TrioserveError
 from trioserve.frontend.attached import api_server_addresses
 from trioserve.frontend.group import EngineGroup
 from trioserve.nurseries.child_main import remove_if_parent_dies
-from trioserve.nurseries.process import ChildProcess, ProcessExited, supervise_process
+from trioserve.nurseries.process import ChildProcess, ProcessExited, python_argv, supervise_process
 from trioserve.server.config import ServerConfig
 from trioserve.server.server import Server
 from trioserve.transport.silence import Silence
@@ -189,6 +188,8 @@ class ApiServers:
                 await self._run_one(k, fd, env, ready)
             except* ProcessExited as group:  # it died (an exit asked for by drain() raises nothing)
                 log.warning("api-server-%d: %s", k, group.exceptions[0])
+            except* OSError as group:  # it could not start (fork: EAGAIN, the process table full): a death too
+                log.warning("api-server-%d: could not start: %s", k, group.exceptions[0])
             if (child := self.children[k]) is not None and self.group is not None:
                 self.group.api_server_died(k, child.pid)  # a drained one's left only if past the grace
             self.children[k] = None
@@ -218,7 +219,7 @@ class ApiServers:
                 child = await nursery.start(
                     functools.partial(
                         supervise_process,
-                        [sys.executable, "-m", "trioserve.server"],
+                        python_argv("trioserve.server"),
                         name=f"api-server-{k}",
                         env={**env, READY_FD_ENV: str(write_end)},
                         pass_fds=(fd, write_end),
