@@ -420,3 +420,16 @@ async def test_modules_in_the_working_directory_reach_no_process_of_the_tree(tin
         out, err = await trio.to_thread.run_sync(partial(proc.communicate, timeout=30))
     assert proc.returncode == 0, err
     assert "PLANTED" not in out + err
+
+
+async def test_the_log_level_children_take_is_the_commands_whatever_the_environment_says(tiny_model_dir):
+    """Found: ``TRIOSERVE_LOG_LEVEL=debug`` in the environment made every
+    child raise at its first line (the engine could not start), and any value
+    there won over ``--log-level``."""
+    argv = serve_argv("--model", str(tiny_model_dir("llama")), "--runner", "fake", "--log-level", "info")
+    with trio.fail_after(60), spawned(argv, {**os.environ, "TRIOSERVE_LOG_LEVEL": "debug"}) as proc:
+        await in_thread(wait_for_url, proc, 30)
+        proc.send_signal(signal.SIGTERM)
+        _, err = await trio.to_thread.run_sync(partial(proc.communicate, timeout=30))
+    assert proc.returncode == 0, err
+    assert "INFO engine-core[" in err and "DEBUG engine-core[" not in err, err

@@ -36,7 +36,7 @@ from trioserve.server import Server, ServerConfig
 from trioserve.server.api_servers import MAX_API_SERVERS, ApiServers
 from trioserve.server.listener import fd_limit, fds_needed, raise_fd_limit
 from trioserve.server.server import model_name
-from trioserve.stdio import announce, drop_stdout, ensure_standard_fds, say
+from trioserve.stdio import LOG_LEVEL_ENV, announce, drop_stdout, ensure_standard_fds, say
 
 API_KEY_ENV = "TRIOSERVE_API_KEY"  # never passed on to a child process (nurseries.process.SECRET_ENV_NAMES)
 
@@ -738,7 +738,7 @@ def _main(argv: list[str] | None) -> int:
         say(f"trioserve: invalid input: --log-level: unknown level {args.log_level!r}")
         return EXIT_USAGE
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
-    os.environ.setdefault("TRIOSERVE_LOG_LEVEL", args.log_level.upper())
+    os.environ[LOG_LEVEL_ENV] = args.log_level.upper()  # its children's (found: one in the environment won)
     raise_fd_limit(MIN_OPEN_FILES)  # the process is ours
     if args.command != "keys" and (limit := fd_limit()) is not None and limit < MIN_OPEN_FILES:
         say(

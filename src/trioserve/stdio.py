@@ -1,5 +1,5 @@
-"""A process's standard descriptors, and lines said on them that never stop
-what they report.
+"""A process's standard descriptors, lines said on them that never stop
+what they report, and the log level a child process takes.
 
 A server's standard output and error are often pipes to a logger (``serve
 2>&1 | tee log``, a supervisor's log collector) that may end or restart
@@ -10,8 +10,11 @@ every process of ours.
 
 from __future__ import annotations
 
+import logging
 import os
 import sys
+
+LOG_LEVEL_ENV = "TRIOSERVE_LOG_LEVEL"  # the trioserve command's --log-level, for its children
 
 
 def ensure_standard_fds() -> None:
@@ -71,3 +74,12 @@ def drop_stdout() -> None:
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
     except (AttributeError, OSError, ValueError):  # no stdout (None), or it is closed
         pass
+
+
+def child_log_level() -> int:
+    """The log level a child process takes from ``TRIOSERVE_LOG_LEVEL``
+    (any case); WARNING when it is unset or names no level. Found: set to
+    ``debug`` in the environment, every child raised at its first line, and
+    the engine could not start."""
+    level = logging.getLevelName(os.environ.get(LOG_LEVEL_ENV, "WARNING").strip().upper())
+    return level if isinstance(level, int) else logging.WARNING

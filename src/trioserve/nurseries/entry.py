@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import functools
 import logging
-import os
 import signal
 import sys
 
@@ -20,11 +19,11 @@ def main(role: str) -> None:
     # the parent's to handle (run_child_main keeps SIGINT ignored; found: a Ctrl-C while a child
     # imported trio printed the child's KeyboardInterrupt traceback).
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    from trioserve.stdio import ensure_standard_fds
+    from trioserve.stdio import child_log_level, ensure_standard_fds
 
     ensure_standard_fds()  # before anything opens a descriptor that stays open
     logging.basicConfig(
-        level=os.environ.get("TRIOSERVE_LOG_LEVEL", "WARNING"),
+        level=child_log_level(),
         format=f"%(levelname)s {role}[%(process)d] %(name)s: %(message)s",
     )
     from trioserve.nurseries.process import run_child_main
