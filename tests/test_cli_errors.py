@@ -168,3 +168,15 @@ def test_an_open_files_limit_too_low_to_start_an_engine_is_one_line_naming_it(ti
     )
     soft_only = run_cli(tiny_model_dir, "generate", "hi", shell='ulimit -S -n 16 && exec "$0" "$@"')
     assert soft_only.returncode == 0, soft_only.stderr  # raised up to the hard limit, which allows it
+
+
+@pytest.mark.parametrize("command", ["generate", "chat"])
+def test_text_the_locale_cannot_encode_is_written_as_question_marks(tiny_model_dir, command):
+    """Found: under an ASCII or Latin-1 locale (here ``PYTHONIOENCODING``),
+    ``generate`` and ``chat`` ended at the model's first character the
+    encoding lacks, as "invalid input" (exit 2)."""
+    args = ["generate", "hi"] if command == "generate" else ["chat"]
+    env = {**os.environ, "PYTHONIOENCODING": "ascii"}
+    done = run_cli(tiny_model_dir, *args, stdin=None, input="hi\n", env=env)
+    assert done.returncode == 0, done.stderr
+    assert "?" in done.stdout and "invalid input" not in done.stderr

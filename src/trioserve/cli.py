@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import io
 import logging
 import os
 import signal
@@ -723,11 +724,25 @@ def main(argv: list[str] | None = None) -> int:
     ensure_standard_fds()  # before anything opens a descriptor
     honoured = threading.current_thread() is threading.main_thread()
     previous = signal.signal(signal.SIGINT, signal.default_int_handler) if honoured else None
+    strict = _replace_unencodable(sys.stdout)
     try:
         return _main(argv)
     finally:
         if honoured:
             signal.signal(signal.SIGINT, previous)
+        if strict and isinstance(sys.stdout, io.TextIOWrapper):
+            sys.stdout.reconfigure(errors="strict")
+
+
+def _replace_unencodable(stream: object) -> bool:
+    """Let ``stream`` (stdout) write ``?`` for a character its encoding lacks
+    (a Latin-1 or ASCII locale, ``PYTHONIOENCODING=ascii``); True when it was
+    strict. Found: ``generate`` and ``chat`` ended at the first such
+    character of the model's text, as "invalid input" (exit 2)."""
+    if not isinstance(stream, io.TextIOWrapper) or stream.errors != "strict":
+        return False
+    stream.reconfigure(errors="replace")
+    return True
 
 
 def _main(argv: list[str] | None) -> int:
