@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+import msgspec
 import pytest
 import trio
 import trio.testing
@@ -38,9 +39,11 @@ class FakeClient(EngineCoreClient):
     def kill(self) -> None:
         self._killed.set()
 
+    reports = INFO  # what this life says it loaded
+
     async def run(self, *, task_status: trio.TaskStatus[EngineInfo] = trio.TASK_STATUS_IGNORED) -> None:
-        self.info = INFO
-        task_status.started(INFO)
+        self.info = self.reports
+        task_status.started(self.reports)
         await self._killed.wait()
         self._die("killed by the test")
 
@@ -48,8 +51,15 @@ class FakeClient(EngineCoreClient):
 class Lives:
     """Every fake client the supervisor made, in order."""
 
-    def __init__(self, *, controlled: bool = False, second_answers: int | None = None) -> None:
+    def __init__(
+        self,
+        *,
+        controlled: bool = False,
+        second_answers: int | None = None,
+        reports: dict[int, EngineInfo] | None = None,
+    ) -> None:
         self.clients: list[FakeClient] = []
+        self._reports = reports or {}  # life (from 1) -> what it says it loaded, if not INFO
         self.changed = trio.Event()
         self._controlled = controlled  # lives that take control calls (ControlledClient)
         self._second_answers = second_answers  # ... of which the second answers only so many
@@ -59,6 +69,7 @@ class Lives:
         if isinstance(client, ControlledClient) and len(self.clients) == 1:
             client.answers = self._second_answers
         self.clients.append(client)
+        client.reports = self._reports.get(len(self.clients), INFO)
         self.changed.set()
         self.changed = trio.Event()
         return client
@@ -101,6 +112,28 @@ async def test_restarts_back_off_doubling_up_to_the_cap_and_fail_past_the_budget
         assert "died 4 time(s) within restart_window_s=100.0s (max_restarts=3)" in str(failure)
         nursery.cancel_scope.cancel()
     assert len(lives.clients) == 4
+
+
+async def test_a_life_that_loaded_another_model_is_a_failed_start_naming_what_changed(autojump_clock, caplog):
+    """Found: after the model directory was replaced, a restart served
+    another model through the first one's tokenizer, health ``ready``."""
+    other = msgspec.structs.replace(INFO, model=ModelInfo(vocab_size=49152, max_model_len=64, eos_token_ids=[2]))
+    lives = Lives(reports={2: other})
+    supervisor = EngineSupervisor(config(), client_factory=lives.factory)
+    with trio.fail_after(100):  # virtual: without the check, no third life ever comes
+        async with trio.open_nursery() as nursery:
+            await nursery.start(supervisor.run)
+            (await lives.next_life(1)).kill()
+            await lives.next_life(3)  # the second life's start failed: a death, and a third after its backoff
+            await trio.testing.wait_all_tasks_blocked()
+            assert supervisor.health == "ready" and supervisor.num_restarts == 2 and supervisor.info == INFO
+            assert trio.current_time() == 0.5 + 1.0
+            nursery.cancel_scope.cancel()
+    assert any(
+        "restart 1 failed: the model at 'unused' changed since the engine started (vocab_size 259 -> 49152)"
+        in record.message
+        for record in caplog.records
+    )
 
 
 async def test_the_backoff_stops_doubling_at_its_cap(autojump_clock):

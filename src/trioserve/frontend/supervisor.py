@@ -52,7 +52,7 @@ from trioserve.errors import (
     leaves,
 )
 from trioserve.frontend.client import EngineCoreClient
-from trioserve.messages import EngineInfo, LoadReport
+from trioserve.messages import EngineInfo, LoadReport, ModelInfo
 from trioserve.rpc import ControlCall, Pause, Resume, Sleep, SleepLevel, WakeUp
 
 Health = Literal["starting", "ready", "stalled", "paused", "sleeping", "restarting", "failed", "stopped"]
@@ -103,6 +103,7 @@ class EngineSupervisor:
         self._health: Health = "starting"
         self.client: EngineCoreClient | None = None  # the live engine core's, while ready
         self.info: EngineInfo | None = None  # the latest engine core's
+        self._first_model: ModelInfo | None = None  # what the first life loaded: every later one must match
         self.num_restarts = 0
         self.failure: EngineDeadError | None = None
         self._deaths: deque[float] = deque()
@@ -241,6 +242,7 @@ class EngineSupervisor:
                 nursery.cancel_scope.cancel()
 
             info: EngineInfo = await nursery.start(run_client)
+            self._check_same_model(info)
             await self._reapply(client)
             if client.dead is not None:  # it died while being put in its state: it never served
                 nursery.start_soon(self._stop_when_dead_but_running, client, nursery.cancel_scope)
@@ -253,6 +255,31 @@ class EngineSupervisor:
             nursery.start_soon(self._stop_when_dead_but_running, client, nursery.cancel_scope)
         # client.run returned: its engine core died, and was reaped.
         self._last_reason = str(client.dead) if client.dead is not None else "it exited"
+
+    def _check_same_model(self, info: EngineInfo) -> None:
+        """A later life must have loaded the model the first one did (the
+        front-end's tokenizer and checks are that one's); else that start
+        fails, naming what changed. Found: after the model directory was
+        replaced (a ``current -> vN`` symlink moved, files updated in place),
+        a restart served another model through the first one's tokenizer,
+        with health ``ready`` and no error."""
+        if self._first_model is None:
+            self._first_model = info.model
+            return
+        if info.model == self._first_model:
+            return
+        was, now = self._first_model, info.model
+        changes = [
+            f"{field} {getattr(was, field)} -> {getattr(now, field)}"
+            for field in ("vocab_size", "max_model_len", "eos_token_ids")
+            if getattr(was, field) != getattr(now, field)
+        ]
+        raise EngineStartupError(
+            f"the model at {self.config.model!r} changed since the engine started ({', '.join(changes)}): "
+            "not served through the first one's tokenizer; start the engine again to serve it",
+            stage="model-load",
+            process=self.name,
+        )
 
     def remember(self, call: ControlCall) -> None:
         """Note a pause, resume, sleep or wake-up asked while no engine core
