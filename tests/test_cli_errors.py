@@ -180,3 +180,14 @@ def test_text_the_locale_cannot_encode_is_written_as_question_marks(tiny_model_d
     done = run_cli(tiny_model_dir, *args, stdin=None, input="hi\n", env=env)
     assert done.returncode == 0, done.stderr
     assert "?" in done.stdout and "invalid input" not in done.stderr
+
+
+@pytest.mark.parametrize("value", ["abc", "inf", "nan", "-1"])
+def test_a_hard_exit_time_that_is_not_seconds_is_one_line_naming_the_variable(tiny_model_dir, value):
+    """Found: ``abc`` said "could not convert string to float", ``inf`` gave
+    a traceback at the stop, ``nan`` a child that said "still alive nans"."""
+    done = run_cli(tiny_model_dir, "generate", "hi", env={**os.environ, "TRIOSERVE_HARD_EXIT_S": value})
+    assert done.returncode == EXIT_USAGE
+    assert done.stderr == (
+        f"trioserve: invalid input: TRIOSERVE_HARD_EXIT_S: must be a number of seconds >= 0, got {value!r}\n"
+    )

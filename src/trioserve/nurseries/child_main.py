@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import os
 import select
 import shutil
@@ -40,7 +41,7 @@ import sys
 import threading
 import time
 import traceback
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from pathlib import Path
 from types import FrameType
 from typing import NoReturn
@@ -219,6 +220,23 @@ class ChildExit(Exception):
         self.code = code
 
 
+def hard_exit_seconds(environ: Mapping[str, str]) -> float:
+    """``TRIOSERVE_HARD_EXIT_S`` in ``environ`` (default 1.5 s). Raises
+    ``ValueError`` naming it unless it is a finite number of seconds >= 0
+    (found: ``abc`` was "could not convert string to float", ``inf`` a
+    traceback at the stop, ``nan`` a child that said "still alive nans")."""
+    raw = environ.get(HARD_EXIT_ENV)
+    if raw is None:
+        return DEFAULT_HARD_EXIT_S
+    try:
+        value = float(raw)
+    except ValueError:
+        value = math.nan
+    if not math.isfinite(value) or value < 0:
+        raise ValueError(f"{HARD_EXIT_ENV}: must be a number of seconds >= 0, got {raw!r}")
+    return value
+
+
 def run_child_main(async_main: Callable[[], Awaitable[None]], *, name: str) -> None:
     """Run ``async_main`` as a supervised child: call it from ``__main__``.
 
@@ -242,7 +260,7 @@ def run_child_main(async_main: Callable[[], Awaitable[None]], *, name: str) -> N
     if watch is None:
         log.warning("%s: no %s in the environment: not watching a parent", name, PARENT_FD_ENV)
     else:
-        hard_exit_s = float(os.environ.get(HARD_EXIT_ENV, DEFAULT_HARD_EXIT_S))
+        hard_exit_s = hard_exit_seconds(os.environ)
         threading.Thread(
             target=_end_soon_after_parent, args=(watch, hard_exit_s), name="parent-watch-fallback", daemon=True
         ).start()

@@ -61,12 +61,11 @@ from collections.abc import Mapping, Sequence
 import trio
 
 from trioserve.nurseries.child_main import (
-    DEFAULT_HARD_EXIT_S,
-    HARD_EXIT_ENV,
     PARENT_FD_ENV,
     PARENT_PID_ENV,
     REAP_WAIT_S,
     STOP_BYTE,
+    hard_exit_seconds,
     remove_if_parent_dies,
     run_child_main,
     signal_child,
@@ -299,7 +298,7 @@ async def _start(
 
 
 def _check_nesting(name: str, child_env: Mapping[str, str], grace_s: float) -> None:
-    hard_exit_s = float(child_env.get(HARD_EXIT_ENV, DEFAULT_HARD_EXIT_S))
+    hard_exit_s = hard_exit_seconds(child_env)
     if hard_exit_s + REAP_WAIT_S >= grace_s:
         log.warning(
             "%s: grace_s %.2fs is not above its hard exit (%.2fs) + %.2fs: after a stop, it may get SIGTERM "
