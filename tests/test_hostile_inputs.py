@@ -433,3 +433,27 @@ async def test_the_log_level_children_take_is_the_commands_whatever_the_environm
         _, err = await trio.to_thread.run_sync(partial(proc.communicate, timeout=30))
     assert proc.returncode == 0, err
     assert "INFO engine-core[" in err and "DEBUG engine-core[" not in err, err
+
+
+async def test_children_started_after_the_working_directory_is_removed_start_in_the_root(tiny_model_dir, tmp_path):
+    """Found: ``serve`` started in a directory removed afterwards (a deploy
+    directory swapped) could not restart its engine: torch cannot load there
+    (oneMKL: "Cannot load libtorch_cpu.so"; seen with the real runner), so the
+    first crash took a healthy server down. Children started once it is gone
+    start in ``/``."""
+    gone = tmp_path / "deploy"
+    gone.mkdir()
+    argv = serve_argv("--model", str(tiny_model_dir("llama")), "--runner", "fake")
+    with trio.fail_after(60), spawned(argv, cwd=gone) as proc:
+        url = await in_thread(wait_for_url, proc, 30)
+        gone.rmdir()
+        first = tree_of(proc.pid)
+        os.kill(min(first), signal.SIGKILL)  # the engine core (started before its worker)
+        while not (new := [pid for pid in tree_of(proc.pid) if pid not in first]) or len(new) < 2:
+            await trio.sleep(0.05)
+        assert [psutil.Process(pid).cwd() for pid in new] == ["/", "/"]
+        with open_ws(url) as ws:
+            ws.send(generate("a", "hi", max_tokens=3))
+            assert collect(ws, {"a"})[0]["a"].terminal["type"] == "done"  # type: ignore[index]
+        proc.send_signal(signal.SIGTERM)
+        assert await trio.to_thread.run_sync(proc.wait, 30) == 0

@@ -284,6 +284,7 @@ async def _start(
             argv,
             pass_fds=(*pass_fds, read_fd),
             env=child_env,
+            cwd=_child_cwd(),
             process_group=0 if new_process_group else None,
             stdout=stdio[0],
             stderr=stdio[1],
@@ -295,6 +296,20 @@ async def _start(
         os.close(read_fd)
     this_process.add_child(process.pid, leads_group=new_process_group)
     return ChildProcess(name, process, write_fd, leads_group=new_process_group)
+
+
+def _child_cwd() -> str | None:
+    """Where a child starts: where this process is (None), or ``/`` when
+    this process's working directory has been removed (a deploy directory
+    swapped under a running ``serve``). Found: there, torch could not load
+    (oneMKL: "Cannot load libtorch_cpu.so"), so every restart of the engine
+    failed and a healthy server went down at its first crash. Paths relative
+    to a removed directory lead nowhere either way."""
+    try:
+        os.getcwd()
+    except FileNotFoundError:
+        return "/"
+    return None
 
 
 def _check_nesting(name: str, child_env: Mapping[str, str], grace_s: float) -> None:
