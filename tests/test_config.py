@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from trioserve import config as config_module
-from trioserve.config import ENGINES_ON_HOST_ENV, EngineConfig, cpu_threads_per_worker
+from trioserve.config import ENGINES_ON_HOST_ENV, EngineConfig, cache_dir, cpu_threads_per_worker
 
 
 @pytest.fixture
@@ -111,3 +113,24 @@ def test_server_settings_are_checked_for_type_and_size_like_the_engines(
     with pytest.raises(ValueError) as info:
         ServerConfig(**options)  # type: ignore[arg-type]
     assert str(info.value).startswith(message)
+
+
+def test_the_cache_directory_ignores_a_relative_xdg_cache_home(monkeypatch, tmp_path):
+    """Found: ``XDG_CACHE_HOME=relative/dir`` put a 517 MB model under the
+    working directory; the XDG spec says to ignore a relative value."""
+    monkeypatch.delenv("TRIOSERVE_CACHE_DIR", raising=False)
+    monkeypatch.setenv("HOME", str(tmp_path))
+    monkeypatch.setenv("XDG_CACHE_HOME", "relative/dir")
+    assert cache_dir() == tmp_path / ".cache" / "trioserve"
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert cache_dir() == tmp_path / "xdg" / "trioserve"
+    monkeypatch.setenv("TRIOSERVE_CACHE_DIR", "ours")
+    assert cache_dir() == Path("ours")
+
+
+def test_threads_from_omp_num_threads_are_capped_as_torch_threads_are(monkeypatch):
+    """Found: ``OMP_NUM_THREADS=100000`` made each worker fail to start a thread."""
+    monkeypatch.setenv("OMP_NUM_THREADS", "100000")
+    assert cpu_threads_per_worker(EngineConfig(model="m")) == config_module.MAX_TORCH_THREADS
+    monkeypatch.setenv("OMP_NUM_THREADS", "3")
+    assert cpu_threads_per_worker(EngineConfig(model="m")) == 3

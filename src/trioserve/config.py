@@ -18,10 +18,13 @@ from typing import Any, Literal
 def cache_dir() -> Path:
     """Where trioserve keeps what it builds once (converted models, compiled
     kernels): ``$TRIOSERVE_CACHE_DIR``, else ``$XDG_CACHE_HOME/trioserve``,
-    else ``~/.cache/trioserve``."""
+    else ``~/.cache/trioserve``. A relative ``XDG_CACHE_HOME`` is ignored, as
+    the XDG spec says (found: it put a 517 MB model under the working
+    directory)."""
     if os.environ.get("TRIOSERVE_CACHE_DIR"):
         return Path(os.environ["TRIOSERVE_CACHE_DIR"])
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    xdg = os.environ.get("XDG_CACHE_HOME", "")
+    base = xdg if os.path.isabs(xdg) else os.path.join(os.path.expanduser("~"), ".cache")
     return Path(base) / "trioserve"
 
 
@@ -48,8 +51,8 @@ def cpu_threads_per_worker(config: EngineConfig) -> int:
     if config.torch_threads:
         return config.torch_threads
     omp = os.environ.get("OMP_NUM_THREADS", "")
-    if omp.isdigit() and int(omp) >= 1:
-        return int(omp)
+    if omp.isdigit() and int(omp) >= 1:  # capped as torch_threads is (found: 100000 failed to start a thread)
+        return min(int(omp), MAX_TORCH_THREADS)
     engines = os.environ.get(ENGINES_ON_HOST_ENV, "")
     engines_here = int(engines) if engines.isdigit() and int(engines) >= 1 else max(1, config.num_local_engines)
     return max(1, usable_cores() // (config.tensor_parallel_size * engines_here))
