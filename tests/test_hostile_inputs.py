@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -440,13 +441,16 @@ async def test_children_started_after_the_working_directory_is_removed_start_in_
     directory swapped) could not restart its engine: torch cannot load there
     (oneMKL: "Cannot load libtorch_cpu.so"; seen with the real runner), so the
     first crash took a healthy server down. Children started once it is gone
-    start in ``/``."""
-    gone = tmp_path / "deploy"
-    gone.mkdir()
-    argv = serve_argv("--model", str(tiny_model_dir("llama")), "--runner", "fake")
-    with trio.fail_after(60), spawned(argv, cwd=gone) as proc:
+    start in ``/``, and a relative ``--model`` was made absolute at start."""
+    deploy = tmp_path / "deploy"
+    deploy.mkdir()
+    (deploy / "model").symlink_to(tiny_model_dir("llama"))
+    argv = serve_argv("--model", "model", "--runner", "fake")  # relative to the deploy directory
+    with trio.fail_after(60), spawned(argv, cwd=deploy) as proc:
         url = await in_thread(wait_for_url, proc, 30)
-        gone.rmdir()
+        shutil.rmtree(deploy)  # the deploy directory swapped: a new one in its place
+        deploy.mkdir()
+        (deploy / "model").symlink_to(tiny_model_dir("llama"))
         first = tree_of(proc.pid)
         os.kill(min(first), signal.SIGKILL)  # the engine core (started before its worker)
         while not (new := [pid for pid in tree_of(proc.pid) if pid not in first]) or len(new) < 2:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import io
 import logging
@@ -265,7 +266,7 @@ def _default_model() -> str:
 
 
 def _engine_config(args: argparse.Namespace) -> EngineConfig:
-    model = _default_model() if args.model is None else args.model
+    model = _default_model() if args.model is None else _absolute_if_here(args.model)
     return EngineConfig(
         model=model,
         runner=args.runner,
@@ -330,6 +331,14 @@ async def _generate(config: EngineConfig, prompt: str, params: SamplingParams) -
     write_out(sys.stdout, "\n")
     assert final is not None
     say(f"[{final.num_output_tokens} tokens in {elapsed:.2f}s, finish reason: {final.finish_reason}]")
+
+
+def _absolute_if_here(path: str) -> str:
+    """``path`` made absolute when it names something here: a child started
+    after the working directory was removed starts in ``/`` (found: with
+    ``--model ./model``, every restart after the deploy directory was
+    replaced looked for ``/model``)."""
+    return os.path.abspath(path) if os.path.exists(path) else path
 
 
 def _check_stdout() -> None:
@@ -728,10 +737,11 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return _main(argv)
     finally:
-        if honoured:
+        if honoured and previous is not None:  # None: a handler installed from C, which we cannot put back
             signal.signal(signal.SIGINT, previous)
         if strict and isinstance(sys.stdout, io.TextIOWrapper):
-            sys.stdout.reconfigure(errors="strict")
+            with contextlib.suppress(OSError, ValueError):  # it flushes: its reader may be gone
+                sys.stdout.reconfigure(errors="strict")
 
 
 def _replace_unencodable(stream: object) -> bool:

@@ -55,6 +55,11 @@ from trioserve.transport.silence import TICK_MAX_S, sleep_noting_absence
 # exit, so that the error can name its exit code. It exits at once after its
 # last word; this only bounds a worker that does not.
 EXIT_WAIT_S = 0.5
+# How long the stream of a worker that exited gets to deliver what it still
+# holds (its last words). It ends at once when the worker dies; the bound
+# leaves room for an engine core that a busy machine runs late (found: 0.5 s
+# lost a worker's last words under load).
+LAST_WORDS_WAIT_S = 2.0
 
 _Reply = TypeVar("_Reply", WorkerLoaded, KVCacheReady, RunnerOutput, RpcReply)
 
@@ -194,7 +199,7 @@ class WorkerGroup:
         """The worker monitor: supervise one worker. Its unexpected exit raises
         ``WorkerError`` naming the stage (and step), its exit code or signal
         and its last words (a ``WorkerFailed`` it sent before exiting; the
-        stream gets ``EXIT_WAIT_S`` to deliver it). If cancelled, the worker
+        stream gets ``LAST_WORDS_WAIT_S`` to deliver it). If cancelled, the worker
         is stopped and reaped."""
         try:
             await supervise_process(
@@ -206,7 +211,7 @@ class WorkerGroup:
                 task_status=task_status,
             )
         except ProcessExited as exc:
-            with trio.move_on_after(EXIT_WAIT_S):
+            with trio.move_on_after(LAST_WORDS_WAIT_S):
                 await worker.stream_closed.wait()
             num_replies, failure = worker.drain()
             last_words = self._last_words.get(worker.rank) or failure

@@ -4,10 +4,14 @@
 from __future__ import annotations
 
 import logging
+import signal
 
-from trioserve.nurseries.process import run_child_main
-from trioserve.server.api_servers import api_server_main
-from trioserve.stdio import child_log_level, ensure_standard_fds
+# First, before the slow imports: Ctrl-C is the supervising process's to handle (as in nurseries/entry.py).
+signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+from trioserve.nurseries.process import run_child_main  # noqa: E402
+from trioserve.server.api_servers import api_server_main  # noqa: E402
+from trioserve.stdio import child_log_level, ensure_standard_fds  # noqa: E402
 
 ensure_standard_fds()  # before anything opens a descriptor (imports open none that stay)
 logging.basicConfig(
