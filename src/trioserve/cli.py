@@ -48,11 +48,12 @@ EXIT_ERROR = 1  # anything else: cannot listen, a request failed, ...
 EXIT_USAGE = 2  # bad command line or configuration
 EXIT_STARTUP_FAILED = 3  # the engine could not start (the message names the stage and process)
 EXIT_ENGINE_DEAD = 4  # the engine died and could not be restarted (out of restarts)
+EXIT_INTERRUPTED = 130  # Ctrl-C where no graceful shutdown applies
+EXIT_TERMINATED = 143  # SIGTERM where no graceful shutdown applies (not serve): what it started was stopped in order
+
 # Below this many open files, the engine's start fails in zmq (the fake runner's tree needed 28; a worker
 # with torch, more): refused at once, naming the limit, where it gave a traceback.
 MIN_OPEN_FILES = 64
-EXIT_INTERRUPTED = 130  # Ctrl-C where no graceful shutdown applies
-EXIT_TERMINATED = 143  # SIGTERM where no graceful shutdown applies (not serve): what it started was stopped in order
 
 
 def _add_engine_options(parser: argparse.ArgumentParser) -> None:

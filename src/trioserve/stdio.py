@@ -71,9 +71,16 @@ def drop_stdout() -> None:
     failure (the interpreter's flush at exit included: a traceback, exit
     120) fails again."""
     try:
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        fd = sys.stdout.fileno()
     except (AttributeError, OSError, ValueError):  # no stdout (None), or it is closed
+        return
+    null = os.open(os.devnull, os.O_WRONLY)
+    try:
+        os.dup2(null, fd)
+    except OSError:
         pass
+    finally:
+        os.close(null)
 
 
 def child_log_level() -> int:

@@ -149,9 +149,7 @@ class EngineCoreClient:
         the engine core is asked to stop, then terminated, and always reaped.
         """
         directory: contextlib.AbstractContextManager[Path | None] = (
-            private_ipc_dir(socket_names=("handshake", f"input-{self.engine_index}", "output"))
-            if self.uses_ipc_dir
-            else contextlib.nullcontext()
+            private_ipc_dir(socket_names=self._socket_names()) if self.uses_ipc_dir else contextlib.nullcontext()
         )
         try:
             with directory as ipc_dir:
@@ -165,16 +163,19 @@ class EngineCoreClient:
                 raise self._startup_error(exited) from None
             self._die(str(exited))
 
+    def _socket_names(self) -> tuple[str, str, str]:
+        """The sockets ``_start`` binds in the private directory: handshake, input, output."""
+        return "handshake", f"input-{self.engine_index}", "output"
+
     async def _start(self, nursery: trio.Nursery, ipc_dir: str) -> EngineInfo:
-        handshake = TrioZmqSocket.bind(zmq.ROUTER, f"ipc://{ipc_dir}/handshake", linger=0)
-        input_address = f"ipc://{ipc_dir}/input-{self.engine_index}"
-        output_address = f"ipc://{ipc_dir}/output"
+        handshake_address, input_address, output_address = (f"ipc://{ipc_dir}/{n}" for n in self._socket_names())
+        handshake = TrioZmqSocket.bind(zmq.ROUTER, handshake_address, linger=0)
         input_sock = TrioZmqSocket.bind(zmq.PUSH, input_address, linger=0)
         output_sock = TrioZmqSocket.bind(zmq.PULL, output_address, linger=0)
         with handshake:
             env = {
                 **os.environ,
-                HANDSHAKE_ADDRESS_ENV: f"ipc://{ipc_dir}/handshake",
+                HANDSHAKE_ADDRESS_ENV: handshake_address,
                 ENGINE_INDEX_ENV: str(self.engine_index),
                 HANDSHAKE_TIMEOUT_ENV: str(self.config.startup_timeout_s),
             }

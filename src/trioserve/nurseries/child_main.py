@@ -49,6 +49,7 @@ from typing import NoReturn
 import trio
 
 from trioserve.errors import sole_leaf
+from trioserve.stdio import say
 
 __all__ = ["ChildExit", "ChildFailed", "remove_if_parent_dies", "run_child_main"]
 
@@ -285,19 +286,12 @@ def run_child_main(async_main: Callable[[], Awaitable[None]], *, name: str) -> N
 
 def _report_failure(name: str, exc: BaseException) -> None:
     """One line for a ``ChildFailed`` (a failure the child has reported
-    itself), else a traceback, on standard error; nothing where it is gone
-    (its reader ended) or was closed at the start, so that the process still
-    ends its children first."""
-    if sys.stderr is None:
-        return
-    try:
-        if (failed := sole_leaf(exc, ChildFailed)) is not None:
-            sys.stderr.write(f"{name} (pid {os.getpid()}) failed: {failed}\n")
-        else:
-            sys.stderr.write(f"{name} (pid {os.getpid()}) failed:\n")
-            traceback.print_exception(exc, file=sys.stderr)
-    except (OSError, ValueError):
-        pass
+    itself), else a traceback, on standard error; dropped where it is gone
+    (``stdio.say``), so that the process still ends its children first."""
+    if (failed := sole_leaf(exc, ChildFailed)) is not None:
+        say(f"{name} (pid {os.getpid()}) failed: {failed}")
+    else:
+        say(f"{name} (pid {os.getpid()}) failed:\n" + "".join(traceback.format_exception(exc)).rstrip("\n"))
 
 
 def _take_parent_watch() -> _ParentWatch | None:

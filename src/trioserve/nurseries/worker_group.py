@@ -57,8 +57,9 @@ from trioserve.transport.silence import TICK_MAX_S, sleep_noting_absence
 EXIT_WAIT_S = 0.5
 # How long the stream of a worker that exited gets to deliver what it still
 # holds (its last words). It ends at once when the worker dies; the bound
-# leaves room for an engine core that a busy machine runs late (found: 0.5 s
-# lost a worker's last words under load).
+# leaves room for an engine core that a busy machine runs late. (Its last
+# words are still lost now and then in a whole-suite run, with this bound as
+# with 0.5 s: not explained yet, see the TP SIGUSR1 test.)
 LAST_WORDS_WAIT_S = 2.0
 
 _Reply = TypeVar("_Reply", WorkerLoaded, KVCacheReady, RunnerOutput, RpcReply)
