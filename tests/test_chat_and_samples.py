@@ -337,10 +337,17 @@ async def test_when_the_engine_dies_under_n_samples_each_counts_as_an_error_not_
     assert reasons == ["error"] * 3
 
 
-@pytest.mark.parametrize("command", ["generate", "chat"])
-async def test_sigterm_stops_generate_and_chat_with_their_engine_in_order_exit_143(tiny_model_dir, command):
+@pytest.mark.parametrize(
+    ("command", "signum"),
+    [("generate", signal.SIGTERM), ("chat", signal.SIGTERM), ("chat", signal.SIGHUP)],
+    ids=["generate-SIGTERM", "chat-SIGTERM", "chat-SIGHUP"],
+)
+async def test_a_stop_signal_stops_generate_and_chat_with_their_engine_in_order_exit_128_plus_it(
+    tiny_model_dir, command, signum
+):
     """Found: SIGTERM killed the command at once; its engine core saw its
-    parent die ("the parent is gone: stopping") and the exit was -15."""
+    parent die ("the parent is gone: stopping") and the exit was -15. So did
+    SIGHUP (the terminal closed), exit -1. Now 143 and 129, in order."""
     argv = [sys.executable, "-m", "trioserve.cli", command, "--model", str(tiny_model_dir("llama")),
             "--runner", "fake", "--fake-options", '{"step_delay_s": 0.05}', "--max-tokens", "1000",
             "--ignore-eos", *(["hello"] if command == "generate" else [])]  # fmt: skip
@@ -352,10 +359,10 @@ async def test_sigterm_stops_generate_and_chat_with_their_engine_in_order_exit_1
         await in_thread(proc.stdout.read, 1)  # the reply streams: the engine is up
         tree = psutil.Process(proc.pid).children(recursive=True)
         assert tree
-        proc.send_signal(signal.SIGTERM)
+        proc.send_signal(signum)
         _, err = await in_thread(proc.communicate)
-        assert proc.returncode == 143, err
-        assert err.strip().splitlines()[-1] == "trioserve: SIGTERM: stopped"
+        assert proc.returncode == 128 + signum, err
+        assert err.strip().splitlines()[-1] == f"trioserve: {signum.name}: stopped"
         assert "parent is gone" not in err and "Traceback" not in err
         _, alive = await in_thread(psutil.wait_procs, tree, 5)
         assert alive == []

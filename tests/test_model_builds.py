@@ -51,19 +51,21 @@ async def _wait_gone(pid: int) -> None:
         await trio.sleep(0.02)
 
 
-SIGTERM_STOPPED = "trioserve: SIGTERM: stopped the default-model converter before it finished (nothing kept)"
+STOPPED = "trioserve: {}: stopped the default-model converter before it finished (nothing kept)"
 SIGINT_STOPPED = "trioserve: SIGINT: stopped before serving"  # exit 0, as every graceful stop of serve
 
 
 @pytest.mark.parametrize(
     ("signum", "code", "last_line", "sigint_ignored"),
     [
-        (signal.SIGTERM, 0, SIGTERM_STOPPED, False),
+        (signal.SIGTERM, 0, STOPPED.format("SIGTERM"), False),
+        # Its terminal closed (found: that killed serve at once, and the converter ran on for 10-20 s).
+        (signal.SIGHUP, 0, STOPPED.format("SIGHUP"), False),
         (signal.SIGINT, 0, SIGINT_STOPPED, False),
         # Started with SIGINT ignored (a background job of a script, nohup).
         (signal.SIGINT, 0, SIGINT_STOPPED, True),
     ],
-    ids=["SIGTERM", "SIGINT", "SIGINT-started-ignored"],
+    ids=["SIGTERM", "SIGHUP", "SIGINT", "SIGINT-started-ignored"],
 )
 async def test_a_signal_while_the_default_model_converts_stops_the_converter_and_keeps_nothing(
     tmp_path, signum, code, last_line, sigint_ignored

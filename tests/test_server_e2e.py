@@ -76,13 +76,15 @@ def stream_until_closed(url: str, started: Any, n: int) -> tuple[dict[str, Recei
 
 @pytest.mark.parametrize(
     ("signum", "stderr_gone"),
-    [(signal.SIGINT, False), (signal.SIGTERM, False), (signal.SIGINT, True)],
-    ids=["SIGINT", "SIGTERM", "SIGINT-stderr-reader-gone"],
+    [(signal.SIGINT, False), (signal.SIGTERM, False), (signal.SIGHUP, False), (signal.SIGINT, True)],
+    ids=["SIGINT", "SIGTERM", "SIGHUP", "SIGINT-stderr-reader-gone"],
 )
 async def test_a_signal_with_streams_in_flight_ends_every_stream_and_exits_0(tiny_model_dir, signum, stderr_gone):
-    """``stderr_gone``: the reader of its standard error has ended (``serve
-    2>&1 | tee log``, where Ctrl-C ends tee too). Found: saying "shutting
-    down" raised BrokenPipeError, which cut the graceful shutdown short (exit 1)."""
+    """SIGHUP: the terminal ``serve`` ran in was closed (found: that killed it
+    at once, cutting every stream short, exit 129). ``stderr_gone``: the
+    reader of its standard error has ended (``serve 2>&1 | tee log``, where
+    Ctrl-C ends tee too). Found: saying "shutting down" raised
+    BrokenPipeError, which cut the graceful shutdown short (exit 1)."""
     grace = 1.0
     argv = serve_argv("--model", str(tiny_model_dir("llama")), "--runner", "fake", "--shutdown-grace", str(grace))
     with trio.fail_after(60), spawned(argv) as proc:

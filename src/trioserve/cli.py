@@ -32,7 +32,7 @@ from trioserve.errors import (
 )
 from trioserve.messages import SamplingParams
 from trioserve.nurseries.headless import HeadlessConfig, run_headless
-from trioserve.nurseries.oneshot import until_sigterm
+from trioserve.nurseries.oneshot import STOP_SIGNALS, until_stop_signal
 from trioserve.nurseries.process import describe_exit
 from trioserve.server import Server, ServerConfig
 from trioserve.server.api_servers import MAX_API_SERVERS, ApiServers
@@ -43,13 +43,19 @@ from trioserve.stdio import LOG_LEVEL_ENV, announce, drop_stdout, ensure_standar
 API_KEY_ENV = "TRIOSERVE_API_KEY"  # never passed on to a child process (nurseries.process.SECRET_ENV_NAMES)
 
 # Exit statuses (docs/supervision.md).
-EXIT_OK = 0  # done, or shut down cleanly (SIGINT / SIGTERM)
+EXIT_OK = 0  # done, or shut down cleanly (SIGINT / SIGTERM / SIGHUP)
 EXIT_ERROR = 1  # anything else: cannot listen, a request failed, ...
 EXIT_USAGE = 2  # bad command line or configuration
 EXIT_STARTUP_FAILED = 3  # the engine could not start (the message names the stage and process)
 EXIT_ENGINE_DEAD = 4  # the engine died and could not be restarted (out of restarts)
 EXIT_INTERRUPTED = 130  # Ctrl-C where no graceful shutdown applies
-EXIT_TERMINATED = 143  # SIGTERM where no graceful shutdown applies (not serve): what it started was stopped in order
+# 128 + N: signal N (SIGHUP 129, SIGTERM 143) where no graceful shutdown applies (not serve); what the command
+# started was stopped in order first.
+EXIT_SIGNALLED_BASE = 128
+
+# What shuts a server down gracefully (serve, headless, several API servers): Ctrl-C, a SIGTERM, or a SIGHUP
+# (its terminal closed; found: that killed serve at once, cutting every stream short).
+SHUTDOWN_SIGNALS = (signal.SIGINT, *STOP_SIGNALS)
 
 # Below this many open files, the engine's start fails in zmq (the fake runner's tree needed 28; a worker
 # with torch, more): refused at once, naming the limit, where it gave a traceback.
@@ -350,10 +356,11 @@ def _check_stdout() -> None:
 
 
 def _one_shot(main: Callable[[], Awaitable[None]]) -> int:
-    """``generate`` and ``chat``: exit 0 when done, 143 after a SIGTERM."""
-    if trio.run(until_sigterm, main):
-        say("\ntrioserve: SIGTERM: stopped")
-        return EXIT_TERMINATED
+    """``generate`` and ``chat``: exit 0 when done, 143 after a SIGTERM and
+    129 after a SIGHUP (the engine stopped in order first)."""
+    if (signum := trio.run(until_stop_signal, main)) is not None:
+        say(f"\ntrioserve: {signum.name}: stopped")
+        return EXIT_SIGNALLED_BASE + signum
     return EXIT_OK
 
 
@@ -513,10 +520,11 @@ def _api_key(args: argparse.Namespace) -> str | None:
 
 
 async def _serve(server: Server) -> None:
-    """Run ``server`` until SIGINT or SIGTERM has shut it down gracefully (a
-    second signal ends the grace at once). Raises what ``Server.run`` raises."""
+    """Run ``server`` until SIGINT, SIGTERM or SIGHUP has shut it down
+    gracefully (a second signal ends the grace at once). Raises what
+    ``Server.run`` raises."""
     failure: list[Exception] = []
-    with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+    with trio.open_signal_receiver(*SHUTDOWN_SIGNALS) as signals:
         async with trio.open_nursery() as nursery:
 
             async def stop_on_signals() -> None:
@@ -556,8 +564,8 @@ def cmd_keys(args: argparse.Namespace) -> int:
 
 
 async def _run_headless(config: HeadlessConfig) -> None:
-    """The headless engine cores until SIGINT or SIGTERM (then they are stopped)."""
-    with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+    """The headless engine cores until SIGINT, SIGTERM or SIGHUP (then they are stopped)."""
+    with trio.open_signal_receiver(*SHUTDOWN_SIGNALS) as signals:
         async with trio.open_nursery() as nursery:
             await nursery.start(run_headless, config)
             last = config.start_rank + config.num_engines - 1
@@ -598,11 +606,11 @@ def cmd_headless(args: argparse.Namespace) -> int:
 
 
 async def _serve_api_servers(servers: ApiServers) -> None:
-    """The supervising process of several API servers, until SIGINT or SIGTERM
-    (then every process is stopped and reaped): once they serve, they drain
+    """The supervising process of several API servers, until SIGINT, SIGTERM
+    or SIGHUP (then every process is stopped and reaped): once they serve, they drain
     first; while they start (engines loading, or waiting for one on another
     host), everything stops at once. Raises what ``ApiServers.run`` raises."""
-    with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+    with trio.open_signal_receiver(*SHUTDOWN_SIGNALS) as signals:
         async with trio.open_nursery() as nursery:
             serving = trio.Event()
 
@@ -694,7 +702,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="Start an engine and serve it on one port: the OpenAI-compatible HTTP API under /v1 "
         "(docs/openai-api.md), WebSocket token streaming (docs/websocket-protocol.md), Prometheus /metrics "
         "(docs/metrics.md). Prints the URLs once the model is loaded; GET /health on the same port answers 200 "
-        "when ready. SIGINT (Ctrl-C) or SIGTERM shuts down gracefully.",
+        "when ready. SIGINT (Ctrl-C), SIGTERM or SIGHUP shuts down gracefully.",
     )
     _add_server_options(serve)
     _add_engine_options(serve)
@@ -787,9 +795,11 @@ def _main(argv: list[str] | None) -> int:
     except EngineDeadError as exc:
         say(f"trioserve: the engine died and was not recovered: {exc}")
         return EXIT_ENGINE_DEAD
-    except StoppedBySignal as exc:  # a SIGTERM while a model was built (before any engine) or a baseline ran
+    except StoppedBySignal as exc:  # a SIGTERM or SIGHUP while a model was built (before any engine) or a baseline ran
         say(f"trioserve: {exc}")
-        return EXIT_OK if args.command == "serve" else EXIT_TERMINATED  # serve's every graceful stop is 0
+        if args.command == "serve":  # serve's every graceful stop is 0
+            return EXIT_OK
+        return EXIT_SIGNALLED_BASE + exc.signum
     except TrioserveError as exc:
         say(f"trioserve: {type(exc).__name__}: {exc}")
         return EXIT_ERROR

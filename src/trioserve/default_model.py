@@ -7,8 +7,8 @@ once into a float32 safetensors directory in the cache
 ``nurseries/oneshot.py``, so the front-end never imports torch), which then
 loads like any other model directory. The conversion is atomic: it builds in
 a temporary directory beside the target and renames it into place with a
-marker file inside, so a half-built directory never counts. Ctrl-C or
-SIGTERM stops the converter and removes that directory; if this process is
+marker file inside, so a half-built directory never counts. Ctrl-C,
+SIGTERM or SIGHUP stops the converter and removes that directory; if this process is
 killed, the converter removes it and exits.
 
 ``tiny_random_model_dir`` keeps the former default, a tiny Llama with random
@@ -102,7 +102,7 @@ def build_model_dir(target: Path, module: str, args: list[str], *, name: str) ->
     directory when it cannot be created or written in,
     ``subprocess.CalledProcessError`` if the builder fails, and, once the
     builder is stopped, ``KeyboardInterrupt`` on SIGINT and
-    ``StoppedBySignal`` on SIGTERM."""
+    ``StoppedBySignal`` on SIGTERM or SIGHUP."""
     try:
         target.parent.mkdir(parents=True, exist_ok=True)
         _remove_abandoned_scratch(target.parent)

@@ -10,6 +10,7 @@ exception a caller should see.
 
 from __future__ import annotations
 
+import signal
 import traceback
 from typing import Literal, TypeVar
 
@@ -50,8 +51,14 @@ class RequestError(TrioserveError):
 
 
 class StoppedBySignal(TrioserveError):
-    """A SIGTERM stopped something that runs before any engine does (a model
-    being built on first use): it was stopped and cleaned up, as asked."""
+    """A SIGTERM or SIGHUP (``signum``) stopped something that runs before any
+    engine does (a model being built on first use) or beside one (a
+    benchmark's baseline): it was stopped and cleaned up, as asked. The
+    message starts with the signal's name."""
+
+    def __init__(self, signum: int, what: str) -> None:
+        self.signum = signum
+        super().__init__(f"{signal.Signals(signum).name}: {what}")
 
 
 class ControlCallError(TrioserveError):

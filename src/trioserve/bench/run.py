@@ -112,8 +112,8 @@ async def _measure(
 def run_baseline(kind: str, config: EngineConfig, spec: WorkloadSpec, timeout_s: float | None = None) -> dict[str, Any]:
     """One baseline in a supervised child process (``nurseries/oneshot.py``:
     it ends with this process, however this one ends); its JSON, or
-    ``{"error": ...}``. Raises ``StoppedBySignal`` after a SIGTERM (and
-    ``KeyboardInterrupt`` after a SIGINT), once the child is gone."""
+    ``{"error": ...}``. Raises ``StoppedBySignal`` after a SIGTERM or SIGHUP
+    (and ``KeyboardInterrupt`` after a SIGINT), once the child is gone."""
     args = [kind, "--config", msgspec.json.encode(config).decode(), "--spec", json.dumps(spec.to_dict())]
     done = run_oneshot("trioserve.bench.baselines", args, name=f"{kind} baseline", capture=True, timeout_s=timeout_s)
     if done.timed_out:

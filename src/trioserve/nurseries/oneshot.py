@@ -10,9 +10,10 @@ for it. So it is a child like any other:
 
 - if the parent dies (SIGKILL included), it stops at once, and first removes
   its ``scratch`` directory if it was given one (a model half built);
-- SIGINT in the parent (Ctrl-C) and SIGTERM stop it, wait for it to be
-  reaped, then raise ``KeyboardInterrupt`` and ``StoppedBySignal``; so does
-  the end of its time limit, which returns as ``timed_out``.
+- SIGINT in the parent (Ctrl-C), and SIGTERM or SIGHUP (a terminal closed),
+  stop it, wait for it to be reaped, then raise ``KeyboardInterrupt`` and
+  ``StoppedBySignal``; so does the end of its time limit, which returns as
+  ``timed_out``.
 """
 
 from __future__ import annotations
@@ -68,8 +69,8 @@ def run_oneshot(
     """Run ``module.main(args)`` in a supervised child and wait for it.
     Blocking: call it outside Trio. ``capture``: return its stdout and
     stderr (else they are this process's; ``quiet``: its stdout goes
-    nowhere). In the main thread, a SIGTERM stops the child and raises
-    ``StoppedBySignal``; a SIGINT does the same and raises
+    nowhere). In the main thread, a SIGTERM or SIGHUP stops the child and
+    raises ``StoppedBySignal``; a SIGINT does the same and raises
     ``KeyboardInterrupt``."""
     argv = python_argv("trioserve.nurseries.entry", "run", module, *args)
     env = {**os.environ, **({SCRATCH_ENV: str(scratch)} if scratch is not None else {})}
@@ -112,35 +113,42 @@ async def _run(
             started.append(await nursery.start(start))
 
     with trio.move_on_after(timeout_s if timeout_s is not None else float("inf")) as limit:
-        if await until_sigterm(supervise):  # supervise_process stopped the child and reaped it
-            raise StoppedBySignal(f"SIGTERM: stopped the {name} before it finished (nothing kept)")
+        if (signum := await until_stop_signal(supervise)) is not None:  # the child was stopped and reaped
+            raise StoppedBySignal(signum, f"stopped the {name} before it finished (nothing kept)")
     if limit.cancelled_caught or not started:
         return None  # stopped at its time limit (and reaped)
     return started[0].returncode
 
 
-async def until_sigterm(main: Callable[[], Awaitable[object]]) -> bool:
-    """Run ``main()``; a SIGTERM cancels it, so that what it started stops in
-    order (a process killed by the signal would leave its children to find
-    it gone). True when a SIGTERM stopped it. Outside the main thread, where
-    no signal arrives, it only runs ``main()``."""
+# What stops a command that has no graceful shutdown of its own, in order: a
+# SIGTERM, or a SIGHUP (its terminal closed; found: that killed the process at
+# once, leaving its children to find it gone). SIGINT raises KeyboardInterrupt.
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGHUP)
+
+
+async def until_stop_signal(main: Callable[[], Awaitable[object]]) -> signal.Signals | None:
+    """Run ``main()``; a SIGTERM or SIGHUP (``STOP_SIGNALS``) cancels it, so
+    that what it started stops in order (a process killed by the signal would
+    leave its children to find it gone). Returns the signal that stopped it,
+    or None. Outside the main thread, where no signal arrives, it only runs
+    ``main()``."""
     if threading.current_thread() is not threading.main_thread():
         await main()
-        return False
-    stopped = False
-    with trio.open_signal_receiver(signal.SIGTERM) as signals:
+        return None
+    stopped_by: signal.Signals | None = None
+    with trio.open_signal_receiver(*STOP_SIGNALS) as signals:
         async with trio.open_nursery() as nursery:
 
-            async def stop_on_sigterm() -> None:
-                nonlocal stopped
-                async for _ in signals:
-                    stopped = True
+            async def stop_on_signal() -> None:
+                nonlocal stopped_by
+                async for signum in signals:
+                    stopped_by = stopped_by or signal.Signals(signum)
                     nursery.cancel_scope.cancel()
 
-            nursery.start_soon(stop_on_sigterm)
+            nursery.start_soon(stop_on_signal)
             await main()
             nursery.cancel_scope.cancel()
-    return stopped
+    return stopped_by
 
 
 async def oneshot_main(argv: list[str]) -> None:
