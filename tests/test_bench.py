@@ -466,3 +466,17 @@ def _cmdline(pid: int) -> str:
         return " ".join(psutil.Process(pid).cmdline())
     except psutil.Error:
         return ""
+
+
+def test_bench_whose_standard_error_cannot_be_written_runs_and_reports_on_stdout(tiny_model_dir):
+    """Found: its progress lines were printed to stderr directly; with stderr
+    on a full disk (``2>/dev/full``) the first one raised, and bench exited 1
+    before it ran anything. They go through ``stdio.say`` now, as every
+    other command's lines do."""
+    command = [sys.executable, "-m", "trioserve.bench.cli", "--model", str(tiny_model_dir("llama")),
+               "--runner", "fake", "--num-requests", "4", "--concurrency", "2", "--prompt-len", "8",
+               "--output-len", "4", "--baselines", "none", "--no-progress"]  # fmt: skip
+    with open("/dev/full", "w") as full:
+        done = subprocess.run(command, stdout=subprocess.PIPE, stderr=full, text=True, timeout=60, check=False)
+    assert done.returncode == 0
+    assert "4/4 completed, 0 errors" in done.stdout

@@ -47,6 +47,7 @@ from trioserve.bench.workload import (
 from trioserve.cli_options import add_compile_option, add_parallel_options, add_threads_option
 from trioserve.config import EngineConfig, FakeRunnerConfig
 from trioserve.errors import collapse
+from trioserve.stdio import say
 
 DEFAULT_MODEL = "bench-llama-40m"
 
@@ -382,7 +383,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     _check_fits(spec, _context(args, config, text_config))
     _check_size(spec)
     progress = Progress(spec.num_requests, enabled=not args.no_progress)
-    print(f"trioserve bench: {_describe(spec)}", file=sys.stderr)
+    say(f"trioserve bench: {_describe(spec)}")
     peak = run_baseline("peak-gemm", config, spec, args.baseline_timeout) if config.runner == "hf" else None
     if args.url:
         try:
@@ -398,7 +399,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         outcome = trio.run(run_in_process, config, spec, progress)
     baselines = {}
     for kind in kinds if config.runner == "hf" else []:
-        print(f"trioserve bench: baseline {kind} ...", file=sys.stderr, flush=True)
+        say(f"trioserve bench: baseline {kind} ...")
         baselines[kind] = _run_baseline(kind, args, config, spec)
     meta = {
         "driver": f"WebSocket {args.url}" if args.url else "in-process engine",
@@ -445,7 +446,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return args.func(args)
     except ValueError as exc:
-        print(f"trioserve: invalid input: {exc}", file=sys.stderr)
+        say(f"trioserve: invalid input: {exc}")
         return 2
 
 

@@ -16,13 +16,13 @@ from __future__ import annotations
 
 import argparse
 import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
 from trioserve.config import cache_dir
 from trioserve.default_model import build_model_dir, default_model_dir, is_complete
 from trioserve.nurseries.process import describe_exit
+from trioserve.stdio import say
 
 REAL_MODELS = ("smollm2-135m",)  # built by trioserve.default_model, not from a config
 
@@ -76,7 +76,7 @@ def bench_model_dir(name: str) -> Path:
     Raises what ``default_model.build_model_dir`` raises."""
     target = cache_dir() / name
     if not is_complete(target):
-        print(f"trioserve bench: building {name} in {target} (once)", file=sys.stderr)
+        say(f"trioserve bench: building {name} in {target} (once)")
         build_model_dir(target, "trioserve.bench.models", [name], name=f"{name} builder")
     return target
 
