@@ -4,6 +4,7 @@ the client would hide what the server sent."""
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import socket
@@ -713,3 +714,33 @@ async def test_the_last_response_a_connection_serves_says_connection_close(confi
             answer = await run(exchange, server, request * 2)
     first, second = answer.split(b"HTTP/1.1 200 OK")[1:]
     assert b"Connection: close" not in first and b"Connection: close" in second, answer
+
+
+async def test_the_gauges_are_read_while_the_engine_is_paused(config):
+    """Found: the gauges were read only while the engine was ready, so after
+    a pause that aborted a running request /metrics still said one ran."""
+    running = ("trioserve_num_requests_running", (("engine", "0"),))
+    with trio.fail_after(60):
+        async with serving(config(step_delay_s=0.01), model_name=MODEL) as server:
+            engine = server.engine
+            assert engine is not None
+            api = client(server)
+            async with trio.open_nursery() as nursery:
+
+                async def long_request() -> None:
+                    with contextlib.suppress(openai.APIStatusError):  # ended by the pause
+                        await run(
+                            api.completions.create,
+                            model=MODEL,
+                            prompt="a",
+                            max_tokens=2000,
+                            extra_body={"ignore_eos": True},
+                        )
+
+                nursery.start_soon(long_request)
+                while (await engine.stats()).num_running < 1:
+                    await trio.sleep(0.02)
+                assert parse_metrics((await run(raw_request, server, "GET", "/metrics"))[2])[running] == 1
+                await engine.pause(mode="abort")
+            assert engine.health == "paused"
+            assert parse_metrics((await run(raw_request, server, "GET", "/metrics"))[2])[running] == 0

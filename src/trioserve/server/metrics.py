@@ -189,11 +189,13 @@ class ServerMetrics:
 
     async def render(self, engine: Engine | None) -> bytes:
         """The text exposition, after asking the engine core for its counters
-        (at most ``STATS_TIMEOUT_S``; without them while it restarts). If
-        cancelled, nothing is left behind."""
+        (at most ``STATS_TIMEOUT_S``; without them while it starts or
+        restarts). Paused or asleep, it answers: found, its gauges kept the
+        values from before a ``pause(mode="abort")`` (a request running that
+        had ended). If cancelled, nothing is left behind."""
         if engine is not None:
             self.update_restarts(engine.num_restarts_by_engine)
-            if engine.health in ("ready", "stalled"):
+            if engine.health in ("ready", "stalled", "paused", "sleeping"):
                 with trio.move_on_after(STATS_TIMEOUT_S):
                     try:
                         self.update_from_stats(await engine.stats())
