@@ -11,6 +11,7 @@ import shutil
 import signal
 import sys
 import time
+import urllib.request
 from pathlib import Path
 from typing import Any
 
@@ -122,6 +123,25 @@ async def test_a_signal_with_streams_in_flight_ends_every_stream_and_exits_0(tin
         for r in received.values():
             assert r.terminal is not None
             assert r.terminal["type"] == "done" or r.terminal["code"] == "shutdown", r.terminal
+
+
+async def test_serve_started_under_nohup_serves_on_after_a_sighup(tiny_model_dir):
+    """SIGHUP stops ``serve`` gracefully (its terminal closed), but not one
+    started with SIGHUP ignored (``nohup``): that is what ``nohup`` asks.
+    Trio's signal receiver would take the signal over; ``stop_signals``
+    leaves SIGHUP out then."""
+    argv = serve_argv("--model", str(tiny_model_dir("llama")), "--runner", "fake")
+    argv = ["bash", "-c", 'trap "" HUP; exec "$@"', "bash", *argv]  # an ignored signal stays ignored across exec
+    with trio.fail_after(60), spawned(argv) as proc:
+        url = await in_thread(wait_for_url, proc, 30)
+        proc.send_signal(signal.SIGHUP)
+        await trio.sleep(0.5)
+        assert proc.poll() is None
+        health = url.replace("ws://", "http://") + "/health"
+        with urllib.request.urlopen(health, timeout=10) as reply:
+            assert reply.status == 200
+        proc.send_signal(signal.SIGTERM)
+        assert await in_thread(proc.wait, 20) == 0
 
 
 async def test_serve_whose_stdout_reader_is_gone_serves_and_says_its_url_on_stderr(tiny_model_dir):

@@ -32,7 +32,7 @@ from trioserve.errors import (
 )
 from trioserve.messages import SamplingParams
 from trioserve.nurseries.headless import HeadlessConfig, run_headless
-from trioserve.nurseries.oneshot import STOP_SIGNALS, until_stop_signal
+from trioserve.nurseries.oneshot import stop_signals, until_stop_signal
 from trioserve.nurseries.process import describe_exit
 from trioserve.server import Server, ServerConfig
 from trioserve.server.api_servers import MAX_API_SERVERS, ApiServers
@@ -53,9 +53,14 @@ EXIT_INTERRUPTED = 130  # Ctrl-C where no graceful shutdown applies
 # started was stopped in order first.
 EXIT_SIGNALLED_BASE = 128
 
-# What shuts a server down gracefully (serve, headless, several API servers): Ctrl-C, a SIGTERM, or a SIGHUP
-# (its terminal closed; found: that killed serve at once, cutting every stream short).
-SHUTDOWN_SIGNALS = (signal.SIGINT, *STOP_SIGNALS)
+
+def shutdown_signals() -> tuple[signal.Signals, ...]:
+    """What shuts a server down gracefully (serve, headless, several API
+    servers): Ctrl-C, and ``stop_signals()``: a SIGTERM, or a SIGHUP (its
+    terminal closed; found: that killed serve at once, cutting every stream
+    short) unless it was started under ``nohup``."""
+    return (signal.SIGINT, *stop_signals())
+
 
 # Below this many open files, the engine's start fails in zmq (the fake runner's tree needed 28; a worker
 # with torch, more): refused at once, naming the limit, where it gave a traceback.
@@ -524,7 +529,7 @@ async def _serve(server: Server) -> None:
     gracefully (a second signal ends the grace at once). Raises what
     ``Server.run`` raises."""
     failure: list[Exception] = []
-    with trio.open_signal_receiver(*SHUTDOWN_SIGNALS) as signals:
+    with trio.open_signal_receiver(*shutdown_signals()) as signals:
         async with trio.open_nursery() as nursery:
 
             async def stop_on_signals() -> None:
@@ -565,7 +570,7 @@ def cmd_keys(args: argparse.Namespace) -> int:
 
 async def _run_headless(config: HeadlessConfig) -> None:
     """The headless engine cores until SIGINT, SIGTERM or SIGHUP (then they are stopped)."""
-    with trio.open_signal_receiver(*SHUTDOWN_SIGNALS) as signals:
+    with trio.open_signal_receiver(*shutdown_signals()) as signals:
         async with trio.open_nursery() as nursery:
             await nursery.start(run_headless, config)
             last = config.start_rank + config.num_engines - 1
@@ -610,7 +615,7 @@ async def _serve_api_servers(servers: ApiServers) -> None:
     or SIGHUP (then every process is stopped and reaped): once they serve, they drain
     first; while they start (engines loading, or waiting for one on another
     host), everything stops at once. Raises what ``ApiServers.run`` raises."""
-    with trio.open_signal_receiver(*SHUTDOWN_SIGNALS) as signals:
+    with trio.open_signal_receiver(*shutdown_signals()) as signals:
         async with trio.open_nursery() as nursery:
             serving = trio.Event()
 

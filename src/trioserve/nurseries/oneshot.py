@@ -120,14 +120,19 @@ async def _run(
     return started[0].returncode
 
 
-# What stops a command that has no graceful shutdown of its own, in order: a
-# SIGTERM, or a SIGHUP (its terminal closed; found: that killed the process at
-# once, leaving its children to find it gone). SIGINT raises KeyboardInterrupt.
-STOP_SIGNALS = (signal.SIGTERM, signal.SIGHUP)
+def stop_signals() -> tuple[signal.Signals, ...]:
+    """What stops a command in order (its own graceful shutdown, or the end
+    of what it started): a SIGTERM, and a SIGHUP (its terminal closed; found:
+    that killed the process at once, leaving its children to find it gone),
+    unless this process was started with SIGHUP ignored (``nohup``: then a
+    hang-up must not stop it). SIGINT is apart: it raises KeyboardInterrupt."""
+    if signal.getsignal(signal.SIGHUP) == signal.SIG_IGN:
+        return (signal.SIGTERM,)
+    return (signal.SIGTERM, signal.SIGHUP)
 
 
 async def until_stop_signal(main: Callable[[], Awaitable[object]]) -> signal.Signals | None:
-    """Run ``main()``; a SIGTERM or SIGHUP (``STOP_SIGNALS``) cancels it, so
+    """Run ``main()``; a SIGTERM or SIGHUP (``stop_signals()``) cancels it, so
     that what it started stops in order (a process killed by the signal would
     leave its children to find it gone). Returns the signal that stopped it,
     or None. Outside the main thread, where no signal arrives, it only runs
@@ -136,7 +141,7 @@ async def until_stop_signal(main: Callable[[], Awaitable[object]]) -> signal.Sig
         await main()
         return None
     stopped_by: signal.Signals | None = None
-    with trio.open_signal_receiver(*STOP_SIGNALS) as signals:
+    with trio.open_signal_receiver(*stop_signals()) as signals:
         async with trio.open_nursery() as nursery:
 
             async def stop_on_signal() -> None:
