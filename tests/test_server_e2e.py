@@ -138,8 +138,12 @@ async def test_serve_started_under_nohup_serves_on_after_a_sighup(tiny_model_dir
         await trio.sleep(0.5)
         assert proc.poll() is None
         health = url.replace("ws://", "http://") + "/health"
-        with urllib.request.urlopen(health, timeout=10) as reply:
-            assert reply.status == 200
+
+        def status() -> int:
+            with urllib.request.urlopen(health, timeout=10) as reply:
+                return int(reply.status)
+
+        assert await in_thread(status) == 200
         proc.send_signal(signal.SIGTERM)
         assert await in_thread(proc.wait, 20) == 0
 
