@@ -57,9 +57,7 @@ from trioserve.transport.silence import TICK_MAX_S, sleep_noting_absence
 EXIT_WAIT_S = 0.5
 # How long the stream of a worker that exited gets to deliver what it still
 # holds (its last words). It ends at once when the worker dies; the bound
-# leaves room for an engine core that a busy machine runs late. (Its last
-# words are still lost now and then in a whole-suite run, with this bound as
-# with 0.5 s: not explained yet, see the TP SIGUSR1 test.)
+# leaves room for an engine core that a busy machine runs late.
 LAST_WORDS_WAIT_S = 2.0
 
 _Reply = TypeVar("_Reply", WorkerLoaded, KVCacheReady, RunnerOutput, RpcReply)
@@ -172,9 +170,24 @@ class WorkerGroup:
             raise EngineStartupError(f"could not start {worker.name}: {exc}", stage="spawn", process=worker.name)
         finally:
             child_end.close()
-        worker.bridge = MessageBridge(parent_end, receive_type=FromWorker, name=worker.name, drop=(WorkerHeartbeat,))
+        worker.bridge = MessageBridge(
+            parent_end,
+            receive_type=FromWorker,
+            name=worker.name,
+            drop=(WorkerHeartbeat,),
+            on_receive=partial(self._note_last_words, worker.rank),
+        )
         worker.outbox, worker.inbox = await nursery.start(self._bridge, worker.bridge, worker)
         return worker
+
+    def _note_last_words(self, rank: int, msg: FromWorker) -> None:
+        """Keep a worker's ``WorkerFailed`` as its stream delivers it, before
+        it is queued: the monitor names it even when the collector has taken
+        it off the inbox and not yet looked at it (``receive()`` yields after
+        taking a message; found: the monitor drained the inbox just then and
+        the error lost the words, about 1 whole-suite run in 3)."""
+        if isinstance(msg, WorkerFailed):
+            self._last_words[rank] = msg.message
 
     async def _bridge(
         self,
@@ -268,7 +281,6 @@ class WorkerGroup:
             except trio.EndOfChannel:
                 await self._fail(worker, "closed its stream")
             if isinstance(reply, WorkerFailed):
-                self._last_words[worker.rank] = reply.message
                 await self._fail(worker, f"failed: {reply.message}")
             if not isinstance(reply, reply_type):
                 await self._fail(worker, f"sent {type(reply).__name__} where {reply_type.__name__} was expected")

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 import socket
+from collections.abc import Callable
 from typing import Any, Generic, TypeVar
 
 import msgspec
@@ -169,13 +170,17 @@ class MessageBridge(Generic[SendT, ReceiveT]):
         capacity: int = 16,
         name: str = "",
         drop: tuple[type, ...] = (),
+        on_receive: Callable[[ReceiveT], None] | None = None,
     ) -> None:
         """``receive_type``: the type (often a tagged ``Union``) incoming
         frames decode to, that is ``ReceiveT``. Messages of the ``drop``
         types (heartbeats) only count as signs of life: they are not queued.
-        ``last_received_at`` is the ``trio.current_time()`` of the last frame
-        (or of the start), whatever it held."""
+        ``on_receive`` is called with each message to be queued as it is
+        read, before it is queued (and so before ``run`` ends at the EOF
+        that follows it). ``last_received_at`` is the ``trio.current_time()``
+        of the last frame (or of the start), whatever it held."""
         self._drop = drop
+        self._on_receive = on_receive
         self.last_received_at = trio.current_time()
         self.num_received = 0  # frames read so far
         self._stream = stream
@@ -240,6 +245,8 @@ class MessageBridge(Generic[SendT, ReceiveT]):
                     self._failure = FrameError(f"{self.name}: undecodable frame: {exc}")
                     return
                 if not isinstance(message, self._drop):
+                    if self._on_receive is not None:
+                        self._on_receive(message)
                     await inbox.send(message)
 
     async def _write_loop(self, outbox: trio.MemoryReceiveChannel[SendT], scope: trio.CancelScope) -> None:
