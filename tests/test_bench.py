@@ -480,3 +480,30 @@ def test_bench_whose_standard_error_cannot_be_written_runs_and_reports_on_stdout
         done = subprocess.run(command, stdout=subprocess.PIPE, stderr=full, text=True, timeout=60, check=False)
     assert done.returncode == 0
     assert "4/4 completed, 0 errors" in done.stdout
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGHUP])
+async def test_a_stop_signal_while_bench_runs_its_engine_stops_the_engine_in_order_exit_128_plus_it(
+    tiny_model_dir, signum
+):
+    """Found: a SIGTERM or SIGHUP while bench ran its in-process engine ended
+    bench at once; its engine core saw its parent gone ("the parent is gone:
+    stopping") and the exit was -15 or -1."""
+    argv = [sys.executable, "-m", "trioserve.cli", "bench", "--model", str(tiny_model_dir("llama")),
+            "--runner", "fake", "--fake-options", '{"step_delay_s": 0.05}', "--num-requests", "64",
+            "--concurrency", "4", "--prompt-len", "8", "--output-len", "200", "--no-progress"]  # fmt: skip
+    with trio.fail_after(60), spawned(argv) as proc:
+        while len(tree := tree_of(proc.pid)) < 2:  # its engine core and worker: it runs
+            assert proc.poll() is None, proc.communicate()
+            await trio.sleep(0.05)
+        await trio.sleep(0.5)  # into its workload
+        proc.send_signal(signum)
+        _, err = await trio.to_thread.run_sync(partial(proc.communicate, timeout=30))
+        assert proc.returncode == 128 + signum, err
+        assert err.strip().splitlines()[-1] == (
+            f"trioserve: {signum.name}: stopped the benchmark run before it finished (nothing reported)"
+        )
+        assert "parent is gone" not in err and "Traceback" not in err
+        with trio.fail_after(3):
+            while any(running(pid) for pid in tree):
+                await trio.sleep(0.02)

@@ -9,8 +9,9 @@ import os
 import stat
 import sys
 import urllib.request
+from collections.abc import Awaitable, Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import trio
 from trio_websocket import HandshakeError
@@ -46,10 +47,12 @@ from trioserve.bench.workload import (
 )
 from trioserve.cli_options import add_compile_option, add_parallel_options, add_threads_option
 from trioserve.config import EngineConfig, FakeRunnerConfig
-from trioserve.errors import collapse
+from trioserve.errors import StoppedBySignal, collapse
+from trioserve.nurseries.oneshot import until_stop_signal
 from trioserve.stdio import say
 
 DEFAULT_MODEL = "bench-llama-40m"
+_T = TypeVar("_T")
 
 DESCRIPTION = """\
 Measure trioserve's throughput and latency, and the same workload's baselines
@@ -387,7 +390,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     peak = run_baseline("peak-gemm", config, spec, args.baseline_timeout) if config.runner == "hf" else None
     if args.url:
         try:
-            outcome = trio.run(run_against_server, args.url, args.api_key, spec, progress)
+            outcome = _stoppable(run_against_server, args.url, args.api_key, spec, progress)
         except (OSError, HandshakeError, BaseExceptionGroup) as exc:
             cause = collapse(exc) if isinstance(exc, BaseExceptionGroup) else exc
             if not isinstance(cause, OSError | HandshakeError):
@@ -396,7 +399,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
             why = getattr(underlying, "strerror", None) or str(underlying) or type(underlying).__name__
             raise ValueError(f"--url: cannot reach a trioserve server at {args.url}: {why}") from None
     else:
-        outcome = trio.run(run_in_process, config, spec, progress)
+        outcome = _stoppable(run_in_process, config, spec, progress)
     baselines = {}
     for kind in kinds if config.runner == "hf" else []:
         say(f"trioserve bench: baseline {kind} ...")
@@ -428,12 +431,27 @@ def cmd_bench(args: argparse.Namespace) -> int:
     return 1 if result["results"]["num_errors"] else 0
 
 
+def _stoppable(run: Callable[..., Awaitable[_T]], *args: Any) -> _T:
+    """``trio.run(run, *args)``, which a SIGTERM or SIGHUP cancels, so that
+    the engine it started stops in order; then ``StoppedBySignal``. Found:
+    either signal ended bench at once, its engine's processes left to find
+    it gone."""
+    result: list[_T] = []
+
+    async def main() -> None:
+        result.append(await run(*args))
+
+    if (signum := trio.run(until_stop_signal, main)) is not None:
+        raise StoppedBySignal(signum, "stopped the benchmark run before it finished (nothing reported)")
+    return result[0]
+
+
 def _run_baseline(kind: str, args: argparse.Namespace, config: EngineConfig, spec: WorkloadSpec) -> dict[str, Any]:
     if kind == "vllm":
         return run_vllm(args.vllm_python, config, spec, args.baseline_timeout)
     if kind == "no-prefix-caching":
         progress = Progress(spec.num_requests, enabled=not args.no_progress)
-        outcome = trio.run(run_in_process, config.replace(enable_prefix_caching=False), spec, progress)
+        outcome = _stoppable(run_in_process, config.replace(enable_prefix_caching=False), spec, progress)
         return engine_baseline(kind, summarize(outcome.records))
     return run_baseline(kind, config, spec, args.baseline_timeout)
 
@@ -448,6 +466,9 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as exc:
         say(f"trioserve: invalid input: {exc}")
         return 2
+    except StoppedBySignal as exc:  # as the trioserve command says it
+        say(f"trioserve: {exc}")
+        return 128 + exc.signum
 
 
 if __name__ == "__main__":
