@@ -387,12 +387,18 @@ def stream_to_close(ws: Any, started: Any) -> tuple[str, int | None]:
     return end, info.value.rcvd.code if info.value.rcvd else None
 
 
-@pytest.mark.parametrize("to", ["the supervising process", "every process", "every process, twice"])
+@pytest.mark.parametrize(
+    "to", ["the supervising process", "every process", "every process, twice", "every process, SIGHUP"]
+)
 async def test_sigterm_drains_every_api_servers_streams_then_exits_0_leaving_nothing(tiny_model_dir, to):
     """SIGTERM to every process is what systemd's default KillMode and a kill of
     the process group do: the children leave the stop to their parents.
-    A second signal ends the grace at once (a long one, here)."""
+    A second signal ends the grace at once (a long one, here). SIGHUP to every
+    process is a terminal closing on its foreground process group (found: the
+    API servers, in the supervising process's group, died of it at once, every
+    stream cut short)."""
     twice = to.endswith("twice")
+    signum = signal.SIGHUP if to.endswith("SIGHUP") else signal.SIGTERM
     grace = 30.0 if twice else 1.0
     options = ("--fake-options", '{"step_delay_s": 0.01}', "--shutdown-grace", str(grace))
     with trio.fail_after(90), spawned(argv(str(tiny_model_dir("llama")), *options)) as proc, ExitStack() as stack:
@@ -416,7 +422,7 @@ async def test_sigterm_drains_every_api_servers_streams_then_exits_0_leaving_not
             tree = [proc.pid, *tree_of(proc.pid)]
             signalled = time.monotonic()
             for pid in tree if to.startswith("every process") else [proc.pid]:
-                os.kill(pid, signal.SIGTERM)
+                os.kill(pid, signum)
             if twice:  # found: the API servers dropped every connection
                 await trio.sleep(0.3)
                 for pid in tree:

@@ -62,6 +62,18 @@ def shutdown_signals() -> tuple[signal.Signals, ...]:
     return (signal.SIGINT, *stop_signals())
 
 
+def _ignored_after_close(signals: tuple[signal.Signals, ...]) -> tuple[signal.Signals, ...]:
+    """``signals``, each set to be ignored, for a Trio signal receiver to take
+    over at once: when it closes it restores what it found, so a signal it
+    has not taken (a second one during the stop, or one that arrives as the
+    process exits) is ignored, not fatal. Found: two signals 0.1 s apart
+    while the engine loaded killed ``serve`` (exit -1, -15) after it had
+    said "stopped"."""
+    for signum in signals:
+        signal.signal(signum, signal.SIG_IGN)
+    return signals
+
+
 # Below this many open files, the engine's start fails in zmq (the fake runner's tree needed 28; a worker
 # with torch, more): refused at once, naming the limit, where it gave a traceback.
 MIN_OPEN_FILES = 64
@@ -529,7 +541,7 @@ async def _serve(server: Server) -> None:
     gracefully (a second signal ends the grace at once). Raises what
     ``Server.run`` raises."""
     failure: list[Exception] = []
-    with trio.open_signal_receiver(*shutdown_signals()) as signals:
+    with trio.open_signal_receiver(*_ignored_after_close(shutdown_signals())) as signals:
         async with trio.open_nursery() as nursery:
 
             async def stop_on_signals() -> None:
@@ -570,7 +582,7 @@ def cmd_keys(args: argparse.Namespace) -> int:
 
 async def _run_headless(config: HeadlessConfig) -> None:
     """The headless engine cores until SIGINT, SIGTERM or SIGHUP (then they are stopped)."""
-    with trio.open_signal_receiver(*shutdown_signals()) as signals:
+    with trio.open_signal_receiver(*_ignored_after_close(shutdown_signals())) as signals:
         async with trio.open_nursery() as nursery:
             await nursery.start(run_headless, config)
             last = config.start_rank + config.num_engines - 1
@@ -615,7 +627,7 @@ async def _serve_api_servers(servers: ApiServers) -> None:
     or SIGHUP (then every process is stopped and reaped): once they serve, they drain
     first; while they start (engines loading, or waiting for one on another
     host), everything stops at once. Raises what ``ApiServers.run`` raises."""
-    with trio.open_signal_receiver(*shutdown_signals()) as signals:
+    with trio.open_signal_receiver(*_ignored_after_close(shutdown_signals())) as signals:
         async with trio.open_nursery() as nursery:
             serving = trio.Event()
 

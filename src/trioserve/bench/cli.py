@@ -462,7 +462,10 @@ def main(argv: list[str] | None = None) -> int:
     add_bench_parser(parser.add_subparsers(dest="command", required=True))
     args = parser.parse_args(["bench", *(sys.argv[1:] if argv is None else argv)])
     try:
-        return args.func(args)
+        try:
+            return args.func(args)
+        except BaseExceptionGroup as group:  # from the run's nursery (_stoppable), as the trioserve command does
+            raise collapse(group) from None
     except ValueError as exc:
         say(f"trioserve: invalid input: {exc}")
         return 2

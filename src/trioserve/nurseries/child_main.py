@@ -241,7 +241,7 @@ def hard_exit_seconds(environ: Mapping[str, str]) -> float:
 def run_child_main(async_main: Callable[[], Awaitable[None]], *, name: str) -> None:
     """Run ``async_main`` as a supervised child: call it from ``__main__``.
 
-    Ignores SIGINT (the parent decides when to stop). Under one nursery it
+    Ignores SIGINT and SIGHUP (the parent decides when to stop). Under one nursery it
     runs ``async_main`` beside a task that cancels everything when the
     parent-watch pipe ends (stop, or parent gone: then it first removes the
     paths given to ``remove_if_parent_dies``) and one that does the same on
@@ -255,6 +255,7 @@ def run_child_main(async_main: Callable[[], Awaitable[None]], *, name: str) -> N
     ``ChildExit``'s own code, with no line, for an end the parent expects.
     """
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGHUP, signal.SIG_IGN)  # a terminal's, to the whole group: the parent's to handle
     signal.signal(signal.SIGTERM, _on_late_sigterm)  # trio's receiver restores this when it closes
     _set_process_title(name)
     watch = this_process.watch = _take_parent_watch()

@@ -6,8 +6,10 @@ from __future__ import annotations
 import logging
 import signal
 
-# First, before the slow imports: Ctrl-C is the supervising process's to handle (as in nurseries/entry.py).
+# First, before the slow imports: Ctrl-C, and a terminal's SIGHUP, are the supervising process's to
+# handle (as in nurseries/entry.py).
 signal.signal(signal.SIGINT, signal.SIG_IGN)
+signal.signal(signal.SIGHUP, signal.SIG_IGN)
 
 from trioserve.nurseries.process import run_child_main  # noqa: E402
 from trioserve.server.api_servers import api_server_main  # noqa: E402
