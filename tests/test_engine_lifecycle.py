@@ -487,20 +487,22 @@ def _step(number: int, n: int, computed: int, new: bool = False) -> Any:
     return Step(number, scheduled, ())
 
 
-def _names_step_2(exc: Exception) -> bool:
-    return re.search(r"worker-0 \(pid \d+\) exited with code 3 during step 2$", str(exc)) is not None
-
-
-async def _expect_death_named_at_step_2(fake_config, body: Any) -> None:
-    """Run ``body(executor)`` on a worker that dies in step 2; the executor
-    must fail with the monitor's error naming step 2, and leave no process."""
+async def _expect_death_named_at_step_2(
+    fake_config, body: Any, fault: str = "die_at_step", said: str = "exited with code 3 during step 2$"
+) -> None:
+    """Run ``body(executor, in_flight)`` on a worker that dies in step 2 (the
+    fake runner's ``fault`` option, at 2); the executor must fail with the
+    monitor's error naming the worker and then ``said``, and leave no process."""
     from trioserve.nurseries.executor import Executor
     from trioserve.nurseries.workers import WorkerError
 
+    def names_it(exc: Exception) -> bool:
+        return re.search(r"worker-0 \(pid \d+\) " + said, str(exc)) is not None
+
     in_flight: deque[Any] = deque()  # as the step loop keeps it
-    executor = Executor(fake_config(die_at_step=2), in_flight)
+    executor = Executor(fake_config(**{fault: 2}), in_flight)
     with trio.fail_after(20):
-        with pytest.RaisesGroup(pytest.RaisesExc(WorkerError, check=_names_step_2), flatten_subgroups=True):
+        with pytest.RaisesGroup(pytest.RaisesExc(WorkerError, check=names_it), flatten_subgroups=True):
             async with trio.open_nursery() as nursery:
                 await nursery.start(executor.run)
                 for step in (_step(1, 3, 0, new=True), _step(2, 1, 3)):
@@ -538,26 +540,14 @@ async def test_a_worker_failure_taken_off_the_inbox_but_not_yet_looked_at_is_sti
     words in about 1 whole-suite run in 3. Here the test takes the
     WorkerFailed as that collector would, and never looks at it."""
     from trioserve.messages import WorkerFailed
-    from trioserve.nurseries.executor import Executor
-    from trioserve.nurseries.workers import WorkerError
 
-    def names_the_fault(exc: WorkerError) -> bool:
-        message = r"worker-0 \(pid \d+\) exited with code 1 during step 2: .*InjectedFault: .*at step 2$"
-        return re.search(message, str(exc)) is not None
+    async def body(executor: Any, in_flight: deque[Any]) -> None:
+        await executor.collect(in_flight.popleft())
+        assert isinstance(await executor._workers[0].inbox.receive(), WorkerFailed)
+        await trio.sleep_forever()  # the monitor's error cancels this
 
-    in_flight: deque[Any] = deque()
-    executor = Executor(fake_config(raise_at_step=2), in_flight)
-    with trio.fail_after(20):
-        with pytest.RaisesGroup(pytest.RaisesExc(WorkerError, check=names_the_fault), flatten_subgroups=True):
-            async with trio.open_nursery() as nursery:
-                await nursery.start(executor.run)
-                for step in (_step(1, 3, 0, new=True), _step(2, 1, 3)):
-                    await executor.dispatch(step)
-                    in_flight.append(step)
-                await executor.collect(in_flight.popleft())
-                assert isinstance(await executor._workers[0].inbox.receive(), WorkerFailed)
-                await trio.sleep_forever()  # the monitor's error cancels this
-    assert children() == []
+    said = "exited with code 1 during step 2: .*InjectedFault: .*at step 2$"
+    await _expect_death_named_at_step_2(fake_config, body, fault="raise_at_step", said=said)
 
 
 async def test_engine_core_without_handshake_reply_exits_at_its_handshake_deadline(tmp_path: Path):
