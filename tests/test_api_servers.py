@@ -311,10 +311,14 @@ def test_api_server_count_outside_1_to_64_is_a_usage_error(count, tiny_model_dir
 
 @pytest.mark.parametrize("count", ["1", "2"])
 def test_a_port_in_use_is_named_in_one_line_and_exit_1(count, tiny_model_dir, capsys):
+    """Also: ``main`` gives back the signal handlers it found. Found: the
+    server's receiver left SIGTERM and SIGHUP ignored in this process, and
+    every process a later test started inherited that."""
     import socket
 
     from trioserve.cli import EXIT_ERROR, main
 
+    handlers = {signum: signal.getsignal(signum) for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
         taken.listen()
@@ -323,6 +327,7 @@ def test_a_port_in_use_is_named_in_one_line_and_exit_1(count, tiny_model_dir, ca
         assert main(["serve", "--model", str(tiny_model_dir("llama")), *options]) == EXIT_ERROR
     err = capsys.readouterr().err
     assert f"trioserve: cannot listen on 127.0.0.1:{port}:" in err and "Traceback" not in err, err
+    assert {signum: signal.getsignal(signum) for signum in handlers} == handlers
 
 
 def engine_cores(pid: int) -> list[int]:

@@ -755,9 +755,11 @@ def main(argv: list[str] | None = None) -> int:
     ignored (a background job of a script, ``nohup``): ``kill -INT`` then
     means what it says. Found: started so, ``serve`` ignored a SIGINT while
     it converted the default model, and then served on; while serving it had
-    always stopped."""
+    always stopped. On return, the signals' handlers are what they were
+    (a server leaves its stop signals ignored, ``_ignored_after_close``)."""
     ensure_standard_fds()  # before anything opens a descriptor
     honoured = threading.current_thread() is threading.main_thread()
+    found = {signum: signal.getsignal(signum) for signum in (signal.SIGTERM, signal.SIGHUP)} if honoured else {}
     previous = signal.signal(signal.SIGINT, signal.default_int_handler) if honoured else None
     strict = _replace_unencodable(sys.stdout)
     try:
@@ -765,6 +767,9 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         if honoured and previous is not None:  # None: a handler installed from C, which we cannot put back
             signal.signal(signal.SIGINT, previous)
+        for signum, handler in found.items():  # found: a caller in this process (a test) kept them ignored
+            if handler is not None:
+                signal.signal(signum, handler)
         if strict and isinstance(sys.stdout, io.TextIOWrapper):
             with contextlib.suppress(OSError, ValueError):  # it flushes: its reader may be gone
                 sys.stdout.reconfigure(errors="strict")
