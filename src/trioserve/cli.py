@@ -65,10 +65,10 @@ def shutdown_signals() -> tuple[signal.Signals, ...]:
 def _ignored_after_close(signals: tuple[signal.Signals, ...]) -> tuple[signal.Signals, ...]:
     """``signals``, each set to be ignored, for a Trio signal receiver to take
     over at once: when it closes it restores what it found, so a signal it
-    has not taken (a second one during the stop, or one that arrives as the
-    process exits) is ignored, not fatal. Found: two signals 0.1 s apart
-    while the engine loaded killed ``serve`` (exit -1, -15) after it had
-    said "stopped"."""
+    has not taken then (one more during the stop, or as the server ends)
+    is ignored, not fatal, until ``main`` returns. Found: two signals 0.1 s
+    apart while the engine loaded killed ``serve`` (exit -1, -15) after it
+    had said "stopped"."""
     for signum in signals:
         signal.signal(signum, signal.SIG_IGN)
     return signals
