@@ -507,3 +507,17 @@ async def test_a_stop_signal_while_bench_runs_its_engine_stops_the_engine_in_ord
         with trio.fail_after(3):
             while any(running(pid) for pid in tree):
                 await trio.sleep(0.02)
+
+
+def test_an_engine_that_dies_in_the_warm_up_is_one_line_not_a_traceback(tiny_model_dir):
+    """Found: bench's warm-up request failing (its engine died at once)
+    ended in a RuntimeError traceback."""
+    command = [sys.executable, "-m", "trioserve.cli", "bench", "--model", str(tiny_model_dir("llama")),
+               "--runner", "fake", "--fake-options", '{"die_at_step": 1}',
+               "--num-requests", "4", "--prompt-len", "8", "--output-len", "4", "--no-progress"]  # fmt: skip
+    done = subprocess.run(command, capture_output=True, text=True, timeout=60, check=False)
+    assert done.returncode == 1, done.stderr
+    assert "Traceback" not in done.stderr, done.stderr
+    last = done.stderr.strip().splitlines()[-1]
+    assert last.startswith("trioserve: RequestError: the benchmark's warm-up request failed: EngineDeadError: "), last
+    assert "worker-0" in last

@@ -23,6 +23,7 @@ from trioserve.bench.stats import RequestRecord
 from trioserve.bench.steps import step_log_env
 from trioserve.bench.workload import BenchRequest, WorkloadSpec, build_requests, warmup_spec
 from trioserve.config import EngineConfig
+from trioserve.errors import RequestError
 from trioserve.messages import EngineStats
 from trioserve.nurseries.oneshot import run_oneshot
 from trioserve.runners.steplog import StepRecord, read_step_log, step_log_path
@@ -96,7 +97,8 @@ async def _measure(
     warm_spec = warmup_spec(spec.vocab_size)
     warm = await drive(build_requests(warm_spec), warm_spec, send)
     if not all(r.ok for r in warm):
-        raise RuntimeError(f"warm-up request failed: {next(r.error for r in warm if not r.ok)}")
+        # One line from the command (a RequestError), not a traceback.
+        raise RequestError(f"the benchmark's warm-up request failed: {next(r.error for r in warm if not r.ok)}")
     async with trio.open_nursery() as nursery:
         await nursery.start(memory.run)
         cpu_before = cpu_seconds(memory.pids)
