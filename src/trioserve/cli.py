@@ -817,7 +817,7 @@ def _main(argv: list[str] | None) -> int:
     except EngineDeadError as exc:
         say(f"trioserve: the engine died and was not recovered: {exc}")
         return EXIT_ENGINE_DEAD
-    except StoppedBySignal as exc:  # a SIGTERM or SIGHUP while a model was built (before any engine) or a baseline ran
+    except StoppedBySignal as exc:  # a SIGTERM or SIGHUP while a model was built, or bench ran an engine or baseline
         say(f"trioserve: {exc}")
         if args.command == "serve":  # serve's every graceful stop is 0
             return EXIT_OK

@@ -51,10 +51,10 @@ class RequestError(TrioserveError):
 
 
 class StoppedBySignal(TrioserveError):
-    """A SIGTERM or SIGHUP (``signum``) stopped something that runs before any
-    engine does (a model being built on first use) or beside one (a
-    benchmark's baseline): it was stopped and cleaned up, as asked. The
-    message starts with the signal's name."""
+    """A SIGTERM or SIGHUP (``signum``) stopped something that has no graceful
+    shutdown of its own: a model being built on first use, a benchmark's
+    baseline or its engine run. It was stopped and cleaned up, as asked.
+    The message starts with the signal's name."""
 
     def __init__(self, signum: int, what: str) -> None:
         self.signum = signum
