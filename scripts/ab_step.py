@@ -11,10 +11,10 @@ tokens (14 prompts). Prints each setting's median and best step time, and
 the median over rounds of the first setting's time over each one's.
 
 A setting is ``TRIOSERVE_PACKED_LINEAR`` of an eager runner (``0``,
-``lm_head`` or ``all``: ``gpu/cpu_linear.py``) or ``compile`` (``--compile``:
+``lm_head`` or ``all``: ``gpu/cpu_kernels/linear.py``) or ``compile`` (``--compile``:
 ``gpu/compiled.py``, compiled before the rounds start; ``compile-unpacked``:
 with ``TRIOSERVE_PACKED_LINEAR=0``), then optionally ``-kernel``: without the
-CPU decode kernel of ``gpu/cpu_attention.py`` (``TRIOSERVE_CPU_ATTENTION=0``),
+CPU decode kernel of ``gpu/cpu_kernels/attention.py`` (``TRIOSERVE_CPU_ATTENTION=0``),
 ``+kernel``: with it (the default where it applies), or ``-shared``: with it,
 but every sequence reading the blocks it shares with others itself (no
 ``shared_len``).
@@ -33,9 +33,9 @@ import torch
 
 from trioserve.bench.models import resolve_model
 from trioserve.config import EngineConfig
-from trioserve.gpu import cpu_linear
+from trioserve.gpu.cpu_kernels import linear as cpu_linear
 from trioserve.gpu.attention import DecodeKernel, step_metadata
-from trioserve.gpu.cpu_attention import load_decode_kernel
+from trioserve.gpu.cpu_kernels.attention import load_decode_kernel
 from trioserve.gpu.model_runner import ModelRunner
 
 

@@ -25,7 +25,7 @@ import time
 import torch
 
 from trioserve.gpu import attention
-from trioserve.gpu.cpu_attention import load_decode_kernel
+from trioserve.gpu.cpu_kernels.attention import load_decode_kernel
 
 
 def main() -> None:

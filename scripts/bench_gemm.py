@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from trioserve.bench.models import resolve_model
-from trioserve.gpu.cpu_linear import PackedLinear, PanelLinear, onednn_packs
+from trioserve.gpu.cpu_kernels.linear import PackedLinear, PanelLinear, onednn_packs
 
 
 def main() -> None:

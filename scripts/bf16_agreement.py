@@ -23,8 +23,8 @@ import trio
 
 from trioserve import EngineConfig, open_engine
 from trioserve.bench.models import resolve_model
-from trioserve.gpu.cpu_attention import CPU_ATTENTION_ENV
-from trioserve.gpu.cpu_linear import PACKED_LINEAR_ENV
+from trioserve.gpu.cpu_kernels.attention import CPU_ATTENTION_ENV
+from trioserve.gpu.cpu_kernels.linear import PACKED_LINEAR_ENV
 from trioserve.messages import SamplingParams
 
 PROMPTS = [

@@ -1,4 +1,4 @@
-"""The engine core's side of several API servers (``nurseries/api_servers.py``),
+"""The engine core's side of several API servers (``nurseries/engine_core/api_servers.py``),
 in this process over real ``ipc://`` sockets: the requests of an API server
 that is gone are aborted, and nobody else's."""
 
@@ -21,8 +21,8 @@ from trioserve.messages import (
     FrontEndsInit,
     ModelInfo,
 )
-from trioserve.nurseries.api_servers import ApiServers
-from trioserve.nurseries.engine_core import input_socket_actor
+from trioserve.nurseries.engine_core.api_servers import ApiServers
+from trioserve.nurseries.engine_core.main import input_socket_actor
 from trioserve.transport.zmq_trio import TrioZmqSocket, private_ipc_dir
 
 INFO = EngineInfo(ModelInfo(259, 64, [2]), 64, 4, 64, 1, [2])

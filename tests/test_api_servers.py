@@ -31,7 +31,7 @@ from websockets.exceptions import ConnectionClosed
 from test_hosts import free_port, headless, headless_argv, kill_tree
 from test_server import Received, collect, generate, in_thread, open_ws
 from trioserve.api import Engine, open_attached_engine
-from trioserve.server.api_servers import API_SERVER_ENV, ApiServerInit
+from trioserve.server.api_servers.supervisor import API_SERVER_ENV, ApiServerInit
 from trioserve.transport.curve import write_keys
 
 
@@ -40,7 +40,7 @@ def api_servers(pid: int) -> list[int]:
     found = []
     for p in psutil.Process(pid).children():
         try:
-            if p.cmdline()[-2:] == ["-m", "trioserve.server"] and p.status() != psutil.STATUS_ZOMBIE:
+            if p.cmdline()[-2:] == ["-m", "trioserve.server.api_servers"] and p.status() != psutil.STATUS_ZOMBIE:
                 found.append(p.pid)
         except psutil.NoSuchProcess:
             pass
@@ -755,14 +755,14 @@ async def test_an_api_server_that_cannot_be_forked_is_started_again_after_its_ba
     """Found: a fork of an API server that failed (EAGAIN: the process table
     full) ended the whole ``serve`` (which then said "cannot listen"). It is
     a death like any other: counted, and the API server is started again."""
-    from trioserve.server.api_servers import ApiServers
+    from trioserve.server.api_servers.supervisor import ApiServers
     from trioserve.server.config import ServerConfig
 
     real_open_process = trio.lowlevel.open_process
     failures = [1]
 
     async def open_process(argv, **options):
-        if failures[0] > 0 and argv[-1] == "trioserve.server":
+        if failures[0] > 0 and argv[-1] == "trioserve.server.api_servers":
             failures[0] -= 1
             raise BlockingIOError(11, "Resource temporarily unavailable")
         return await real_open_process(argv, **options)

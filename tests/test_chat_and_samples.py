@@ -20,8 +20,8 @@ from helpers.serving import spawned
 import trioserve
 from test_server import in_thread, serving, wait_blocks_free
 from trioserve import EngineConfig, InvalidRequestError, SamplingParams
-from trioserve.frontend.chat_template import ChatTemplate, TemplatedText
-from trioserve.frontend.parallel_sampling import child_params
+from trioserve.frontend.requests.parallel_sampling import child_params
+from trioserve.frontend.text.chat_template import ChatTemplate, TemplatedText
 
 MESSAGES = [
     {"role": "system", "content": "Be brief."},
@@ -142,7 +142,7 @@ async def test_a_slow_template_holds_up_neither_the_server_nor_other_requests(fa
     import shutil
 
     from test_openai_api import raw_request
-    from trioserve.frontend import chat_template
+    from trioserve.frontend.text import chat_template
 
     monkeypatch.setattr(chat_template, "RENDER_TIMEOUT_S", 3.0)
     model = tmp_path / "model"

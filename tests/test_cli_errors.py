@@ -15,7 +15,7 @@ import pytest
 from trioserve import default_model
 from trioserve.chat import StdioError, write_out
 from trioserve.cli import EXIT_ERROR, EXIT_STARTUP_FAILED, EXIT_USAGE, main
-from trioserve.nurseries.oneshot import Finished
+from trioserve.nurseries.supervision.oneshot import Finished
 from trioserve.transport import curve
 
 LONG_NAME = "a" * 300  # over NAME_MAX (255): ENAMETOOLONG

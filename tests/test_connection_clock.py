@@ -20,7 +20,7 @@ import trio
 import trio.testing
 from trio_websocket import WebSocketConnection, wrap_client_stream, wrap_server_stream
 
-from trioserve.frontend.outputs import RequestOutput
+from trioserve.frontend.requests.outputs import RequestOutput
 from trioserve.server.config import ServerConfig
 from trioserve.server.connection import Connection
 from trioserve.server.state import ServerState

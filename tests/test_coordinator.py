@@ -1,4 +1,4 @@
-"""The load picture: which engine gets the next request (frontend/coordinator.py)."""
+"""The load picture: which engine gets the next request (frontend/engines/coordinator.py)."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import pytest
 import trio
 import trio.testing
 
-from trioserve.frontend.coordinator import Coordinator, LoadPicture
+from trioserve.frontend.engines.coordinator import Coordinator, LoadPicture
 from trioserve.messages import LoadReport
 
 

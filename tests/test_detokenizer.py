@@ -1,4 +1,4 @@
-"""Tests for trioserve.frontend.detokenizer, on the tokenizers of test_tokenizer.py.
+"""Tests for trioserve.frontend.text.detokenizer, on the tokenizers of test_tokenizer.py.
 
 In the byte-level tokenizer token id ``b < 256`` is the byte ``b``, so a
 test can cut any character between tokens by feeding its UTF-8 bytes.
@@ -12,14 +12,14 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from trioserve.frontend.detokenizer import (
+from trioserve.frontend.requests.state import RequestState
+from trioserve.frontend.text.detokenizer import (
     MAX_PENDING_TOKENS,
     PROMPT_CONTEXT_TOKENS,
     DetokenizerUpdate,
     IncrementalDetokenizer,
 )
-from trioserve.frontend.request_state import RequestState
-from trioserve.frontend.tokenizer import Tokenizer
+from trioserve.frontend.text.tokenizer import Tokenizer
 from trioserve.messages import SamplingParams, TokenOutput
 
 try:  # tests/ as a package, or as rootdir-relative modules

@@ -331,14 +331,14 @@ async def test_kill_9_of_the_front_end_leaves_no_engine_or_worker_process(tiny_m
 
 
 def trioserve_children(role: str) -> list[psutil.Process]:
-    """This test's descendant processes running ``trioserve.nurseries.entry ROLE``."""
+    """This test's descendant processes running ``trioserve.nurseries.supervision.entry ROLE``."""
     found = []
     for proc in children():
         try:
             cmdline = proc.cmdline()
         except psutil.Error:
             continue
-        if "trioserve.nurseries.entry" in cmdline and role in cmdline:
+        if "trioserve.nurseries.supervision.entry" in cmdline and role in cmdline:
             found.append(proc)
     return found
 
@@ -461,7 +461,7 @@ async def test_worker_killed_while_loading_names_stage_and_signal(fake_config):
 
 async def test_worker_that_cannot_be_spawned_fails_at_the_spawn_stage(fake_config, monkeypatch):
     from trioserve.errors import EngineStartupError
-    from trioserve.nurseries.executor import Executor
+    from trioserve.nurseries.engine_core.executor.executor import Executor
 
     monkeypatch.setattr(sys, "executable", "/nonexistent/python")
 
@@ -493,8 +493,8 @@ async def _expect_death_named_at_step_2(
     """Run ``body(executor, in_flight)`` on a worker that dies in step 2 (the
     fake runner's ``fault`` option, at 2); the executor must fail with the
     monitor's error naming the worker and then ``said``, and leave no process."""
-    from trioserve.nurseries.executor import Executor
-    from trioserve.nurseries.workers import WorkerError
+    from trioserve.nurseries.engine_core.executor.executor import Executor
+    from trioserve.nurseries.engine_core.executor.handles import WorkerError
 
     def names_it(exc: Exception) -> bool:
         return re.search(r"worker-0 \(pid \d+\) " + said, str(exc)) is not None
@@ -553,12 +553,12 @@ async def test_a_worker_failure_taken_off_the_inbox_but_not_yet_looked_at_is_sti
 async def test_engine_core_without_handshake_reply_exits_at_its_handshake_deadline(tmp_path: Path):
     import zmq
 
-    from trioserve.nurseries.engine_core import HANDSHAKE_ADDRESS_ENV, HANDSHAKE_TIMEOUT_ENV
+    from trioserve.nurseries.engine_core.main import HANDSHAKE_ADDRESS_ENV, HANDSHAKE_TIMEOUT_ENV
     from trioserve.transport.zmq_trio import TrioZmqSocket
 
     address = f"ipc://{tmp_path}/handshake"
     env = {**os.environ, HANDSHAKE_ADDRESS_ENV: address, HANDSHAKE_TIMEOUT_ENV: "0.5"}
-    argv = [sys.executable, "-m", "trioserve.nurseries.entry", "engine-core"]
+    argv = [sys.executable, "-m", "trioserve.nurseries.supervision.entry", "engine-core"]
     with trio.fail_after(20), TrioZmqSocket.bind(zmq.ROUTER, address, linger=0) as front_end:
         proc = await trio.lowlevel.open_process(argv, env=env, stderr=subprocess.PIPE)
         try:
@@ -585,7 +585,11 @@ async def test_engine_core_without_handshake_reply_exits_at_its_handshake_deadli
     ("raw", "expected"), [(None, 30.0), ("2.5", 2.5), ("0", 30.0), ("-1", 30.0), ("soon", 30.0), ("inf", 30.0)]
 )
 def test_handshake_timeout_comes_from_the_environment_with_a_default(monkeypatch, raw, expected):
-    from trioserve.nurseries.engine_core import DEFAULT_HANDSHAKE_TIMEOUT_S, HANDSHAKE_TIMEOUT_ENV, handshake_timeout_s
+    from trioserve.nurseries.engine_core.main import (
+        DEFAULT_HANDSHAKE_TIMEOUT_S,
+        HANDSHAKE_TIMEOUT_ENV,
+        handshake_timeout_s,
+    )
 
     assert DEFAULT_HANDSHAKE_TIMEOUT_S == 30.0
     if raw is None:

@@ -102,7 +102,7 @@ def test_prefill_chunks_and_decodes_match_per_sequence_attention(window, softcap
 
 @pytest.fixture(scope="module")
 def decode_kernel():
-    from trioserve.gpu.cpu_attention import load_decode_kernel
+    from trioserve.gpu.cpu_kernels.attention import load_decode_kernel
 
     kernel = load_decode_kernel(torch.device("cpu"), torch.float32)
     assert kernel is not None
@@ -114,7 +114,7 @@ def decode_kernel():
     ("window", "softcap", "head_dim"), [(None, None, 8), (5, None, 8), (None, 2.0, 8), (3, 1.5, 8), (None, None, 44)]
 )
 def test_decode_kernel_matches_per_sequence_attention(decode_kernel, window, softcap, head_dim):
-    """The CPU kernel reading the cache in place (gpu/cpu_attention.py), at
+    """The CPU kernel reading the cache in place (gpu/cpu_kernels/attention.py), at
     an odd head size too (the vector loops' tails)."""
     seqs, steps = prefills_then_decodes(2, (2, 13, 7, 21), 4, head_dim)
     got = run_steps(seqs, steps, 0.3, window, softcap, False, decode_kernel=decode_kernel)
@@ -129,7 +129,7 @@ def test_bfloat16_decode_kernel_matches_attention_at_float32_to_bfloat16_precisi
     close to float32 attention over the same (bfloat16) values as bfloat16's
     own rounding of the output allows, and closer than the portable path at
     bfloat16 is."""
-    from trioserve.gpu.cpu_attention import load_decode_kernel
+    from trioserve.gpu.cpu_kernels.attention import load_decode_kernel
 
     kernel = load_decode_kernel(torch.device("cpu"), torch.bfloat16)
     assert kernel is not None
@@ -155,7 +155,8 @@ def test_a_built_kernel_is_loaded_again_from_our_index(decode_kernel, tmp_path, 
     index naming a library that is gone is written again."""
     from torch._inductor.codecache import CppPythonBindingsCodeCache
 
-    from trioserve.gpu import cpp_kernels, cpu_attention
+    from trioserve.gpu.cpu_kernels import attention as cpu_attention
+    from trioserve.gpu.cpu_kernels import cpp as cpp_kernels
 
     def load():
         return cpp_kernels.load_or_build(
@@ -212,7 +213,7 @@ def test_decode_kernel_reads_blocks_shared_by_a_group_once_with_the_same_result(
     form one kernel call per group that reads those blocks once for all
     (``shared_len``): the same attention as each sequence reading its own
     context (float32 attention over the same values, to the dtype's rounding)."""
-    from trioserve.gpu.cpu_attention import load_decode_kernel
+    from trioserve.gpu.cpu_kernels.attention import load_decode_kernel
 
     kernel = load_decode_kernel(torch.device("cpu"), dtype)
     assert kernel is not None

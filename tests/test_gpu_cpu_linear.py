@@ -1,4 +1,4 @@
-"""Pre-packed linear layers (``gpu/cpu_linear.py``: our float32 GEMM on
+"""Pre-packed linear layers (``gpu/cpu_kernels/linear.py``: our float32 GEMM on
 panels, oneDNN's packed weights): the same products as ``F.linear``, swapped
 into a model in place, counted like the weights they replace. Greedy identity with them is checked by test_gpu_runner.py
 and test_engine_models.py (the runner packs on the CPU at float32)."""
@@ -13,7 +13,8 @@ torch = pytest.importorskip("torch")
 
 import torch.nn.functional as F  # noqa: E402
 
-from trioserve.gpu import cpu_linear, sharding  # noqa: E402
+from trioserve.gpu import sharding  # noqa: E402
+from trioserve.gpu.cpu_kernels import linear as cpu_linear  # noqa: E402
 
 pytestmark = [
     pytest.mark.model,

@@ -22,8 +22,8 @@ from trioserve.messages import (
 
 torch = pytest.importorskip("torch")
 
-from trioserve.gpu.cpu_attention import CPU_ATTENTION_ENV  # noqa: E402
-from trioserve.gpu.cpu_linear import PACKED_LINEAR_ENV  # noqa: E402
+from trioserve.gpu.cpu_kernels.attention import CPU_ATTENTION_ENV  # noqa: E402
+from trioserve.gpu.cpu_kernels.linear import PACKED_LINEAR_ENV  # noqa: E402
 
 pytestmark = pytest.mark.model
 
@@ -158,7 +158,7 @@ def test_decodes_split_into_several_groups_match_generate(tiny_model_dir, arch, 
     # The tiny models' blocks are small enough that every decode shares one
     # group; a budget of 12 blocks per group splits this batch into several.
     from trioserve.gpu import attention
-    from trioserve.gpu.cpu_attention import CPU_ATTENTION_ENV
+    from trioserve.gpu.cpu_kernels.attention import CPU_ATTENTION_ENV
 
     monkeypatch.setenv(CPU_ATTENTION_ENV, "0")
 
@@ -197,7 +197,7 @@ def test_compiled_model_matches_generate_in_one_graph(tiny_model_dir, arch):
     expected = reference_greedy(model_dir, prompts, GREEDY.max_tokens)
     runner, _ = make_runner(model_dir, compile=True)  # compiles here, on a dummy step
     assert runner.compile_seconds > 0
-    assert runner._decode_kernel is not None  # decodes read the cache in place (gpu/cpu_attention.py)
+    assert runner._decode_kernel is not None  # decodes read the cache in place (gpu/cpu_kernels/attention.py)
     sched = MiniScheduler(runner, num_blocks=128, block_size=4, token_budget=24)
     for i, prompt in enumerate(prompts):
         sched.add(f"r{i}", prompt)

@@ -31,8 +31,8 @@ import trioserve
 from test_server import Received, collect, expect_error, generate, in_thread, open_ws, serving, wait_blocks_free
 from trioserve import SamplingParams
 from trioserve.errors import InvalidRequestError, PromptTooLongError
-from trioserve.frontend.prompt import PromptChecker
-from trioserve.frontend.tokenizer import Tokenizer
+from trioserve.frontend.text.prompt import PromptChecker
+from trioserve.frontend.text.tokenizer import Tokenizer
 from trioserve.messages import EngineInfo, ModelInfo
 
 HUGE = 18446744073709551616  # 2**64: msgpack cannot carry it
@@ -93,7 +93,7 @@ async def test_a_frame_of_arrays_nested_past_any_recursion_limit_is_invalid_json
 
 
 def checker(max_model_len: int = 2048) -> PromptChecker:
-    from trioserve.frontend.tokenizer import Tokenizer
+    from trioserve.frontend.text.tokenizer import Tokenizer
 
     class CountingTokenizer(Tokenizer):
         def __init__(self) -> None:
@@ -126,7 +126,7 @@ async def test_requests_cancelled_while_tokenizing_never_run_more_than_the_engin
     """Found: the limiter was given back as soon as a request was cancelled,
     while its abandoned thread still tokenized: ten cancelled requests ran
     ten encodes at once (the limit is TOKENIZE_THREADS)."""
-    from trioserve.frontend.prompt import TOKENIZE_THREADS
+    from trioserve.frontend.text.prompt import TOKENIZE_THREADS
 
     prompts = checker(max_model_len=8192)
     lock, running = threading.Lock(), [0, 0]  # now, most at once
@@ -154,7 +154,7 @@ def test_a_long_text_is_encoded_with_the_gil_released_into_the_same_ids(tiny_mod
     """Above GIL_FREE_ENCODE_CHARS the tokenizer uses encode_batch, which lets
     the event loop's thread run while a worker thread tokenizes; the ids are
     those encode gives."""
-    from trioserve.frontend.tokenizer import GIL_FREE_ENCODE_CHARS
+    from trioserve.frontend.text.tokenizer import GIL_FREE_ENCODE_CHARS
 
     tokenizer = Tokenizer.from_dir(tiny_model_dir("llama"))
     text = ("Hello wörld 你好 🎉 <s> " * 1000)[: GIL_FREE_ENCODE_CHARS * 3]

@@ -29,11 +29,11 @@ from trioserve import EngineConfig, SamplingParams
 from trioserve.api import open_attached_engine
 from trioserve.cli import EXIT_ENGINE_DEAD, EXIT_USAGE, main
 from trioserve.errors import EngineDeadError
-from trioserve.frontend.attached import read_engine_addresses
-from trioserve.frontend.client import EngineCoreClient
-from trioserve.frontend.group import EngineGroup
+from trioserve.frontend.engines.attached import read_engine_addresses
+from trioserve.frontend.engines.client import EngineCoreClient
+from trioserve.frontend.engines.group import EngineGroup
 from trioserve.messages import AddRequest, Attach, EngineOutputs, Hello, TokenOutput
-from trioserve.nurseries.headless import HeadlessConfig
+from trioserve.nurseries.headless.main import HeadlessConfig
 from trioserve.transport.curve import load_keys, write_keys
 from trioserve.transport.zmq_trio import TrioZmqSocket, private_ipc_dir
 

@@ -61,7 +61,7 @@ THIRD_PARTY = {
     # gguf: the default model's file, read by transformers and made once per conversion (gpu/gguf_convert.py).
     "gpu": {"msgspec", "torch", "transformers", "safetensors", "tokenizers", "numpy", "gguf"},
     "nurseries": {"msgspec", "trio", "zmq", "setproctitle"},
-    # jinja2: the model's chat template, rendered in a sandbox (frontend/chat_template.py).
+    # jinja2: the model's chat template, rendered in a sandbox (frontend/text/chat_template.py).
     "frontend": {"msgspec", "trio", "zmq", "tokenizers", "jinja2"},
     "default_model": set(),
     "api": {"msgspec", "trio"},
@@ -79,8 +79,8 @@ TORCH_AT_MODULE_LEVEL = {"bench/baselines.py"}
 # library and that project (never trioserve, which is not installed there).
 OTHER_INTERPRETERS = {"bench/vllm_driver.py": "vllm"}
 LAZY_GPU_IMPORTS = {
-    ("nurseries/worker.py", "trioserve.gpu.model_runner"),  # the worker's runner
-    ("nurseries/worker.py", "trioserve.gpu.dp_collective"),  # its data-parallel collective
+    ("nurseries/worker/main.py", "trioserve.gpu.model_runner"),  # the worker's runner
+    ("nurseries/worker/main.py", "trioserve.gpu.dp_collective"),  # its data-parallel collective
     ("bench/models.py", "transformers.utils"),  # the model-building subprocess
     ("bench/models.py", "trioserve.gpu.tiny_models"),
 }
@@ -163,7 +163,7 @@ def test_imports_never_run_back_up(relpath):
         ("gpu/model_runner.py", "from trioserve.bench.stats import percentile\n", "gpu (rank 4) may not import bench"),
         ("core/scheduler.py", "def f():\n    import trioserve.frontend\n", "core (rank 2) may not import frontend"),
         ("transport/framing.py", "from trioserve.runners import Runner\n", "transport (rank 3) may not import runners"),
-        ("frontend/client.py", "import torch\n", "imports torch at module level"),
+        ("frontend/engines/client.py", "import torch\n", "imports torch at module level"),
         ("server/http.py", "def f():\n    from trioserve.gpu import sampler\n", "torch belongs to worker"),
         ("core/request.py", "import trio\n", "which core may not use"),
     ],
@@ -176,7 +176,7 @@ def test_the_check_finds_an_import_that_breaks_the_layers(relpath, source, expec
 def test_front_end_and_cli_import_neither_torch_nor_transformers():
     code = (
         "import sys, trioserve, trioserve.cli, trioserve.server, trioserve.bench.cli, "
-        "trioserve.nurseries.engine_core, trioserve.nurseries.worker; "
+        "trioserve.nurseries.engine_core.main, trioserve.nurseries.worker.main; "
         "bad = [m for m in ('torch', 'transformers', 'trioserve.gpu') if m in sys.modules]; "
         "assert not bad, bad"
     )

@@ -21,7 +21,7 @@ from helpers.serving import running, serve_argv, spawned
 from trioserve import cli, default_model
 from trioserve.default_model import build_model_dir
 from trioserve.errors import EngineStartupError
-from trioserve.nurseries.oneshot import ONESHOT_GRACE_S, Finished, run_oneshot
+from trioserve.nurseries.supervision.oneshot import ONESHOT_GRACE_S, Finished, run_oneshot
 
 
 def _builder(proc: subprocess.Popen[str]) -> psutil.Process | None:
@@ -114,7 +114,7 @@ def test_a_builder_that_fails_is_an_error_with_its_exit_code_and_leaves_nothing(
 
 def test_only_a_trioserve_module_is_run_as_a_oneshot_program(tmp_path):
     done = subprocess.run(
-        [sys.executable, "-m", "trioserve.nurseries.entry", "run", "os", str(tmp_path / "out")],
+        [sys.executable, "-m", "trioserve.nurseries.supervision.entry", "run", "os", str(tmp_path / "out")],
         capture_output=True,
         text=True,
         timeout=30,

@@ -10,7 +10,7 @@ import trio.lowlevel
 import trio.testing
 from helpers.fakes import make_fake_config
 
-from trioserve.frontend.client import TO_ENGINE_SIZE, EngineCoreClient
+from trioserve.frontend.engines.client import TO_ENGINE_SIZE, EngineCoreClient
 from trioserve.messages import (
     AbortRequests,
     AddRequest,

@@ -20,7 +20,7 @@ import psutil
 import pytest
 import trio
 
-from trioserve.nurseries.process import SECRET_ENV_NAMES, ChildProcess, ProcessExited, supervise_process
+from trioserve.nurseries.supervision.process import SECRET_ENV_NAMES, ChildProcess, ProcessExited, supervise_process
 from trioserve.transport.framing import MessageBridge, socketpair_for_child
 
 HELPER = Path(__file__).parent / "helpers" / "child.py"

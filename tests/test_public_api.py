@@ -53,7 +53,7 @@ def test_a_child_process_module_does_not_import_the_front_end():
     import sys
 
     code = (
-        "import sys, trioserve.nurseries.worker, trioserve.runners.fake; "
+        "import sys, trioserve.nurseries.worker.main, trioserve.runners.fake; "
         "print(sorted(m for m in ('trioserve.api', 'trioserve.frontend', 'jinja2') if m in sys.modules))"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=60)

@@ -264,7 +264,7 @@ def test_logprobs_give_each_tokens_own_bytes_offsets_by_character_and_leave_out_
     """The tiny model's vocabulary is byte-level (id 3 + byte): "a🎉b" is six
     tokens, four of them pieces of one character, then the EOS that ended the
     reply (not in the text, so not in its logprobs)."""
-    from trioserve.frontend.tokenizer import Tokenizer
+    from trioserve.frontend.text.tokenizer import Tokenizer
     from trioserve.gpu.tiny_models import EOS_ID
     from trioserve.server.openai_protocol import TokenPlacer, chat_logprobs, completion_logprobs
 
@@ -294,7 +294,7 @@ def test_logprobs_offsets_count_each_invalid_byte_as_its_replacement_and_stop_at
     U+FFFD for each), so every later offset fell behind; the tokens of a stop
     string, which the text leaves out, were listed; and after a token whose
     text was held back in part, the next one was placed at its chunk's start."""
-    from trioserve.frontend.tokenizer import Tokenizer
+    from trioserve.frontend.text.tokenizer import Tokenizer
     from trioserve.server.openai_protocol import TokenPlacer, completion_logprobs
 
     tokenizer = Tokenizer.from_dir(tiny_model_dir("llama"))

@@ -21,7 +21,7 @@ from trioserve import EngineConfig, FakeRunnerConfig, SamplingParams
 from trioserve.core.scheduler import Scheduler
 from trioserve.core.step import Step
 from trioserve.messages import AddRequest, EngineInfo, EngineOutputs, EngineResponse, ModelInfo, RunnerOutput
-from trioserve.nurseries.engine_core import EngineCore
+from trioserve.nurseries.engine_core.main import EngineCore
 from trioserve.runners.fake import FakeRunner
 
 STEP_S = 1.0

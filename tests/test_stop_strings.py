@@ -1,4 +1,4 @@
-"""Tests for trioserve.frontend.stop_strings, against a naive reference."""
+"""Tests for trioserve.frontend.text.stop_strings, against a naive reference."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from trioserve.frontend.stop_strings import StopMatch, StopStringMatcher
+from trioserve.frontend.text.stop_strings import StopMatch, StopStringMatcher
 
 SETTINGS = settings(max_examples=500, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 

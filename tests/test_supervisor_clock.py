@@ -17,8 +17,8 @@ import trio.testing
 
 from trioserve import EngineConfig
 from trioserve.errors import EngineDeadError
-from trioserve.frontend.client import EngineCoreClient
-from trioserve.frontend.supervisor import EngineSupervisor
+from trioserve.frontend.engines.client import EngineCoreClient
+from trioserve.frontend.engines.supervisor import EngineSupervisor
 from trioserve.messages import EngineInfo, ModelInfo
 from trioserve.rpc import ControlCall, ControlReply, GenerationState, Pause, Resume, Sleep, WakeUp
 

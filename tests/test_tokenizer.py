@@ -1,4 +1,4 @@
-"""Tests for trioserve.frontend.tokenizer, on tokenizer.json files built here.
+"""Tests for trioserve.frontend.text.tokenizer, on tokenizer.json files built here.
 
 Two styles of tokenizer are built (and reused by test_detokenizer.py):
 - a GPT-2-style byte-level BPE: the 256 byte tokens (token id == byte value),
@@ -21,7 +21,7 @@ import pytest
 import tokenizers
 from tokenizers import decoders, models, pre_tokenizers, processors, trainers
 
-from trioserve.frontend.tokenizer import Tokenizer
+from trioserve.frontend.text.tokenizer import Tokenizer
 
 SPECIALS = ["<pad>", "<s>", "</s>"]
 # Merges of the byte-level tokenizer, as byte strings. " \xc3" is a space and
@@ -319,7 +319,7 @@ def test_same_ids_and_text_as_transformers_auto_tokenizer(tmp_path: Path, write:
 
 def test_importing_tokenizer_does_not_import_torch_or_transformers() -> None:
     code = (
-        "import sys, trioserve.frontend.tokenizer, trioserve.frontend.detokenizer; "
+        "import sys, trioserve.frontend.text.tokenizer, trioserve.frontend.text.detokenizer; "
         "bad = {'torch', 'transformers'} & set(sys.modules); "
         "assert not bad, bad"
     )

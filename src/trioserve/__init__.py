@@ -31,8 +31,8 @@ if TYPE_CHECKING:
         RequestError,
         TrioserveError,
     )
-    from trioserve.frontend.outputs import RequestOutput
-    from trioserve.frontend.streams import ParentRequestStream, RequestStream
+    from trioserve.frontend.requests.outputs import RequestOutput
+    from trioserve.frontend.requests.streams import ParentRequestStream, RequestStream
     from trioserve.messages import EngineInfo, EngineStats, SampleLogprobs, SamplingParams
     from trioserve.rpc import DescribeShard, Echo, EchoReply, ShardInfo
 
@@ -77,8 +77,8 @@ _HOMES = {
         "RequestError",
         "TrioserveError",
     ),
-    "trioserve.frontend.outputs": ("RequestOutput",),
-    "trioserve.frontend.streams": ("ParentRequestStream", "RequestStream"),
+    "trioserve.frontend.requests.outputs": ("RequestOutput",),
+    "trioserve.frontend.requests.streams": ("ParentRequestStream", "RequestStream"),
     "trioserve.messages": ("EngineInfo", "EngineStats", "SampleLogprobs", "SamplingParams"),
     "trioserve.rpc": ("DescribeShard", "Echo", "EchoReply", "ShardInfo"),
 }

@@ -1,5 +1,5 @@
 """The public face for Trio programs: ``open_engine`` and ``Engine`` (its
-requests are ``frontend/streams.py``'s ``RequestStream`` and
+requests are ``frontend/requests/streams.py``'s ``RequestStream`` and
 ``ParentRequestStream``).
 
 ``open_engine`` collapses exception groups from inside the project into
@@ -23,17 +23,17 @@ import trio
 
 from trioserve.config import EngineConfig
 from trioserve.errors import EngineDeadError, EngineStartupError, InvalidRequestError, collapse, leaves
-from trioserve.frontend.chat_template import RENDER_THREADS, ChatTemplate, TemplatedText
-from trioserve.frontend.client import EngineCoreClient
-from trioserve.frontend.group import EngineGroup
+from trioserve.frontend.engines.client import EngineCoreClient
+from trioserve.frontend.engines.group import EngineGroup
+from trioserve.frontend.engines.supervisor import Health
 from trioserve.frontend.model_dir import load_model_dir
-from trioserve.frontend.outputs import RequestMetrics, RequestOutput
-from trioserve.frontend.parallel_sampling import check_n
-from trioserve.frontend.prompt import Prompt, PromptChecker
-from trioserve.frontend.request_state import RequestState
-from trioserve.frontend.streams import ParentRequestStream, RequestStream
-from trioserve.frontend.supervisor import Health
-from trioserve.frontend.tokenizer import Tokenizer
+from trioserve.frontend.requests.outputs import RequestMetrics, RequestOutput
+from trioserve.frontend.requests.parallel_sampling import check_n
+from trioserve.frontend.requests.state import RequestState
+from trioserve.frontend.requests.streams import ParentRequestStream, RequestStream
+from trioserve.frontend.text.chat_template import RENDER_THREADS, ChatTemplate, TemplatedText
+from trioserve.frontend.text.prompt import Prompt, PromptChecker
+from trioserve.frontend.text.tokenizer import Tokenizer
 from trioserve.messages import EngineInfo, EngineStats, SamplingParams
 from trioserve.rpc import (
     CollectiveCall,
@@ -94,7 +94,7 @@ async def open_attached_engine(config: EngineConfig, api_server: int, directory:
     (``serve --api-server-count``): the engine cores are another process's
     (its children, or engine cores on other hosts that joined it), and
     ``directory`` says where each listens for API servers; this attaches to
-    each (``frontend/attached.py``) and starts no process."""
+    each (``frontend/engines/attached.py``) and starts no process."""
     async with _open(config, EngineGroup(config, attach=(api_server, directory)), f"api{api_server}") as engine:
         yield engine
 
@@ -181,7 +181,7 @@ class Engine:
         ``stream`` as the prompt. Raises ``InvalidRequestError`` naming
         ``messages`` when the model has no template, or it refuses them,
         fails on them or takes longer than ``RENDER_TIMEOUT_S``
-        (``frontend/chat_template.py``), and ``PromptTooLongError`` when its
+        (``frontend/text/chat_template.py``), and ``PromptTooLongError`` when its
         text cannot fit the context. If cancelled, the thread's result is
         dropped when it ends (by that timeout at the latest)."""
         template = self.chat_template
@@ -254,7 +254,7 @@ class Engine:
         out in stream: ...``. ``prompt`` is text or a list of token ids.
         Invalid input raises ``InvalidRequestError`` (a ``ValueError``)
         naming the field, before anything is sent: here, or, for a text long
-        enough to be tokenized in a thread (``frontend/prompt.py``), when the
+        enough to be tokenized in a thread (``frontend/text/prompt.py``), when the
         block is entered. A prompt that does not fit the context raises
         ``PromptTooLongError`` (one of those). Waiting requests of different
         ``client_id``s are admitted in turn. With several engine cores the
@@ -436,7 +436,7 @@ class Engine:
         """Requests the front-end holds state for (submitted and not yet over)."""
         return self._group.num_requests_in_flight()
 
-    # --- what the request streams need (frontend/streams.py, Submitter) ------
+    # --- what the request streams need (frontend/requests/streams.py, Submitter) ------
 
     async def check_prompt(self, prompt: Prompt) -> list[int]:
         return await self._prompts.check_async(prompt)

@@ -1,7 +1,7 @@
 """Byte-level vocabularies (GPT-2's, and those of most models since) spell
 each byte as one printable character: a printable Latin-1 byte as itself,
 every other byte as the character 256 + its rank among those. The front-end
-reads tokens back into bytes with it (``frontend/tokenizer.py``); the tiny
+reads tokens back into bytes with it (``frontend/text/tokenizer.py``); the tiny
 test models build their vocabulary with it (``gpu/tiny_models.py``)."""
 
 from __future__ import annotations

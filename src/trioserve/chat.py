@@ -22,7 +22,7 @@ import trio
 from trioserve.api import Engine, open_engine
 from trioserve.config import EngineConfig
 from trioserve.errors import EngineDeadError, InvalidRequestError, PromptTooLongError, RequestError
-from trioserve.frontend.chat_template import ChatTemplate
+from trioserve.frontend.text.chat_template import ChatTemplate
 from trioserve.messages import SamplingParams
 
 PROMPT = "> "

@@ -31,16 +31,16 @@ from trioserve.errors import (
     collapse,
 )
 from trioserve.messages import SamplingParams
-from trioserve.nurseries.headless import HeadlessConfig, run_headless
-from trioserve.nurseries.oneshot import stop_signals, until_stop_signal
-from trioserve.nurseries.process import describe_exit
+from trioserve.nurseries.headless.main import HeadlessConfig, run_headless
+from trioserve.nurseries.supervision.oneshot import stop_signals, until_stop_signal
+from trioserve.nurseries.supervision.process import describe_exit
 from trioserve.server import Server, ServerConfig
-from trioserve.server.api_servers import MAX_API_SERVERS, ApiServers
+from trioserve.server.api_servers.supervisor import MAX_API_SERVERS, ApiServers
 from trioserve.server.listener import fd_limit, fds_needed, raise_fd_limit
 from trioserve.server.server import model_name
 from trioserve.stdio import LOG_LEVEL_ENV, announce, drop_stdout, ensure_standard_fds, say
 
-API_KEY_ENV = "TRIOSERVE_API_KEY"  # never passed on to a child process (nurseries.process.SECRET_ENV_NAMES)
+API_KEY_ENV = "TRIOSERVE_API_KEY"  # never passed on to a child process (nurseries.supervision.process.SECRET_ENV_NAMES)
 
 # Exit statuses (docs/supervision.md).
 EXIT_OK = 0  # done, or shut down cleanly (SIGINT / SIGTERM / SIGHUP)

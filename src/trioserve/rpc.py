@@ -4,7 +4,7 @@ engine core, and an engine core its workers, besides serving requests.
 Nothing here is code: every call is a ``msgspec.Struct`` of a tagged union,
 decoded with its type, and each worker answers it with a typed result. A new
 kind of call is a new struct here and a branch in the code that runs it
-(``nurseries/control.py`` in the engine core, ``nurseries/worker.py`` in a
+(``nurseries/engine_core/control.py`` in the engine core, ``nurseries/worker/main.py`` in a
 worker); nothing else can cross.
 
 Two levels:

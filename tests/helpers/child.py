@@ -30,7 +30,7 @@ from typing import Any
 
 import trio
 
-from trioserve.nurseries.process import remove_if_parent_dies, run_child_main, supervise_process
+from trioserve.nurseries.supervision.process import remove_if_parent_dies, run_child_main, supervise_process
 from trioserve.transport.framing import MessageBridge, stream_from_fd
 
 REPORT_FD_ENV = "TRIOSERVE_TEST_REPORT_FD"

@@ -52,7 +52,7 @@ from websockets.sync.client import ClientConnection, connect
 
 import trioserve
 from trioserve import Engine, EngineConfig, RequestOutput, SamplingParams
-from trioserve.frontend.tokenizer import Tokenizer
+from trioserve.frontend.text.tokenizer import Tokenizer
 from trioserve.messages import MAX_INT32, MAX_LOGPROBS, MAX_STOP_CHARS, MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS
 from trioserve.server import Server, ServerConfig
 

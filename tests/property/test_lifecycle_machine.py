@@ -77,8 +77,8 @@ from hypothesis.stateful import (
 import trioserve
 from trioserve import EngineConfig, FakeRunnerConfig, SamplingParams
 from trioserve.errors import EngineDeadError, RequestError
-from trioserve.frontend.outputs import RequestOutput
-from trioserve.frontend.supervisor import EngineSupervisor
+from trioserve.frontend.engines.supervisor import EngineSupervisor
+from trioserve.frontend.requests.outputs import RequestOutput
 from trioserve.transport.zmq_trio import zmq_context
 
 NUM_KV_BLOCKS = 32
@@ -148,11 +148,11 @@ def fd_table() -> dict[int, str]:
 
 
 def trioserve_processes() -> list[psutil.Process]:
-    """This process's descendants that run ``trioserve.nurseries.entry``, zombies included."""
+    """This process's descendants that run ``trioserve.nurseries.supervision.entry``, zombies included."""
     found = []
     for proc in psutil.Process().children(recursive=True):
         try:
-            if "trioserve.nurseries.entry" in proc.cmdline():
+            if "trioserve.nurseries.supervision.entry" in proc.cmdline():
                 found.append(proc)
         except psutil.ZombieProcess:
             found.append(proc)  # a zombie has no command line, and is ours

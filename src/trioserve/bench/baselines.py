@@ -20,7 +20,7 @@ prints one JSON object on stdout. ``KIND``:
   the best rate of one matrix multiply of the model's MLP shapes (a full
   step's token budget of rows), on the engine's device, dtype and threads,
   through ``F.linear``, oneDNN's pre-packed weights and our GEMM on panels
-  (``gpu/cpu_linear.py``), where they apply; the fastest.
+  (``gpu/cpu_kernels/linear.py``), where they apply; the fastest.
 
 Every kind decodes greedily and ignores EOS, and warms up on two short
 requests first. Output tokens counted are the ones the workload asked for.
@@ -251,7 +251,7 @@ def run_peak_gemm(config: EngineConfig, spec: WorkloadSpec) -> dict[str, Any]:
     import torch.nn.functional as F
 
     from trioserve.bench.flops import ModelShape
-    from trioserve.gpu.cpu_linear import PackedLinear, PanelLinear, onednn_packs, packing_supported
+    from trioserve.gpu.cpu_kernels.linear import PackedLinear, PanelLinear, onednn_packs, packing_supported
     from trioserve.gpu.model_runner import resolve_device, resolve_dtype
 
     shape = ModelShape.from_config(json.loads((Path(config.model) / "config.json").read_text()))
@@ -307,7 +307,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     config = msgspec.json.decode(args.config, type=EngineConfig)
     spec = WorkloadSpec.from_dict(json.loads(args.spec))
-    from trioserve.gpu.host_memory import keep_freed_memory
+    from trioserve.gpu.cpu_kernels.host_memory import keep_freed_memory
 
     keep_freed_memory()  # every kind gets the allocator our worker gets
     torch.set_num_threads(cpu_threads_per_worker(config))

@@ -48,7 +48,7 @@ from trioserve.bench.workload import (
 from trioserve.cli_options import add_compile_option, add_parallel_options, add_threads_option
 from trioserve.config import EngineConfig, FakeRunnerConfig
 from trioserve.errors import StoppedBySignal, collapse
-from trioserve.nurseries.oneshot import until_stop_signal
+from trioserve.nurseries.supervision.oneshot import until_stop_signal
 from trioserve.stdio import say
 
 DEFAULT_MODEL = "bench-llama-40m"

@@ -21,7 +21,7 @@ from typing import Any
 
 from trioserve.config import cache_dir
 from trioserve.default_model import build_model_dir, default_model_dir, is_complete
-from trioserve.nurseries.process import describe_exit
+from trioserve.nurseries.supervision.process import describe_exit
 from trioserve.stdio import say
 
 REAL_MODELS = ("smollm2-135m",)  # built by trioserve.default_model, not from a config

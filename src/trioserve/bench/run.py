@@ -25,7 +25,7 @@ from trioserve.bench.workload import BenchRequest, WorkloadSpec, build_requests,
 from trioserve.config import EngineConfig
 from trioserve.errors import RequestError
 from trioserve.messages import EngineStats
-from trioserve.nurseries.oneshot import run_oneshot
+from trioserve.nurseries.supervision.oneshot import run_oneshot
 from trioserve.runners.steplog import StepRecord, read_step_log, step_log_path
 
 BASELINE_KINDS = ("model-only", "generate-batch", "generate")  # run by default
@@ -112,7 +112,7 @@ async def _measure(
 
 
 def run_baseline(kind: str, config: EngineConfig, spec: WorkloadSpec, timeout_s: float | None = None) -> dict[str, Any]:
-    """One baseline in a supervised child process (``nurseries/oneshot.py``:
+    """One baseline in a supervised child process (``nurseries/supervision/oneshot.py``:
     it ends with this process, however this one ends); its JSON, or
     ``{"error": ...}``. Raises ``StoppedBySignal`` after a SIGTERM or SIGHUP
     (and ``KeyboardInterrupt`` after a SIGINT), once the child is gone."""

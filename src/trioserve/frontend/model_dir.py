@@ -2,7 +2,7 @@
 so that a wrong path is one line naming it, not a worker's traceback.
 
 What a directory must hold: ``tokenizer.json`` (the front-end reads it,
-``frontend/tokenizer.py``); for the transformers runner also ``config.json``
+``frontend/text/tokenizer.py``); for the transformers runner also ``config.json``
 naming a ``model_type``, and weights (``*.safetensors`` or
 ``pytorch_model*.bin``). The fake runner reads only the first two.
 """
@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from trioserve.frontend.tokenizer import Tokenizer
+from trioserve.frontend.text.tokenizer import Tokenizer
 
 WEIGHT_PATTERNS = ("*.safetensors", "pytorch_model*.bin")
 

@@ -11,7 +11,7 @@ sequences back to back. Each layer's attention call
 
 Sequences with one new token (decodes) attend through the step's
 ``decode_kernel`` where there is one (on the CPU at float32 and bfloat16:
-one call that reads the cache in place, ``gpu/cpu_attention.py``); otherwise, sorted by
+one call that reads the cache in place, ``gpu/cpu_kernels/attention.py``); otherwise, sorted by
 context length, they share padded SDPA calls with a length mask over K/V
 gathered from the cache, in groups whose gathered K/V stay in the CPU's
 caches (``DECODE_GROUP_BYTES``; one group on other devices). Multi-token
@@ -73,7 +73,7 @@ class DecodeGroup:
 
 
 class DecodeKernel(Protocol):
-    """A decode attention that reads the cache in place (``gpu/cpu_attention.py``)."""
+    """A decode attention that reads the cache in place (``gpu/cpu_kernels/attention.py``)."""
 
     def __call__(
         self,

@@ -14,7 +14,7 @@ The number of tokens in the packed batch (T) and of sampled rows (S) are
 unbacked symbolic sizes (``mark_unbacked``): one graph serves every batch,
 one token or two thousand, with no recompilation (a plain dynamic size would
 still be specialised for 0 and 1). The weights stay inputs of the graph,
-not constants: the oneDNN-packed linears of ``gpu/cpu_linear.py`` run
+not constants: the oneDNN-packed linears of ``gpu/cpu_kernels/linear.py`` run
 inside it as one more opaque op, and a model loaded again (after a deep
 sleep) runs in the same graph. (Inductor's ``freezing``, which packs the
 linears itself, makes the weights constants, and then neither the FX graph

@@ -34,9 +34,14 @@ from trioserve.gpu.attention import (
     step_metadata,
 )
 from trioserve.gpu.compiled import Forward, compiled_forward, eager_forward, inductor_cache_dir
-from trioserve.gpu.cpu_attention import load_decode_kernel
-from trioserve.gpu.cpu_linear import pack_linears, packing_supported
-from trioserve.gpu.host_memory import available_bytes, keep_freed_memory, release_freed_memory, resident_bytes
+from trioserve.gpu.cpu_kernels.attention import load_decode_kernel
+from trioserve.gpu.cpu_kernels.host_memory import (
+    available_bytes,
+    keep_freed_memory,
+    release_freed_memory,
+    resident_bytes,
+)
+from trioserve.gpu.cpu_kernels.linear import pack_linears, packing_supported
 from trioserve.gpu.sampler import SamplingBatch, sample
 from trioserve.messages import (
     CachedRequestData,
@@ -211,9 +216,9 @@ class ModelRunner:
             self.config.model, self.world_size, attn_implementation=ATTENTION_NAME, dtype=self.dtype
         )
         self.model = torch.nn.Module.to(model, self.device).eval().requires_grad_(False)
-        self._decode_kernel = load_decode_kernel(self.device, self.dtype)  # gpu/cpu_attention.py
+        self._decode_kernel = load_decode_kernel(self.device, self.dtype)  # gpu/cpu_kernels/attention.py
         if self.world_size == 1 and packing_supported(self.device, self.dtype):
-            pack_linears(model)  # oneDNN's blocked weights: gpu/cpu_linear.py
+            pack_linears(model)  # oneDNN's blocked weights: gpu/cpu_kernels/linear.py
         self._forward = compiled_forward(model) if self.compiled else eager_forward(model)
         return model
 

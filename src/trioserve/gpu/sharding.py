@@ -151,7 +151,7 @@ def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
 
 def local_parameters(model: torch.nn.Module) -> tuple[int, int]:
     """Elements and bytes of this rank's own weights."""
-    from trioserve.gpu.cpu_linear import packed_parameters
+    from trioserve.gpu.cpu_kernels.linear import packed_parameters
 
     tensors = [local_tensor(p) for p in model.parameters()]
     packed_numel, packed_bytes = packed_parameters(model)

@@ -1,1 +1,3 @@
-"""Actors and process supervision: trio, no torch."""
+"""The actors of the process tree and their supervision: trio, no torch. ``supervision/`` is the base every
+process uses; ``engine_core/`` (with its ``executor/``), ``worker/`` and ``headless/`` are the actors, one folder
+each."""

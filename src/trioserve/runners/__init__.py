@@ -1,6 +1,6 @@
 """Model runners: what a worker process steps. ``Runner`` is the contract;
 ``runners.fake.FakeRunner`` (no torch) and ``gpu.model_runner.ModelRunner``
-(transformers) satisfy it; the worker process (``nurseries.worker``) picks
+(transformers) satisfy it; the worker process (``nurseries.worker.main``) picks
 one. ``runners.steplog`` is the step timing log a runner may write."""
 
 from __future__ import annotations

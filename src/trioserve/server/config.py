@@ -1,4 +1,4 @@
-"""The WebSocket server's settings: frozen, validated at construction."""
+"""The server's settings (HTTP and WebSocket): frozen, validated at construction."""
 
 from __future__ import annotations
 

@@ -43,7 +43,7 @@ from trioserve.errors import (
     PromptTooLongError,
     RequestError,
 )
-from trioserve.frontend.streams import RequestStream
+from trioserve.frontend.requests.streams import RequestStream
 from trioserve.server import protocol
 from trioserve.server.config import ServerConfig
 from trioserve.server.protocol import Cancel, Delta, Generate, ProtocolError, ServerMessage

@@ -37,8 +37,8 @@ from trioserve.errors import (
     InvalidRequestError,
     RequestError,
 )
-from trioserve.frontend.outputs import RequestOutput
-from trioserve.frontend.streams import ParentRequestStream
+from trioserve.frontend.requests.outputs import RequestOutput
+from trioserve.frontend.requests.streams import ParentRequestStream
 from trioserve.server import openai_protocol as oai
 from trioserve.server.config import ServerConfig
 from trioserve.server.http import METRICS_PATH, RequestHead

@@ -23,7 +23,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
 
 from trioserve.api import Engine
-from trioserve.frontend.outputs import RequestMetrics
+from trioserve.frontend.requests.outputs import RequestMetrics
 from trioserve.messages import EngineStats
 
 log = logging.getLogger("trioserve.server")

@@ -22,7 +22,7 @@ from typing import Any, Literal
 import msgspec
 
 from trioserve.errors import InvalidRequestError, PromptTooLongError
-from trioserve.frontend.tokenizer import Tokenizer
+from trioserve.frontend.text.tokenizer import Tokenizer
 from trioserve.messages import SampleLogprobs, SamplingParams
 from trioserve.server.protocol import malformed_json_detail
 

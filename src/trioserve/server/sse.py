@@ -11,8 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from trioserve.frontend.outputs import RequestOutput
-from trioserve.frontend.tokenizer import Tokenizer
+from trioserve.frontend.requests.outputs import RequestOutput
+from trioserve.frontend.text.tokenizer import Tokenizer
 from trioserve.messages import SampleLogprobs
 from trioserve.server import openai_protocol as oai
 

@@ -1,0 +1,125 @@
+"""One request as the front-end tracks it: its detokenizer and its mailbox."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+from trioserve.frontend.requests.outputs import OutputCollector, RequestMetrics, RequestOutput
+from trioserve.frontend.text.detokenizer import IncrementalDetokenizer
+from trioserve.frontend.text.tokenizer import Tokenizer
+from trioserve.messages import AddRequest, SamplingParams, TokenOutput
+
+
+class RequestState:
+    def __init__(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        tokenizer: Tokenizer,
+        *,
+        client_id: str = "",
+        index: int = 0,
+        on_end: Callable[[RequestMetrics], None] | None = None,
+    ) -> None:
+        self.request_id = request_id
+        self.index = index  # among a parent request's samples
+        self.client_id = client_id
+        self.prompt_token_ids = prompt_token_ids
+        self.params = params
+        self.detokenizer = IncrementalDetokenizer(tokenizer, prompt_token_ids, stop=params.stop)
+        self.collector = OutputCollector()
+        self.num_output_tokens = 0
+        self.num_cached_tokens: int | None = None  # prompt tokens from the prefix cache, from the first token on
+        self.finished = False
+        self._on_end = on_end  # told once, when the request ends
+        self.engine_index = 0  # the engine it was submitted to (data parallel)
+        self._started = time.monotonic()
+        self._first_token_at: float | None = None
+        self._last_output_at = 0.0
+        self._inter_token_s: list[float] = []
+
+    def add_request(self, wave: int = 0) -> AddRequest:
+        return AddRequest(
+            request_id=self.request_id,
+            prompt_token_ids=self.prompt_token_ids,
+            params=self.params,
+            client_id=self.client_id,
+            wave=wave,
+        )
+
+    def process(self, output: TokenOutput) -> bool:
+        """Turn an engine output into a delta for the consumer. Returns True when
+        a stop string ended the request here (the engine must be told)."""
+        self._time(len(output.new_token_ids))
+        self.num_output_tokens += len(output.new_token_ids)
+        if output.num_cached_tokens is not None:
+            self.num_cached_tokens = output.num_cached_tokens
+        update = self.detokenizer.update(output.new_token_ids)
+        text = update.text_delta
+        finish_reason = output.finish_reason
+        stop_reason: str | int | None = None
+        if update.stop_string is not None:
+            finish_reason, stop_reason = "stop", update.stop_string
+        elif finish_reason is not None:
+            text += self.detokenizer.flush()
+            last = output.new_token_ids[-1] if output.new_token_ids else None
+            if self.detokenizer.stop_string is not None and finish_reason in ("length", "stop"):
+                # The text held back until now completed a stop string: it ends the text, as anywhere.
+                finish_reason, stop_reason = "stop", self.detokenizer.stop_string
+            elif finish_reason == "stop" and last in self.params.stop_token_ids:
+                stop_reason = last
+        self.finished = finish_reason is not None
+        self.collector.put(
+            RequestOutput(
+                request_id=self.request_id,
+                text=text,
+                token_ids=list(output.new_token_ids),
+                cumulative_text=self.detokenizer.text,
+                num_prompt_tokens=len(self.prompt_token_ids),
+                num_output_tokens=self.num_output_tokens,
+                finish_reason=finish_reason,
+                stop_reason=stop_reason,
+                logprobs=output.new_logprobs,
+                index=self.index,
+                num_cached_tokens=self.num_cached_tokens,
+            )
+        )
+        if finish_reason is not None:
+            self.ended(finish_reason)
+        return update.stop_string is not None
+
+    def _time(self, num_tokens: int) -> None:
+        now = time.monotonic()
+        if num_tokens == 0:
+            return
+        if self._first_token_at is None:
+            self._first_token_at = now
+        else:
+            gap = (now - self._last_output_at) / num_tokens
+            self._inter_token_s.extend([gap] * num_tokens)
+        self._last_output_at = now
+
+    def forget(self) -> None:
+        """The request was refused before it ran (a sibling sample could not
+        be submitted): the observer is never told, as for any refused request."""
+        self._on_end = None
+
+    def ended(self, finish_reason: str) -> None:
+        """Tell the observer (once) that the request ended with ``finish_reason``."""
+        if self._on_end is None:
+            return
+        on_end, self._on_end = self._on_end, None
+        first = self._first_token_at
+        on_end(
+            RequestMetrics(
+                finish_reason=finish_reason,
+                num_prompt_tokens=len(self.prompt_token_ids),
+                num_output_tokens=self.num_output_tokens,
+                time_to_first_token_s=None if first is None else first - self._started,
+                inter_token_s=tuple(self._inter_token_s),
+                e2e_s=time.monotonic() - self._started,
+                engine_index=self.engine_index,
+            )
+        )

@@ -1,0 +1,331 @@
+"""Linear layers on pre-packed weights, for the CPU: our own GEMM on weights
+in panels, and oneDNN's blocked weights where it has native bfloat16.
+
+**``PanelLinear``** (float32; bfloat16 where oneDNN has no native path). The
+weight is stored once as panels of 16 output columns, ``[ceil(out / 16), in,
+16]`` (the last zero-padded), and multiplied by our C++ kernel (built and
+loaded as ``cpp.py`` says): threads over panels; in each panel,
+tiles of 6 input rows x 16 columns held in vector registers over the whole
+``in`` dimension, each step one load of a panel row, six broadcasts of x and
+twelve FMAs (on AVX2), the panel streamed in order and prefetched ahead;
+rows in chunks of 256. A decode's few rows read each weight once at memory
+speed, a prefill's many rows run at the FMA units' rate. Measured here
+(every linear of a model once in order, weights cold,
+``scripts/bench_gemm.py``; docs/benchmarks.md): against oneDNN's packed
+weights below, bench-llama-40m at 2 threads 1.43x at 8 rows, 1.35x at 32,
+1.10x at 128, 1.01-1.03x at 512-2,048; SmolLM2-135M at one thread 1.50x at 8
+rows, 1.43x at 32, 1.06x at 512 (there as fast as MKL's ``F.linear``, which
+is 1.9x slower at 8 rows). Results differ from ``F.linear``'s in the last
+bits (another summation order). The bfloat16 build reads bfloat16 panels and
+rows, converts each panel row to float32 in registers (the rows once per
+chunk), sums in float32 and rounds the output once: half the bytes of a
+decode's weight reads; bench-llama-40m at 2 threads 65-95 GFLOP/s from 8
+rows on, 4-5.7x ``F.linear`` at bfloat16 on this AVX2 host (which has no
+native bfloat16, so oneDNN does not pack it).
+
+**oneDNN: ``PackedLinear``** (bfloat16 where this CPU has native support;
+both dtypes with ``TRIOSERVE_PACKED_LINEAR=onednn``, for comparison, or
+where our kernel cannot be built). ``F.linear`` on the CPU calls MKL's GEMM,
+which re-reads the weight in its stored layout on every call; oneDNN
+reorders a weight once into the blocked layout its kernels want
+(``torch.ops.mkldnn._reorder_linear_weight``) and multiplies with it
+directly (``torch.ops.mkldnn._linear_pointwise``), as inductor's CPU backend
+does for frozen linears and vLLM's CPU path does: on the decode shapes of
+SmolLM2-135M (32 rows, one thread, float32) 1.1-2.5x MKL's rate. On large
+prefill rows the two are alike.
+
+``pack_linears(model)`` swaps every ``nn.Linear`` of a model for one of
+these, holding the weight in its layout (the original is freed). The packed
+copy of a tied LM head is a second copy of the embedding matrix (the
+embedding lookup keeps the original). Only for the CPU and a model that is
+not sharded (tensor parallelism keeps its DTensor weights). At float32 the
+greedy tokens of the tests' models are the same as with ``F.linear``; at
+bfloat16 how often they agree with transformers' is measured by
+``scripts/bf16_agreement.py``.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+from collections.abc import Callable
+
+import torch
+
+from trioserve.gpu.cpu_kernels import cpp
+
+log = logging.getLogger(__name__)
+
+# "0": keep F.linear everywhere; "lm_head": pack the LM head only; "all" (default): every linear;
+# "onednn": every linear, on oneDNN's packed weights even at float32.
+PACKED_LINEAR_ENV = "TRIOSERVE_PACKED_LINEAR"
+
+PANEL = 16  # output columns per panel of a PanelLinear's weight
+
+_GEMM_SOURCE = r"""
+#include <algorithm>
+#include <vector>
+using Vec = at::vec::Vectorized<float>;
+constexpr int64_t NR = 16;                // columns per panel
+constexpr int64_t NV = NR / Vec::size();  // vectors per panel row
+constexpr int64_t MR = 6;                 // rows per full tile
+constexpr int64_t MC = 256;               // rows per chunk
+constexpr int64_t AHEAD = 16;             // panel rows prefetched ahead
+
+// One panel row (NR values) as NV float vectors.
+static inline void load_row(const float* p, Vec* w) {
+    for (int v = 0; v < NV; v++) w[v] = Vec::loadu(p + v * Vec::size());
+}
+static inline void load_row(const at::BFloat16* p, Vec* w) {
+    if constexpr (NV <= 2) {  // AVX2 (two vectors of 8) or AVX-512 (one of 16): one load, one conversion
+        auto [lo, hi] = at::vec::convert_to_float<at::BFloat16>(at::vec::Vectorized<at::BFloat16>::loadu(p, NR));
+        w[0] = lo;
+        if constexpr (NV == 2) w[1] = hi;
+    } else {
+        float row[NR];
+        for (int64_t c = 0; c < NR; c++) row[c] = static_cast<float>(p[c]);
+        for (int v = 0; v < NV; v++) w[v] = Vec::loadu(row + v * Vec::size());
+    }
+}
+
+// n values of rows as floats: themselves, or converted into buf.
+static inline const float* rows_as_float(const float* x, int64_t, std::vector<float>&) { return x; }
+static inline const float* rows_as_float(const at::BFloat16* x, int64_t n, std::vector<float>& buf) {
+    buf.resize(n);
+    for (int64_t i = 0; i < n; i++) buf[i] = static_cast<float>(x[i]);
+    return buf.data();
+}
+
+// y[r, c] = x[r, :] . panel[:, c] (+ bias[c]) for r < R, c < nc (nc < NR: the last, padded panel),
+// summed in float and rounded to scalar_t once; bias (its nc values) may be null
+template <int R>
+static inline void tile(const float* x, const scalar_t* panel, int64_t K, scalar_t* y, int64_t N, int64_t nc,
+                        const scalar_t* bias) {
+    Vec acc[R][NV];
+    for (int r = 0; r < R; r++)
+        for (int v = 0; v < NV; v++) acc[r][v] = Vec(0.f);
+    for (int64_t k = 0; k < K; k++) {
+        Vec w[NV];
+        load_row(panel + k * NR, w);
+        __builtin_prefetch(panel + (k + AHEAD) * NR);
+        for (int r = 0; r < R; r++) {
+            const Vec b(x[r * K + k]);
+            for (int v = 0; v < NV; v++) acc[r][v] = at::vec::fmadd(b, w[v], acc[r][v]);
+        }
+    }
+    if (bias) {  // its nc values as vectors, zero past them
+        float b[NR] = {};
+        for (int64_t c = 0; c < nc; c++) b[c] = static_cast<float>(bias[c]);
+        for (int r = 0; r < R; r++)
+            for (int v = 0; v < NV; v++) acc[r][v] = acc[r][v] + Vec::loadu(b + v * Vec::size());
+    }
+    for (int r = 0; r < R; r++) {
+        float row[NR];
+        for (int v = 0; v < NV; v++) acc[r][v].store(row + v * Vec::size());
+        for (int64_t c = 0; c < nc; c++) y[r * N + c] = static_cast<scalar_t>(row[c]);
+    }
+}
+
+// x [M, K] and y [M, N] contiguous; w: panels [ceil(N / NR), K, NR]; bias [N] if has_bias.
+// Rows of another type than float are converted once per chunk, not once per panel.
+extern "C" void kernel(const scalar_t* x, const scalar_t* w, const scalar_t* bias, scalar_t* y, int64_t M, int64_t N,
+                       int64_t K, int64_t threads, int64_t has_bias) {
+    const int64_t P = (N + NR - 1) / NR;
+    std::vector<float> converted;
+    for (int64_t m0 = 0; m0 < M; m0 += MC) {
+        const int64_t mc = std::min(MC, M - m0);
+        const float* xc = rows_as_float(x + m0 * K, mc * K, converted);
+        #pragma omp parallel for num_threads(threads) schedule(static)
+        for (int64_t p = 0; p < P; p++) {
+            const scalar_t* panel = w + p * K * NR;
+            const scalar_t* b = has_bias ? bias + p * NR : nullptr;
+            const int64_t nc = std::min(NR, N - p * NR);
+            scalar_t* yp = y + m0 * N + p * NR;
+            int64_t m = 0;
+            for (; m + MR <= mc; m += MR) tile<MR>(xc + m * K, panel, K, yp + m * N, N, nc, b);
+            switch (mc - m) {
+                case 1: tile<1>(xc + m * K, panel, K, yp + m * N, N, nc, b); break;
+                case 2: tile<2>(xc + m * K, panel, K, yp + m * N, N, nc, b); break;
+                case 3: tile<3>(xc + m * K, panel, K, yp + m * N, N, nc, b); break;
+                case 4: tile<4>(xc + m * K, panel, K, yp + m * N, N, nc, b); break;
+                case 5: tile<5>(xc + m * K, panel, K, yp + m * N, N, nc, b); break;
+                default: break;
+            }
+        }
+    }
+}
+"""
+
+
+@functools.cache
+def _gemm(dtype: torch.dtype = torch.float32) -> Callable[..., None]:
+    scalar = cpp.CPP_SCALARS[dtype]
+    source = f"using scalar_t = {scalar};\n{_GEMM_SOURCE}"
+    argtypes = [f"const {scalar}*"] * 3 + [f"{scalar}*"] + ["int64_t"] * 5
+    return cpp.load_or_build(f"linear-{str(dtype).removeprefix('torch.')}", source, argtypes)
+
+
+def to_panels(weight: torch.Tensor) -> torch.Tensor:
+    """``[out, in]`` -> ``[ceil(out / PANEL), in, PANEL]``: column c of panel p is row p * PANEL + c."""
+    out_features, in_features = weight.shape
+    count = -(-out_features // PANEL)
+    padded = weight.new_zeros(count * PANEL, in_features)
+    padded[:out_features] = weight
+    return padded.view(count, PANEL, in_features).transpose(1, 2).contiguous()
+
+
+def panel_gemm(x: torch.Tensor, panels: torch.Tensor, bias: torch.Tensor | None, out_features: int) -> torch.Tensor:
+    """``x [n, in]`` (the panels' dtype) times the weight held in ``panels`` -> ``[n, out]``."""
+    if x.dim() != 2 or x.dtype != panels.dtype or x.device.type != "cpu" or panels.shape[1] != x.shape[1]:
+        raise ValueError(
+            f"our GEMM takes {panels.dtype} rows of {panels.shape[1]} on the CPU (got {x.dtype} {tuple(x.shape)})"
+        )
+    x = x.contiguous()  # the kernel reads rows back to back
+    rows, in_features = x.shape
+    y = x.new_empty(rows, out_features)
+    if rows:
+        _gemm(x.dtype)(
+            x, panels, y if bias is None else bias, y, rows, out_features, in_features, torch.get_num_threads(),
+            int(bias is not None),
+        )  # fmt: skip
+    return y
+
+
+class PanelLinear(torch.nn.Module):
+    """``y = x @ W.T + b`` at float32 or bfloat16 with ``W`` held in panels for our GEMM."""
+
+    def __init__(self, linear: torch.nn.Linear, *, tied: bool = False) -> None:
+        super().__init__()
+        if linear.weight.dtype not in cpp.CPP_SCALARS:
+            raise ValueError(f"PanelLinear is float32 or bfloat16 only (got {linear.weight.dtype})")
+        _gemm(linear.weight.dtype)  # built (or loaded) now, not at the first step; raises where it cannot be built
+        self.in_features = linear.in_features
+        self.out_features = linear.out_features
+        self.tied = tied  # the weight is also another module's parameter (a tied LM head)
+        weight = linear.weight.detach()
+        self.weight_bytes = weight.numel() * weight.element_size()
+        self.panels = to_panels(weight)
+        self.bias = linear.bias
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.reshape(-1, self.in_features)  # made contiguous by panel_gemm
+        if torch.compiler.is_compiling():  # our kernel is opaque to inductor
+            y = torch.ops.trioserve.panel_linear(rows, self.panels, self.bias, self.out_features)
+        else:
+            y = panel_gemm(rows, self.panels, self.bias, self.out_features)
+        return y.view(*x.shape[:-1], self.out_features)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
+
+
+@torch.library.custom_op("trioserve::panel_linear", mutates_args=())
+def panel_linear(x: torch.Tensor, panels: torch.Tensor, bias: torch.Tensor | None, out_features: int) -> torch.Tensor:
+    """``PanelLinear``'s product as an opaque op, for a compiled graph: x ``[n, in]`` -> ``[n, out]``."""
+    return panel_gemm(x, panels, bias, out_features)
+
+
+@panel_linear.register_fake
+def _panel_linear_fake(
+    x: torch.Tensor, panels: torch.Tensor, bias: torch.Tensor | None, out_features: int
+) -> torch.Tensor:
+    return x.new_empty(x.shape[0], out_features)
+
+
+class PackedLinear(torch.nn.Module):
+    """``y = x @ W.T + b`` with ``W`` reordered once for oneDNN."""
+
+    def __init__(self, linear: torch.nn.Linear, *, tied: bool = False) -> None:
+        super().__init__()
+        self.in_features = linear.in_features
+        self.out_features = linear.out_features
+        self.tied = tied  # the weight is also another module's parameter (a tied LM head)
+        weight = linear.weight.detach()
+        self.weight_bytes = weight.numel() * weight.element_size()
+        self.packed = torch.ops.mkldnn._reorder_linear_weight(weight, None)  # opaque blocked layout
+        self.bias = linear.bias  # a Parameter still: counted and moved like the others
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # x: [..., in] -> [..., out]; oneDNN wants a contiguous 2-D input.
+        rows = x.reshape(-1, self.in_features).contiguous()
+        if torch.compiler.is_compiling():  # inductor cannot lower the oneDNN op given a weight it did not pack
+            y = torch.ops.trioserve.packed_linear(rows, self.packed, self.bias, self.out_features)
+        else:
+            y = torch.ops.mkldnn._linear_pointwise(rows, self.packed, self.bias, "none", [], "")
+        return y.view(*x.shape[:-1], self.out_features)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
+
+
+@torch.library.custom_op("trioserve::packed_linear", mutates_args=())
+def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, out_features: int) -> torch.Tensor:
+    """``PackedLinear``'s product as an opaque op, for a compiled graph: x ``[n, in]`` -> ``[n, out]``."""
+    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+
+
+@packed_linear.register_fake
+def _packed_linear_fake(
+    x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, out_features: int
+) -> torch.Tensor:
+    return x.new_empty(x.shape[0], out_features)
+
+
+def packing_supported(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether ``pack_linears`` applies: the CPU, float32 or bfloat16, and not
+    switched off by ``TRIOSERVE_PACKED_LINEAR=0``."""
+    return device.type == "cpu" and dtype in cpp.CPP_SCALARS and os.environ.get(PACKED_LINEAR_ENV, "all") != "0"
+
+
+def onednn_packs(dtype: torch.dtype) -> bool:
+    """Whether oneDNN packs this dtype here: float32, or bfloat16 where this CPU has native support."""
+    if not torch.backends.mkldnn.is_available():
+        return False
+    return dtype == torch.float32 or bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+
+
+def _packed_class(dtype: torch.dtype) -> type[PanelLinear] | type[PackedLinear] | None:
+    """``PackedLinear`` for bfloat16 where oneDNN has native support (and for
+    both dtypes with ``TRIOSERVE_PACKED_LINEAR=onednn``); else ``PanelLinear``;
+    oneDNN again where our kernel cannot be built; None where neither applies."""
+    onednn = onednn_packs(dtype)
+    if os.environ.get(PACKED_LINEAR_ENV) == "onednn" or (dtype == torch.bfloat16 and onednn):
+        return PackedLinear if onednn else None
+    try:
+        _gemm(dtype)
+        return PanelLinear
+    except Exception as exc:  # no compiler, an unexpected toolchain
+        log.warning("the %s GEMM kernel could not be built (%s); falling back", dtype, exc)
+    return PackedLinear if onednn else None
+
+
+def pack_linears(model: torch.nn.Module, only: str | None = None) -> int:
+    """Replace every ``nn.Linear`` in ``model`` (or only the children named
+    ``only``) by a ``PanelLinear`` (float32) or a ``PackedLinear``, in place;
+    returns how many were replaced. By default ``only`` comes from
+    ``TRIOSERVE_PACKED_LINEAR`` ("lm_head")."""
+    if only is None and os.environ.get(PACKED_LINEAR_ENV) == "lm_head":
+        only = "lm_head"
+    swaps = [
+        (parent, name, child)
+        for parent in model.modules()
+        for name, child in parent.named_children()
+        if type(child) is torch.nn.Linear and only in (None, name)
+    ]
+    packed_class = _packed_class(swaps[0][2].weight.dtype) if swaps else None
+    if packed_class is None:
+        return 0
+    # The weights other modules own (a tied LM head's is the embedding's own Parameter).
+    others = {
+        p.data_ptr() for m in model.modules() if type(m) is not torch.nn.Linear for p in m.parameters(recurse=False)
+    }
+    for parent, name, child in swaps:
+        setattr(parent, name, packed_class(child, tied=child.weight.data_ptr() in others))
+    return len(swaps)
+
+
+def packed_parameters(model: torch.nn.Module) -> tuple[int, int]:
+    """Elements and bytes of the weights held packed (tied ones counted once, by their other owner)."""
+    packed = [m for m in model.modules() if isinstance(m, PanelLinear | PackedLinear) and not m.tied]
+    return sum(m.in_features * m.out_features for m in packed), sum(m.weight_bytes for m in packed)

@@ -1,0 +1,224 @@
+"""Control calls in the engine core: pause and resume, sleep and wake-up,
+statistics, and calls run on every worker (``rpc.py`` has the closed set).
+
+A call arrives from the front-end as ``ControlRequest`` (or ``GetStats``)
+and waits here until the step loop can run it. Calls that need the workers
+run between two steps: the step loop first collects every step in flight,
+then ``run_ready`` sends the call to every worker and takes each rank's
+reply, within the call's deadline (past it the workers count as hung, and
+the engine core fails as for a hung step). A worker that raises in a call
+answers with its error: the reply names the rank, and the engine serves on.
+
+Invariants:
+- while generation is paused, or the model sleeps or is about to
+  (``admitting`` is False), a request that arrives is held here, never
+  given to the scheduler, until generation resumes (then in arrival
+  order); with ``while_asleep="fail"``, one that arrives while the model
+  sleeps or is about to fails at once instead;
+- ``Pause`` and ``Sleep`` are answered once the scheduler holds no request
+  (in ``abort`` mode they are all aborted when the call arrives, each
+  ended with finish reason ``abort``); a ``Resume`` (``WakeUp``) that comes
+  first answers the pending ``Pause`` (``Sleep``) at once;
+- the workers sleep only once no request runs, so no step runs while they
+  sleep; a ``Sleep`` that fails on any rank wakes every rank up again;
+- a ``Sleep`` forgets every cached prefix (the KV cache it names is freed,
+  and a wake-up zeroes it);
+- every call is answered exactly once, unless the engine core dies first
+  (then the front-end fails it with the engine's death).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+
+import msgspec
+
+from trioserve.core.scheduler import Scheduler
+from trioserve.messages import (
+    AddRequest,
+    EngineOutputs,
+    EngineResponse,
+    GetStats,
+    RpcReply,
+    StatsReply,
+    TokenOutput,
+)
+from trioserve.nurseries.engine_core.executor.executor import Executor
+from trioserve.rpc import (
+    CollectiveRpc,
+    ControlReply,
+    ControlRequest,
+    DescribeShard,
+    GenerationState,
+    Pause,
+    Resume,
+    ShardInfo,
+    Sleep,
+    SleepShard,
+    WakeShard,
+    WakeUp,
+    WorkerCall,
+    WorkerResult,
+)
+
+log = logging.getLogger("trioserve.engine_core")
+Call = ControlRequest | GetStats
+
+
+class Controller:
+    """One engine core's pause and sleep state, the requests held while it
+    does not admit any, and the control calls not yet answered. Replies go
+    to ``replies`` (the step loop sends them with its next outputs)."""
+
+    def __init__(self, scheduler: Scheduler, executor: Executor, replies: list[EngineResponse]) -> None:
+        self.scheduler = scheduler
+        self.executor = executor
+        self.name = f"engine-core-{executor.engine_index}"
+        self._replies = replies
+        self.paused = False  # by Pause, until Resume
+        self.sleep_level = 0  # the workers sleep (1 or 2), or 0
+        self._going_to_sleep: ControlRequest | None = None  # a Sleep waiting for the requests to end
+        self._pending: list[Call] = []  # arrival order
+        self.held: dict[str, AddRequest] = {}  # arrival order
+
+    @property
+    def admitting(self) -> bool:
+        return not self.paused and self.sleep_level == 0 and self._going_to_sleep is None
+
+    @property
+    def num_held(self) -> int:
+        return len(self.held)
+
+    # --- what the front-end sends ----------------------------------------------
+
+    def hold(self, msg: AddRequest) -> None:
+        """A request that arrives while not admitting: held, or failed at once
+        while the model sleeps (or is about to) and ``while_asleep`` says so."""
+        asleep = self.sleep_level or self._going_to_sleep is not None
+        if asleep and self.executor.config.while_asleep == "fail":
+            error = f"{self.name} is asleep: wake it up first (EngineConfig.while_asleep='fail')"
+            self._replies.append(EngineOutputs([TokenOutput(msg.request_id, [], finish_reason="error", error=error)]))
+            return
+        self.held[msg.request_id] = msg
+
+    def drop_held(self, request_ids: list[str]) -> None:
+        for request_id in request_ids:
+            self.held.pop(request_id, None)
+
+    def submit(self, msg: Call) -> None:
+        """Take a call. ``Pause`` and ``Sleep`` stop admitting now (and, in
+        ``abort`` mode, abort every request); ``Resume`` and ``WakeUp`` answer
+        a ``Pause`` or ``Sleep`` still waiting for requests to end."""
+        if isinstance(msg, GetStats):
+            self._pending.append(msg)
+            return
+        call = msg.call
+        if isinstance(call, Pause | Sleep):
+            if isinstance(call, Pause):
+                self.paused = True
+            elif self._going_to_sleep is None:
+                self._going_to_sleep = msg
+            else:
+                self._reply(msg, error="a sleep is already under way")
+                return
+            if call.mode == "abort":
+                self._abort_all()
+        elif isinstance(call, Resume):
+            self.paused = False
+            self._answer_waiting(Pause, "")
+        elif isinstance(call, WakeUp) and self._going_to_sleep is not None:
+            self._going_to_sleep = None
+            self._answer_waiting(Sleep, "woken up before the requests had ended: not asleep")
+        self._pending.append(msg)
+
+    def _abort_all(self) -> None:
+        aborted = self.scheduler.abort(self.scheduler.request_ids())
+        if aborted:
+            self._replies.append(EngineOutputs([TokenOutput(r, [], finish_reason="abort") for r in aborted]))
+
+    def _answer_waiting(self, kind: type[Pause | Sleep], error: str) -> None:
+        for msg in [m for m in self._pending if isinstance(m, ControlRequest) and isinstance(m.call, kind)]:
+            self._pending.remove(msg)
+            self._reply(msg, error=error)
+
+    # --- run by the step loop ----------------------------------------------------
+
+    def has_ready(self) -> bool:
+        """A call can run now (the step loop must then drain its steps and call ``run_ready``)."""
+        return any(self._ready(msg) for msg in self._pending)
+
+    def _ready(self, msg: Call) -> bool:
+        if isinstance(msg, ControlRequest) and isinstance(msg.call, Pause | Sleep):
+            return not self.scheduler.has_unfinished()
+        return True
+
+    async def run_ready(self, add: Callable[[AddRequest], None]) -> None:
+        """Run every call that can run, in arrival order (no step may be in
+        flight); ``add`` takes the held requests once admitting again. If
+        cancelled, the engine core is going down: calls not answered die with it."""
+        for msg in [m for m in self._pending if self._ready(m)]:
+            self._pending.remove(msg)
+            if isinstance(msg, GetStats):
+                await self._stats(msg)
+            else:
+                await self._run(msg)
+        if self.admitting and self.held:
+            held, self.held = self.held, {}
+            for request in held.values():
+                add(request)
+
+    async def _stats(self, msg: GetStats) -> None:
+        """The scheduler's counters (the held requests count as waiting) and every rank's ``ShardInfo``."""
+        results, _ = await self._on_workers(DescribeShard(), self.executor.config.control_timeout_s)
+        stats = self.scheduler.stats()
+        stats = msgspec.structs.replace(
+            stats,
+            num_waiting=stats.num_waiting + self.num_held,
+            workers=[r for r in results if isinstance(r, ShardInfo)],
+        )
+        self._replies.append(StatsReply(call_id=msg.call_id, stats=stats))
+
+    async def _run(self, msg: ControlRequest) -> None:
+        call, results, error = msg.call, list[WorkerResult](), ""
+        if isinstance(call, CollectiveRpc):
+            results, error = await self._on_workers(call.call, msg.timeout_s)
+        elif isinstance(call, Sleep):
+            if self._going_to_sleep is not msg:
+                return  # answered already (a WakeUp came first)
+            self._going_to_sleep = None
+            results, error = await self._on_workers(SleepShard(level=call.level), msg.timeout_s)
+            # A rank that slept gave its KV cache back, and wakes with a zeroed one: no cached
+            # prefix survives (found: a prompt hitting one after a wake-up read zeros, wrong tokens).
+            self.scheduler.reset_prefix_cache()
+            if error:  # some ranks may sleep: wake them all
+                await self._on_workers(WakeShard(), msg.timeout_s)
+            else:
+                self.sleep_level = max(self.sleep_level, call.level)
+        elif isinstance(call, WakeUp) and self.sleep_level:
+            results, error = await self._on_workers(WakeShard(), msg.timeout_s)
+            if not error:
+                self.sleep_level = 0
+        self._reply(msg, results, error)
+
+    async def _on_workers(self, call: WorkerCall, timeout_s: float) -> tuple[list[WorkerResult], str]:
+        """Every rank's result, and an error naming each rank that raised."""
+        replies: list[RpcReply] = await self.executor.rpc(call, timeout_s)
+        results = [reply.result for reply in replies if reply.result is not None]
+        errors = [
+            f"worker-{rank} (rank {rank}) failed {type(call).__name__}: {reply.error}"
+            for rank, reply in enumerate(replies)
+            if reply.error
+        ]
+        if errors:
+            log.warning("%s: %s", self.name, "; ".join(errors))
+        return results, "; ".join(f"{self.name}: {e}" for e in errors)
+
+    def _reply(self, msg: Call, results: list[WorkerResult] | None = None, error: str = "") -> None:
+        if isinstance(msg, GetStats):
+            return  # a GetStats is answered in run_ready only
+        self._replies.append(ControlReply(call_id=msg.call_id, results=results or [], error=error, state=self.state))
+
+    @property
+    def state(self) -> GenerationState:
+        return GenerationState(paused=self.paused, sleep_level=self.sleep_level, holding=not self.admitting)

@@ -1,0 +1,1 @@
+"""The worker actor: one process per tensor-parallel rank that runs the model runner."""
