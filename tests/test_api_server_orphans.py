@@ -22,7 +22,7 @@ from trioserve.messages import (
     ModelInfo,
 )
 from trioserve.nurseries.engine_core.api_servers import ApiServers
-from trioserve.nurseries.engine_core.main import input_socket_actor
+from trioserve.nurseries.engine_core.sockets import input_socket_actor
 from trioserve.transport.zmq_trio import TrioZmqSocket, private_ipc_dir
 
 INFO = EngineInfo(ModelInfo(259, 64, [2]), 64, 4, 64, 1, [2])

@@ -553,7 +553,7 @@ async def test_a_worker_failure_taken_off_the_inbox_but_not_yet_looked_at_is_sti
 async def test_engine_core_without_handshake_reply_exits_at_its_handshake_deadline(tmp_path: Path):
     import zmq
 
-    from trioserve.nurseries.engine_core.main import HANDSHAKE_ADDRESS_ENV, HANDSHAKE_TIMEOUT_ENV
+    from trioserve.nurseries.engine_core.launch import HANDSHAKE_ADDRESS_ENV, HANDSHAKE_TIMEOUT_ENV
     from trioserve.transport.zmq_trio import TrioZmqSocket
 
     address = f"ipc://{tmp_path}/handshake"
@@ -584,19 +584,19 @@ async def test_engine_core_without_handshake_reply_exits_at_its_handshake_deadli
 @pytest.mark.parametrize(
     ("raw", "expected"), [(None, 30.0), ("2.5", 2.5), ("0", 30.0), ("-1", 30.0), ("soon", 30.0), ("inf", 30.0)]
 )
-def test_handshake_timeout_comes_from_the_environment_with_a_default(monkeypatch, raw, expected):
-    from trioserve.nurseries.engine_core.main import (
+def test_handshake_timeout_comes_from_the_environment_with_a_default(raw, expected):
+    from trioserve.nurseries.engine_core.launch import (
         DEFAULT_HANDSHAKE_TIMEOUT_S,
+        HANDSHAKE_ADDRESS_ENV,
         HANDSHAKE_TIMEOUT_ENV,
-        handshake_timeout_s,
+        EngineCoreLaunch,
     )
 
     assert DEFAULT_HANDSHAKE_TIMEOUT_S == 30.0
-    if raw is None:
-        monkeypatch.delenv(HANDSHAKE_TIMEOUT_ENV, raising=False)
-    else:
-        monkeypatch.setenv(HANDSHAKE_TIMEOUT_ENV, raw)
-    assert handshake_timeout_s() == expected
+    environ = {HANDSHAKE_ADDRESS_ENV: "ipc:///nowhere/handshake"}
+    if raw is not None:
+        environ[HANDSHAKE_TIMEOUT_ENV] = raw
+    assert EngineCoreLaunch.from_env(environ).handshake_timeout_s == expected
 
 
 async def test_sigusr1_leaves_an_idle_worker_alone_and_fails_its_next_step(fake_config):
@@ -744,3 +744,23 @@ async def test_an_engine_core_that_cannot_be_forked_is_a_spawn_error_at_start_an
             assert len((await engine.generate([5, 6], params)).token_ids) == 3
     assert any("restart 1 failed: could not start engine-core-0" in r.message for r in caplog.records)
     assert await wait_no_children() == []
+
+
+def test_a_launch_written_to_the_environment_reads_back_the_same():
+    from trioserve.nurseries.engine_core.launch import EngineCoreLaunch
+
+    launch = EngineCoreLaunch(
+        handshake_address="tcp://10.0.0.1:5555",
+        engine_index=3,
+        handshake_timeout_s=12.5,
+        api_servers_host="10.0.0.2",
+        api_servers_port=7000,
+        curve_keys_dir="/keys",
+        private_dir="/tmp/private",
+        engines_on_host=2,
+    )
+    env = launch.env({"PATH": "/bin"})
+    assert env["PATH"] == "/bin"
+    assert EngineCoreLaunch.from_env(env) == launch
+    plain = EngineCoreLaunch(handshake_address="ipc:///run/handshake", insecure_tcp=True)
+    assert EngineCoreLaunch.from_env(plain.env({})) == plain

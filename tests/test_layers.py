@@ -181,3 +181,73 @@ def test_front_end_and_cli_import_neither_torch_nor_transformers():
         "assert not bad, bad"
     )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
+
+
+def module_name(relpath: str) -> str:
+    """``frontend/engines/client.py`` -> ``trioserve.frontend.engines.client`` (a package's ``__init__.py`` is
+    the package)."""
+    parts = ["trioserve", *relpath.removesuffix(".py").split("/")]
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def import_graph(sources: dict[str, str]) -> dict[str, set[str]]:
+    """Module -> the modules of the package it imports, at module level or inside functions: ``from P import N``
+    counts as an import of ``P.N`` when that is a module, else of ``P``."""
+    modules = {module_name(relpath) for relpath in sources}
+    graph: dict[str, set[str]] = {}
+    for relpath, source in sources.items():
+        edges = graph.setdefault(module_name(relpath), set())
+        for node in ast.walk(ast.parse(source)):
+            if isinstance(node, ast.Import):
+                edges.update(alias.name for alias in node.names if alias.name in modules)
+            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module in modules:
+                for alias in node.names:
+                    name = f"{node.module}.{alias.name}"
+                    edges.add(name if name in modules else node.module)
+    return graph
+
+
+def circles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The import circles of ``graph``: each strongly connected set of more than one module, and each module that
+    imports itself (Tarjan's algorithm)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    found: list[list[str]] = []
+
+    def visit(module: str) -> None:
+        index[module] = low[module] = len(index)
+        stack.append(module)
+        for target in graph.get(module, ()):
+            if target not in index:
+                visit(target)
+                low[module] = min(low[module], low[target])
+            elif target in stack:
+                low[module] = min(low[module], index[target])
+        if low[module] == index[module]:
+            members = []
+            while True:
+                member = stack.pop()
+                members.append(member)
+                if member == module:
+                    break
+            if len(members) > 1 or module in graph.get(module, ()):
+                found.append(sorted(members))
+
+    for module in sorted(graph):
+        if module not in index:
+            visit(module)
+    return found
+
+
+def test_no_module_takes_part_in_an_import_circle():
+    sources = {relpath: (SRC / relpath).read_text() for relpath in all_modules()}
+    assert circles(import_graph(sources)) == []
+
+
+def test_the_circle_check_finds_a_planted_circle_inside_a_function():
+    sources = {relpath: (SRC / relpath).read_text() for relpath in all_modules()}
+    assert circles(import_graph(sources)) == []
+    sources["core/invariants.py"] += "\n\ndef planted():\n    from trioserve.core import scheduler\n"
+    found = circles(import_graph(sources))
+    assert any({"trioserve.core.invariants", "trioserve.core.scheduler"} <= set(c) for c in found), found

@@ -9,31 +9,42 @@ algorithm). Each failure raises ``RuntimeError`` naming the invariant.
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import TYPE_CHECKING
+from dataclasses import dataclass
 
-from trioserve.core.block_manager import cdiv
-from trioserve.core.prefix_cache import check_shared_blocks
-from trioserve.core.request import RequestStatus
+from trioserve.core.block_manager import BlockManager, cdiv
+from trioserve.core.fairness import ClientQueues, RunningOrder
+from trioserve.core.prefix_cache import PrefixCache, check_shared_blocks
+from trioserve.core.request import Request, RequestStatus
 from trioserve.core.step import Step
 
-if TYPE_CHECKING:
-    from trioserve.core.scheduler import Scheduler
+
+@dataclass(frozen=True)
+class SchedulerState:
+    """What the invariants read of a scheduler: its parts, internals included."""
+
+    block_manager: BlockManager
+    prefix_cache: PrefixCache
+    running: RunningOrder
+    waiting: ClientQueues
+    requests: dict[str, Request]  # every unfinished request
+    on_workers: set[str]  # the requests whose state the workers hold
+    max_num_seqs: int
 
 
-def check_scheduler(sched: Scheduler, steps_in_flight: Iterable[Step]) -> None:
+def check_scheduler(sched: SchedulerState, steps_in_flight: Iterable[Step]) -> None:
     """Raise ``RuntimeError`` naming the first broken invariant of ``sched``.
     ``steps_in_flight``: the steps made and not yet postprocessed."""
     bm = sched.block_manager
     bm.check_invariants()
     sched.running.check_invariants()
     sched.waiting.check_invariants()
-    requests = sched._requests
+    requests = sched.requests
     running = {r.request_id for r in sched.running}
     waiting = {r.request_id for r in sched.waiting}
     _check(not running & waiting, "a request is both running and waiting")
     _check(running | waiting == set(requests), "running + waiting != unfinished")
     _check(len(sched.running) <= sched.max_num_seqs, "more running requests than max_num_seqs")
-    _check(sched._on_workers == running, "workers hold requests other than the running")
+    _check(sched.on_workers == running, "workers hold requests other than the running")
     pending: dict[str, int] = {}
     for step in steps_in_flight:
         for sampler in step.samplers:

@@ -84,7 +84,7 @@ from collections.abc import Iterable
 
 from trioserve.core.block_manager import BlockManager
 from trioserve.core.fairness import ClientQueues, RunningOrder
-from trioserve.core.invariants import check_scheduler
+from trioserve.core.invariants import SchedulerState, check_scheduler
 from trioserve.core.prefix_cache import PrefixCache
 from trioserve.core.request import Request, RequestStatus
 from trioserve.core.step import Step, StepPlan, sampled_tokens
@@ -400,4 +400,13 @@ class Scheduler:
     def check_invariants(self, steps_in_flight: Iterable[Step] = ()) -> None:
         """Raise ``RuntimeError`` naming the first broken invariant.
         ``steps_in_flight``: the steps made and not yet postprocessed."""
-        check_scheduler(self, steps_in_flight)
+        state = SchedulerState(
+            block_manager=self.block_manager,
+            prefix_cache=self.prefix_cache,
+            running=self.running,
+            waiting=self.waiting,
+            requests=self._requests,
+            on_workers=self._on_workers,
+            max_num_seqs=self.max_num_seqs,
+        )
+        check_scheduler(state, steps_in_flight)

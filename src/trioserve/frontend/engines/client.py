@@ -61,13 +61,7 @@ from trioserve.messages import (
     StatsReply,
     WaveNotice,
 )
-from trioserve.nurseries.engine_core.main import (
-    API_SERVERS_DIR_ENV,
-    ENGINE_INDEX_ENV,
-    HANDSHAKE_ADDRESS_ENV,
-    HANDSHAKE_TIMEOUT_ENV,
-    ipc_directory,
-)
+from trioserve.nurseries.engine_core.launch import EngineCoreLaunch, ipc_directory
 from trioserve.nurseries.supervision.process import ChildProcess, ProcessExited, python_argv, supervise_process
 from trioserve.rpc import ControlCall, ControlReply, ControlRequest, GenerationState, Pause, Sleep
 from trioserve.transport.outbox import Outbox
@@ -173,14 +167,13 @@ class EngineCoreClient:
         input_sock = TrioZmqSocket.bind(zmq.PUSH, input_address, linger=0)
         output_sock = TrioZmqSocket.bind(zmq.PULL, output_address, linger=0)
         with handshake:
-            env = {
-                **os.environ,
-                HANDSHAKE_ADDRESS_ENV: handshake_address,
-                ENGINE_INDEX_ENV: str(self.engine_index),
-                HANDSHAKE_TIMEOUT_ENV: str(self.config.startup_timeout_s),
-            }
-            if self.frontends is not None and (api_servers_dir := ipc_directory(self.frontends.input_address)):
-                env[API_SERVERS_DIR_ENV] = api_servers_dir
+            launch = EngineCoreLaunch(
+                handshake_address=handshake_address,
+                engine_index=self.engine_index,
+                handshake_timeout_s=self.config.startup_timeout_s,
+                api_servers_dir=None if self.frontends is None else ipc_directory(self.frontends.input_address),
+            )
+            env = launch.env(os.environ)
             try:
                 self.process = await nursery.start(self._supervise, env, nursery.cancel_scope)
             except OSError as exc:  # no process: fork failed (EAGAIN: the process table is full; ENOMEM)

@@ -48,8 +48,8 @@ sent it once a later life attached.
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
-import os
 import socket
 from collections import defaultdict
 from collections.abc import Callable
@@ -74,13 +74,13 @@ from trioserve.messages import (
     TokenOutput,
     WaveNotice,
 )
+from trioserve.nurseries.engine_core.launch import EngineCoreLaunch, endpoint
+from trioserve.nurseries.engine_core.sockets import input_socket_actor
 from trioserve.rpc import ControlReply, GenerationState
 from trioserve.transport.curve import CurveAuthenticator
 from trioserve.transport.router import SocketLoop
 from trioserve.transport.zmq_trio import TrioZmqSocket
 
-API_SERVERS_HOST_ENV = "TRIOSERVE_API_SERVERS_HOST"  # on another host: the address to bind
-API_SERVERS_PORT_ENV = "TRIOSERVE_API_SERVERS_PORT"  # ... and the first of the two ports (0: the kernel's)
 log = logging.getLogger("trioserve.engine_core")
 _encode = msgspec.msgpack.Encoder().encode
 _decode_attach = msgspec.msgpack.Decoder(Attach).decode
@@ -97,8 +97,12 @@ class Life(NamedTuple):
 class ApiServers:
     """Which API server each request came from, and the ROUTER to them all."""
 
-    def __init__(self, engine_index: int = -1) -> None:
+    def __init__(self, engine_index: int = -1, launch: EngineCoreLaunch | None = None) -> None:
         self.engine_index = engine_index
+        # How the engine core was started: where to bind on TCP, and with which keys.
+        self._launch = (
+            launch if launch is not None else EngineCoreLaunch(handshake_address="", engine_index=engine_index)
+        )
         self._identities: dict[int, bytes] = {}  # API server index -> its DEALER's identity
         self._lives: dict[int, Life] = {}  # API server index -> its latest life that attached
         self._sender: dict[str, Life] = {}  # request id -> the life that sent it
@@ -120,27 +124,21 @@ class ApiServers:
         listen, and serve the API servers until cancelled (then the sockets
         and the ZAP handler are closed). ``zmq.ZMQError`` if they cannot be
         bound, ``OSError`` if there is no route to the head to bind on."""
-        # The engine core imports this module.
-        from trioserve.nurseries.engine_core.main import (
-            HANDSHAKE_ADDRESS_ENV,
-            curve_keys,
-            endpoint,
-            input_socket_actor,
-            socket_options,
-        )
-
         self._info = info
         input_address, output_address = init.input_address, init.output_address
         if BIND_TCP in (input_address, output_address):
-            input_address, output_address = await tcp_addresses(os.environ[HANDSHAKE_ADDRESS_ENV])
+            input_address, output_address = await tcp_addresses(self._launch)
         async with trio.open_nursery() as nursery:
             self._orphans, self._nursery = inbox, nursery
-            keys = curve_keys(output_address) if output_address.startswith("tcp://") else None
+            keys = self._launch.curve_keys(output_address) if output_address.startswith("tcp://") else None
             if keys is not None:
                 await nursery.start(CurveAuthenticator(keys).run)  # before any server socket is bound
-            options = socket_options(output_address, bind=True)
+            options = self._launch.socket_options(output_address, bind=True)
             with TrioZmqSocket.bind(zmq.ROUTER, output_address, linger=0, sndhwm=0, **options) as router:
-                bound_input = await nursery.start(input_socket_actor, input_address, inbox, None, True, self.note)
+                receive = functools.partial(
+                    input_socket_actor, options=self._launch.socket_options(input_address, bind=True)
+                )
+                bound_input = await nursery.start(receive, input_address, inbox, None, True, self.note)
                 task_status.started(FrontEndsInit(input_address=bound_input, output_address=endpoint(router)))
                 await self._loop.run(router)
 
@@ -218,12 +216,11 @@ class ApiServers:
         return msg
 
 
-async def tcp_addresses(head: str) -> tuple[str, str]:
+async def tcp_addresses(launch: EngineCoreLaunch) -> tuple[str, str]:
     """Where an engine core on another host listens for the API servers
-    (input, output): see the module docstring. ``head`` is the head's
-    handshake address (``tcp://host:port``)."""
-    host = os.environ.get(API_SERVERS_HOST_ENV) or await address_towards(head)
-    port = int(os.environ.get(API_SERVERS_PORT_ENV) or 0)
+    (input, output): see the module docstring."""
+    host = launch.api_servers_host or await address_towards(launch.handshake_address)
+    port = launch.api_servers_port
     return f"tcp://{host}:{port}", f"tcp://{host}:{port + 1 if port else 0}"
 
 

@@ -27,6 +27,7 @@ process exits 1.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import logging
 import math
@@ -73,29 +74,19 @@ from trioserve.nurseries.engine_core.api_servers import ApiServers
 from trioserve.nurseries.engine_core.control import Controller
 from trioserve.nurseries.engine_core.executor.executor import Executor
 from trioserve.nurseries.engine_core.executor.handles import ExecutorStage, WorkerError
+from trioserve.nurseries.engine_core.launch import (
+    HANDSHAKE_TIMEOUT_ENV,
+    HEAD_LEFT_EXIT,
+    EngineCoreLaunch,
+    ipc_directory,
+)
+from trioserve.nurseries.engine_core.sockets import input_socket_actor, output_socket_actor
 from trioserve.nurseries.supervision.child_main import ChildExit, ChildFailed, remove_if_parent_dies
 from trioserve.rpc import ControlRequest
-from trioserve.transport.curve import CurveKeys, load_keys
 from trioserve.transport.router import SocketLoop
 from trioserve.transport.silence import Silence
 from trioserve.transport.zmq_trio import TrioZmqSocket
 
-HANDSHAKE_ADDRESS_ENV = "TRIOSERVE_HANDSHAKE_ADDRESS"
-ENGINE_INDEX_ENV = "TRIOSERVE_ENGINE_INDEX"
-# How long the engine core waits for the front-end's HandshakeInit: the
-# front-end sets it to its startup_timeout_s.
-HANDSHAKE_TIMEOUT_ENV = "TRIOSERVE_HANDSHAKE_TIMEOUT_S"
-# On TCP (an engine core on another host than its front-end): the directory
-# of the deployment's CURVE keys, or INSECURE_TCP_ENV=1 to go without.
-CURVE_KEYS_ENV = "TRIOSERVE_CURVE_KEYS"
-INSECURE_TCP_ENV = "TRIOSERVE_INSECURE_TCP"
-# On TCP: a private directory of the parent's (the headless process's) for
-# this life of the engine core (tensor parallelism's rendezvous file goes
-# there; with one rank the engine core removes it at once); the parent
-# removes it when the engine core ends, however it ends.
-PRIVATE_DIR_ENV = "TRIOSERVE_PRIVATE_DIR"
-API_SERVERS_DIR_ENV = "TRIOSERVE_API_SERVERS_DIR"  # where a local engine core listens for API servers
-DEFAULT_HANDSHAKE_TIMEOUT_S = 30.0  # EngineConfig.startup_timeout_s's default
 INBOX_SIZE = 1024  # requests and aborts waiting for the step loop
 LOAD_REPORT_INTERVAL_S = 0.02  # the most often the load goes out when it changes
 OUTBOX_SIZE = 64  # output batches waiting for the output socket
@@ -266,92 +257,6 @@ class EngineCore:
             self._replies.append(EngineOutputs(outputs=[error]))
 
 
-async def input_socket_actor(
-    address: str,
-    inbox: trio.MemorySendChannel[EngineRequest],
-    heard: Callable[[], None] | None = None,
-    bind: bool = False,
-    note: Callable[[EngineRequest], None] | None = None,
-    left: Callable[[], None] | None = None,
-    *,
-    task_status: trio.TaskStatus[str] = trio.TASK_STATUS_IGNORED,
-) -> None:
-    """Own the input socket (connected to ``address``, or bound there with
-    ``bind``; reports the endpoint, the port the kernel picked included):
-    decode each message and pass it to the step loop (``heard`` is told of
-    every message, ``note`` is shown each one passed on; a ``Ping`` goes no
-    further, and ``left`` is told of one saying the front-end is leaving). Closes a clone of ``inbox``, not ``inbox``.
-
-    A message that does not decode is logged and dropped: bad input never
-    kills the engine. If cancelled, the socket is closed; nothing is half-read.
-    """
-    decoder = msgspec.msgpack.Decoder(EngineRequest)
-    attach = TrioZmqSocket.bind if bind else TrioZmqSocket.connect
-    with attach(zmq.PULL, address, linger=0, **socket_options(address, bind=bind)) as sock:
-        task_status.started(endpoint(sock))
-        async with inbox.clone() as mine:
-            while True:
-                raw = await sock.recv()
-                if heard is not None:
-                    heard()
-                try:
-                    msg = decoder.decode(raw)
-                except msgspec.DecodeError as exc:
-                    log.warning("dropping a malformed message from the front-end: %s", exc)
-                    continue
-                if isinstance(msg, Ping):
-                    if msg.leaving and left is not None:
-                        left()
-                    continue
-                if note is not None:
-                    note(msg)
-                await mine.send(msg)
-
-
-def socket_options(address: str, *, bind: bool = False) -> dict[str, object]:
-    """Options for a socket at ``address``: on TCP, CURVE with the keys in
-    ``$TRIOSERVE_CURVE_KEYS`` (a client connecting to the front-end, or with
-    ``bind`` a server for the API servers: the process then needs a ZAP
-    handler, ``curve_keys``), or nothing with ``$TRIOSERVE_INSECURE_TCP=1``;
-    ``EngineStartupError`` with neither."""
-    if not address.startswith("tcp://"):
-        return {}
-    keys = curve_keys(address)
-    if keys is None:
-        return {}
-    return keys.server_options() if bind else keys.client_options()
-
-
-def curve_keys(address: str) -> CurveKeys | None:
-    """The CURVE keys for TCP sockets (see ``socket_options``): None with
-    ``$TRIOSERVE_INSECURE_TCP=1``."""
-    keys_dir = os.environ.get(CURVE_KEYS_ENV)
-    if keys_dir:
-        try:
-            return load_keys(keys_dir)
-        except ValueError as exc:
-            raise EngineStartupError(str(exc), stage="handshake") from None
-    if os.environ.get(INSECURE_TCP_ENV) == "1":
-        return None
-    raise EngineStartupError(
-        f"{address} is TCP: set {CURVE_KEYS_ENV} to the CURVE keys' directory (or {INSECURE_TCP_ENV}=1)",
-        stage="handshake",
-    )
-
-
-def endpoint(sock: TrioZmqSocket) -> str:
-    """The endpoint ``sock`` was last bound or connected to (``tcp://host:port``
-    with the port the kernel picked)."""
-    last = sock.socket.getsockopt(zmq.LAST_ENDPOINT)
-    assert isinstance(last, bytes)
-    return last.decode()
-
-
-# The exit code of a headless engine core whose front-end said it is stopping
-# (EX_TEMPFAIL): its headless supervisor says so in one line and joins again.
-HEAD_LEFT_EXIT = 75
-
-
 class FrontEndWatch:
     """On TCP there is no parent pipe: the front-end sends a ``Ping`` every
     ``heartbeat_interval_s``, and when nothing at all comes from it for
@@ -381,27 +286,6 @@ class FrontEndWatch:
         raise ChildFailed(f"the front-end sent nothing for {self.timeout_s}s (heartbeat_timeout_s): it is gone")
 
 
-async def output_socket_actor(
-    address: str,
-    outbox: trio.MemoryReceiveChannel[EngineResponse],
-    death: DeathReport | None = None,
-    api_servers: ApiServers | None = None,
-    *,
-    task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
-) -> None:
-    """Own the output socket: send every message from the outbox, in order
-    (with several API servers, each gets its share first: ``ApiServers.route``);
-    a death report that found the outbox full goes right after the message
-    being sent."""
-    with TrioZmqSocket.connect(zmq.PUSH, address, linger=1000, **socket_options(address)) as sock:
-        task_status.started()
-        async for msg in outbox:
-            for one in (msg, death.take_unsent() if death is not None else None):
-                routed = one if api_servers is None or one is None else api_servers.route(one)
-                if routed is not None:
-                    await sock.send(_encode(routed))
-
-
 async def _handshake(sock: TrioZmqSocket, engine_index: int) -> HandshakeInit:
     await sock.send(_encode(Hello(engine_index=engine_index, pid=os.getpid())))
     msg = msgspec.msgpack.decode(await sock.recv(), type=HandshakeMessage)
@@ -427,27 +311,6 @@ def _hear_leaving(frames: list[bytes]) -> None:
         log.warning("dropping a malformed message on the handshake socket")
         return
     _check_not_leaving(msg)
-
-
-def handshake_timeout_s() -> float:
-    """``TRIOSERVE_HANDSHAKE_TIMEOUT_S`` from the environment; the default
-    (with a warning) when it is missing or not a positive number."""
-    raw = os.environ.get(HANDSHAKE_TIMEOUT_ENV)
-    if raw is None:
-        return DEFAULT_HANDSHAKE_TIMEOUT_S
-    try:
-        value = float(raw)
-    except ValueError:
-        value = math.nan
-    if not 0 < value < math.inf:
-        log.warning(
-            "%s=%r is not a positive number of seconds: using %ss",
-            HANDSHAKE_TIMEOUT_ENV,
-            raw,
-            DEFAULT_HANDSHAKE_TIMEOUT_S,
-        )
-        return DEFAULT_HANDSHAKE_TIMEOUT_S
-    return value
 
 
 def _startup_failure(exc: BaseException, stage: ExecutorStage) -> StartupFailed:
@@ -500,27 +363,23 @@ class DeathReport:
         return unsent
 
 
-def ipc_directory(address: str) -> str | None:
-    """The directory of an ``ipc://`` address (None for TCP)."""
-    return os.path.dirname(address.removeprefix("ipc://")) if address.startswith("ipc://") else None
-
-
 async def engine_core_main() -> None:
-    engine_index = int(os.environ.get(ENGINE_INDEX_ENV, "0"))
-    handshake_address = os.environ[HANDSHAKE_ADDRESS_ENV]
+    launch = EngineCoreLaunch.from_env()
+    engine_index, handshake_address = launch.engine_index, launch.handshake_address
     if (front_end_dir := ipc_directory(handshake_address)) is not None:
         # The front-end's private directory: if the front-end dies (kill -9), nobody else removes it.
         remove_if_parent_dies(front_end_dir)
-    if PRIVATE_DIR_ENV in os.environ:  # the headless process's, likewise
-        remove_if_parent_dies(os.environ[PRIVATE_DIR_ENV])
-    if API_SERVERS_DIR_ENV in os.environ:
+    if launch.private_dir is not None:  # the headless process's, likewise
+        remove_if_parent_dies(launch.private_dir)
+    if launch.api_servers_dir is not None:
         # The API servers' directory, the supervising process's: after its kill -9 before any API server
         # runs (the engines start first), nobody else removes it. Taken before the handshake, which a
         # kill -9 may come before.
-        remove_if_parent_dies(os.environ[API_SERVERS_DIR_ENV])
-    handshake = TrioZmqSocket.connect(zmq.DEALER, handshake_address, linger=1000, **socket_options(handshake_address))
+        remove_if_parent_dies(launch.api_servers_dir)
+    options = launch.socket_options(handshake_address)
+    handshake = TrioZmqSocket.connect(zmq.DEALER, handshake_address, linger=1000, **options)
     with handshake:
-        timeout = handshake_timeout_s()
+        timeout = launch.handshake_timeout_s
         with trio.move_on_after(timeout) as scope:
             init = await _handshake(handshake, engine_index)
         if scope.cancelled_caught:  # nobody to tell: one line on stderr (found: a traceback)
@@ -528,13 +387,14 @@ async def engine_core_main() -> None:
                 f"engine-core-{engine_index} (pid {os.getpid()}) got no HandshakeInit from the front-end "
                 f"within {timeout}s ({HANDSHAKE_TIMEOUT_ENV})"
             )
-        if PRIVATE_DIR_ENV in os.environ and init.config.tensor_parallel_size == 1:
+        if launch.private_dir is not None and init.config.tensor_parallel_size == 1:
             # Nothing goes there (no ranks to meet): gone now, a kill -9 of the whole tree cannot leave it.
             with contextlib.suppress(OSError):
-                os.rmdir(os.environ.pop(PRIVATE_DIR_ENV))
+                os.rmdir(launch.private_dir)
+            launch = dataclasses.replace(launch, private_dir=None)
         outbox_send, outbox_receive = trio.open_memory_channel[EngineResponse](OUTBOX_SIZE)
         death = DeathReport(outbox_send)
-        api_servers = ApiServers(engine_index) if init.frontends is not None else None
+        api_servers = ApiServers(engine_index, launch) if init.frontends is not None else None
         # A front-end on another host did not stop this engine core itself: it must hear of a stop here
         # (the headless process's, a SIGTERM) at once, not find it silent a heartbeat timeout later. So
         # there the output socket outlives a stop too, until the report is sent.
@@ -542,11 +402,13 @@ async def engine_core_main() -> None:
         output_shield = trio.CancelScope(shield=remote)
         async with trio.open_nursery() as outer:
             # The output socket outlives the rest, so that a failure can be reported.
+            route = None if api_servers is None else api_servers.route
+            output = functools.partial(output_socket_actor, options=launch.socket_options(init.output_address))
             await outer.start(
-                _within, output_shield, output_socket_actor, init.output_address, outbox_receive, death, api_servers
+                _within, output_shield, output, init.output_address, outbox_receive, death.take_unsent, route
             )
             try:
-                await _serve(init, handshake, outbox_send, death, (outer, api_servers))
+                await _serve(init, launch, handshake, outbox_send, death, (outer, api_servers))
             except BaseException as exc:  # a failure can come beside a stop's Cancelled (a BaseExceptionGroup)
                 if sole_leaf(exc, ChildExit) is not None:
                     raise  # the front-end left: nobody to report to
@@ -584,6 +446,7 @@ async def _flush(outbox: trio.MemorySendChannel[EngineResponse]) -> None:
 
 async def _serve(
     init: HandshakeInit,
+    launch: EngineCoreLaunch,
     handshake: TrioZmqSocket,
     outbox: trio.MemorySendChannel[EngineResponse],
     death: DeathReport,
@@ -597,14 +460,14 @@ async def _serve(
         remove_if_parent_dies(os.path.dirname(init.data_parallel.rendezvous))
     async with trio.open_nursery() as nursery:
         in_flight: deque[Step] = deque()
-        address = os.environ[HANDSHAKE_ADDRESS_ENV]
-        private_dir = ipc_directory(address) or os.environ.get(PRIVATE_DIR_ENV)
+        address = launch.handshake_address
+        private_dir = ipc_directory(address) or launch.private_dir
         executor = Executor(
             config,
             in_flight,
             on_failure=death.report,
             data_parallel=init.data_parallel,
-            engine_index=int(os.environ.get(ENGINE_INDEX_ENV, "0")),
+            engine_index=launch.engine_index,
             private_dir=private_dir,
         )
         info = await _start_executor(nursery, executor, handshake, address.startswith("tcp://"))
@@ -623,11 +486,13 @@ async def _serve(
         # The supervising process of several API servers aborts a dead one's requests, which its note names.
         note = None if api_servers is None or api_servers[1] is None else api_servers[1].note
         heard, left = (None, None) if watch is None else (watch.heard, watch.left)
-        await nursery.start(input_socket_actor, init.input_address, inbox_send, heard, False, note, left)
+        options = launch.socket_options(init.input_address)
+        receive = functools.partial(input_socket_actor, options=options)
+        await nursery.start(receive, init.input_address, inbox_send, heard, False, note, left)
         bound = None  # where the API servers connect
         if api_servers is not None and api_servers[1] is not None and init.frontends is not None:
             start = functools.partial(api_servers[1].run, init.frontends, info, inbox_send)
-            bound = await _listen_for_api_servers(api_servers[0], start, handshake)
+            bound = await _listen_for_api_servers(api_servers[0], start, handshake, launch.process)
         await handshake.send(_encode(Ready(info=info, frontends=bound)))
         lockstep = None if init.data_parallel is None else EngineWaves(init.data_parallel.rank)
         core = EngineCore(scheduler, executor, info, in_flight, lockstep)
@@ -636,7 +501,7 @@ async def _serve(
 
 
 async def _listen_for_api_servers(
-    nursery: trio.Nursery, run: Callable[..., Awaitable[None]], handshake: TrioZmqSocket
+    nursery: trio.Nursery, run: Callable[..., Awaitable[None]], handshake: TrioZmqSocket, process: str
 ) -> FrontEndsInit:
     """Start the API servers' sockets (``ApiServers.run``) in ``nursery``;
     where they listen. A failure to bind (a port in use, an address not this
@@ -647,7 +512,6 @@ async def _listen_for_api_servers(
         return bound
     except* (OSError, zmq.ZMQError) as group:
         message = f"cannot listen for the API servers: {group.exceptions[0]}"
-        process = f"engine-core-{os.environ.get(ENGINE_INDEX_ENV, '0')}"
         with trio.CancelScope(shield=True), trio.move_on_after(1):
             await handshake.send(_encode(StartupFailed(stage="handshake", message=message, process=process)))
         raise EngineStartupError(message, stage="handshake", process=process) from None

@@ -39,6 +39,7 @@ end and go, workers first, within a second (``child_main.py``).
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 from dataclasses import dataclass
@@ -48,19 +49,9 @@ import trio
 import zmq
 from zmq.utils.monitor import parse_monitor_message
 
-from trioserve.config import ENGINES_ON_HOST_ENV
 from trioserve.errors import EngineDeadError, EngineStartupError
 from trioserve.messages import JoinAnswer, MayJoin
-from trioserve.nurseries.engine_core.api_servers import API_SERVERS_HOST_ENV, API_SERVERS_PORT_ENV
-from trioserve.nurseries.engine_core.main import (
-    CURVE_KEYS_ENV,
-    ENGINE_INDEX_ENV,
-    HANDSHAKE_ADDRESS_ENV,
-    HANDSHAKE_TIMEOUT_ENV,
-    HEAD_LEFT_EXIT,
-    INSECURE_TCP_ENV,
-    PRIVATE_DIR_ENV,
-)
+from trioserve.nurseries.engine_core.launch import HEAD_LEFT_EXIT, EngineCoreLaunch
 from trioserve.nurseries.supervision.process import ProcessExited, python_argv, supervise_process
 from trioserve.transport.curve import load_keys
 from trioserve.transport.zmq_trio import TrioZmqSocket, private_ipc_dir, zmq_context
@@ -124,20 +115,16 @@ async def run_headless(
 
 async def keep_engine(config: HeadlessConfig, rank: int) -> None:
     """Engine core ``rank``, started again each time it ends (see the module docstring)."""
-    env = {
-        **os.environ,
-        HANDSHAKE_ADDRESS_ENV: config.handshake_address,
-        ENGINE_INDEX_ENV: str(rank),
-        HANDSHAKE_TIMEOUT_ENV: str(config.handshake_timeout_s),
-        API_SERVERS_PORT_ENV: str(config.api_port + 2 * (rank - config.start_rank) if config.api_port else 0),
-        ENGINES_ON_HOST_ENV: str(config.num_engines),  # their workers share this host's cores
-    }
-    if config.api_address is not None:
-        env[API_SERVERS_HOST_ENV] = config.api_address
-    if config.curve_keys_dir is not None:
-        env[CURVE_KEYS_ENV] = config.curve_keys_dir
-    elif config.insecure_tcp:
-        env[INSECURE_TCP_ENV] = "1"
+    launch = EngineCoreLaunch(
+        handshake_address=config.handshake_address,
+        engine_index=rank,
+        handshake_timeout_s=config.handshake_timeout_s,
+        api_servers_host=config.api_address,
+        api_servers_port=config.api_port + 2 * (rank - config.start_rank) if config.api_port else 0,
+        curve_keys_dir=config.curve_keys_dir,
+        insecure_tcp=config.curve_keys_dir is None and config.insecure_tcp,
+        engines_on_host=config.num_engines,  # their workers share this host's cores
+    )
     argv = python_argv("trioserve.nurseries.supervision.entry", "engine-core")
     previous_pid = 0  # this rank's last engine core (0: none yet)
     while True:
@@ -148,7 +135,7 @@ async def keep_engine(config: HeadlessConfig, rank: int) -> None:
                 await supervise_process(
                     argv,
                     name=f"engine-core-{rank}",
-                    env={**env, PRIVATE_DIR_ENV: str(directory)},
+                    env=dataclasses.replace(launch, private_dir=str(directory)).env(os.environ),
                     grace_s=config.shutdown_grace_s,
                     new_process_group=True,
                     usual_exit_codes=frozenset({HEAD_LEFT_EXIT}),
