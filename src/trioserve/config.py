@@ -19,7 +19,7 @@ def cache_dir() -> Path:
     """Where trioserve keeps what it builds once (converted models, compiled
     kernels): ``$TRIOSERVE_CACHE_DIR``, else ``$XDG_CACHE_HOME/trioserve``,
     else ``~/.cache/trioserve``. A relative ``XDG_CACHE_HOME`` is ignored, as
-    the XDG spec says (found: it put a 517 MB model under the working
+    the XDG spec says (it would put the converted model under the working
     directory)."""
     if os.environ.get("TRIOSERVE_CACHE_DIR"):
         return Path(os.environ["TRIOSERVE_CACHE_DIR"])
@@ -51,7 +51,7 @@ def cpu_threads_per_worker(config: EngineConfig) -> int:
     if config.torch_threads:
         return config.torch_threads
     omp = os.environ.get("OMP_NUM_THREADS", "")
-    if omp.isdigit() and int(omp) >= 1:  # capped as torch_threads is (found: 100000 failed to start a thread)
+    if omp.isdigit() and int(omp) >= 1:  # capped as torch_threads is: threads past that fail to start
         return min(int(omp), MAX_TORCH_THREADS)
     engines = os.environ.get(ENGINES_ON_HOST_ENV, "")
     engines_here = int(engines) if engines.isdigit() and int(engines) >= 1 else max(1, config.num_local_engines)

@@ -23,8 +23,8 @@ def ensure_standard_fds() -> None:
     it first, before anything opens a descriptor: the first socket, pipe or
     epoll a process opens takes the lowest free number, so what it or its
     children (which inherit 0, 1 and 2) then write to standard error would go
-    into that socket. Found: started with ``>&- 2>&-``, ``serve``'s
-    descriptor 2 was a socket, and every child's standard error with it.
+    into that socket (started with ``>&- 2>&-``, descriptor 2 would be a
+    socket, and every child's standard error with it).
     Python's own stream stays None where the descriptor was closed at its
     start, so a command can still tell that its output would go nowhere
     (``generate >&-`` says so)."""
@@ -41,9 +41,9 @@ def ensure_standard_fds() -> None:
 
 def say(line: str) -> None:
     """``line`` on standard error, flushed; dropped where standard error is
-    gone (its reader ended) or was closed at the start. Found: with ``serve
-    2>&1 | tee log``, where Ctrl-C ends tee too, "SIGINT: shutting down"
-    raised BrokenPipeError, which cut the graceful shutdown short (exit 1)."""
+    gone (its reader ended) or was closed at the start: with ``serve 2>&1 |
+    tee log``, Ctrl-C ends tee too, and a ``BrokenPipeError`` from "SIGINT:
+    shutting down" would cut the graceful shutdown short."""
     if sys.stderr is None:  # print would fall back to stdout
         return
     try:
@@ -55,8 +55,9 @@ def say(line: str) -> None:
 def announce(line: str) -> None:
     """``line`` on standard output, flushed (``serving on ...``, which scripts
     read there); where standard output is gone or closed, on standard error
-    instead, and standard output then points at ``/dev/null``. Found: ``serve
-    | true`` (its reader gone before it served) exited 1 without a word."""
+    instead, and standard output then points at ``/dev/null`` (``serve |
+    true``: its reader is gone before it serves, and it must not exit without
+    a word)."""
     try:
         if sys.stdout is not None:
             print(line, flush=True)
@@ -85,8 +86,7 @@ def drop_stdout() -> None:
 
 def child_log_level() -> int:
     """The log level a child process takes from ``TRIOSERVE_LOG_LEVEL``
-    (any case); WARNING when it is unset or names no level. Found: set to
-    ``debug`` in the environment, every child raised at its first line, and
-    the engine could not start."""
+    (any case); WARNING when it is unset or names no level (``logging`` takes
+    only upper case: a ``debug`` would stop every child at its first line)."""
     level = logging.getLevelName(os.environ.get(LOG_LEVEL_ENV, "WARNING").strip().upper())
     return level if isinstance(level, int) else logging.WARNING

@@ -259,9 +259,8 @@ def private_ipc_dir(prefix: str = "trioserve-", *, socket_names: Sequence[str] =
 
     It is made in the temporary directory (``TMPDIR``), or in ``/tmp`` when
     the longest of ``socket_names`` there would pass the ~107 bytes a Unix
-    socket path may have (found: with a long ``TMPDIR``, ``serve`` failed
-    with a traceback from zmq); ``OSError`` naming ``TMPDIR`` if neither
-    will do.
+    socket path may have (zmq would fail to bind); ``OSError`` naming
+    ``TMPDIR`` if neither will do.
     """
     path = Path(tempfile.mkdtemp(prefix=prefix, dir=_ipc_base(prefix, max(map(len, socket_names), default=0))))
     try:

@@ -224,8 +224,7 @@ class ChildExit(Exception):
 def hard_exit_seconds(environ: Mapping[str, str]) -> float:
     """``TRIOSERVE_HARD_EXIT_S`` in ``environ`` (default 1.5 s). Raises
     ``ValueError`` naming it unless it is a finite number of seconds >= 0
-    (found: ``abc`` was "could not convert string to float", ``inf`` a
-    traceback at the stop, ``nan`` a child that said "still alive nans")."""
+    (``float`` takes ``inf`` and ``nan``, which no timer can wait)."""
     raw = environ.get(HARD_EXIT_ENV)
     if raw is None:
         return DEFAULT_HARD_EXIT_S

@@ -16,9 +16,9 @@ import sys
 
 def main(role: str) -> None:
     # First of all, before the slow imports: Ctrl-C reaches the whole process group, and it is
-    # the parent's to handle (run_child_main keeps SIGINT ignored; found: a Ctrl-C while a child
-    # imported trio printed the child's KeyboardInterrupt traceback). So does a terminal's SIGHUP
-    # (found: the API servers and one-shot children, in their parent's group, died of it at once).
+    # the parent's to handle (run_child_main keeps SIGINT ignored; a Ctrl-C while a child still
+    # imports would print its KeyboardInterrupt traceback). So does a terminal's SIGHUP: children
+    # in their parent's group would die of it at once, before their parent stops them in order.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGHUP, signal.SIG_IGN)
     from trioserve.stdio import child_log_level, ensure_standard_fds

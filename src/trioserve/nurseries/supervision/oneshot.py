@@ -122,8 +122,8 @@ async def _run(
 
 def stop_signals() -> tuple[signal.Signals, ...]:
     """What stops a command in order (its own graceful shutdown, or the end
-    of what it started): a SIGTERM, and a SIGHUP (its terminal closed; found:
-    that killed the process at once, leaving its children to find it gone),
+    of what it started): a SIGTERM, and a SIGHUP (its terminal closed: left
+    to its default, it kills the process at once, and its children find it gone),
     unless this process was started with SIGHUP ignored (``nohup``: then a
     hang-up must not stop it). SIGINT is apart: it raises KeyboardInterrupt."""
     if signal.getsignal(signal.SIGHUP) == signal.SIG_IGN:

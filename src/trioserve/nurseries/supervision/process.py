@@ -89,10 +89,10 @@ SECRET_ENV_NAMES: frozenset[str] = frozenset({"TRIOSERVE_API_KEY"})
 
 def python_argv(module: str, *args: str) -> list[str]:
     """``python -P -m module args``: a child of ours runs this interpreter,
-    and imports nothing from the directory it was started in (``-P``).
-    Found: a ``random.py`` or ``trio.py`` in the working directory of
-    ``serve`` was imported by every child: the engine could not start, and
-    a file planted there ran as code in the server."""
+    and imports nothing from the directory it was started in (``-P``): a
+    ``random.py`` or ``trio.py`` in the working directory of ``serve`` would
+    otherwise be imported by every child, and a file planted there would run
+    as code in the server."""
     return [sys.executable, "-P", "-m", module, *args]
 
 
@@ -301,10 +301,10 @@ async def _start(
 def _child_cwd() -> str | None:
     """Where a child starts: where this process is (None), or ``/`` when
     this process's working directory has been removed (a deploy directory
-    swapped under a running ``serve``). Found: there, torch could not load
-    (oneMKL: "Cannot load libtorch_cpu.so"), so every restart of the engine
-    failed and a healthy server went down at its first crash. Paths relative
-    to a removed directory lead nowhere either way."""
+    swapped under a running ``serve``): torch cannot load in a removed
+    directory (oneMKL: "Cannot load libtorch_cpu.so"), so every restart of the
+    engine would fail. Paths relative to a removed directory lead nowhere
+    either way."""
     try:
         os.getcwd()
     except FileNotFoundError:
