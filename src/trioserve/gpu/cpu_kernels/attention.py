@@ -5,7 +5,7 @@ and V out of the cache through its block table (``index_select``) and then
 runs SDPA over the copy. On the CPU the copy alone took longer than this
 kernel does in all (SmolLM2-135M, 32 decodes of 64-320 tokens, one thread:
 about 1.4 ms per layer to gather, 4.7-6.4 ms with SDPA, 1.1-1.5 ms here;
-docs/benchmarks.md, issue 13). torch has no paged attention for the CPU, so
+measured with ``scripts/bench_decode_attention.py``). torch has no paged attention for the CPU, so
 this is our own: one C++ function, per sequence (threads over sequences):
 
 1. the scores of every query head against each cached token, token by token
