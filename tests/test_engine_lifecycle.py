@@ -500,7 +500,8 @@ async def _expect_death_named_at_step_2(
         return re.search(r"worker-0 \(pid \d+\) " + said, str(exc)) is not None
 
     in_flight: deque[Any] = deque()  # as the step loop keeps it
-    executor = Executor(fake_config(**{fault: 2}), in_flight)
+    executor = Executor(fake_config(**{fault: 2}))
+    executor.steps_in_flight = lambda: in_flight  # as the step loop answers
     with trio.fail_after(20):
         with pytest.RaisesGroup(pytest.RaisesExc(WorkerError, check=names_it), flatten_subgroups=True):
             async with trio.open_nursery() as nursery:
@@ -517,7 +518,7 @@ async def test_a_worker_that_dies_with_earlier_replies_uncollected_is_named_at_t
     before the step loop has taken step 1's reply."""
 
     async def body(executor: Any, in_flight: deque[Any]) -> None:
-        await executor._workers[0].exited.wait()  # step 1's reply still in its inbox
+        await executor.group.workers[0].exited.wait()  # step 1's reply still in its inbox
         await executor.collect(in_flight[0])
 
     await _expect_death_named_at_step_2(fake_config, body)
@@ -526,7 +527,7 @@ async def test_a_worker_that_dies_with_earlier_replies_uncollected_is_named_at_t
 async def test_a_step_sent_to_a_worker_that_already_closed_its_stream_names_the_worker(fake_config):
     async def body(executor: Any, in_flight: deque[Any]) -> None:
         await executor.collect(in_flight.popleft())
-        await executor._workers[0].stream_closed.wait()  # it died in step 2
+        await executor.group.workers[0].stream_closed.wait()  # it died in step 2
         await executor.dispatch(_step(3, 1, 4))
         await trio.sleep_forever()
 
@@ -543,7 +544,7 @@ async def test_a_worker_failure_taken_off_the_inbox_but_not_yet_looked_at_is_sti
 
     async def body(executor: Any, in_flight: deque[Any]) -> None:
         await executor.collect(in_flight.popleft())
-        assert isinstance(await executor._workers[0].inbox.receive(), WorkerFailed)
+        assert isinstance(await executor.group.workers[0].inbox.receive(), WorkerFailed)
         await trio.sleep_forever()  # the monitor's error cancels this
 
     said = "exited with code 1 during step 2: .*InjectedFault: .*at step 2$"

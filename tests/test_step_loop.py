@@ -9,7 +9,6 @@ tokens come from the fake runner's code, run in this process.
 
 from __future__ import annotations
 
-from collections import deque
 from typing import Any
 
 import pytest
@@ -21,7 +20,7 @@ from trioserve import EngineConfig, FakeRunnerConfig, SamplingParams
 from trioserve.core.scheduler import Scheduler
 from trioserve.core.step import Step
 from trioserve.messages import AddRequest, EngineInfo, EngineOutputs, EngineResponse, ModelInfo, RunnerOutput
-from trioserve.nurseries.engine_core.main import EngineCore
+from trioserve.nurseries.engine_core.step_loop import EngineCore
 from trioserve.runners.fake import FakeRunner
 
 STEP_S = 1.0
@@ -84,7 +83,7 @@ async def run_loop(depth: int, requests: list[AddRequest]) -> tuple[VirtualWorke
     config = EngineConfig(model="unused", runner="fake", max_steps_in_flight=depth, block_size=4, fake=fake)
     workers = VirtualWorkers(config)
     scheduler = Scheduler(num_blocks=64, block_size=4, max_num_seqs=8, max_num_batched_tokens=64, max_model_len=256)
-    core = EngineCore(scheduler, workers, INFO, deque())  # type: ignore[arg-type]
+    core = EngineCore(scheduler, workers, INFO)  # type: ignore[arg-type]
     inbox_send, inbox = trio.open_memory_channel[Any](16)
     outbox_send, outbox_receive = trio.open_memory_channel[EngineResponse](16)
     outbox = RecordingOutbox(outbox_send, workers.events)

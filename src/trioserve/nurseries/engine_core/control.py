@@ -2,7 +2,9 @@
 statistics, and calls run on every worker (``rpc.py`` has the closed set).
 
 A call arrives from the front-end as ``ControlRequest`` (or ``GetStats``)
-and waits here until the step loop can run it. Calls that need the workers
+and waits here until the step loop can run it. The controller keeps no
+replies: each method returns the ones it makes, and the step loop
+(``step_loop.py``) sends them with its next outputs. Calls that need the workers
 run between two steps: the step loop first collects every step in flight,
 then ``run_ready`` sends the call to every worker and takes each rank's
 reply, within the call's deadline (past it the workers count as hung, and
@@ -30,7 +32,6 @@ Invariants:
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
 
 import msgspec
 
@@ -68,14 +69,13 @@ Call = ControlRequest | GetStats
 
 class Controller:
     """One engine core's pause and sleep state, the requests held while it
-    does not admit any, and the control calls not yet answered. Replies go
-    to ``replies`` (the step loop sends them with its next outputs)."""
+    does not admit any, and the control calls not yet answered. Each method
+    returns the replies it makes, in order, for the step loop to send."""
 
-    def __init__(self, scheduler: Scheduler, executor: Executor, replies: list[EngineResponse]) -> None:
+    def __init__(self, scheduler: Scheduler, executor: Executor) -> None:
         self.scheduler = scheduler
         self.executor = executor
         self.name = f"engine-core-{executor.engine_index}"
-        self._replies = replies
         self.paused = False  # by Pause, until Resume
         self.sleep_level = 0  # the workers sleep (1 or 2), or 0
         self._going_to_sleep: ControlRequest | None = None  # a Sleep waiting for the requests to end
@@ -92,27 +92,30 @@ class Controller:
 
     # --- what the front-end sends ----------------------------------------------
 
-    def hold(self, msg: AddRequest) -> None:
+    def hold(self, msg: AddRequest) -> list[EngineResponse]:
         """A request that arrives while not admitting: held, or failed at once
-        while the model sleeps (or is about to) and ``while_asleep`` says so."""
+        (its error is the reply) while the model sleeps (or is about to) and
+        ``while_asleep`` says so."""
         asleep = self.sleep_level or self._going_to_sleep is not None
         if asleep and self.executor.config.while_asleep == "fail":
             error = f"{self.name} is asleep: wake it up first (EngineConfig.while_asleep='fail')"
-            self._replies.append(EngineOutputs([TokenOutput(msg.request_id, [], finish_reason="error", error=error)]))
-            return
+            return [EngineOutputs([TokenOutput(msg.request_id, [], finish_reason="error", error=error)])]
         self.held[msg.request_id] = msg
+        return []
 
     def drop_held(self, request_ids: list[str]) -> None:
         for request_id in request_ids:
             self.held.pop(request_id, None)
 
-    def submit(self, msg: Call) -> None:
-        """Take a call. ``Pause`` and ``Sleep`` stop admitting now (and, in
-        ``abort`` mode, abort every request); ``Resume`` and ``WakeUp`` answer
-        a ``Pause`` or ``Sleep`` still waiting for requests to end."""
+    def submit(self, msg: Call) -> list[EngineResponse]:
+        """Take a call; the replies it makes now. ``Pause`` and ``Sleep`` stop
+        admitting now (and, in ``abort`` mode, abort every request: their
+        ends are the reply); ``Resume`` and ``WakeUp`` answer a ``Pause`` or
+        ``Sleep`` still waiting for requests to end."""
+        replies: list[EngineResponse] = []
         if isinstance(msg, GetStats):
             self._pending.append(msg)
-            return
+            return replies
         call = msg.call
         if isinstance(call, Pause | Sleep):
             if isinstance(call, Pause):
@@ -120,32 +123,34 @@ class Controller:
             elif self._going_to_sleep is None:
                 self._going_to_sleep = msg
             else:
-                self._reply(msg, error="a sleep is already under way")
-                return
+                return self._reply(msg, error="a sleep is already under way")
             if call.mode == "abort":
-                self._abort_all()
+                replies += self._abort_all()
         elif isinstance(call, Resume):
             self.paused = False
-            self._answer_waiting(Pause, "")
+            replies += self._answer_waiting(Pause, "")
         elif isinstance(call, WakeUp) and self._going_to_sleep is not None:
             self._going_to_sleep = None
-            self._answer_waiting(Sleep, "woken up before the requests had ended: not asleep")
+            replies += self._answer_waiting(Sleep, "woken up before the requests had ended: not asleep")
         self._pending.append(msg)
+        return replies
 
-    def _abort_all(self) -> None:
+    def _abort_all(self) -> list[EngineResponse]:
         aborted = self.scheduler.abort(self.scheduler.request_ids())
-        if aborted:
-            self._replies.append(EngineOutputs([TokenOutput(r, [], finish_reason="abort") for r in aborted]))
+        return [EngineOutputs([TokenOutput(r, [], finish_reason="abort") for r in aborted])] if aborted else []
 
-    def _answer_waiting(self, kind: type[Pause | Sleep], error: str) -> None:
+    def _answer_waiting(self, kind: type[Pause | Sleep], error: str) -> list[EngineResponse]:
+        replies: list[EngineResponse] = []
         for msg in [m for m in self._pending if isinstance(m, ControlRequest) and isinstance(m.call, kind)]:
             self._pending.remove(msg)
-            self._reply(msg, error=error)
+            replies += self._reply(msg, error=error)
+        return replies
 
     # --- run by the step loop ----------------------------------------------------
 
     def has_ready(self) -> bool:
-        """A call can run now (the step loop must then drain its steps and call ``run_ready``)."""
+        """A call can run now (the step loop must then drain its steps and call ``run_ready``,
+        then admit what ``release_held`` gives)."""
         return any(self._ready(msg) for msg in self._pending)
 
     def _ready(self, msg: Call) -> bool:
@@ -153,22 +158,28 @@ class Controller:
             return not self.scheduler.has_unfinished()
         return True
 
-    async def run_ready(self, add: Callable[[AddRequest], None]) -> None:
+    async def run_ready(self) -> list[EngineResponse]:
         """Run every call that can run, in arrival order (no step may be in
-        flight); ``add`` takes the held requests once admitting again. If
-        cancelled, the engine core is going down: calls not answered die with it."""
+        flight); their replies, in that order. If cancelled, the engine core
+        is going down: calls not answered die with it."""
+        replies: list[EngineResponse] = []
         for msg in [m for m in self._pending if self._ready(m)]:
             self._pending.remove(msg)
             if isinstance(msg, GetStats):
-                await self._stats(msg)
+                replies.append(await self._stats(msg))
             else:
-                await self._run(msg)
-        if self.admitting and self.held:
-            held, self.held = self.held, {}
-            for request in held.values():
-                add(request)
+                replies += await self._run(msg)
+        return replies
 
-    async def _stats(self, msg: GetStats) -> None:
+    def release_held(self) -> list[AddRequest]:
+        """Once admitting again, the held requests in arrival order, no longer
+        held (the step loop admits them); else none."""
+        if not self.admitting:
+            return []
+        held, self.held = self.held, {}
+        return list(held.values())
+
+    async def _stats(self, msg: GetStats) -> StatsReply:
         """The scheduler's counters (the held requests count as waiting) and every rank's ``ShardInfo``."""
         results, _ = await self._on_workers(DescribeShard(), self.executor.config.control_timeout_s)
         stats = self.scheduler.stats()
@@ -177,15 +188,15 @@ class Controller:
             num_waiting=stats.num_waiting + self.num_held,
             workers=[r for r in results if isinstance(r, ShardInfo)],
         )
-        self._replies.append(StatsReply(call_id=msg.call_id, stats=stats))
+        return StatsReply(call_id=msg.call_id, stats=stats)
 
-    async def _run(self, msg: ControlRequest) -> None:
+    async def _run(self, msg: ControlRequest) -> list[EngineResponse]:
         call, results, error = msg.call, list[WorkerResult](), ""
         if isinstance(call, CollectiveRpc):
             results, error = await self._on_workers(call.call, msg.timeout_s)
         elif isinstance(call, Sleep):
             if self._going_to_sleep is not msg:
-                return  # answered already (a WakeUp came first)
+                return []  # answered already (a WakeUp came first)
             self._going_to_sleep = None
             results, error = await self._on_workers(SleepShard(level=call.level), msg.timeout_s)
             # A rank that slept gave its KV cache back, and wakes with a zeroed one: no cached
@@ -199,7 +210,7 @@ class Controller:
             results, error = await self._on_workers(WakeShard(), msg.timeout_s)
             if not error:
                 self.sleep_level = 0
-        self._reply(msg, results, error)
+        return self._reply(msg, results, error)
 
     async def _on_workers(self, call: WorkerCall, timeout_s: float) -> tuple[list[WorkerResult], str]:
         """Every rank's result, and an error naming each rank that raised."""
@@ -214,10 +225,10 @@ class Controller:
             log.warning("%s: %s", self.name, "; ".join(errors))
         return results, "; ".join(f"{self.name}: {e}" for e in errors)
 
-    def _reply(self, msg: Call, results: list[WorkerResult] | None = None, error: str = "") -> None:
+    def _reply(self, msg: Call, results: list[WorkerResult] | None = None, error: str = "") -> list[EngineResponse]:
         if isinstance(msg, GetStats):
-            return  # a GetStats is answered in run_ready only
-        self._replies.append(ControlReply(call_id=msg.call_id, results=results or [], error=error, state=self.state))
+            return []  # a GetStats is answered in run_ready only
+        return [ControlReply(call_id=msg.call_id, results=results or [], error=error, state=self.state)]
 
     @property
     def state(self) -> GenerationState:

@@ -1,9 +1,10 @@
-"""The executor: the engine core's calls to its workers.
+"""The executor: what the engine core asks of its workers (start-up, steps, control calls), and when it suspects
+a hang.
 
-Built on ``worker_group.WorkerGroup`` (spawning, supervising, calls to every
-worker, stopping the whole group when one rank fails). The reply that
-counts comes from the output rank (rank 0); every step, the executor checks
-that all ranks sampled the same tokens.
+It has a ``group.WorkerGroup`` (spawning, supervising, messages to and from
+every worker, stopping the whole group when one rank fails) and moves it
+through its stages. The reply that counts comes from the output rank (rank
+0); every step, the executor checks that all ranks sampled the same tokens.
 
 Deadlines: spawning and loading are bounded by ``model_load_timeout_s``, each
 step by ``step_timeout_s``, each control call by its own deadline. Past one,
@@ -12,9 +13,9 @@ then stops and reaps them.
 
 The executor keeps no record of steps: the step loop owns the queue of steps
 in flight (``core.step.Step``) and hands each to ``dispatch`` and ``collect``;
-the executor reads that queue (never changes it) to name the step a dead
-worker was running. ``rpc`` runs a control call on every worker between
-steps (none in flight).
+the executor asks for that queue (``steps_in_flight``, set by whoever runs
+the step loop) to name the step a dead worker was running. ``rpc`` runs a
+control call on every worker between steps (none in flight: it asks too).
 """
 
 from __future__ import annotations
@@ -41,31 +42,52 @@ from trioserve.messages import (
     WorkerLoaded,
 )
 from trioserve.nurseries.engine_core.executor.group import WorkerGroup
-from trioserve.nurseries.engine_core.executor.handles import StepTimeout, WorkerError
+from trioserve.nurseries.engine_core.executor.handles import ExecutorStage, StepTimeout, WorkerError
 from trioserve.rpc import WorkerCall
 
 OUTPUT_RANK = 0
 
 
-class Executor(WorkerGroup):
-    """The engine core's workers (see ``WorkerGroup`` for the arguments)."""
+def _no_steps() -> Sequence[Step]:
+    return ()
+
+
+class Executor:
+    """The engine core's workers. ``on_failure`` is told the reason the
+    moment they fail once they serve steps (``WorkerGroup``);
+    ``data_parallel``: in lockstep, where the output rank's collective meets;
+    ``private_dir``: where the ranks' rendezvous file goes."""
 
     def __init__(
         self,
         config: EngineConfig,
-        steps_in_flight: Sequence[Step] = (),
         on_failure: Callable[[str], None] | None = None,
         *,
         data_parallel: DataParallelInit | None = None,
         engine_index: int = 0,
         private_dir: str | None = None,
     ) -> None:
-        super().__init__(config, steps_in_flight, on_failure, engine_index=engine_index, private_dir=private_dir)
+        self.config = config
+        self.engine_index = engine_index
+        # The step loop's steps sent and not yet collected, oldest first: asked, never kept (none until set).
+        self.steps_in_flight: Callable[[], Sequence[Step]] = _no_steps
+        self.group = WorkerGroup(
+            config,
+            on_failure,
+            steps_in_flight=lambda: self.steps_in_flight(),  # noqa: PLW0108 - looked up when asked: set later
+            engine_index=engine_index,
+            private_dir=private_dir,
+        )
         self._data_parallel = data_parallel  # lockstep: where the output rank's collective meets
         self._timing = StepTiming(
             factor=config.step_hang_factor, min_s=config.step_hang_min_s, limit_s=config.step_timeout_s
         )
-        self._collect_started_at: float | None = None  # when the running collect() began
+        self._collecting: tuple[Step, float] | None = None  # the step collect() waits for, and since when
+
+    @property
+    def stage(self) -> ExecutorStage:
+        """Where the workers are: ``spawn``, ``model-load``, ``kv-cache``, then ``step``."""
+        return self.group.stage
 
     async def run(self, *, task_status: trio.TaskStatus[EngineInfo] = trio.TASK_STATUS_IGNORED) -> None:
         """Start the workers, load the model, size the KV cache, then supervise.
@@ -79,11 +101,9 @@ class Executor(WorkerGroup):
         code. If cancelled, every worker is asked to stop, then terminated,
         then killed, and always reaped.
         """
-        with self._rendezvous_file() as rendezvous:
+        with self.group.rendezvous_file() as rendezvous:
             async with trio.open_nursery() as nursery:
-                for rank in range(self.config.tensor_parallel_size):
-                    self._workers.append(await self._start_worker(nursery, rank))
-                nursery.start_soon(self._watch_heartbeats)
+                await self.group.start(nursery)
                 info = await self._initialize(rendezvous)
                 task_status.started(info)
                 await trio.sleep_forever()
@@ -91,19 +111,21 @@ class Executor(WorkerGroup):
     def suspicion(self) -> str:
         """Why a hang is suspected now (a worker silent for two heartbeats, a
         step past half its deadline), or ``""``."""
-        late = [w for w in self._workers if w.heard and w.silent_for() > 2 * self.config.heartbeat_interval_s]
+        workers = self.group.workers
+        late = [w for w in workers if w.heard and w.silent_for() > 2 * self.config.heartbeat_interval_s]
         if late:
             return "; ".join(f"{w.name} silent for {w.silent_for():.1f}s" for w in late)
-        if self._collect_started_at is not None and self._steps_in_flight:
-            step = self._steps_in_flight[0]
-            running = trio.current_time() - self._collect_started_at
+        if self._collecting is not None:
+            step, started = self._collecting
+            running = trio.current_time() - started
             if running > self._timing.deadline(step.num_tokens) / 2:
                 return f"step {step.number} has run {running:.1f}s; it may run {self._timing.describe(step.num_tokens)}"
         return ""
 
     async def _initialize(self, rendezvous: str) -> EngineInfo:
-        world = len(self._workers)
-        self.stage = "model-load"
+        group = self.group
+        world = len(group.workers)
+        group.stage = "model-load"
         with trio.move_on_after(self.config.model_load_timeout_s) as scope:
             inits: list[ToWorker] = [
                 WorkerInit(
@@ -114,20 +136,20 @@ class Executor(WorkerGroup):
                     dist_init_file=rendezvous,
                     engine_index=self.engine_index,
                 )
-                for w in self._workers
+                for w in group.workers
             ]
-            loaded = await self._call_all(inits, WorkerLoaded)
+            loaded = await group.call_all(inits, WorkerLoaded)
             num_blocks = min(w.max_num_kv_blocks for w in loaded)
-            self.stage = "kv-cache"
-            await self._call_all([InitKVCache(num_blocks=num_blocks)] * world, KVCacheReady)
+            group.stage = "kv-cache"
+            await group.call_all([InitKVCache(num_blocks=num_blocks)] * world, KVCacheReady)
         if scope.cancelled_caught:
-            self._stop_group()  # a late rank's peers may wait in a collective for it
+            group.stop_group()  # a late rank's peers may wait in a collective for it
             raise EngineStartupError(
-                self._late_message(f"model_load_timeout_s={self.config.model_load_timeout_s}s"),
-                stage=self.stage,
-                process=", ".join(w.name for w in self._late_workers()),
+                group.late_message(f"model_load_timeout_s={self.config.model_load_timeout_s}s"),
+                stage=group.stage,
+                process=", ".join(w.name for w in group.late_workers()),
             )
-        self.stage = "step"
+        group.stage = "step"
         model = loaded[OUTPUT_RANK].model
         block_size = self.config.block_size
         return EngineInfo(
@@ -137,14 +159,14 @@ class Executor(WorkerGroup):
             # A request alone must always fit in the cache, or preemption could loop.
             max_model_len=min(model.max_model_len, num_blocks * block_size),
             engine_pid=os.getpid(),
-            worker_pids=[w.pid for w in self._workers if w.pid is not None],
+            worker_pids=[w.pid for w in group.workers if w.pid is not None],
         )
 
     async def dispatch(self, step: Step) -> None:
         """Send ``step`` to every worker. Up to a few steps may be in flight:
         workers run them in order, and ``collect`` takes their outputs in the
         same order."""
-        await self._send_all([step.scheduled] * len(self._workers))
+        await self.group.send_all([step.scheduled] * len(self.group.workers))
 
     async def collect(self, step: Step) -> RunnerOutput:
         """The output rank's sampled tokens for ``step``, the oldest step in flight.
@@ -158,38 +180,37 @@ class Executor(WorkerGroup):
         that step: the engine core is going down anyway, and cancellation
         stops them.
         """
+        group = self.group
         deadline = self._timing.deadline(step.num_tokens)
-        self._collecting = True
-        self._collect_started_at = started = trio.current_time()
+        self._collecting = (step, started := trio.current_time())
         try:
             with trio.move_on_after(deadline) as scope:
-                replies = await self._receive_all(RunnerOutput)
+                replies = await group.receive_all(RunnerOutput, collecting=True)
         finally:
-            self._collecting = False
-            self._collect_started_at = None
+            self._collecting = None
         if scope.cancelled_caught:
-            late = self._late_workers()
-            self._kill_hung(late)
-            raise self._report(
+            late = group.late_workers()
+            group.kill_hung(late)
+            raise group.report(
                 StepTimeout(
-                    self._late_message(self._timing.describe(step.num_tokens)) + ": hung, killed",
+                    group.late_message(self._timing.describe(step.num_tokens)) + ": hung, killed",
                     stage="step",
                     process=", ".join(w.name for w in late),
                 )
             )
         self._timing.observe(step.num_tokens, trio.current_time() - started)
         first = replies[OUTPUT_RANK]
-        for worker, reply in zip(self._workers, replies, strict=True):
+        for worker, reply in zip(group.workers, replies, strict=True):
             # Each rank appends what it samples to its own copy of the requests:
             # ranks that disagree would drift apart silently.
             if reply is not first and (reply.req_ids, reply.sampled_token_ids) != (
                 first.req_ids,
                 first.sampled_token_ids,
             ):
-                raise self._report(
+                raise group.report(
                     WorkerError(
                         f"{worker.name} (pid {worker.pid}) sampled other tokens than rank {OUTPUT_RANK} "
-                        f"in {self._stage_label()}",
+                        f"in {group.stage_label()}",
                         stage="step",
                         process=worker.name,
                     )
@@ -203,15 +224,16 @@ class Executor(WorkerGroup):
         are killed as hung and ``StepTimeout`` names them: a call may wait in
         a collective. If cancelled, the engine core is going down: the
         replies not yet taken are dropped with the workers."""
-        if self._steps_in_flight:
+        group = self.group
+        if self.steps_in_flight():
             raise RuntimeError("Executor.rpc() with steps in flight")
         with trio.move_on_after(timeout_s) as scope:
-            replies = await self._call_all([RpcRequest(call=call)] * len(self._workers), RpcReply)
+            replies = await group.call_all([RpcRequest(call=call)] * len(group.workers), RpcReply)
         if scope.cancelled_caught:
-            late = self._late_workers()
-            self._kill_hung(late)
+            late = group.late_workers()
+            group.kill_hung(late)
             names = " and ".join(f"{w.name} (pid {w.pid})" for w in late)
-            raise self._report(
+            raise group.report(
                 StepTimeout(
                     f"{names} did not answer {type(call).__name__} within {timeout_s}s: hung, killed",
                     stage="step",

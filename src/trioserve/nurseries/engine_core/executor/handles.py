@@ -1,9 +1,9 @@
-"""The executor's view of its workers, and the errors they fail with.
+"""One worker as the worker group sees it, and the errors workers fail with.
 
-A ``WorkerHandle`` is filled in as its worker starts: its process (once
-spawned), its message bridge and the two channels it gives. ``WorkerError``
-names the worker, the executor's stage (and step) and, when it exited, its
-exit code or signal.
+A ``WorkerHandle`` is filled in as its worker starts (``group.WorkerGroup``):
+its process (once spawned), its message bridge and the two channels it
+gives. ``WorkerError`` names the worker, the executor's stage (and step)
+and, when it exited, its exit code or signal.
 """
 
 from __future__ import annotations
@@ -45,7 +45,7 @@ class WorkerHung(WorkerError):
 
 @dataclass(eq=False)
 class WorkerHandle:
-    """One worker as the executor sees it; filled in as it starts."""
+    """One worker as the group sees it; filled in as it starts."""
 
     rank: int
     exited: trio.Event = field(default_factory=trio.Event)  # set once it is reaped
