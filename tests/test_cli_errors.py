@@ -195,7 +195,7 @@ def test_a_hard_exit_time_that_is_not_seconds_is_one_line_naming_the_variable(ti
 
 SIGNAL_AFTER_CLOSE = """
 import os, signal, trio
-from trioserve.cli import _ignored_after_close, shutdown_signals
+from trioserve.cli.signals import _ignored_after_close, shutdown_signals
 
 async def main():
     with trio.open_signal_receiver(*_ignored_after_close(shutdown_signals())) as signals:

@@ -37,7 +37,7 @@ RANKS = {
     "frontend": 6,
     "default_model": 6,
     "api": 7,
-    "cli_options": 7,  # the options shared by the CLI and the benchmark
+    "engine_options": 7,  # the engine's options and config, shared by the CLI's commands and the benchmark
     "server": 8,
     "bench": 8,
     "chat": 8,
@@ -69,7 +69,7 @@ THIRD_PARTY = {
     "server": {"msgspec", "trio", "trio_websocket", "h11", "prometheus_client"},
     "bench": {"msgspec", "trio", "trio_websocket", "psutil", "matplotlib", "numpy"},
     "chat": {"trio"},
-    "cli_options": set(),
+    "engine_options": set(),
     "cli": {"msgspec", "trio"},
     "__init__": set(),
 }

@@ -45,8 +45,8 @@ from trioserve.bench.workload import (
     WorkloadSpec,
     parse_range,
 )
-from trioserve.cli_options import add_compile_option, add_parallel_options, add_threads_option
-from trioserve.config import EngineConfig, FakeRunnerConfig
+from trioserve.config import EngineConfig
+from trioserve.engine_options import add_engine_options, engine_config
 from trioserve.errors import StoppedBySignal, collapse
 from trioserve.nurseries.supervision.oneshot import until_stop_signal
 from trioserve.stdio import say
@@ -91,6 +91,15 @@ def add_bench_parser(subparsers: Any) -> argparse.ArgumentParser:
     )
     _add_workload_options(parser)
     _add_target_options(parser)
+    add_engine_options(
+        parser,
+        model_default=DEFAULT_MODEL,
+        model_metavar="NAME|DIR",
+        model_help="a model directory, or a named benchmark model built on first use: "
+        f"{', '.join([*BENCH_MODELS, *REAL_MODELS])} (default: %(default)s). With --url, the model the server "
+        "runs (for the prompts' vocabulary and the baselines)",
+        threads_help="torch threads of the engine's worker and of every baseline (default: as serve's)",
+    )
     _add_output_options(parser)
     parser.set_defaults(func=cmd_bench)
     return parser
@@ -130,14 +139,6 @@ def _add_workload_options(parser: argparse.ArgumentParser) -> None:
 def _add_target_options(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("what to benchmark")
     group.add_argument(
-        "--model",
-        default=DEFAULT_MODEL,
-        metavar="NAME|DIR",
-        help="a model directory, or a named benchmark model built on first use: "
-        f"{', '.join([*BENCH_MODELS, *REAL_MODELS])} "
-        "(default: %(default)s). With --url, the model the server runs (for the prompts' vocabulary and the baselines)",
-    )
-    group.add_argument(
         "--url", help="drive a running `trioserve serve` at this ws:// URL instead of an in-process engine"
     )
     group.add_argument("--api-key", default=None, help="the server's API key, if it wants one")
@@ -156,35 +157,6 @@ def _add_target_options(parser: argparse.ArgumentParser) -> None:
     group.add_argument(
         "--baseline-timeout", type=float, default=1800, metavar="SECONDS", help="per baseline (default: %(default)s)"
     )
-    group.add_argument(
-        "--max-num-seqs", type=int, default=64, help="engine: most requests in a batch (default: %(default)s)"
-    )
-    group.add_argument(
-        "--max-num-batched-tokens", type=int, default=2048, help="engine: token budget of a step (default: %(default)s)"
-    )
-    group.add_argument("--kv-cache-mib", type=int, default=512, help="engine: KV cache memory (default: %(default)s)")
-    group.add_argument(
-        "--max-steps-in-flight",
-        type=int,
-        choices=[1, 2],
-        default=2,
-        help="engine: model steps sent before the oldest one's output is back (default: %(default)s)",
-    )
-    group.add_argument(
-        "--prefix-caching",
-        dest="enable_prefix_caching",
-        action=argparse.BooleanOptionalAction,
-        default=True,
-        help="engine: prefix caching (default: on; --no-prefix-caching turns it off)",
-    )
-    add_threads_option(group, help="torch threads of the engine's worker and of every baseline (default: as serve's)")
-    group.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto", help="default: %(default)s")
-    group.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"], default="auto")
-    add_compile_option(group, default=False)
-    add_parallel_options(group)
-    group.add_argument("--runner", choices=["hf", "fake"], default="hf", help=argparse.SUPPRESS)
-    # FakeRunnerConfig fields as a JSON object (a fixed step time: the engine's own overhead, or data parallelism).
-    group.add_argument("--fake-options", default="{}", help=argparse.SUPPRESS)
 
 
 def _add_output_options(parser: argparse.ArgumentParser) -> None:
@@ -192,27 +164,6 @@ def _add_output_options(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--json", metavar="FILE", help="also write every figure to FILE as JSON")
     group.add_argument("--plot", metavar="FILE.png", help="draw the latency distributions (needs matplotlib)")
     group.add_argument("--no-progress", action="store_true", help="no progress line on stderr")
-    group.add_argument("--log-level", default="WARNING", help="logging level (default: %(default)s)")
-
-
-def _engine_config(args: argparse.Namespace, model_dir: Path) -> EngineConfig:
-    return EngineConfig(
-        model=str(model_dir),
-        runner=args.runner,
-        device=args.device,
-        dtype=args.dtype,
-        max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens,
-        kv_cache_memory_bytes=args.kv_cache_mib * 1024 * 1024,
-        torch_threads=args.torch_threads,
-        max_steps_in_flight=args.max_steps_in_flight,
-        data_parallel_size=args.data_parallel_size,
-        tensor_parallel_size=args.tensor_parallel_size,
-        data_parallel_lockstep=args.data_parallel_lockstep,
-        fake=FakeRunnerConfig.from_json(args.fake_options, "--fake-options"),
-        enable_prefix_caching=args.enable_prefix_caching,
-        compile=args.compile,
-    )
 
 
 def _text_config(model_dir: Path) -> dict[str, Any]:
@@ -231,8 +182,9 @@ def _text_config(model_dir: Path) -> dict[str, Any]:
 
 def _context(args: argparse.Namespace, config: EngineConfig, text_config: dict[str, Any]) -> tuple[int, str] | None:
     """The most tokens a request may hold, prompt and output, and where that
-    limit comes from: the fake runner's ``max_model_len`` in process, else
-    the model's ``max_position_embeddings`` (``n_positions``: GPT-2); with
+    limit comes from: in process, ``--max-model-len`` when it is below the
+    model's own, which is the fake runner's ``max_model_len``, else the
+    model's ``max_position_embeddings`` (``n_positions``: GPT-2); with
     ``--url``, the server's own (``server_context``) when it says; None when
     nothing gives one. (An in-process engine may cap it lower still, to what
     its KV cache holds.)"""
@@ -240,8 +192,18 @@ def _context(args: argparse.Namespace, config: EngineConfig, text_config: dict[s
         served = server_context(args.url, args.api_key)
         if served is not None:
             return served, f"max_model_len at {_models_url(args.url)}"
-    elif config.runner == "fake":
-        return config.fake.max_model_len, "the fake runner's max_model_len"
+        return _positions(config, text_config)
+    if config.runner == "fake":
+        own: tuple[int, str] | None = (config.fake.max_model_len, "the fake runner's max_model_len")
+    else:
+        own = _positions(config, text_config)
+    if config.max_model_len is not None and (own is None or config.max_model_len < own[0]):
+        return config.max_model_len, "--max-model-len"
+    return own
+
+
+def _positions(config: EngineConfig, text_config: dict[str, Any]) -> tuple[int, str] | None:
+    """The model's own context length, from its ``config.json``."""
     for key in ("max_position_embeddings", "n_positions"):
         value = text_config.get(key)
         if isinstance(value, int):
@@ -380,7 +342,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     if not 1 <= args.num_requests <= MAX_NUM_REQUESTS:
         raise ValueError(f"--num-requests: must be in [1, {MAX_NUM_REQUESTS}] (got {args.num_requests})")
     model_dir = resolve_model(args.model)
-    config = _engine_config(args, model_dir)
+    config = engine_config(args, str(model_dir))
     text_config = _text_config(model_dir)
     spec = _workload(args, text_config)
     _check_fits(spec, _context(args, config, text_config))

