@@ -682,6 +682,12 @@ async def test_a_stream_refused_as_overloaded_may_be_entered_again_once_there_is
                 assert [t for out in [o async for o in later] for t in out.token_ids] == fake_tokens([7, 8], 3)
 
 
+def _stream(
+    engine: trioserve.Engine, prompt: list[int], params: SamplingParams, n: int | None
+) -> trioserve.RequestStream:
+    return engine.stream(prompt, params) if n is None else engine.stream_n(prompt, params, n)
+
+
 async def test_a_stream_read_after_its_block_or_by_two_tasks_at_once_raises_rather_than_waiting_for_ever(fake_config):
     """After its block the request is aborted: nothing more will come (a
     finished one simply ends). Two readers would split its outputs, and one
@@ -689,13 +695,14 @@ async def test_a_stream_read_after_its_block_or_by_two_tasks_at_once_raises_rath
     params = SamplingParams(max_tokens=20, ignore_eos=True)
     with trio.fail_after(60):
         async with trioserve.open_engine(config=fake_config(step_delay_s=0.01)) as engine:
-            async with engine.stream([5, 6], params) as stream:
-                await stream.__anext__()
-            with pytest.raises(RuntimeError, match=r"inside its async with block \(it has exited"):
-                await stream.__anext__()
-            async with engine.stream([5, 6], SamplingParams(max_tokens=2, ignore_eos=True)) as finished:
-                assert len([output async for output in finished]) >= 1
-            assert [output async for output in finished] == []  # it had ended: iteration just ends
+            for n in (None, 2):  # stream, stream_n: one stream class, n samples
+                async with _stream(engine, [5, 6], params, n) as stream:
+                    await stream.__anext__()
+                with pytest.raises(RuntimeError, match=r"inside its async with block \(it has exited"):
+                    await stream.__anext__()
+                async with _stream(engine, [5, 6], SamplingParams(max_tokens=2, ignore_eos=True), n) as finished:
+                    assert len([output async for output in finished]) >= 1
+                assert [output async for output in finished] == []  # it had ended: iteration just ends
             for make in (lambda: engine.stream([5, 6], params), lambda: engine.stream_n([5, 6], params, 2)):
                 async with make() as shared:
                     read: list[int] = []

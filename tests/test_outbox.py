@@ -11,6 +11,7 @@ import trio.testing
 from helpers.fakes import make_fake_config
 
 from trioserve.frontend.engines.client import TO_ENGINE_SIZE, EngineCoreClient
+from trioserve.frontend.engines.local import LocalProcessStrategy
 from trioserve.messages import (
     AbortRequests,
     AddRequest,
@@ -92,7 +93,8 @@ async def test_an_abort_while_the_queue_is_full_goes_after_the_request_it_aborts
     request is still queued. The abort must follow the request's AddRequest
     (the engine core ignores an abort of a request it does not know, and the
     request would then run to its end with nobody to read it)."""
-    client = EngineCoreClient(make_fake_config(str(tiny_model_dir("llama")), max_waiting_requests=2 * TO_ENGINE_SIZE))
+    config = make_fake_config(str(tiny_model_dir("llama")), max_waiting_requests=2 * TO_ENGINE_SIZE)
+    client = EngineCoreClient(config, 0, LocalProcessStrategy())
     client.info = EngineInfo(ModelInfo(259, 64, [2]), 64, 4, 64, 1, [2])  # as if started
     with trio.fail_after(10):
         for i in range(TO_ENGINE_SIZE):

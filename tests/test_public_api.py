@@ -11,15 +11,25 @@ import trioserve
 DOCS = Path(__file__).parent.parent / "docs" / "embedding.md"
 
 
-def documented_names() -> set[str]:
+def documented_names(marker: str = "public-names") -> set[str]:
     text = DOCS.read_text()
-    match = re.search(r"<!-- public-names -->(.*?)<!-- /public-names -->", text, re.S)
-    assert match, "docs/embedding.md lists the public names between public-names markers"
+    match = re.search(rf"<!-- {marker} -->(.*?)<!-- /{marker} -->", text, re.S)
+    assert match, f"docs/embedding.md lists the names between {marker} markers"
     return set(re.findall(r"`([A-Za-z_]+)`", match.group(1)))
 
 
 def test_public_names_are_the_documented_ones():
     assert documented_names() == set(trioserve.__all__)
+
+
+def test_the_engines_public_names_are_the_documented_ones_and_each_is_described():
+    """What the request streams call back into (checking prompts, building
+    and submitting requests) is not part of ``Engine``'s face."""
+    public = {name for name in dir(trioserve.Engine) if not name.startswith("_")}
+    assert public == documented_names("engine-names")
+    text = DOCS.read_text()
+    undescribed = [name for name in sorted(public) if f"engine.{name}" not in text]
+    assert undescribed == []
 
 
 def test_every_public_name_is_a_class_or_function_of_trioserve():

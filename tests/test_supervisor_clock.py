@@ -18,6 +18,7 @@ import trio.testing
 from trioserve import EngineConfig
 from trioserve.errors import EngineDeadError
 from trioserve.frontend.engines.client import EngineCoreClient
+from trioserve.frontend.engines.local import LocalProcessStrategy
 from trioserve.frontend.engines.supervisor import EngineSupervisor
 from trioserve.messages import EngineInfo, ModelInfo
 from trioserve.rpc import ControlCall, ControlReply, GenerationState, Pause, Resume, Sleep, WakeUp
@@ -32,7 +33,7 @@ class FakeClient(EngineCoreClient):
     """An engine-core life with no process: ready at once, dead on ``kill()``."""
 
     def __init__(self, config: EngineConfig, index: int, on_dead: Callable[[EngineCoreClient], None]) -> None:
-        super().__init__(config, index, on_dead=on_dead)
+        super().__init__(config, index, LocalProcessStrategy(), on_dead=on_dead)  # never run: no process
         self.started_at = trio.current_time()
         self._killed = trio.Event()
 
@@ -45,7 +46,7 @@ class FakeClient(EngineCoreClient):
         self.info = self.reports
         task_status.started(self.reports)
         await self._killed.wait()
-        self._die("killed by the test")
+        self.die("killed by the test")
 
 
 class Lives:

@@ -32,7 +32,7 @@ if TYPE_CHECKING:
         TrioserveError,
     )
     from trioserve.frontend.requests.outputs import RequestOutput
-    from trioserve.frontend.requests.streams import ParentRequestStream, RequestStream
+    from trioserve.frontend.requests.streams import RequestStream
     from trioserve.messages import EngineInfo, EngineStats, SampleLogprobs, SamplingParams
     from trioserve.rpc import DescribeShard, Echo, EchoReply, ShardInfo
 
@@ -50,7 +50,6 @@ __all__ = [
     "EngineStats",
     "FakeRunnerConfig",
     "InvalidRequestError",
-    "ParentRequestStream",
     "PromptTooLongError",
     "RequestError",
     "RequestOutput",
@@ -78,7 +77,7 @@ _HOMES = {
         "TrioserveError",
     ),
     "trioserve.frontend.requests.outputs": ("RequestOutput",),
-    "trioserve.frontend.requests.streams": ("ParentRequestStream", "RequestStream"),
+    "trioserve.frontend.requests.streams": ("RequestStream",),
     "trioserve.messages": ("EngineInfo", "EngineStats", "SampleLogprobs", "SamplingParams"),
     "trioserve.rpc": ("DescribeShard", "Echo", "EchoReply", "ShardInfo"),
 }

@@ -1,6 +1,6 @@
 """The public face for Trio programs: ``open_engine`` and ``Engine`` (its
-requests are ``frontend/requests/streams.py``'s ``RequestStream`` and
-``ParentRequestStream``).
+requests are ``frontend/requests/streams.py``'s ``RequestStream``, which
+reaches the engine cores through a ``RequestRouter``, not through ``Engine``).
 
 ``open_engine`` collapses exception groups from inside the project into
 plain exceptions (``EngineStartupError``, ``EngineDeadError``,
@@ -13,9 +13,8 @@ from __future__ import annotations
 import contextlib
 import functools
 import itertools
-import logging
 import secrets
-from collections.abc import AsyncIterator, Callable, Mapping, Sequence
+from collections.abc import AsyncIterator, Mapping, Sequence
 from typing import Any
 
 import msgspec
@@ -23,16 +22,15 @@ import trio
 
 from trioserve.config import EngineConfig
 from trioserve.errors import EngineDeadError, EngineStartupError, InvalidRequestError, collapse, leaves
-from trioserve.frontend.engines.client import EngineCoreClient
 from trioserve.frontend.engines.group import EngineGroup
 from trioserve.frontend.engines.supervisor import Health
 from trioserve.frontend.model_dir import load_model_dir
-from trioserve.frontend.requests.outputs import RequestMetrics, RequestOutput
+from trioserve.frontend.requests.outputs import RequestOutput
 from trioserve.frontend.requests.parallel_sampling import check_n
-from trioserve.frontend.requests.state import RequestState
-from trioserve.frontend.requests.streams import ParentRequestStream, RequestStream
+from trioserve.frontend.requests.router import RequestObserver, RequestRouter
+from trioserve.frontend.requests.streams import RequestStream
 from trioserve.frontend.text.chat_template import RENDER_THREADS, ChatTemplate, TemplatedText
-from trioserve.frontend.text.prompt import Prompt, PromptChecker
+from trioserve.frontend.text.prompt import Prompt
 from trioserve.frontend.text.tokenizer import Tokenizer
 from trioserve.messages import EngineInfo, EngineStats, SamplingParams
 from trioserve.rpc import (
@@ -51,11 +49,9 @@ from trioserve.rpc import (
     WorkerResult,
 )
 
-log = logging.getLogger("trioserve.api")
 # A call that runs on the workers (sleep, wake_up, collective_rpc) gets at least this long: past
 # its timeout the workers count as hung and are killed with their engine core.
 MIN_WORKER_CALL_TIMEOUT_S = 1.0
-RequestObserver = Callable[[RequestMetrics], None]
 
 
 @contextlib.asynccontextmanager
@@ -107,10 +103,7 @@ async def _open(config: EngineConfig, group: EngineGroup, id_prefix: str | None 
         async with trio.open_nursery() as nursery:
             await nursery.start(group.run)
             try:
-                engine = Engine(group, tokenizer, chat_template)
-                if id_prefix is not None:
-                    engine._id_prefix = f"{id_prefix}-{engine._id_prefix}"  # unique among the API servers
-                yield engine
+                yield Engine(group, tokenizer, chat_template, id_prefix=id_prefix)
             except BaseException as exc:
                 own = exc
                 raise
@@ -148,29 +141,42 @@ def _load_tokenizer(config: EngineConfig) -> tuple[Tokenizer, ChatTemplate | Non
 
 
 class Engine:
-    """A running engine. Get one from ``open_engine``."""
+    """A running engine. Get one from ``open_engine``. Its public names are
+    the ones docs/embedding.md lists (a test checks they agree)."""
 
-    def __init__(self, group: EngineGroup, tokenizer: Tokenizer, chat_template: ChatTemplate | None = None) -> None:
+    def __init__(
+        self,
+        group: EngineGroup,
+        tokenizer: Tokenizer,
+        chat_template: ChatTemplate | None = None,
+        *,
+        id_prefix: str | None = None,
+    ) -> None:
+        """``id_prefix``: put before the request ids, unique among the API
+        servers of one engine (its own random part follows)."""
         self._group = group
-        self.tokenizer = tokenizer
-        self.chat_template = chat_template  # the model's own, or None
-        self._prompts = PromptChecker(tokenizer, self.info)
+        self._tokenizer = tokenizer
+        self._chat_template = chat_template  # the model's own, or None
+        self._router = RequestRouter(group, tokenizer)
         self._render_threads = trio.CapacityLimiter(RENDER_THREADS)
         self._ids = itertools.count()
-        self._id_prefix = secrets.token_hex(3)
-        self._observers: list[RequestObserver] = []
+        own = secrets.token_hex(3)
+        self._id_prefix = own if id_prefix is None else f"{id_prefix}-{own}"
+
+    @property
+    def tokenizer(self) -> Tokenizer:
+        """The model's tokenizer (``encode``, ``decode``), from its ``tokenizer.json``."""
+        return self._tokenizer
+
+    @property
+    def chat_template(self) -> ChatTemplate | None:
+        """The model's chat template (``render_chat`` renders with it), or None when it has none."""
+        return self._chat_template
 
     def add_request_observer(self, observer: RequestObserver) -> None:
         """Call ``observer`` (synchronously; it must not block) with each
         request's ``RequestMetrics`` when it ends, however it ends."""
-        self._observers.append(observer)
-
-    def _request_ended(self, metrics: RequestMetrics) -> None:
-        for observer in self._observers:
-            try:
-                observer(metrics)
-            except Exception:  # an observer's bug must not fail a request
-                log.exception("a request observer failed")
+        self._router.observers.append(observer)
 
     async def render_chat(
         self, messages: Sequence[Mapping[str, object]], *, add_generation_prompt: bool = True
@@ -190,12 +196,16 @@ class Engine:
                 "messages", "this model has no chat template (chat_template.jinja or tokenizer_config.json)"
             )
         render = functools.partial(
-            template.render, messages, add_generation_prompt=add_generation_prompt, max_chars=self._prompts.max_chars
+            template.render,
+            messages,
+            add_generation_prompt=add_generation_prompt,
+            max_chars=self._router.prompts.max_chars,
         )
         return await trio.to_thread.run_sync(render, abandon_on_cancel=True, limiter=self._render_threads)
 
     @property
     def config(self) -> EngineConfig:
+        """The ``EngineConfig`` it runs with."""
         return self._group.config
 
     @property
@@ -265,8 +275,10 @@ class Engine:
         """
         params = SamplingParams() if params is None else params
         self._check_request(params, client_id, engine_index)
-        token_ids = None if self._prompts.needs_thread(prompt) else self._prompts.check(prompt)
-        return RequestStream(self, self._new_id(), prompt, token_ids, params, client_id, engine_index)
+        token_ids = self._router.token_ids_now(prompt)
+        return RequestStream(
+            self._router, self._new_id(), prompt, token_ids, params, client_id=client_id, engine_index=engine_index
+        )
 
     def stream_n(
         self,
@@ -276,9 +288,10 @@ class Engine:
         *,
         client_id: str = "",
         engine_index: int | None = None,
-    ) -> ParentRequestStream:
+    ) -> RequestStream:
         """``n`` samples of one prompt, streamed together: a parent request
-        fanned out into ``n`` requests in the engine. Each ``RequestOutput``
+        fanned out into ``n`` requests in the engine (sample ``i`` named
+        ``{request_id}-{i}``), in one ``RequestStream``. Each ``RequestOutput``
         says which sample it belongs to (``index``). With ``params.seed``,
         sample ``i`` uses ``seed + i``. Checks as ``stream`` (and ``n``, in
         [1, 128]); leaving the block early, or being cancelled, aborts every
@@ -296,16 +309,16 @@ class Engine:
                 f"{n} samples go to one engine, which takes at most {capacity} requests at once "
                 "(max_num_seqs + max_waiting_requests)",
             )
-        token_ids = None if self._prompts.needs_thread(prompt) else self._prompts.check(prompt)
-        return ParentRequestStream(
-            self,
+        token_ids = self._router.token_ids_now(prompt)
+        return RequestStream(
+            self._router,
             self._new_id(),
-            prompt=prompt,
-            token_ids=token_ids,
-            params=params,
-            n=n,
+            prompt,
+            token_ids,
+            params,
             client_id=client_id,
             engine_index=engine_index,
+            n=n,
         )
 
     def _check_request(self, params: object, client_id: object, engine_index: object = None) -> None:
@@ -435,40 +448,3 @@ class Engine:
     def num_requests_in_flight(self) -> int:
         """Requests the front-end holds state for (submitted and not yet over)."""
         return self._group.num_requests_in_flight()
-
-    # --- what the request streams need (frontend/requests/streams.py, Submitter) ------
-
-    async def check_prompt(self, prompt: Prompt) -> list[int]:
-        return await self._prompts.check_async(prompt)
-
-    def new_state(
-        self, request_id: str, token_ids: list[int], params: SamplingParams, client_id: str, index: int = 0
-    ) -> RequestState:
-        return RequestState(
-            request_id,
-            token_ids,
-            params,
-            self.tokenizer,
-            client_id=client_id,
-            index=index,
-            on_end=self._request_ended if self._observers else None,
-        )
-
-    async def submit(self, states: Sequence[RequestState], engine_index: int | None = None) -> EngineCoreClient:
-        """Submit checked requests to one engine core (the least loaded ready
-        one; while none is ready, wait at most ``restart_wait_s``): all of
-        them, or, if one fails or this is cancelled, none. The client they
-        went to."""
-        client, wave = await self._group.route(engine_index)
-        submitted: list[RequestState] = []
-        try:
-            for state in states:
-                state.engine_index = client.engine_index
-                await client.submit(state, wave)
-                submitted.append(state)
-        except BaseException:
-            for state in submitted:
-                client.abort(state.request_id)
-                state.forget()  # refused, not ended: the request observers (metrics) hear nothing
-            raise
-        return client

@@ -38,7 +38,7 @@ from trioserve.errors import (
     RequestError,
 )
 from trioserve.frontend.requests.outputs import RequestOutput
-from trioserve.frontend.requests.streams import ParentRequestStream
+from trioserve.frontend.requests.streams import RequestStream
 from trioserve.server import openai_protocol as oai
 from trioserve.server.config import ServerConfig
 from trioserve.server.http import METRICS_PATH, RequestHead
@@ -237,7 +237,7 @@ class HttpApi:
 
     async def _start(
         self, endpoint: Endpoint, body: bytes, client_id: str
-    ) -> tuple[ParentRequestStream, EventFormat, oai.Plan]:
+    ) -> tuple[RequestStream, EventFormat, oai.Plan]:
         """Decode and check the request; its stream (not yet entered)."""
         engine = self._engine()
         names = {"prompt": "messages"} if endpoint == "chat" else {}
@@ -268,9 +268,7 @@ class HttpApi:
                 code="model_not_found",
             )
 
-    async def _send_whole(
-        self, conn: HttpConnection, stream: ParentRequestStream, fmt: EventFormat, grace: _Grace
-    ) -> None:
+    async def _send_whole(self, conn: HttpConnection, stream: RequestStream, fmt: EventFormat, grace: _Grace) -> None:
         """Collect every sample to its end, then send one JSON response."""
         choices = Choices(stream.n)
         try:
@@ -282,7 +280,7 @@ class HttpApi:
         await conn.send_json(200, fmt.response(choices, stream.num_prompt_tokens))
 
     async def _send_events(
-        self, conn: HttpConnection, stream: ParentRequestStream, fmt: EventFormat, include_usage: bool, grace: _Grace
+        self, conn: HttpConnection, stream: RequestStream, fmt: EventFormat, include_usage: bool, grace: _Grace
     ) -> None:
         """Send each delta as a server-sent event as it comes, then the usage
         (when asked for) and ``[DONE]``. An engine error after the first
@@ -359,7 +357,7 @@ class _Grace:
         if self._waiting is not None:
             self._waiting.cancel()
 
-    async def next_output(self, stream: ParentRequestStream) -> RequestOutput | None:
+    async def next_output(self, stream: RequestStream) -> RequestOutput | None:
         """``stream``'s next output (None at its end); raises ``_Stopped``
         once the grace is over (the request is aborted when its block is
         left). If cancelled, nothing is lost."""

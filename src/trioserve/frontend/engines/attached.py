@@ -1,5 +1,6 @@
-"""An API server's client of an engine core that another process supervises
-(``serve --api-server-count M``: the supervising ``serve`` process starts the
+"""An API server's way to an engine core that another process supervises
+(``AttachedStrategy``, the strategy of its ``EngineCoreClient``, one per life;
+``serve --api-server-count M``: the supervising ``serve`` process starts the
 local engine cores and takes the remote ones' joins; each of the M
 API-server processes attaches to every one, local or on another host).
 
@@ -38,10 +39,9 @@ index (``Attach.engine``); the file is never seen half-written.
 from __future__ import annotations
 
 import contextlib
-import itertools
 import os
 import secrets
-from collections.abc import Callable
+from collections.abc import AsyncIterator
 
 import msgspec
 import trio
@@ -117,39 +117,32 @@ def read_engine_addresses(directory: str, engine_index: int) -> FrontEndsInit | 
         return None
 
 
-class AttachedEngineCoreClient(EngineCoreClient):
-    """See the module docstring."""
+class AttachedStrategy:
+    """Attach API server ``frontend`` to an engine core that the supervising
+    process found through ``directory`` (see the module docstring)."""
 
-    uses_ipc_dir = False
-
-    def __init__(
-        self,
-        config: EngineConfig,
-        engine_index: int,
-        frontend: int,
-        directory: str,
-        *,
-        on_dead: Callable[[EngineCoreClient], None] | None = None,
-    ) -> None:
-        super().__init__(config, engine_index, on_dead=on_dead)
+    def __init__(self, config: EngineConfig, frontend: int, directory: str) -> None:
         self.frontend_index = frontend
         self._directory = directory
-        self._call_ids = itertools.count(frontend << 32)
         self._life: trio.CancelScope | None = None
         # Options for TCP sockets (an engine core on another host): CURVE clients, unless insecure_tcp.
         keys = None if config.curve_keys_dir is None else load_keys(config.curve_keys_dir)
         self._tcp_options = {} if keys is None else keys.client_options()
         self.addresses: FrontEndsInit | None = None  # where this life attached
 
-    async def _start(self, nursery: trio.Nursery, ipc_dir: str) -> EngineInfo:
+    @contextlib.asynccontextmanager
+    async def life(self, client: EngineCoreClient) -> AsyncIterator[None]:
+        """Nothing held beyond the sockets: no directory, no process."""
+        yield
+
+    async def start(self, client: EngineCoreClient, nursery: trio.Nursery) -> EngineInfo:
         self._life = nursery.cancel_scope
-        self._stage = "handshake"
-        input_sock, output_sock, info = await self._attach()
-        self._serve_sockets(nursery, input_sock, output_sock)
-        nursery.start_soon(self._watch_connection, output_sock)
+        input_sock, output_sock, info = await self._attach(client)
+        client.serve(nursery, input_sock, output_sock)
+        nursery.start_soon(self._watch_connection, client, output_sock)
         return info
 
-    async def _watch_connection(self, sock: TrioZmqSocket) -> None:
+    async def _watch_connection(self, client: EngineCoreClient, sock: TrioZmqSocket) -> None:
         """The engine core is dead the moment its end of the ROUTER
         connection closes (a connection closes when its process dies, even by
         ``kill -9``, while its host lives): sooner than its silence would tell."""
@@ -160,27 +153,28 @@ class AttachedEngineCoreClient(EngineCoreClient):
             with contextlib.suppress(zmq.ZMQError):
                 sock.socket.disable_monitor()
             monitor.close()
-        self._die("its connection to the API servers closed: the engine core is gone")
+        client.die("its connection to the API servers closed: the engine core is gone")
 
-    async def _attach(self) -> tuple[TrioZmqSocket, TrioZmqSocket, EngineInfo]:
+    async def _attach(self, client: EngineCoreClient) -> tuple[TrioZmqSocket, TrioZmqSocket, EngineInfo]:
         """Connect where the supervisor says and say ``Attach`` until the
         engine core answers (as long as it takes: the supervisor bounds a
         local engine core's start, and a remote one may be away for long);
         the input and output sockets, and the engine's info. If cancelled,
         nothing is left behind."""
         life = secrets.randbits(62) + 1  # new to this life: the engine core aborts what earlier lives sent
-        attach = _encode(Attach(frontend=self.frontend_index, engine=self.engine_index, pid=os.getpid(), life=life))
+        index = client.engine_index
+        attach = _encode(Attach(frontend=self.frontend_index, engine=index, pid=os.getpid(), life=life))
         sockets: tuple[TrioZmqSocket, TrioZmqSocket] | None = None
         try:
             while True:
-                addresses = read_engine_addresses(self._directory, self.engine_index)
+                addresses = read_engine_addresses(self._directory, index)
                 if addresses != self.addresses:
                     _close(sockets)
                     sockets, self.addresses = None, addresses
                     if addresses is not None:
                         sockets = self._connect(addresses)
                 if sockets is None:
-                    if (reason := read_engine_failure(self._directory, self.engine_index)) is not None:
+                    if (reason := read_engine_failure(self._directory, index)) is not None:
                         raise EngineFailedError(reason)  # no next life to wait for
                     await trio.sleep(ATTACH_RETRY_S)
                     continue
@@ -189,7 +183,7 @@ class AttachedEngineCoreClient(EngineCoreClient):
                     while True:
                         msg = _decode(await sockets[1].recv())
                         if isinstance(msg, Attached):
-                            self.state = msg.state
+                            client.state = msg.state
                             return (*sockets, msg.info)
         except BaseException:
             _close(sockets)
@@ -205,15 +199,18 @@ class AttachedEngineCoreClient(EngineCoreClient):
             raise
         return input_sock, output_sock
 
-    def _hung(self) -> None:
+    def hung(self, client: EngineCoreClient) -> None:
         """No process to kill here: the life ends; the supervisor's watch of
         the engine core kills it if it is really hung."""
         if self._life is not None:
             self._life.cancel()
 
-    def _die(self, reason: str) -> None:
-        super()._die(reason)
-        self._hung()  # the next life attaches to the engine core that takes its place
+    def died(self, client: EngineCoreClient) -> None:
+        """The life ends: the next one attaches to the engine core that takes its place."""
+        self.hung(client)
+
+    def last_words(self, client: EngineCoreClient, sock: TrioZmqSocket) -> None:
+        """Nothing: the engine core's supervising process stops it."""
 
 
 def _close(sockets: tuple[TrioZmqSocket, TrioZmqSocket] | None) -> None:

@@ -1,11 +1,20 @@
-"""The front-end's side of one engine core: its process, sockets and requests.
+"""The front-end's side of one engine core: its sockets, its requests, its calls.
 
 Task tree (inside the caller's ``trio.run``)::
 
-    EngineCoreClient.run
-    ├── engine-core process   supervised; its exit raises ProcessExited here
-    ├── input sender          outbox (in order; bounded for new work) -> ZMQ PUSH (requests, aborts, calls)
-    └── output handler        ZMQ PULL -> detokenize -> each request's mailbox
+    EngineCoreClient.run              one life of the engine core
+    ├── (the strategy's tasks)        local.py: the engine-core process, supervised;
+    │                                 remote.py: a Ping every heartbeat interval;
+    │                                 attached.py: the watch of its connection
+    ├── input sender                  outbox (in order; bounded for new work) -> ZMQ PUSH (requests, aborts, calls)
+    ├── output handler                ZMQ PULL -> detokenize -> each request's mailbox; replies; heartbeats
+    └── watchdog                      silent for heartbeat_timeout_s: hung
+
+How the engine core is reached is the client's ``EngineCoreStrategy``: a
+process started here (``local.py``), an engine core that joins from another
+host (``remote.py``), or one another process supervises (``attached.py``,
+an API server of several); the strategy also says what a hang does, what a
+death does beyond failing the requests, and what is sent last.
 
 Every request has its own one-slot mailbox (``OutputCollector``), so a slow
 consumer never stalls the output handler. Submitting a request is atomic
@@ -18,24 +27,19 @@ from __future__ import annotations
 import contextlib
 import itertools
 import logging
-import os
-from collections.abc import Callable, Sequence
-from pathlib import Path
+from collections.abc import Callable
 from typing import Protocol
 
 import msgspec
 import trio
-import zmq
 
 from trioserve.config import EngineConfig
 from trioserve.errors import (
     ControlCallError,
     EngineDeadError,
     EngineOverloadedError,
-    EngineStartupError,
     InvalidRequestError,
     RequestError,
-    StartupStage,
 )
 from trioserve.frontend.requests.state import RequestState
 from trioserve.messages import (
@@ -49,55 +53,68 @@ from trioserve.messages import (
     FrontEndsInit,
     GetStats,
     HandshakeInit,
-    HandshakeMessage,
     Heartbeat,
-    Hello,
     LoadReport,
     PrefixCacheReset,
-    Ready,
     ResetPrefixCache,
-    StartupFailed,
     StartWave,
     StatsReply,
     WaveNotice,
 )
-from trioserve.nurseries.engine_core.launch import EngineCoreLaunch, ipc_directory
-from trioserve.nurseries.supervision.process import ChildProcess, ProcessExited, python_argv, supervise_process
 from trioserve.rpc import ControlCall, ControlReply, ControlRequest, GenerationState, Pause, Sleep
 from trioserve.transport.outbox import Outbox
 from trioserve.transport.silence import Silence
-from trioserve.transport.zmq_trio import TrioZmqSocket, private_ipc_dir
+from trioserve.transport.zmq_trio import TrioZmqSocket
 
 TO_ENGINE_SIZE = 1024  # messages queued for the input socket
 CONTROL_REPLY_GRACE_S = 1.0  # beyond a control call's deadline, for its reply to come back
 log = logging.getLogger("trioserve.client")
-LAST_WORDS_S = 0.02  # after an engine core's exit, for its death report (already in the socket) to be read
 _encode = msgspec.msgpack.Encoder().encode
-_decode_handshake: Callable[[bytes], HandshakeMessage] = msgspec.msgpack.Decoder(HandshakeMessage).decode
 
 
-class HandshakeSocket(Protocol):
-    """What the handshake needs of its socket: a ROUTER's frames (identity, message)."""
+class EngineCoreStrategy(Protocol):
+    """How a client reaches the engine core of one life, and what it does
+    when that life goes wrong. One strategy object serves one client."""
 
-    async def recv_multipart(self) -> list[bytes]: ...
+    # This front-end's index among the API servers (-1: the engine core's own front-end).
+    frontend_index: int
 
-    async def send_multipart(self, frames: Sequence[bytes]) -> None: ...
+    def life(self, client: EngineCoreClient) -> contextlib.AbstractAsyncContextManager[None]:
+        """Entered around the whole life, its start and its serving: what it
+        holds (the private directory of a local engine core's sockets), and
+        how the life's end is told (an exit, a failed join)."""
+        ...
+
+    async def start(self, client: EngineCoreClient, nursery: trio.Nursery) -> EngineInfo:
+        """Start the engine core (or wait for it to join, or attach to it),
+        and the client's socket actors in ``nursery`` (``client.serve``);
+        the engine's info. Start-up failures raise ``EngineStartupError``."""
+        ...
+
+    def hung(self, client: EngineCoreClient) -> None:
+        """The engine core is declared hung: what that does (kill it, or end the life)."""
+        ...
+
+    def died(self, client: EngineCoreClient) -> None:
+        """The engine core was declared dead (again, perhaps) and its requests failed: anything more to do."""
+        ...
+
+    def last_words(self, client: EngineCoreClient, sock: TrioZmqSocket) -> None:
+        """The input socket is about to close (the life ends): what to send last, without waiting."""
+        ...
 
 
 class EngineCoreClient:
-    # Each life binds its sockets in a private directory of its own; a client
-    # that starts no engine core (remote, attached) sets this False and makes
-    # none (so that a kill -9 of its process cannot leave one behind).
-    uses_ipc_dir = True
-
     def __init__(
         self,
         config: EngineConfig,
-        engine_index: int = 0,
+        engine_index: int,
+        strategy: EngineCoreStrategy,
         *,
         on_dead: Callable[[EngineCoreClient], None] | None = None,
     ) -> None:
         self.config = config
+        self.strategy = strategy
         self._on_dead = on_dead
         # Told each load report (engine index, load); the engine group's coordinator sets it.
         self.on_load: Callable[[int, LoadReport], None] | None = None
@@ -106,7 +123,6 @@ class EngineCoreClient:
         self.engine_index = engine_index
         self.info: EngineInfo | None = None
         self.handshake_init: HandshakeInit | None = None  # what the engine core was told at its handshake
-        self.process: ChildProcess | None = None
         self.requests: dict[str, RequestState] = {}
         # Encoded messages for the input socket: a request is encoded when it is
         # submitted, so that one the wire cannot carry fails alone, there.
@@ -120,15 +136,13 @@ class EngineCoreClient:
         # Several API-server processes: where the engine core listens for them too.
         self.frontends: FrontEndsInit | None = None
         self.frontends_bound: FrontEndsInit | None = None  # ... and where it did, as its Ready said
-        self.frontend_index = -1  # this front-end's index among the API servers (-1: the engine core's own)
+        self.frontend_index = strategy.frontend_index
         self._calls: dict[int, tuple[trio.Event, list[StatsReply | PrefixCacheReset]]] = {}  # by call id
         self._control_calls: dict[int, tuple[trio.Event, list[ControlReply]]] = {}
         # Paused, asleep: the engine core's word, from its last reply to any front-end's call or heartbeat.
         self.state = GenerationState()
         self.asking: list[ControlCall] = []  # this front-end's calls not answered yet
-        self._call_ids = itertools.count()
-        self._stage: StartupStage = "spawn"
-        self._startup_failed: StartupFailed | None = None
+        self._call_ids = itertools.count(max(self.frontend_index, 0) << 32)  # an API server's own
         self._dead: EngineDeadError | None = None
         self._silence = Silence()  # since any message from the engine core (this process's absences excused)
         self._engine_stalled = ""  # what its last heartbeat said
@@ -136,207 +150,58 @@ class EngineCoreClient:
     # --- life cycle ---------------------------------------------------------
 
     async def run(self, *, task_status: trio.TaskStatus[EngineInfo] = trio.TASK_STATUS_IGNORED) -> None:
-        """Start the engine core, hand back its ``EngineInfo``, then serve until
-        cancelled. Start-up failures raise ``EngineStartupError`` naming the
-        stage. If the engine core dies later, every request in flight (and every
-        later one) fails with ``EngineDeadError`` and this returns. If cancelled,
-        the engine core is asked to stop, then terminated, and always reaped.
+        """Start the engine core (as the strategy does), hand back its
+        ``EngineInfo``, then serve until cancelled. Start-up failures raise
+        ``EngineStartupError`` naming the stage. If the engine core dies
+        later, every request in flight (and every later one) fails with
+        ``EngineDeadError`` and this returns. If cancelled, a local engine
+        core is asked to stop, then terminated, and always reaped.
         """
-        directory: contextlib.AbstractContextManager[Path | None] = (
-            private_ipc_dir(socket_names=self._socket_names()) if self.uses_ipc_dir else contextlib.nullcontext()
-        )
-        try:
-            with directory as ipc_dir:
-                async with trio.open_nursery() as nursery:
-                    self.info = await self._start(nursery, str(ipc_dir or ""))
-                    task_status.started(self.info)
-        except* ProcessExited as group:
-            exited = group.exceptions[0]
-            assert isinstance(exited, ProcessExited)
-            if self.info is None:
-                raise self._startup_error(exited) from None
-            self._die(str(exited))
+        async with self.strategy.life(self), trio.open_nursery() as nursery:
+            self.info = await self.strategy.start(self, nursery)
+            task_status.started(self.info)
 
-    def _socket_names(self) -> tuple[str, str, str]:
-        """The sockets ``_start`` binds in the private directory: handshake, input, output."""
-        return "handshake", f"input-{self.engine_index}", "output"
-
-    async def _start(self, nursery: trio.Nursery, ipc_dir: str) -> EngineInfo:
-        handshake_address, input_address, output_address = (f"ipc://{ipc_dir}/{n}" for n in self._socket_names())
-        handshake = TrioZmqSocket.bind(zmq.ROUTER, handshake_address, linger=0)
-        input_sock = TrioZmqSocket.bind(zmq.PUSH, input_address, linger=0)
-        output_sock = TrioZmqSocket.bind(zmq.PULL, output_address, linger=0)
-        with handshake:
-            launch = EngineCoreLaunch(
-                handshake_address=handshake_address,
-                engine_index=self.engine_index,
-                handshake_timeout_s=self.config.startup_timeout_s,
-                api_servers_dir=None if self.frontends is None else ipc_directory(self.frontends.input_address),
-            )
-            env = launch.env(os.environ)
-            try:
-                self.process = await nursery.start(self._supervise, env, nursery.cancel_scope)
-            except OSError as exc:  # no process: fork failed (EAGAIN: the process table is full; ENOMEM)
-                raise EngineStartupError(f"could not start {self.name}: {exc}", stage="spawn", process=self.name)
-            info = await self._handshake(handshake, input_address, output_address)
-        self._serve_sockets(nursery, input_sock, output_sock)
-        return info
-
-    def _serve_sockets(self, nursery: trio.Nursery, input_sock: TrioZmqSocket, output_sock: TrioZmqSocket) -> None:
-        """After the handshake: the socket actors, and the watchdog."""
+    def serve(self, nursery: trio.Nursery, input_sock: TrioZmqSocket, output_sock: TrioZmqSocket) -> None:
+        """After the handshake: the socket actors, and the watchdog, in ``nursery``."""
         self._silence = Silence()
         nursery.start_soon(self._input_sender, input_sock)
         nursery.start_soon(self._output_handler, output_sock)
         nursery.start_soon(self._watchdog)
 
-    async def _supervise(
-        self,
-        env: dict[str, str],
-        scope: trio.CancelScope,
-        *,
-        task_status: trio.TaskStatus[ChildProcess] = trio.TASK_STATUS_IGNORED,
-    ) -> None:
-        """The engine-core process, leading a process group of its own (its
-        workers join it, so a kill of the group leaves none behind). Its
-        unexpected exit raises ``ProcessExited`` (after a moment in which
-        the output socket reads what it sent last: its own death report names
-        the cause better than its exit code); once it was killed as hung and
-        reaped, the client is done: ``scope`` is cancelled."""
-        argv = python_argv("trioserve.nurseries.supervision.entry", "engine-core")
-        try:
-            await supervise_process(
-                argv,
-                name=self.name,
-                env=env,
-                grace_s=self.config.shutdown_grace_s,
-                new_process_group=True,
-                task_status=task_status,
-            )
-        except ProcessExited:
-            if self.info is not None and self._dead is None:
-                await trio.sleep(LAST_WORDS_S)
-            raise
-        scope.cancel()
-
     async def _watchdog(self) -> None:
         """Declare the engine core hung when it sends nothing, not even a
         heartbeat, for ``heartbeat_timeout_s``: its requests fail at once,
-        then it (and its process group) is killed. Time this process itself
-        did not run (it was stopped, or its loop held up) is not the engine
-        core's silence (``transport/silence.py``). Cancelling this leaves
-        nothing behind."""
+        then it is dealt with as the strategy says (killed with its process
+        group; or the life ends). Time this process itself did not run (it
+        was stopped, or its loop held up) is not the engine core's silence
+        (``transport/silence.py``). Cancelling this leaves nothing behind."""
         timeout = self.config.heartbeat_timeout_s
         await self._silence.wait(timeout)
-        pid = self.process.pid if self.process is not None else self.info.engine_pid if self.info else "?"
-        self._die(
-            f"{self.name} (pid {pid}) sent nothing for {self._silent_for():.1f}s "
+        pid = self.info.engine_pid if self.info is not None else "?"
+        self.die(
+            f"{self.name} (pid {pid}) sent nothing for {self._silence.silent_for():.1f}s "
             f"(heartbeat_timeout_s={timeout}s): hung (stopped, or stuck), killed"
         )
-        self._hung()
+        self.declare_hung()
 
-    def _hung(self) -> None:
-        """The engine core is declared hung: kill it (and its process group)."""
-        if self.process is not None:
-            self.process.declare_hung()
-
-    def _silent_for(self) -> float:
-        return self._silence.silent_for()
+    def declare_hung(self) -> None:
+        """The engine core is hung: kill it (and its process group), or end the life (the strategy's choice)."""
+        self.strategy.hung(self)
 
     @property
     def stalled(self) -> str:
         """Why a hang is suspected (the engine core said so in its last
         heartbeat, or it has been silent for two), or ``""``."""
-        silent = self._silent_for()
+        silent = self._silence.silent_for()
         if self.info is not None and self._dead is None and silent > 2 * self.config.heartbeat_interval_s:
             return f"{self.name} silent for {silent:.1f}s"
         return self._engine_stalled
 
-    async def _handshake(self, sock: HandshakeSocket, input_address: str, output_address: str) -> EngineInfo:
-        self._stage = "handshake"
-        with trio.move_on_after(self.config.startup_timeout_s) as waited:
-            identity, raw = await sock.recv_multipart()
-            hello = _decode_handshake(raw)
-            if not isinstance(hello, Hello) or hello.engine_index != self.engine_index:
-                raise EngineStartupError(
-                    f"unexpected handshake message {hello!r}", stage="handshake", process=self.name
-                )
-            init = HandshakeInit(
-                data_parallel=self.data_parallel,
-                frontends=self.frontends,
-                config=self.config,
-                input_address=input_address,
-                output_address=output_address,
-            )
-            self.handshake_init = init
-            await sock.send_multipart([identity, _encode(init)])
-        if waited.cancelled_caught:
-            raise EngineStartupError(
-                f"{self.name} did not say hello within startup_timeout_s={self.config.startup_timeout_s}s",
-                stage="handshake",
-                process=self.name,
-            )
-        self._stage = "model-load"
-        reply = await self._wait_ready(sock)
-        if isinstance(reply, StartupFailed):
-            self._startup_failed = reply
-            self._stage = reply.stage
-            if self.process is not None:  # one of ours: its exit arrives as ProcessExited
-                with trio.move_on_after(self.config.shutdown_grace_s):
-                    await trio.sleep_forever()
-            raise self._startup_error(None)
-        if not isinstance(reply, Ready):
-            raise EngineStartupError(f"unexpected handshake message {reply!r}", stage="handshake", process=self.name)
-        self.frontends_bound = reply.frontends
-        return reply.info
-
-    async def _wait_ready(self, sock: HandshakeSocket) -> HandshakeMessage:
-        """The engine core's answer once its workers are loaded (``Ready`` or
-        ``StartupFailed``), reading past its heartbeats. An engine core that
-        sends nothing for ``heartbeat_timeout_s`` is killed as hung; the
-        overall bound (the engine core's own deadline for its workers comes
-        first, with a more precise error) guards against one that beats but
-        never answers."""
-        deadline = trio.current_time() + self.config.model_load_timeout_s + self.config.startup_timeout_s
-        silence = Silence()
-        with trio.move_on_at(deadline):
-            async with silence.watched(self.config.heartbeat_timeout_s):
-                while True:
-                    _, raw = await sock.recv_multipart()
-                    silence.heard()
-                    reply = _decode_handshake(raw)
-                    if not isinstance(reply, Heartbeat):
-                        return reply
-        self._hung()
-        hung = f"sent nothing for {self.config.heartbeat_timeout_s}s: hung (stopped, or stuck), killed"
-        slow = "was not ready within model_load_timeout_s + startup_timeout_s"
-        raise EngineStartupError(
-            f"{self.name} {hung if silence.expired else slow}",
-            stage="model-load",
-            process=self.name,
-        )
-
-    def _startup_message(self, exited: ProcessExited | None = None) -> str:
-        parts = [f"{self.name} failed to start during {self._stage}"]
-        if self._startup_failed is not None:
-            parts.append(self._startup_failed.message)
-        if exited is not None:
-            parts.append(str(exited))
-        return ": ".join(parts)
-
-    def _startup_error(self, exited: ProcessExited | None) -> EngineStartupError:
-        """The error names the process that failed: the one the engine core
-        reported (itself or a worker), else the engine core as it exited."""
-        process, exit_code = self.name, None
-        if exited is not None:
-            process, exit_code = exited.name, exited.exit_code
-        reported = self._startup_failed
-        if reported is not None and reported.process:
-            process, exit_code = reported.process, reported.exit_code
-        return EngineStartupError(
-            self._startup_message(exited), stage=self._stage, process=process, exit_code=exit_code
-        )
-
-    def _die(self, reason: str) -> None:
+    def die(self, reason: str) -> None:
+        """The engine core is dead (it said so, it is hung, its connection
+        closed): every request and call here fails with ``EngineDeadError``
+        naming ``reason`` (the first one given), and so does every later one.
+        Never blocks."""
         first = self._dead is None
         if self._dead is None:
             self._dead = EngineDeadError(f"{self.name} died: {reason}")
@@ -352,6 +217,7 @@ class EngineCoreClient:
             self._dead_event.set()
             if self._on_dead is not None:
                 self._on_dead(self)
+        self.strategy.died(self)
 
     async def wait_dead(self) -> None:
         """Wait until the engine core is known dead."""
@@ -410,27 +276,31 @@ class EngineCoreClient:
         """API server ``frontend`` (process ``pid``) died: the engine core
         aborts every request it sent. Never blocks."""
         if self._dead is None:
-            self._send_nowait(_encode(AbortRequests(request_ids=[], frontend=frontend, frontend_pid=pid)))
+            self.send_nowait(_encode(AbortRequests(request_ids=[], frontend=frontend, frontend_pid=pid)))
 
     def start_wave(self, msg: StartWave) -> None:
         """Lockstep: tell the engine core to run a request wave. Never blocks."""
         if self._dead is None:
-            self._send_nowait(_encode(msg))
+            self.send_nowait(_encode(msg))
 
     def stop_now(self, reason: str) -> None:
         """The engine core must go at once (lockstep: a peer died, and this
-        one may be stuck in their collective): its requests fail with
-        ``reason`` and it is killed (its process group too), then reaped."""
-        self._die(reason)
-        self._hung()
+        one may be stuck in their collective; or another took its place):
+        its requests fail with ``reason`` and it is dealt with as hung
+        (killed with its process group, then reaped; or the life ends)."""
+        self.die(reason)
+        self.declare_hung()
 
-    def _send_nowait(self, payload: bytes) -> None:
+    def send_nowait(self, payload: bytes) -> None:
+        """Queue an encoded message for the engine core, behind what is queued. Never blocks."""
         self._to_engine.put_nowait(payload)
 
     def _send_abort(self, request_id: str) -> None:
         # Behind the request's own AddRequest if that is still queued: the
         # engine core ignores an abort of a request it does not know.
         self._to_engine.put_nowait(_encode(AbortRequests(request_ids=[request_id])))
+
+    # --- calls --------------------------------------------------------------
 
     async def stats(self) -> EngineStats:
         """Ask the engine core for its statistics. If cancelled, the reply is dropped."""
@@ -507,12 +377,7 @@ class EngineCoreClient:
                 while True:
                     await sock.send(await self._to_engine.get())
             finally:
-                self._last_words(sock)
-
-    def _last_words(self, sock: TrioZmqSocket) -> None:
-        """The input socket is about to close (the life ends): what to send
-        last, without waiting. Nothing here: a local engine core is stopped by
-        its process's supervision."""
+                self.strategy.last_words(self, sock)
 
     async def _output_handler(self, sock: TrioZmqSocket) -> None:
         decoder = msgspec.msgpack.Decoder(EngineResponse)
@@ -545,7 +410,7 @@ class EngineCoreClient:
                     if msg.load is not None:
                         self._report_load(msg.load)
                 elif isinstance(msg, EngineDead):
-                    self._die(msg.reason)
+                    self.die(msg.reason)
 
     def _report_load(self, load: LoadReport) -> None:
         if self.on_load is not None:

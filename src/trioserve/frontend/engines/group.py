@@ -49,7 +49,7 @@ from trioserve.config import EngineConfig
 from trioserve.core import waves
 from trioserve.errors import ControlCallError, EngineDeadError, leaves, meaningful_leaves
 from trioserve.frontend.engines.attached import (
-    AttachedEngineCoreClient,
+    AttachedStrategy,
     api_server_addresses,
     forget_engine_addresses,
     write_engine_addresses,
@@ -57,7 +57,7 @@ from trioserve.frontend.engines.attached import (
 )
 from trioserve.frontend.engines.client import EngineCoreClient
 from trioserve.frontend.engines.coordinator import Coordinator
-from trioserve.frontend.engines.remote import RemoteEngineCoreClient, RemoteEngines
+from trioserve.frontend.engines.remote import RemoteEngines, RemoteStrategy
 from trioserve.frontend.engines.supervisor import ClientFactory, EngineSupervisor, Health, new_client
 from trioserve.messages import BIND_TCP, DataParallelInit, EngineInfo, EngineStats, FrontEndsInit, StartWave
 from trioserve.rpc import ControlCall, ControlReply
@@ -123,7 +123,9 @@ class EngineGroup:
     def _client_factory(self, engine_index: int, local: ClientFactory) -> ClientFactory:
         if self._attach is not None:
             frontend, directory = self._attach
-            return lambda config, i, on_dead: AttachedEngineCoreClient(config, i, frontend, directory, on_dead=on_dead)
+            return lambda config, i, on_dead: EngineCoreClient(
+                config, i, AttachedStrategy(config, frontend, directory), on_dead=on_dead
+            )
         return local if engine_index < self.config.num_local_engines else self._remote_client
 
     def _new_client(self, client: EngineCoreClient) -> None:
@@ -159,7 +161,7 @@ class EngineGroup:
         self, config: EngineConfig, engine_index: int, on_dead: Callable[[EngineCoreClient], None]
     ) -> EngineCoreClient:
         assert self.remote is not None
-        return RemoteEngineCoreClient(config, engine_index, self.remote, on_dead=on_dead)
+        return EngineCoreClient(config, engine_index, RemoteStrategy(self.remote, engine_index), on_dead=on_dead)
 
     async def run(self, *, task_status: trio.TaskStatus[EngineInfo] = trio.TASK_STATUS_IGNORED) -> None:
         """Start every engine, report the first's ``EngineInfo``, then keep

@@ -15,7 +15,8 @@ dead) with an engine core other than that process's previous one of index
 ``i`` (two hosts given the same ``--data-parallel-start-rank``; or a
 headless tree restarted before its old engine core was found silent).
 
-``RemoteEngineCoreClient`` is an ``EngineCoreClient`` without a process. A
+``RemoteStrategy`` is the strategy of an ``EngineCoreClient`` whose engine
+core is no process of this one (``client.py``), one per life. A
 life begins when a ``Hello`` for its index arrives (it waits as long as that
 takes), binds its input and output sockets on ``tcp://data_parallel_address:0``
 (CURVE too), hands their addresses over in ``HandshakeInit`` (with several
@@ -40,7 +41,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import AsyncIterator, Sequence
 from types import TracebackType
 
 import msgspec
@@ -48,8 +49,9 @@ import trio
 import zmq
 
 from trioserve.config import EngineConfig
-from trioserve.errors import EngineStartupError
+from trioserve.errors import EngineDeadError, EngineStartupError
 from trioserve.frontend.engines.client import EngineCoreClient
+from trioserve.frontend.engines.handshake import Handshake
 from trioserve.messages import EngineInfo, HandshakeMessage, Hello, JoinAnswer, MayJoin, Ping
 from trioserve.transport.curve import CurveAuthenticator, load_keys
 from trioserve.transport.router import SocketLoop
@@ -87,7 +89,7 @@ class RemoteEngines:
         self._remote = range(config.num_local_engines, config.data_parallel_size)
         self._hellos: dict[int, tuple[int, list[bytes]]] = {}  # engine index -> its latest Hello's pid, frames
         self._links: dict[bytes, trio.MemorySendChannel[list[bytes]]] = {}  # identity -> its life
-        self._live: dict[int, RemoteEngineCoreClient] = {}
+        self._live: dict[int, RemoteStrategy] = {}
         self._replaceable: dict[int, int] = {}  # engine index -> remote pid whose successor MayJoin allowed
         self._refusals_logged: dict[int, int] = {}  # engine index -> remote pid of the live one, logged once
         self._joining: set[bytes] = set()  # identities whose handshake has not ended (a stop does not end it)
@@ -215,33 +217,33 @@ class RemoteEngines:
         self._changed.set()
         self._changed = trio.Event()
 
-    async def link(self, client: RemoteEngineCoreClient) -> HandshakeLink:
-        """Wait (as long as it takes) for a ``Hello`` for ``client``'s engine
+    async def link(self, life: RemoteStrategy) -> HandshakeLink:
+        """Wait (as long as it takes) for a ``Hello`` for ``life``'s engine
         index; the link to that engine core's handshake messages. If
         cancelled, the ``Hello`` stays for the next life."""
-        while (hello := self._hellos.pop(client.engine_index, None)) is None:
+        while (hello := self._hellos.pop(life.engine_index, None)) is None:
             await self._changed.wait()
-        client.remote_pid, frames = hello
+        life.remote_pid, frames = hello
         send, receive = trio.open_memory_channel[list[bytes]](LINK_SIZE)
         send.send_nowait(frames)
         self._links[frames[0]] = send
         self._joining.add(frames[0])
-        self._live[client.engine_index] = client
-        self._replaceable.pop(client.engine_index, None)
+        self._live[life.engine_index] = life
+        self._replaceable.pop(life.engine_index, None)
         return HandshakeLink(self, frames[0], receive)
 
     def unlink(self, identity: bytes) -> None:
         self._links.pop(identity, None)
 
-    def gone(self, client: RemoteEngineCoreClient) -> None:
-        """``client``'s life is over."""
-        if self._live.get(client.engine_index) is client:
-            del self._live[client.engine_index]
+    def gone(self, life: RemoteStrategy) -> None:
+        """``life`` is over."""
+        if self._live.get(life.engine_index) is life:
+            del self._live[life.engine_index]
 
 
 class HandshakeLink:
     """One remote engine core's handshake messages, as a ROUTER's frames
-    (the socket the handshake expects: ``client.HandshakeSocket``)."""
+    (the socket the handshake expects: ``handshake.HandshakeSocket``)."""
 
     def __init__(self, hub: RemoteEngines, identity: bytes, receive: trio.MemoryReceiveChannel[list[bytes]]) -> None:
         self._hub = hub
@@ -265,34 +267,48 @@ class HandshakeLink:
         self._receive.close()
 
 
-class RemoteEngineCoreClient(EngineCoreClient):
-    """The client of an engine core on another host (see the module docstring)."""
+class RemoteStrategy:
+    """Reach an engine core on another host: it joins through ``hub`` (see the module docstring)."""
 
-    uses_ipc_dir = False
+    frontend_index = -1  # the engine core's own front-end
 
-    def __init__(
-        self,
-        config: EngineConfig,
-        engine_index: int,
-        hub: RemoteEngines,
-        *,
-        on_dead: Callable[[EngineCoreClient], None] | None = None,
-    ) -> None:
-        super().__init__(config, engine_index, on_dead=on_dead)
+    def __init__(self, hub: RemoteEngines, engine_index: int) -> None:
         self.hub = hub
+        self.engine_index = engine_index
         self.remote_pid = 0  # the engine core's, as its Hello said (0: none joined yet)
+        self._client: EngineCoreClient | None = None
         self._life: trio.CancelScope | None = None
 
-    async def _start(self, nursery: trio.Nursery, ipc_dir: str) -> EngineInfo:
+    @property
+    def dead(self) -> EngineDeadError | None:
+        """Why this life's engine core is dead, or None while it lives (or has not joined)."""
+        return None if self._client is None else self._client.dead
+
+    @contextlib.asynccontextmanager
+    async def life(self, client: EngineCoreClient) -> AsyncIterator[None]:
+        """One life of the remote engine core: it ends when the engine core
+        is dead (silent, replaced, or it said so); the hub is told. A life
+        that ended during the handshake (replaced, or found hung) raises
+        ``EngineStartupError``."""
+        self._client = client
+        try:
+            yield
+        finally:
+            self.hub.gone(self)
+        if client.info is None:
+            reason = client.dead or "the handshake did not finish"
+            raise EngineStartupError(f"{client.name}: {reason}", stage="handshake", process=client.name)
+
+    async def start(self, client: EngineCoreClient, nursery: trio.Nursery) -> EngineInfo:
         self._life = nursery.cancel_scope
-        self._stage = "handshake"
-        host = self.config.data_parallel_address
+        host = client.config.data_parallel_address
         with await self.hub.link(self) as link:
             opts = self.hub.socket_options()
             input_sock = TrioZmqSocket.bind(zmq.PUSH, f"tcp://{host}:0", linger=0, **opts)
             output_sock = TrioZmqSocket.bind(zmq.PULL, f"tcp://{host}:0", linger=0, **opts)
+            handshake = Handshake(client, own_process=False)
             try:
-                info = await self._handshake(link, _endpoint(input_sock), _endpoint(output_sock))
+                info = await handshake.run(link, _endpoint(input_sock), _endpoint(output_sock))
             except BaseException as exc:
                 input_sock.close()
                 output_sock.close()
@@ -300,45 +316,36 @@ class RemoteEngineCoreClient(EngineCoreClient):
                     self.hub.joined(link.identity)
                 raise
             self.hub.joined(link.identity)
-        self._serve_sockets(nursery, input_sock, output_sock)
-        nursery.start_soon(self._pinger)
+        client.serve(nursery, input_sock, output_sock)
+        nursery.start_soon(self._pinger, client)
         return info
 
-    async def run(self, *, task_status: trio.TaskStatus[EngineInfo] = trio.TASK_STATUS_IGNORED) -> None:
-        """As ``EngineCoreClient.run``, for one life of the remote engine core:
-        it returns when the engine core is dead (silent, replaced, or it said so)."""
-        try:
-            await super().run(task_status=task_status)
-        finally:
-            self.hub.gone(self)
-        if self.info is None:  # the life ended during the handshake: replaced, or found hung
-            raise EngineStartupError(
-                f"{self.name}: {self.dead or 'the handshake did not finish'}", stage="handshake", process=self.name
-            )
-
-    async def _pinger(self) -> None:
+    async def _pinger(self, client: EngineCoreClient) -> None:
         ping = _encode(Ping())
         while True:
-            self._send_nowait(ping)
-            await trio.sleep(self.config.heartbeat_interval_s)
+            client.send_nowait(ping)
+            await trio.sleep(client.config.heartbeat_interval_s)
 
-    def _last_words(self, sock: TrioZmqSocket) -> None:
+    def last_words(self, client: EngineCoreClient, sock: TrioZmqSocket) -> None:
         """When the life ends while the engine core lives (this head is
         stopping), say so: ``Ping(leaving=True)``, which ZeroMQ goes on
         sending for ``LEAVING_S`` after the socket closes."""
-        if self._dead is None and self.info is not None:
+        if client.dead is None and client.info is not None:
             _say_leaving_on(sock, [[]])
 
-    def _hung(self) -> None:
+    def hung(self, client: EngineCoreClient) -> None:
         """No process to kill here: the life ends (its sockets close), and the
         engine core, hearing nothing more, stops its workers and rejoins."""
         if self._life is not None:
             self._life.cancel()
 
+    def died(self, client: EngineCoreClient) -> None:
+        """Nothing more: the engine core's silence, or the hub, ends the life."""
+
     def replaced(self, pid: int) -> None:
-        """A new engine core with this index joined (remote pid ``pid``)."""
-        self._die(f"a new engine core (remote pid {pid}) joined in its place: this one is gone")
-        self._hung()
+        """A new engine core with this index joined (remote pid ``pid``): this one is dead at once."""
+        assert self._client is not None, "replaced before it joined"
+        self._client.stop_now(f"a new engine core (remote pid {pid}) joined in its place: this one is gone")
 
 
 def _endpoint(sock: TrioZmqSocket) -> str:

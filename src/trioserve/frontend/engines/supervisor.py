@@ -52,6 +52,7 @@ from trioserve.errors import (
     leaves,
 )
 from trioserve.frontend.engines.client import EngineCoreClient
+from trioserve.frontend.engines.local import LocalProcessStrategy
 from trioserve.messages import EngineInfo, LoadReport, ModelInfo
 from trioserve.rpc import ControlCall, Pause, Resume, Sleep, SleepLevel, WakeUp
 
@@ -64,7 +65,8 @@ ClientFactory = Callable[[EngineConfig, int, Callable[[EngineCoreClient], None]]
 def new_client(
     config: EngineConfig, engine_index: int, on_dead: Callable[[EngineCoreClient], None]
 ) -> EngineCoreClient:
-    return EngineCoreClient(config, engine_index, on_dead=on_dead)
+    """A local engine core's client: its process started here (``local.py``)."""
+    return EngineCoreClient(config, engine_index, LocalProcessStrategy(), on_dead=on_dead)
 
 
 log = logging.getLogger("trioserve.supervisor")

@@ -1,76 +1,78 @@
-"""A request as its caller holds it: ``RequestStream`` (one request) and
-``ParentRequestStream`` (``n`` samples of one prompt). Both are async
-context managers and async iterators of ``RequestOutput`` deltas; neither is
-a bare async generator, so their cleanup follows the caller's scopes.
+"""A request as its caller holds it: ``RequestStream``, ``n`` samples of one
+prompt (``Engine.stream`` makes one, ``Engine.stream_n`` several). It is an
+async context manager and an async iterator of ``RequestOutput`` deltas,
+not a bare async generator, so its cleanup follows the caller's scopes.
 
-They reach the engine through a ``Submitter`` (``api.Engine``): it checks
-prompts, builds request states and submits them to one engine core, all of
-them or none.
+Each sample is a request in the engine (``parallel_sampling.py``): the one
+of ``Engine.stream`` runs under the stream's own request id, those of
+``Engine.stream_n`` as ``{id}-{i}``. The stream reaches the engine through
+a ``RequestRouter`` (``router.py``), which checks the prompt, builds the
+samples' states and submits them to one engine core, all of them or none.
+
+Invariants: the samples are submitted once (a stream runs once); a sample
+is running from its submission until its last output was taken, it failed,
+or it was aborted; when the block is left, none is running.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from types import TracebackType
-from typing import Protocol
 
 import trio
 
 from trioserve.frontend.engines.client import EngineCoreClient
 from trioserve.frontend.requests.outputs import RequestOutput
 from trioserve.frontend.requests.parallel_sampling import child_params, child_request_id
+from trioserve.frontend.requests.router import RequestRouter
 from trioserve.frontend.requests.state import RequestState
 from trioserve.frontend.text.prompt import Prompt
 from trioserve.messages import SamplingParams
 
 
-class Submitter(Protocol):
-    """What a stream needs of the engine."""
-
-    async def check_prompt(self, prompt: Prompt) -> list[int]:
-        """The prompt's token ids, checked (``InvalidRequestError`` otherwise)."""
-        ...
-
-    def new_state(
-        self, request_id: str, token_ids: list[int], params: SamplingParams, client_id: str, index: int = 0
-    ) -> RequestState: ...
-
-    async def submit(self, states: Sequence[RequestState], engine_index: int | None = None) -> EngineCoreClient:
-        """Submit every state to one engine core (``engine_index``'s, when
-        given), or none (if cancelled, or if one fails); the client of the
-        engine core they went to."""
-        ...
-
-
 class RequestStream:
-    """One streaming request; an async context manager and an async iterator of
-    ``RequestOutput`` deltas. Iteration ends after the output whose
-    ``finish_reason`` is set. It is read by one task at a time
-    (``trio.BusyResourceError`` for a second), inside its block
-    (``RuntimeError`` outside it, unless the request had finished)."""
+    """``n`` samples of one prompt, streamed together: an async context
+    manager and an async iterator of ``RequestOutput`` deltas, each naming
+    its sample by ``index``. Iteration ends once every sample has finished.
+
+    Entering it submits every sample to one engine core, or none: if one
+    cannot be submitted (or entering is cancelled), none is left submitted.
+    Leaving the block early, being cancelled, or a sample failing aborts
+    every sample still running and frees its KV blocks. It is read by one
+    task at a time (``trio.BusyResourceError`` for a second), inside its
+    block (``RuntimeError`` after it, unless every sample had finished).
+
+    ``n`` None: one request under ``request_id`` (``Engine.stream``); else
+    ``n`` samples named ``{request_id}-{i}`` (``Engine.stream_n``).
+    """
 
     def __init__(
         self,
-        engine: Submitter,
+        router: RequestRouter,
         request_id: str,
         prompt: Prompt,
         token_ids: list[int] | None,
         params: SamplingParams,
-        client_id: str,
+        *,
+        client_id: str = "",
         engine_index: int | None = None,
+        n: int | None = None,
     ) -> None:
-        self._engine = engine
+        self._router = router
         self.request_id = request_id
+        self.n = 1 if n is None else n
+        self._fanned_out = n is not None
         self._target = engine_index
         self._prompt = prompt
         self._token_ids = token_ids  # None until a long text prompt is tokenized
         self._params = params
         self._client_id = client_id
         self._client: EngineCoreClient | None = None
-        self._state: RequestState | None = None
+        self._samples: list[RequestState] = []  # once submitted
+        self._running: dict[int, RequestState] = {}  # by index: submitted and not over
         self._entering = False  # __aenter__ under way
-        self._done = False
-        self._exited = False  # its block has exited
+        self._cut_short = False  # its block exited while a sample was running: those were aborted
+        self._wakeup = trio.Event()
+        self._next = 0  # the sample to look at first, so that none starves the others
         self._reader = _OneReader(f"request {request_id!r}")
 
     @property
@@ -80,57 +82,93 @@ class RequestStream:
 
     @property
     def engine_index(self) -> int | None:
-        """The engine core the request went to (once the block is entered)."""
+        """The engine core the samples went to (once the block is entered)."""
         return None if self._client is None else self._client.engine_index
 
     async def __aenter__(self) -> RequestStream:
-        """Check the prompt, if that is still to do, and submit the request.
-        If cancelled, it was not submitted. A stream is entered once (its
+        """Check the prompt, if that is still to do, and submit every sample.
+        If cancelled, none is left submitted. A stream is entered once (its
         request runs once): ``RuntimeError`` the second time."""
-        if self._state is not None or self._entering:
-            raise RuntimeError(f"request {self.request_id!r}: a stream runs once; make a new one with engine.stream()")
-        self._entering = True  # found: two tasks entering at once both submitted it (one copy orphaned)
+        if self._samples or self._entering:
+            maker = "stream_n" if self._fanned_out else "stream"
+            raise RuntimeError(f"request {self.request_id!r}: a stream runs once; make a new one with engine.{maker}()")
+        self._entering = True  # a second task entering meanwhile must not submit it again
         try:
             if self._token_ids is None:
-                self._token_ids = await self._engine.check_prompt(self._prompt)
-            state = self._engine.new_state(self.request_id, self._token_ids, self._params, self._client_id)
-            self._client = await self._engine.submit([state], self._target)
-            self._state = state  # once submitted: a refused stream may be entered again
+                self._token_ids = await self._router.check_prompt(self._prompt)
+            samples = [self._new_sample(self._token_ids, index) for index in range(self.n)]
+            self._client = await self._router.submit(samples, self._target)
+            self._samples = samples  # once submitted: a refused stream may be entered again
+            self._running = dict(enumerate(samples))
         finally:
             self._entering = False
         return self
 
+    def _new_sample(self, token_ids: list[int], index: int) -> RequestState:
+        request_id = child_request_id(self.request_id, index) if self._fanned_out else self.request_id
+        params = child_params(self._params, index)
+        state = self._router.new_state(request_id, token_ids, params, self._client_id, index)
+        state.collector.on_ready = self._wake
+        return state
+
+    def _wake(self) -> None:
+        self._wakeup.set()
+
     async def __aexit__(
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None:
-        self._exited = True
-        if not self._done and self._client is not None:
-            self._client.abort(self.request_id)
-            if self._state is not None:
-                self._state.ended("abort")
+        self._cut_short = bool(self._running)
+        self._abort_running()
+
+    def _abort_running(self, finish_reason: str = "abort") -> None:
+        """Abort every sample still running; the observers hear ``finish_reason``."""
+        for state in self._running.values():
+            if self._client is not None:
+                self._client.abort(state.request_id)
+            state.ended(finish_reason)
+        self._running.clear()
 
     def __aiter__(self) -> RequestStream:
         return self
 
     async def __anext__(self) -> RequestOutput:
-        """The next delta. If cancelled, nothing is lost: it stays for the next call."""
-        if self._done:
-            raise StopAsyncIteration
-        if self._state is None or self._exited:
+        """The next delta of any sample. If cancelled, nothing is lost: it
+        stays for the next call. A sample's error (``EngineDeadError``,
+        ``RequestError``) aborts the others and is raised."""
+        if not self._samples or self._cut_short:
             raise RuntimeError(
                 f"request {self.request_id!r}: iterate a RequestStream inside its async with block"
-                + (" (it has exited: the request was aborted)" if self._exited else "")
+                + (" (it has exited: the request was aborted)" if self._cut_short else "")
             )
+        if not self._running:
+            raise StopAsyncIteration
         with self._reader:
+            while self._running:
+                output = self._poll()
+                if output is not None:
+                    return output
+                await self._wakeup.wait()
+                self._wakeup = trio.Event()
+        raise StopAsyncIteration
+
+    def _poll(self) -> RequestOutput | None:
+        indexes = sorted(self._running)
+        start = next((i for i, index in enumerate(indexes) if index >= self._next), 0)
+        for index in indexes[start:] + indexes[:start]:
+            state = self._running[index]
             try:
-                output = await self._state.collector.get()
+                output = state.collector.poll()
             except Exception:  # EngineDeadError, RequestError: the request is over
-                self._done = True
-                self._state.ended("error")
+                del self._running[index]
+                state.ended("error")
+                self._abort_running("error")  # the others fail with it: the request failed
                 raise
-        if output.finished:
-            self._done = True
-        return output
+            if output is not None:
+                if output.finished:
+                    del self._running[index]
+                self._next = index + 1
+                return output
+        return None
 
 
 class _OneReader:
@@ -148,131 +186,3 @@ class _OneReader:
 
     def __exit__(self, *exc: object) -> None:
         self._busy = False
-
-
-class ParentRequestStream:
-    """``n`` samples of one prompt (``Engine.stream_n``); an async context
-    manager and an async iterator of ``RequestOutput`` deltas, each naming
-    its sample by ``index``. Iteration ends once every sample has finished.
-
-    Entering it submits every child to one engine core, or none: if one
-    cannot be submitted (or entering is cancelled), none is left submitted.
-    Leaving the block early, being cancelled, or a child failing aborts
-    every child still running and frees its KV blocks. One task reads it at
-    a time (``trio.BusyResourceError`` for a second).
-    """
-
-    def __init__(
-        self,
-        engine: Submitter,
-        request_id: str,
-        *,
-        prompt: Prompt,
-        token_ids: list[int] | None,
-        params: SamplingParams,
-        n: int,
-        client_id: str,
-        engine_index: int | None = None,
-    ) -> None:
-        self._engine = engine
-        self.request_id = request_id
-        self._target = engine_index
-        self.n = n
-        self._prompt = prompt
-        self._token_ids = token_ids
-        self._params = params
-        self._client_id = client_id
-        self._children: list[RequestState] = []
-        self._entering = False  # __aenter__ under way
-        self._running: dict[int, RequestState] = {}  # by index: submitted and not finished
-        self._client: EngineCoreClient | None = None
-        self._wakeup = trio.Event()
-        self._next = 0  # the child to look at first, so that no sample starves the others
-        self._reader = _OneReader(f"request {request_id!r}")
-
-    @property
-    def num_prompt_tokens(self) -> int:
-        return 0 if self._token_ids is None else len(self._token_ids)
-
-    async def __aenter__(self) -> ParentRequestStream:
-        """Check the prompt if still to do, and submit every child. If
-        cancelled, none is left submitted. Entered once, as ``RequestStream``."""
-        if self._children or self._entering:
-            raise RuntimeError(
-                f"request {self.request_id!r}: a stream runs once; make a new one with engine.stream_n()"
-            )
-        self._entering = True
-        try:
-            await self._submit()
-        finally:
-            self._entering = False
-        return self
-
-    async def _submit(self) -> None:
-        if self._token_ids is None:
-            self._token_ids = await self._engine.check_prompt(self._prompt)
-        children = []
-        for index in range(self.n):
-            state = self._engine.new_state(
-                child_request_id(self.request_id, index),
-                self._token_ids,
-                child_params(self._params, index),
-                self._client_id,
-                index,
-            )
-            state.collector.on_ready = self._wakeup.set
-            children.append(state)
-        self._client = await self._engine.submit(children, self._target)
-        self._children = children
-        self._running = dict(enumerate(children))
-
-    async def __aexit__(
-        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
-    ) -> None:
-        self._abort_running()
-
-    def _abort_running(self, finish_reason: str = "abort") -> None:
-        """Abort every child still running; the observers hear ``finish_reason``."""
-        for state in self._running.values():
-            if self._client is not None:
-                self._client.abort(state.request_id)
-            state.ended(finish_reason)
-        self._running.clear()
-
-    def __aiter__(self) -> ParentRequestStream:
-        return self
-
-    async def __anext__(self) -> RequestOutput:
-        """The next delta of any sample. If cancelled, nothing is lost. A
-        child's error (``EngineDeadError``...) aborts the others and is raised."""
-        if not self._children:
-            raise RuntimeError("iterate a ParentRequestStream inside its async with block")
-        with self._reader:
-            while self._running:
-                output = self._poll()
-                if output is not None:
-                    return output
-                await self._wakeup.wait()
-                self._wakeup = trio.Event()
-                for state in self._children:
-                    state.collector.on_ready = self._wakeup.set
-        raise StopAsyncIteration
-
-    def _poll(self) -> RequestOutput | None:
-        indexes = sorted(self._running)
-        start = next((i for i, index in enumerate(indexes) if index >= self._next), 0)
-        for index in indexes[start:] + indexes[:start]:
-            state = self._running[index]
-            try:
-                output = state.collector.poll()
-            except Exception:
-                del self._running[index]
-                state.ended("error")
-                self._abort_running("error")  # they fail with it: the parent request failed
-                raise
-            if output is not None:
-                if output.finished:
-                    del self._running[index]
-                self._next = index + 1
-                return output
-        return None

@@ -1,0 +1,86 @@
+"""What a request stream needs of its engine, kept off the public ``Engine``.
+
+``RequestRouter`` checks a stream's prompt against the engine's tokenizer
+and context, builds the state of each of its requests, and submits them to
+one engine core of the group (the least loaded ready one, or the one asked
+for): all of them or none. It tells the request observers when each
+request ends.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Sequence
+
+from trioserve.frontend.engines.client import EngineCoreClient
+from trioserve.frontend.engines.group import EngineGroup
+from trioserve.frontend.requests.outputs import RequestMetrics
+from trioserve.frontend.requests.state import RequestState
+from trioserve.frontend.text.prompt import Prompt, PromptChecker
+from trioserve.frontend.text.tokenizer import Tokenizer
+from trioserve.messages import SamplingParams
+
+log = logging.getLogger("trioserve.api")  # the public face's: where its users look for it
+RequestObserver = Callable[[RequestMetrics], None]
+
+
+class RequestRouter:
+    """Between an engine's request streams and its group of engine cores (see the module docstring)."""
+
+    def __init__(self, group: EngineGroup, tokenizer: Tokenizer) -> None:
+        self._group = group
+        self.tokenizer = tokenizer
+        self.prompts = PromptChecker(tokenizer, group.info)
+        self.observers: list[RequestObserver] = []  # told each request's metrics when it ends
+
+    def token_ids_now(self, prompt: Prompt) -> list[int] | None:
+        """The prompt's token ids, checked here (``InvalidRequestError``
+        otherwise); None for a text long enough to be tokenized in a thread
+        (``check_prompt``, when its stream is entered)."""
+        return None if self.prompts.needs_thread(prompt) else self.prompts.check(prompt)
+
+    async def check_prompt(self, prompt: Prompt) -> list[int]:
+        """The prompt's token ids, checked (``InvalidRequestError`` otherwise),
+        a long text tokenized in a worker thread. If cancelled, the thread's
+        result is dropped when it ends."""
+        return await self.prompts.check_async(prompt)
+
+    def new_state(
+        self, request_id: str, token_ids: list[int], params: SamplingParams, client_id: str, index: int = 0
+    ) -> RequestState:
+        """The state of one request of a stream (sample ``index``), its end told to the observers."""
+        return RequestState(
+            request_id,
+            token_ids,
+            params,
+            self.tokenizer,
+            client_id=client_id,
+            index=index,
+            on_end=self._request_ended if self.observers else None,
+        )
+
+    async def submit(self, states: Sequence[RequestState], engine_index: int | None = None) -> EngineCoreClient:
+        """Submit checked requests to one engine core (``engine_index``'s when
+        given, else the least loaded ready one; while none is ready, wait at
+        most ``restart_wait_s``): all of them, or, if one fails or this is
+        cancelled, none. The client they went to."""
+        client, wave = await self._group.route(engine_index)
+        submitted: list[RequestState] = []
+        try:
+            for state in states:
+                state.engine_index = client.engine_index
+                await client.submit(state, wave)
+                submitted.append(state)
+        except BaseException:
+            for state in submitted:
+                client.abort(state.request_id)
+                state.forget()  # refused, not ended: the request observers (metrics) hear nothing
+            raise
+        return client
+
+    def _request_ended(self, metrics: RequestMetrics) -> None:
+        for observer in self.observers:
+            try:
+                observer(metrics)
+            except Exception:  # an observer's bug must not fail a request
+                log.exception("a request observer failed")
