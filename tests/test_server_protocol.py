@@ -151,6 +151,16 @@ def test_a_lone_surrogate_is_an_invalid_string_not_truncated_input_on_both_apis(
         decode_body(b'{"model": "m", "prompt": "a', CompletionRequest)
 
 
+def test_malformed_json_is_told_in_msgspecs_words_without_its_prefix():
+    """msgspec's message for malformed JSON starts "JSON is malformed: ",
+    which both APIs leave out (``malformed_json_detail``): this fails when
+    msgspec's wording changes."""
+    with pytest.raises(OpenAIError) as http_err:
+        decode_body(b"{bad", CompletionRequest)
+    for message in (parse_error("{bad").message, http_err.value.message):
+        assert message.startswith("malformed JSON: ") and "JSON is malformed" not in message, message
+
+
 def test_echoed_client_values_are_cut_short():
     err = parse_error(json.dumps({"type": "x" * 100_000, "id": "a"}))
     assert err.code == protocol.UNKNOWN_TYPE and len(err.message) < 200
@@ -266,7 +276,7 @@ def test_logprobs_give_each_tokens_own_bytes_offsets_by_character_and_leave_out_
     reply (not in the text, so not in its logprobs)."""
     from trioserve.frontend.text.tokenizer import Tokenizer
     from trioserve.gpu.tiny_models import EOS_ID
-    from trioserve.server.openai_protocol import TokenPlacer, chat_logprobs, completion_logprobs
+    from trioserve.server.openai_responses import TokenPlacer, chat_logprobs, completion_logprobs
 
     tokenizer = Tokenizer.from_dir(tiny_model_dir("llama"))
     ids = [3 + b for b in "a🎉b".encode()] + [EOS_ID]
@@ -274,19 +284,19 @@ def test_logprobs_give_each_tokens_own_bytes_offsets_by_character_and_leave_out_
     whole = TokenPlacer(tokenizer)
     placed = whole.place(ids, logprobs, len("a🎉b"))
     assert whole.num_taken == 6  # the EOS, past the text, is never taken
-    content = chat_logprobs(placed, tokenizer)["content"]
+    content = chat_logprobs(placed, tokenizer).content
     assert len(content) == 6
-    assert b"".join(bytes(item["bytes"]) for item in content).decode() == "a🎉b"
-    assert [item["token"] for item in content][:2] == ["a", "\ufffd"]  # a piece of a character alone
-    assert content[1]["top_logprobs"][0]["bytes"] == [0xF0] and content[1]["top_logprobs"][1]["token"] == "z"
+    assert b"".join(bytes(item.bytes) for item in content).decode() == "a🎉b"
+    assert [item.token for item in content][:2] == ["a", "\ufffd"]  # a piece of a character alone
+    assert content[1].top_logprobs[0].bytes == [0xF0] and content[1].top_logprobs[1].token == "z"
     legacy = completion_logprobs(placed, tokenizer)
-    assert legacy["text_offset"] == [0, 1, 1, 1, 1, 2]  # each piece at its character's start
-    assert len(legacy["tokens"]) == len(legacy["token_logprobs"]) == len(legacy["top_logprobs"]) == 6
+    assert legacy.text_offset == [0, 1, 1, 1, 1, 2]  # each piece at its character's start
+    assert len(legacy.tokens) == len(legacy.token_logprobs) == len(legacy.top_logprobs) == 6
     # Streamed: the first chunk's text is "a" (the emoji's first bytes held back, unfinished); the
     # emoji's tokens come with the chunk whose text holds it.
     stream = TokenPlacer(tokenizer)
-    assert completion_logprobs(stream.place(ids[:3], logprobs[:3], 1), tokenizer)["text_offset"] == [0]
-    assert completion_logprobs(stream.place(ids, logprobs, 3), tokenizer)["text_offset"] == [1, 1, 1, 1, 2]
+    assert completion_logprobs(stream.place(ids[:3], logprobs[:3], 1), tokenizer).text_offset == [0]
+    assert completion_logprobs(stream.place(ids, logprobs, 3), tokenizer).text_offset == [1, 1, 1, 1, 2]
 
 
 def test_logprobs_offsets_count_each_invalid_byte_as_its_replacement_and_stop_at_a_cut_text(tiny_model_dir):
@@ -295,7 +305,7 @@ def test_logprobs_offsets_count_each_invalid_byte_as_its_replacement_and_stop_at
     string, which the text leaves out, were listed; and after a token whose
     text was held back in part, the next one was placed at its chunk's start."""
     from trioserve.frontend.text.tokenizer import Tokenizer
-    from trioserve.server.openai_protocol import TokenPlacer, completion_logprobs
+    from trioserve.server.openai_responses import TokenPlacer, completion_logprobs
 
     tokenizer = Tokenizer.from_dir(tiny_model_dir("llama"))
 
@@ -303,7 +313,7 @@ def test_logprobs_offsets_count_each_invalid_byte_as_its_replacement_and_stop_at
         ids = [3 + b for b in raw]
         logprobs = [SampleLogprobs(-0.5, [t], [-0.5]) for t in ids]
         placer = TokenPlacer(tokenizer)
-        return [completion_logprobs(placer.place(ids, logprobs, n), tokenizer)["text_offset"] for n in text_lengths]
+        return [completion_logprobs(placer.place(ids, logprobs, n), tokenizer).text_offset for n in text_lengths]
 
     assert b"\xffg\xfeg".decode(errors="replace") == "\ufffdg\ufffdg"
     assert offsets(b"\xffg\xfeg", 4) == [[0, 1, 2, 3]]
@@ -329,5 +339,5 @@ def test_logprobs_offsets_count_each_invalid_byte_as_its_replacement_and_stop_at
     placer = TokenPlacer(words)  # type: ignore[arg-type]
     ids, logprobs = [0, 1, 2], [SampleLogprobs(-0.5, [t], [-0.5]) for t in range(3)]
     first, second = placer.place(ids, logprobs, 3), placer.place(ids, logprobs, len("world, how"))
-    assert completion_logprobs(first, words)["text_offset"] == [0]  # type: ignore[arg-type]
-    assert completion_logprobs(second, words)["text_offset"] == [5, 6]  # type: ignore[arg-type]
+    assert completion_logprobs(first, words).text_offset == [0]  # type: ignore[arg-type]
+    assert completion_logprobs(second, words).text_offset == [5, 6]  # type: ignore[arg-type]

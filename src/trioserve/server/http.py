@@ -12,16 +12,16 @@ cap, ``route_over_capacity`` answers instead of ``route``.
 from __future__ import annotations
 
 import hmac
-import json
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
 from urllib.parse import urlsplit
 
 import h11
+import msgspec
 import trio
 
 from trioserve.server.admission import RETRY_AFTER_S
+from trioserve.server.openai_responses import ErrorBody, ErrorObject
 
 MAX_HEAD_BYTES = 16 * 1024
 _REASONS = {
@@ -50,10 +50,10 @@ class BadRequest(Exception):
         super().__init__(message)
         self.status = status
 
-    def body(self) -> dict[str, Any]:
+    def body(self) -> ErrorBody:
         """The answer's body: OpenAI's error object (what the API's clients read), for any path."""
         code = "request_too_large" if self.status == 413 else "malformed_request"
-        return {"error": {"message": str(self), "type": "invalid_request_error", "param": None, "code": code}}
+        return ErrorBody(ErrorObject(message=str(self), type="invalid_request_error", param=None, code=code))
 
 
 @dataclass(frozen=True)
@@ -176,11 +176,22 @@ def _health_reply(head: RequestHead, status: str, engines: Sequence[str] = ()) -
     return Reply(200 if status == "ready" else 503, body)
 
 
+_json = msgspec.json.Encoder()
+
+
+def encode_json(body: object) -> bytes:
+    """``body`` (a msgspec struct, or builtins) as the JSON every response
+    sends: encoded by msgspec, on one line, with a space after each ``,``
+    and ``:`` (as Python's ``json.dumps`` writes it); text is UTF-8, not
+    ``\\u`` escapes, and a float that is not finite is ``null``."""
+    return msgspec.json.format(_json.encode(body), indent=0)
+
+
 def response(
-    status: int, body: dict[str, object], *, extra_headers: tuple[tuple[str, str], ...] = (), head_only: bool = False
+    status: int, body: object, *, extra_headers: tuple[tuple[str, str], ...] = (), head_only: bool = False
 ) -> bytes:
-    """A complete HTTP/1.1 response with a JSON body; the connection closes after it."""
-    payload = (json.dumps(body) + "\n").encode()
+    """A complete HTTP/1.1 response with a JSON body (``encode_json``); the connection closes after it."""
+    payload = encode_json(body) + b"\n"
     lines = [
         f"HTTP/1.1 {status} {_REASONS.get(status, 'Error')}",
         "Content-Type: application/json",

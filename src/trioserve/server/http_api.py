@@ -21,7 +21,6 @@ object, then ``[DONE]``.
 
 from __future__ import annotations
 
-import json
 import logging
 import secrets
 from typing import Any, Literal
@@ -40,12 +39,13 @@ from trioserve.errors import (
 from trioserve.frontend.requests.outputs import RequestOutput
 from trioserve.frontend.requests.streams import RequestStream
 from trioserve.server import openai_protocol as oai
+from trioserve.server import openai_responses as resp
 from trioserve.server.config import ServerConfig
-from trioserve.server.http import METRICS_PATH, RequestHead
+from trioserve.server.http import METRICS_PATH, RequestHead, encode_json
 from trioserve.server.http_conn import HttpConnection
 from trioserve.server.metrics import CONTENT_TYPE, ServerMetrics
 from trioserve.server.openai_protocol import OpenAIError
-from trioserve.server.sse import Choices, EventFormat, chat_format, completion_format
+from trioserve.server.sse import Choices, Event, EventFormat, chat_format, completion_format
 from trioserve.server.state import ServerState
 
 log = logging.getLogger("trioserve.server")
@@ -119,7 +119,7 @@ class HttpApi:
         self._config = config
         self.metrics = metrics
         self.model_name = model_name
-        self._started = oai.now()
+        self._started = resp.now()
 
     async def handle(self, conn: HttpConnection, head: RequestHead, client_id: str, body_deadline: float) -> None:
         """Answer one request on ``conn``. Raises ``BadRequest`` when its
@@ -139,7 +139,7 @@ class HttpApi:
             await self._control(conn, head)
         elif endpoint == "models":
             engine = self._engine()
-            models = oai.models_list(self.model_name, engine.info.max_model_len, self._started)
+            models = resp.models_list(self.model_name, engine.info.max_model_len, self._started)
             await conn.send_json(200, models, head_only=head.method == "HEAD")
         elif endpoint == "model":
             try:
@@ -147,7 +147,8 @@ class HttpApi:
             except OpenAIError as error:
                 await conn.send_json(error.status, error.body(), head_only=head.method == "HEAD")
                 return
-            entry = oai.model_entry(self.model_name, self._engine().info.max_model_len, self._started)
+            max_model_len = self._engine().info.max_model_len
+            entry = resp.Model(id=self.model_name, created=self._started, max_model_len=max_model_len)
             await conn.send_json(200, entry, head_only=head.method == "HEAD")
         else:
             body: bytes | None = None
@@ -200,7 +201,7 @@ class HttpApi:
         except EngineDeadError as exc:
             error = engine_error(exc, {})
         else:
-            await conn.send_json(200, {"health": engine.health})
+            await conn.send_json(200, resp.EngineHealth(health=engine.health))
             return
         await conn.send_json(error.status, error.body(), _error_headers(error))
 
@@ -247,7 +248,7 @@ class HttpApi:
                 self._check_model(chat.model)
                 plan = oai.plan_chat(chat, engine.info.max_model_len)
                 prompt: Any = await engine.render_chat(oai.chat_messages(chat))
-                fmt = chat_format(self.model_name, engine.tokenizer)
+                fmt: EventFormat = chat_format(self.model_name, engine.tokenizer)
             else:
                 completion = oai.decode_body(body, oai.CompletionRequest)
                 self._check_model(completion.model)
@@ -306,8 +307,8 @@ class HttpApi:
         await self._send_line(conn, b"data: [DONE]\n\n")
         await conn.end_stream()
 
-    async def _send_event(self, conn: HttpConnection, event: dict[str, Any]) -> None:
-        await self._send_line(conn, b"data: " + json.dumps(event).encode() + b"\n\n")
+    async def _send_event(self, conn: HttpConnection, event: Event | resp.ErrorBody) -> None:
+        await self._send_line(conn, b"data: " + encode_json(event) + b"\n\n")
 
     async def _send_line(self, conn: HttpConnection, data: bytes) -> None:
         """Send, or give up on a client that reads nothing for

@@ -21,7 +21,6 @@ h11 parses and frames; this class only reads and writes. Invariants:
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable, Sequence
 from http import HTTPStatus
 from typing import Any
@@ -29,7 +28,7 @@ from typing import Any
 import h11
 import trio
 
-from trioserve.server.http import MAX_HEAD_BYTES, BadRequest, ReplayStream, RequestHead, response
+from trioserve.server.http import MAX_HEAD_BYTES, BadRequest, ReplayStream, RequestHead, encode_json, response
 
 RECEIVE_BYTES = 64 * 1024
 MAX_PIPELINED_BYTES = 64 * 1024  # what a client may send ahead while its request is served
@@ -159,14 +158,15 @@ class HttpConnection:
     async def send_json(
         self,
         status: int,
-        body: Any,
+        body: object,
         headers: Sequence[tuple[str, str]] = (),
         *,
         head_only: bool = False,
         close: bool = False,
     ) -> None:
-        """A whole JSON response. If cancelled, part of it may have been sent."""
-        payload = (json.dumps(body) + "\n").encode()
+        """A whole JSON response (``body`` as ``encode_json`` writes it).
+        If cancelled, part of it may have been sent."""
+        payload = encode_json(body) + b"\n"
         await self.send_body(status, payload, "application/json", headers, head_only=head_only, close=close)
 
     async def send_body(

@@ -1,10 +1,12 @@
-"""The OpenAI-compatible HTTP API as plain functions: request bodies in,
-checked; responses, stream chunks and error objects out. No I/O, no trio.
+"""The OpenAI-compatible HTTP API's requests as plain functions: bodies in,
+checked, and what to ask the engine for out; errors as ``OpenAIError``.
+No I/O, no trio. What it answers is in ``openai_responses.py``.
 
 Request bodies are decoded into msgspec structs: a field of the wrong JSON
-type, or one that the API does not know, is an error naming it (as in the
-WebSocket protocol). What the values mean is checked once, by the engine
-(``SamplingParams`` and ``Engine.stream``); ``OpenAIError.from_engine``
+type, a missing one, or one that the API does not know, is an error naming
+it with its path (as in the WebSocket protocol), found by ``misfit.py``
+from the types' structure. What the values mean is checked once, by the
+engine (``SamplingParams`` and ``Engine.stream``); ``OpenAIError.from_engine``
 maps its ``InvalidRequestError`` to OpenAI's error object, with the
 client's own name for the field. docs/openai-api.md lists what is
 supported and how it differs from OpenAI's API.
@@ -12,18 +14,14 @@ supported and how it differs from OpenAI's API.
 
 from __future__ import annotations
 
-import codecs
-import re
-import secrets
-import time
-from collections.abc import Sequence
 from typing import Any, Literal
 
 import msgspec
 
 from trioserve.errors import InvalidRequestError, PromptTooLongError
-from trioserve.frontend.text.tokenizer import Tokenizer
-from trioserve.messages import SampleLogprobs, SamplingParams
+from trioserve.messages import SamplingParams
+from trioserve.server.misfit import Misfit, find_misfit
+from trioserve.server.openai_responses import ErrorBody, ErrorObject
 from trioserve.server.protocol import malformed_json_detail
 
 # --- errors ---------------------------------------------------------------------
@@ -48,8 +46,8 @@ class OpenAIError(Exception):
         self.param = param
         self.code = code
 
-    def body(self) -> dict[str, Any]:
-        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+    def body(self) -> ErrorBody:
+        return ErrorBody(ErrorObject(message=self.message, type=self.type, param=self.param, code=self.code))
 
     @classmethod
     def from_engine(cls, exc: InvalidRequestError, names: dict[str, str]) -> OpenAIError:
@@ -134,47 +132,38 @@ class ChatCompletionRequest(_Sampling, kw_only=True):
     parallel_tool_calls: bool | None = None  # accepted, unused
 
 
-_AT_PATH = re.compile(r"^(?P<message>.*) - at `\$(?P<path>[^`]*)`$", re.S)
-# A client's key may hold backticks itself: the name runs to the last one.
-_UNKNOWN = re.compile(r"^Object contains unknown field `(?P<name>.*)`$", re.S)
-_MISSING = re.compile(r"^Object missing required field `(?P<name>.*)`$", re.S)
-
-
 def decode_body(body: bytes, kind: type[msgspec.Struct]) -> Any:
     """The request body as a ``kind``. Raises ``OpenAIError`` (400) naming
-    the offending field: malformed JSON, a wrong type, an unknown field."""
+    the offending field: malformed JSON, a wrong type, a missing or unknown field."""
     try:
         return msgspec.json.decode(body, type=kind)
-    except RecursionError:
-        raise OpenAIError(400, "malformed JSON: nested too deeply", code="invalid_json") from None
-    except UnicodeDecodeError as exc:  # msgspec decodes strings as it goes, and raises this unwrapped
-        raise OpenAIError(
-            400, f"malformed JSON: not UTF-8 ({exc.reason} at byte {exc.start})", code="invalid_json"
-        ) from None
     except msgspec.ValidationError as exc:
-        raise _validation_error(str(exc)) from None
-    except msgspec.DecodeError as exc:
-        raise OpenAIError(400, f"malformed JSON: {malformed_json_detail(body, exc)}", code="invalid_json") from None
+        refused = exc  # located below, from the body's plain JSON value
+    except (RecursionError, UnicodeDecodeError, msgspec.DecodeError) as exc:
+        raise _malformed(body, exc) from None
+    try:
+        value = msgspec.json.decode(body)
+    except (RecursionError, UnicodeDecodeError, msgspec.DecodeError) as exc:
+        raise _malformed(body, exc) from None  # malformed past where the typed decode stopped
+    raise _misfit_error(find_misfit(value, kind), refused) from None
 
 
-def _validation_error(text: str) -> OpenAIError:
-    path, message = "", text
-    if match := _AT_PATH.match(text):
-        path, message = match["path"].lstrip("."), match["message"]
-    if match := _UNKNOWN.match(message):
-        field = _join(path, match["name"][:64])
-        return invalid(field, "unknown field", code="unknown_field")
-    if match := _MISSING.match(message):
-        return invalid(_join(path, match["name"]), "missing", code="missing_field")
-    if not path:
-        return OpenAIError(
-            400, f"the body must be a JSON object: {message[0].lower()}{message[1:200]}", code="invalid_json"
-        )
-    return invalid(path, message[0].lower() + message[1:200], code="invalid_type")
+def _malformed(body: bytes, exc: Exception) -> OpenAIError:
+    if isinstance(exc, RecursionError):
+        detail = "nested too deeply"
+    elif isinstance(exc, UnicodeDecodeError):  # msgspec decodes strings as it goes, and raises this unwrapped
+        detail = f"not UTF-8 ({exc.reason} at byte {exc.start})"
+    else:
+        detail = malformed_json_detail(body, exc)
+    return OpenAIError(400, f"malformed JSON: {detail}", code="invalid_json")
 
 
-def _join(path: str, name: str) -> str:
-    return f"{path}.{name}" if path else name
+def _misfit_error(misfit: Misfit | None, refused: msgspec.ValidationError) -> OpenAIError:
+    if misfit is None:  # a type the walk does not know: msgspec's word, without a field
+        return OpenAIError(400, f"the body does not fit the API: {refused}", code="invalid_type")
+    if not misfit.path:
+        return OpenAIError(400, f"the body must be a JSON object: {misfit.message}", code="invalid_json")
+    return invalid(misfit.path, misfit.message, code=misfit.kind)
 
 
 # --- to the engine -----------------------------------------------------------------
@@ -283,126 +272,3 @@ def _plan(request: _Sampling, params: SamplingParams, names: dict[str, str]) -> 
     if request.stream_options is not None and not request.stream:
         raise invalid("stream_options", "only with stream: true")
     return Plan(params=params, n=request.n, stream=request.stream, include_usage=include_usage, names=names)
-
-
-# --- responses -----------------------------------------------------------------------
-
-
-def new_id(prefix: str) -> str:
-    return f"{prefix}-{secrets.token_hex(12)}"
-
-
-def now() -> int:
-    return int(time.time())
-
-
-def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict[str, Any]:
-    """OpenAI's usage object; ``prompt_tokens_details.cached_tokens``: prompt
-    tokens served from the prefix cache."""
-    return {
-        "prompt_tokens": prompt_tokens,
-        "completion_tokens": completion_tokens,
-        "total_tokens": prompt_tokens + completion_tokens,
-        "prompt_tokens_details": {"cached_tokens": cached_tokens},
-    }
-
-
-def model_entry(model: str, max_model_len: int, created: int) -> dict[str, Any]:
-    """The served model, as ``GET /v1/models/{model}`` answers it."""
-    return {"id": model, "object": "model", "created": created, "owned_by": "trioserve", "max_model_len": max_model_len}
-
-
-def models_list(model: str, max_model_len: int, created: int) -> dict[str, Any]:
-    return {"object": "list", "data": [model_entry(model, max_model_len, created)]}
-
-
-Placed = list[tuple[int, SampleLogprobs, int]]  # (token id, its logprobs, characters before it)
-
-
-def _text(tokenizer: Tokenizer, token_id: int) -> str:
-    return tokenizer.decode([token_id], skip_special_tokens=False)
-
-
-class TokenPlacer:
-    """Where a sample's tokens stand in its text, as the text comes (a
-    stream's chunks) or all at once: ``place`` takes the tokens whose text
-    has come, each with how many characters of the sample's text come before
-    it (the characters its first byte's character starts after: a
-    character's bytes may be spread over several tokens, and chunks).
-
-    Special tokens (the end-of-sequence token that ended a reply, say) are
-    never placed, as the text is decoded without them. Bytes that are no
-    UTF-8 count as the U+FFFD the text shows for each (found: they counted
-    as none, and every later offset fell behind). A token starting past the
-    text so far is not taken: its text is still held back (the start of a
-    stop string, say), or, at the sample's end, never shown (found: a stop
-    string's tokens were listed though the text leaves them out). Positions
-    count from the sample's start, so a token whose text was held back in
-    part places the next one right (found: it was placed at its chunk's
-    start)."""
-
-    def __init__(self, tokenizer: Tokenizer) -> None:
-        self._tokenizer = tokenizer
-        self._decoder = codecs.getincrementaldecoder("utf-8")("replace")
-        self._decoded = 0  # characters the bytes of the tokens taken have given
-        self.num_taken = 0  # tokens taken (placed, or special)
-
-    def place(self, token_ids: Sequence[int], logprobs: Sequence[SampleLogprobs], text_length: int) -> Placed:
-        """The tokens of ``token_ids`` (all of the sample's so far, with
-        their ``logprobs``) not taken yet whose character starts within the
-        sample's first ``text_length`` characters."""
-        placed: Placed = []
-        for token_id, lp in zip(token_ids[self.num_taken :], logprobs[self.num_taken :], strict=True):
-            data = b"" if token_id in self._tokenizer.all_special_ids else self._tokenizer.token_bytes(token_id)
-            before = self._decoded
-            pending = self._decoder.getstate()[0]  # the start of a character, still open
-            if pending and data and not _continues(pending, data[:1]):
-                before += 1  # that start is a U+FFFD of its own, before this token's first byte
-            if before >= text_length:
-                break
-            if data:
-                placed.append((token_id, lp, before))
-                self._decoded += len(self._decoder.decode(data))
-            self.num_taken += 1
-        return placed
-
-
-def _continues(start: bytes, byte: bytes) -> bool:
-    """Whether ``byte`` goes on the UTF-8 character that ``start`` begins."""
-    try:
-        codecs.getincrementaldecoder("utf-8")().decode(start + byte)
-    except UnicodeDecodeError:
-        return False
-    return True
-
-
-def completion_logprobs(placed: Placed, tokenizer: Tokenizer) -> dict[str, Any]:
-    """The legacy completions ``logprobs`` object for these tokens
-    (``TokenPlacer``). A token's ``text_offset`` is where the character
-    holding its first byte starts in the choice's text."""
-    return {
-        "tokens": [_text(tokenizer, token_id) for token_id, _, _ in placed],
-        "token_logprobs": [lp.logprob for _, lp, _ in placed],
-        "top_logprobs": [
-            {_text(tokenizer, t): p for t, p in zip(lp.top_token_ids, lp.top_logprobs, strict=True)}
-            for _, lp, _ in placed
-        ],
-        "text_offset": [before for _, _, before in placed],
-    }
-
-
-def chat_logprobs(placed: Placed, tokenizer: Tokenizer) -> dict[str, Any]:
-    """The chat ``logprobs`` object (``{"content": [...]}``) for these tokens
-    (``TokenPlacer``). ``bytes`` are each token's own bytes, so that a client
-    can join those of a character spread over several tokens (whose
-    ``token`` text alone is U+FFFD)."""
-
-    def entry(token_id: int, logprob: float) -> dict[str, Any]:
-        return {"token": _text(tokenizer, token_id), "logprob": logprob, "bytes": list(tokenizer.token_bytes(token_id))}
-
-    content = []
-    for token_id, lp, _ in placed:
-        item = entry(token_id, lp.logprob)
-        item["top_logprobs"] = [entry(t, p) for t, p in zip(lp.top_token_ids, lp.top_logprobs, strict=True)]
-        content.append(item)
-    return {"content": content}

@@ -18,15 +18,15 @@ engine's ``InvalidRequestError`` to this protocol's error.
 from __future__ import annotations
 
 import json
-import re
 from typing import Any, Literal, TypeGuard
 
 import msgspec
 
+from trioserve.errors import InvalidRequestError
 from trioserve.messages import SampleLogprobs, SamplingParams, short_repr
+from trioserve.server.misfit import MAX_FIELD_NAME, find_misfit
 
 MAX_ID_LENGTH = 256
-MAX_FIELD_NAME = 64  # an unknown field's name is echoed in the error at most this long
 
 # Error codes (the table in docs/websocket-protocol.md).
 INVALID_JSON = "invalid_json"
@@ -228,23 +228,21 @@ def _parse_params(raw: dict[str, Any], request_id: str) -> SamplingParams:
     try:
         return msgspec.convert(params, SamplingParams)
     except msgspec.ValidationError as exc:
-        field, message = _split_validation_error(str(exc))
-        raise _invalid(request_id, f"params.{field}" if field else "params", message) from None
+        raise _params_error(params, exc, request_id) from None
 
 
-_AT_PATH = re.compile(r"^(?P<message>.*) - at `\$(?P<path>[^`]*)`$")
-_FIELD_PREFIX = re.compile(r"^(?P<field>[a-z_]+): (?P<message>.*)$", re.S)
-
-
-def _split_validation_error(text: str) -> tuple[str, str]:
-    """``(field, message)`` from a msgspec ``ValidationError`` on ``SamplingParams``:
-    either msgspec's own ``... - at `$.field[0]``` or our ``field: message``."""
-    if match := _AT_PATH.match(text):
-        path, message = match["path"].lstrip("."), match["message"]
-        return path, message[0].lower() + message[1:]
-    if match := _FIELD_PREFIX.match(text):
-        return match["field"], match["message"]
-    return "", text
+def _params_error(params: dict[str, Any], exc: msgspec.ValidationError, request_id: str) -> ProtocolError:
+    """The error for ``params``, which msgspec refused with ``exc``: a value
+    out of range (``SamplingParams`` raised ``InvalidRequestError``, which
+    msgspec keeps as the cause), else a value of the wrong JSON type, located
+    by ``find_misfit``."""
+    if isinstance(exc.__cause__, InvalidRequestError):
+        cause = exc.__cause__
+        return _invalid(request_id, f"params.{cause.field}", str(cause).removeprefix(f"{cause.field}: "))
+    misfit = find_misfit(params, SamplingParams)
+    if misfit is None:  # a type the walk does not know: msgspec's word, on params as a whole
+        return _invalid(request_id, "params", str(exc))
+    return _invalid(request_id, f"params.{misfit.path}", misfit.message)
 
 
 def _check_fields(raw: dict[str, Any], known: frozenset[str], prefix: str, request_id: str | None) -> None:

@@ -1,20 +1,25 @@
 """Responses of the completions and chat endpoints, whole or as events.
 
 ``Choices`` gathers a parent request's samples as their deltas arrive;
-``EventFormat`` turns them into OpenAI's JSON: the whole response, and the
+``EventFormat`` (``CompletionFormat``, ``ChatFormat``) turns them into
+OpenAI's objects (``openai_responses.py``): the whole response, and the
 stream's chunks (``text_completion`` / ``chat.completion.chunk``). Plain
 functions and state, no I/O.
 """
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
-from typing import Any
+
+from msgspec import UNSET, UnsetType
 
 from trioserve.frontend.requests.outputs import RequestOutput
 from trioserve.frontend.text.tokenizer import Tokenizer
 from trioserve.messages import SampleLogprobs
-from trioserve.server import openai_protocol as oai
+from trioserve.server import openai_responses as resp
+
+Event = resp.Completion | resp.ChatCompletionChunk  # one chunk of a stream
 
 
 @dataclass
@@ -25,7 +30,7 @@ class Choice:
     finish_reason: str | None = None
     num_output_tokens: int = 0
     num_cached_tokens: int = 0  # prompt tokens the engine found in its prefix cache
-    placer: oai.TokenPlacer | None = None  # a stream's: which tokens' logprobs went out
+    placer: resp.TokenPlacer | None = None  # a stream's: which tokens' logprobs went out
 
 
 class Choices:
@@ -55,80 +60,130 @@ class Choices:
         return self.items[0].num_cached_tokens
 
 
-class EventFormat:
-    """One endpoint's JSON: ``completion`` or ``chat``."""
+class EventFormat(ABC):
+    """One endpoint's responses and chunks: ``ChatFormat`` or ``CompletionFormat``."""
 
-    def __init__(self, kind: str, model: str, tokenizer: Tokenizer) -> None:
-        self.kind = kind
+    id_prefix = ""
+
+    def __init__(self, model: str, tokenizer: Tokenizer) -> None:
         self.model = model
         self.tokenizer = tokenizer  # for logprobs: each token's text and bytes
-        self.id = oai.new_id("chatcmpl" if kind == "chat" else "cmpl")
-        self.created = oai.now()
+        self.id = resp.new_id(self.id_prefix)
+        self.created = resp.now()
 
-    def _envelope(self, obj: str, choices: list[dict[str, Any]]) -> dict[str, Any]:
-        return {"id": self.id, "object": obj, "created": self.created, "model": self.model, "choices": choices}
-
-    def _logprobs(self, choice: Choice, placer: oai.TokenPlacer) -> Any:
-        """The logprobs of ``choice``'s tokens that ``placer`` has not taken
-        yet and whose text has come (None when none were asked for)."""
+    def _placed(self, choice: Choice, placer: resp.TokenPlacer) -> resp.Placed | None:
+        """``choice``'s tokens that ``placer`` has not taken yet and whose
+        text has come (None when no logprobs were asked for)."""
         if choice.logprobs is None:
             return None
-        placed = placer.place(choice.token_ids, choice.logprobs, len(choice.text))
-        if self.kind == "chat":
-            return oai.chat_logprobs(placed, self.tokenizer)
-        return oai.completion_logprobs(placed, self.tokenizer)
+        return placer.place(choice.token_ids, choice.logprobs, len(choice.text))
 
-    def response(self, choices: Choices, prompt_tokens: int) -> dict[str, Any]:
-        """The whole (non-streamed) response."""
-        items = []
-        for index, c in enumerate(choices.items):
-            item: dict[str, Any] = {
-                "index": index,
-                "logprobs": self._logprobs(c, oai.TokenPlacer(self.tokenizer)),
-                "finish_reason": _finish(c.finish_reason),
-            }
-            if self.kind == "chat":
-                item["message"] = {"role": "assistant", "content": c.text}
-            else:
-                item["text"] = c.text
-            items.append(item)
-        body = self._envelope("chat.completion" if self.kind == "chat" else "text_completion", items)
-        body["usage"] = oai.usage(prompt_tokens, choices.completion_tokens, choices.cached_tokens)
-        return body
-
-    def opening(self, n: int, include_usage: bool) -> list[dict[str, Any]]:
-        """The chunks sent before any token: for chat, each choice's role."""
-        if self.kind != "chat":
-            return []
-        return [
-            self._chunk(index, {"role": "assistant", "content": ""}, None, None, include_usage) for index in range(n)
-        ]
-
-    def chunk(self, out: RequestOutput, choices: Choices, include_usage: bool) -> dict[str, Any]:
-        """The chunk for one delta of one sample."""
+    def _stream_placed(self, out: RequestOutput, choices: Choices) -> resp.Placed | None:
+        """The placed tokens for one delta of one sample: those of earlier
+        chunks whose text was held back, and this chunk's as far as the text
+        goes (the rest wait for a later chunk; at the sample's end, those past
+        its final text are left out)."""
         choice = choices.items[out.index]
-        # The tokens whose text has come: those of earlier chunks whose text was held back, and this
-        # chunk's as far as the text goes (the rest wait for a later chunk; at the sample's end, those
-        # past its final text are left out).
         if choice.placer is None:
-            choice.placer = oai.TokenPlacer(self.tokenizer)
-        logprobs = self._logprobs(choice, choice.placer)
-        delta: Any = {"content": out.text} if self.kind == "chat" else out.text
-        return self._chunk(out.index, delta, logprobs, _finish(out.finish_reason), include_usage)
+            choice.placer = resp.TokenPlacer(self.tokenizer)
+        return self._placed(choice, choice.placer)
 
-    def _chunk(self, index: int, delta: Any, logprobs: Any, finish: str | None, include_usage: bool) -> dict[str, Any]:
-        item: dict[str, Any] = {"index": index, "logprobs": logprobs, "finish_reason": finish}
-        item["delta" if self.kind == "chat" else "text"] = delta
-        body = self._envelope("chat.completion.chunk" if self.kind == "chat" else "text_completion", [item])
-        if include_usage:
-            body["usage"] = None
-        return body
+    def _whole_placed(self, choice: Choice) -> resp.Placed | None:
+        return self._placed(choice, resp.TokenPlacer(self.tokenizer))
 
-    def usage_chunk(self, choices: Choices, prompt_tokens: int) -> dict[str, Any]:
+    @staticmethod
+    def _usage(choices: Choices, prompt_tokens: int) -> resp.Usage:
+        return resp.usage(prompt_tokens, choices.completion_tokens, choices.cached_tokens)
+
+    @staticmethod
+    def _chunk_usage(include_usage: bool) -> resp.Usage | UnsetType | None:
+        """A content chunk's ``usage``: null when the last chunk brings it, else left out."""
+        return None if include_usage else UNSET
+
+    @abstractmethod
+    def response(self, choices: Choices, prompt_tokens: int) -> resp.Completion | resp.ChatCompletion:
+        """The whole (non-streamed) response."""
+
+    def opening(self, n: int, include_usage: bool) -> list[Event]:
+        """The chunks sent before any token."""
+        return []
+
+    @abstractmethod
+    def chunk(self, out: RequestOutput, choices: Choices, include_usage: bool) -> Event:
+        """The chunk for one delta of one sample."""
+
+    @abstractmethod
+    def usage_chunk(self, choices: Choices, prompt_tokens: int) -> Event:
         """The last chunk when ``stream_options.include_usage``: no choices, the usage."""
-        body = self._envelope("chat.completion.chunk" if self.kind == "chat" else "text_completion", [])
-        body["usage"] = oai.usage(prompt_tokens, choices.completion_tokens, choices.cached_tokens)
-        return body
+
+
+class CompletionFormat(EventFormat):
+    """``/v1/completions``: ``text_completion`` objects, whole or as chunks."""
+
+    id_prefix = "cmpl"
+
+    def _logprobs(self, placed: resp.Placed | None) -> resp.CompletionLogprobs | None:
+        return None if placed is None else resp.completion_logprobs(placed, self.tokenizer)
+
+    def _body(self, choices: list[resp.CompletionChoice], usage: resp.Usage | UnsetType | None) -> resp.Completion:
+        return resp.Completion(id=self.id, created=self.created, model=self.model, choices=choices, usage=usage)
+
+    def response(self, choices: Choices, prompt_tokens: int) -> resp.Completion:
+        items = [
+            resp.CompletionChoice(index, self._logprobs(self._whole_placed(c)), _finish(c.finish_reason), c.text)
+            for index, c in enumerate(choices.items)
+        ]
+        return self._body(items, self._usage(choices, prompt_tokens))
+
+    def chunk(self, out: RequestOutput, choices: Choices, include_usage: bool) -> resp.Completion:
+        logprobs = self._logprobs(self._stream_placed(out, choices))
+        item = resp.CompletionChoice(out.index, logprobs, _finish(out.finish_reason), out.text)
+        return self._body([item], self._chunk_usage(include_usage))
+
+    def usage_chunk(self, choices: Choices, prompt_tokens: int) -> resp.Completion:
+        return self._body([], self._usage(choices, prompt_tokens))
+
+
+class ChatFormat(EventFormat):
+    """``/v1/chat/completions``: a ``chat.completion``, or
+    ``chat.completion.chunk`` objects opened by one per choice giving its role."""
+
+    id_prefix = "chatcmpl"
+
+    def _logprobs(self, placed: resp.Placed | None) -> resp.ChatLogprobs | None:
+        return None if placed is None else resp.chat_logprobs(placed, self.tokenizer)
+
+    def _chunk(
+        self, items: list[resp.ChatChunkChoice], usage: resp.Usage | UnsetType | None
+    ) -> resp.ChatCompletionChunk:
+        return resp.ChatCompletionChunk(id=self.id, created=self.created, model=self.model, choices=items, usage=usage)
+
+    def response(self, choices: Choices, prompt_tokens: int) -> resp.ChatCompletion:
+        items = [
+            resp.ChatChoice(
+                index,
+                self._logprobs(self._whole_placed(c)),
+                _finish(c.finish_reason),
+                resp.AssistantMessage(role="assistant", content=c.text),
+            )
+            for index, c in enumerate(choices.items)
+        ]
+        usage = self._usage(choices, prompt_tokens)
+        return resp.ChatCompletion(id=self.id, created=self.created, model=self.model, choices=items, usage=usage)
+
+    def opening(self, n: int, include_usage: bool) -> list[Event]:
+        """Each choice's role, before any token."""
+        delta = resp.ChatDelta(role="assistant", content="")
+        usage = self._chunk_usage(include_usage)
+        return [self._chunk([resp.ChatChunkChoice(index, None, None, delta)], usage) for index in range(n)]
+
+    def chunk(self, out: RequestOutput, choices: Choices, include_usage: bool) -> resp.ChatCompletionChunk:
+        logprobs = self._logprobs(self._stream_placed(out, choices))
+        item = resp.ChatChunkChoice(out.index, logprobs, _finish(out.finish_reason), resp.ChatDelta(content=out.text))
+        return self._chunk([item], self._chunk_usage(include_usage))
+
+    def usage_chunk(self, choices: Choices, prompt_tokens: int) -> resp.ChatCompletionChunk:
+        return self._chunk([], self._usage(choices, prompt_tokens))
 
 
 def _finish(reason: str | None) -> str | None:
@@ -137,9 +192,9 @@ def _finish(reason: str | None) -> str | None:
     return reason
 
 
-def chat_format(model: str, tokenizer: Tokenizer) -> EventFormat:
-    return EventFormat("chat", model, tokenizer)
+def chat_format(model: str, tokenizer: Tokenizer) -> ChatFormat:
+    return ChatFormat(model, tokenizer)
 
 
-def completion_format(model: str, tokenizer: Tokenizer) -> EventFormat:
-    return EventFormat("completion", model, tokenizer)
+def completion_format(model: str, tokenizer: Tokenizer) -> CompletionFormat:
+    return CompletionFormat(model, tokenizer)
