@@ -37,9 +37,10 @@ async def stream(args: argparse.Namespace) -> int:
     texts = {f"p{i}": "" for i in range(len(args.prompts))}
     failed = False
     async with open_websocket_url(args.url, extra_headers=headers) as ws:
-        for request_id, prompt in zip(texts, args.prompts):
+        for request_id, prompt in zip(texts, args.prompts, strict=True):
             params = {"max_tokens": args.max_tokens, "temperature": args.temperature}
-            await ws.send_message(json.dumps({"type": "generate", "id": request_id, "prompt": prompt, "params": params}))
+            message = {"type": "generate", "id": request_id, "prompt": prompt, "params": params}
+            await ws.send_message(json.dumps(message))
         pending = set(texts)
         while pending:
             msg = json.loads(await ws.get_message())
@@ -73,7 +74,8 @@ def main(argv: list[str] | None = None) -> int:
         body = (exc.body or b"").decode(errors="replace").strip()
         print(f"the server refused the connection: HTTP {exc.status_code} {body}", file=sys.stderr)
     except HandshakeError as exc:
-        print(f"cannot connect to {args.url}: {exc.__cause__ or exc!r} (is `trioserve serve` running?)", file=sys.stderr)
+        reason = exc.__cause__ or exc
+        print(f"cannot connect to {args.url}: {reason!r} (is `trioserve serve` running?)", file=sys.stderr)
     except ConnectionClosed as exc:
         print(f"the server closed the connection: {exc.reason}", file=sys.stderr)
     return 1

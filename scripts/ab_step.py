@@ -33,8 +33,8 @@ import torch
 
 from trioserve.bench.models import resolve_model
 from trioserve.config import EngineConfig
-from trioserve.gpu.cpu_kernels import linear as cpu_linear
 from trioserve.gpu.attention import DecodeKernel, step_metadata
+from trioserve.gpu.cpu_kernels import linear as cpu_linear
 from trioserve.gpu.cpu_kernels.attention import load_decode_kernel
 from trioserve.gpu.model_runner import ModelRunner
 

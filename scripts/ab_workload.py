@@ -19,7 +19,6 @@ import json
 import time
 
 from ab_step import make_runner
-
 from trioserve.bench.baselines import _ModelOnly, _warmup_requests
 from trioserve.bench.models import resolve_model
 from trioserve.bench.workload import WorkloadSpec, build_requests, parse_range

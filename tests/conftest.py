@@ -46,10 +46,16 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., pa
 
 
 @pytest.fixture
-def fake_config(tiny_model_dir: Callable[..., pathlib.Path]) -> Callable[..., EngineConfig]:
+def fake_config(
+    tiny_model_dir: Callable[..., pathlib.Path], request: pytest.FixtureRequest
+) -> Callable[..., EngineConfig]:
     """``fake_config(**options) -> EngineConfig``: an engine on the fake
-    runner over the tiny llama's tokenizer (``helpers.fakes.make_fake_config``)."""
-    return functools.partial(make_fake_config, str(tiny_model_dir("llama")))
+    runner over the tiny llama's tokenizer (``helpers.fakes.make_fake_config``).
+    A test, or a module (``pytestmark``), marked ``fake_config(**defaults)``
+    gets those defaults (the closest mark's); the call's options win."""
+    mark = request.node.get_closest_marker("fake_config")
+    defaults = mark.kwargs if mark is not None else {}
+    return functools.partial(make_fake_config, str(tiny_model_dir("llama")), **defaults)
 
 
 # --- no private directory left behind ----------------------------------------

@@ -24,12 +24,23 @@ import psutil
 import pytest
 import trio
 from helpers.fakes import fake_tokens
-from helpers.serving import running, serve_argv, spawned, tree_of, wait_for_url, wait_gone
+from helpers.server import Received, collect, generate, open_ws
+from helpers.serving import (
+    free_port,
+    headless,
+    headless_argv,
+    kill_tree,
+    running,
+    serve_argv,
+    spawned,
+    tree_of,
+    wait_for_url,
+    wait_gone,
+)
+from helpers.waiting import in_thread, wait_until
 from prometheus_client.parser import text_string_to_metric_families
 from websockets.exceptions import ConnectionClosed
 
-from test_hosts import free_port, headless, headless_argv, kill_tree
-from test_server import Received, collect, generate, in_thread, open_ws
 from trioserve.api import Engine, open_attached_engine
 from trioserve.server.api_servers.supervisor import API_SERVER_ENV, ApiServerInit
 from trioserve.transport.curve import write_keys
@@ -47,18 +58,23 @@ def api_servers(pid: int) -> list[int]:
     return found
 
 
+def engine_cores(pid: int) -> list[int]:
+    """The engine-core processes the supervising process ``pid`` runs now: a
+    zombie (dead, not yet reaped) is not one, nor one gone while they are listed."""
+    found = []
+    for p in psutil.Process(pid).children():
+        with contextlib.suppress(psutil.NoSuchProcess):  # gone meanwhile (ZombieProcess is a NoSuchProcess)
+            if p.cmdline()[-1:] == ["engine-core"] and p.status() != psutil.STATUS_ZOMBIE:
+                found.append(p.pid)
+    return found
+
+
 def port_of(url: str) -> int:
     return int(url.rsplit(":", 1)[1])
 
 
 def argv(model: str, *options: str) -> list[str]:
     return serve_argv("--model", model, "--runner", "fake", "--api-server-count", "2", *options)
-
-
-async def wait_until(predicate: Any, timeout: float) -> None:
-    with trio.fail_after(timeout):
-        while not predicate():
-            await trio.sleep(0.05)
 
 
 def open_on_both(stack: ExitStack, url: str, pids: list[int], timeout: float = 30) -> list[Any]:
@@ -192,7 +208,7 @@ async def test_kill_9_of_one_api_server_drops_only_its_connections_and_it_is_res
 
                 nursery.start_soon(doomed_stream)
                 nursery.start_soon(spared_streams)
-                await trio.sleep(0.5)  # both streaming
+                await wait_until(lambda: engine_load(url)[0] == 4, 10, "both connections' requests running")
                 os.kill(victim, signal.SIGKILL)
                 killed_at = time.monotonic()
             assert outcome["doomed"] == "closed"
@@ -330,15 +346,6 @@ def test_a_port_in_use_is_named_in_one_line_and_exit_1(count, tiny_model_dir, ca
     assert {signum: signal.getsignal(signum) for signum in handlers} == handlers
 
 
-def engine_cores(pid: int) -> list[int]:
-    """The engine-core processes under the supervising process ``pid``."""
-    return [
-        p.pid
-        for p in psutil.Process(pid).children()
-        if p.cmdline()[-1:] == ["engine-core"] and p.status() != psutil.STATUS_ZOMBIE
-    ]
-
-
 async def test_kill_9_of_the_engine_core_ends_every_api_servers_streams_at_once_and_both_reattach(tiny_model_dir):
     options = ("--fake-options", '{"step_delay_s": 0.01}')
     with trio.fail_after(120), spawned(argv(str(tiny_model_dir("llama")), *options)) as proc, ExitStack() as stack:
@@ -365,7 +372,7 @@ async def test_kill_9_of_the_engine_core_ends_every_api_servers_streams_at_once_
 
             for ws in sockets:
                 nursery.start_soon(one, ws)
-            await trio.sleep(0.5)
+            await wait_until(lambda: engine_load(url)[0] == len(sockets), 10, "every connection's request running")
             os.kill(engine, signal.SIGKILL)
             killed_at = time.monotonic()
         assert ends == ["engine_dead"] * len(sockets)
@@ -429,7 +436,7 @@ async def test_sigterm_drains_every_api_servers_streams_then_exits_0_leaving_not
             for pid in tree if to.startswith("every process") else [proc.pid]:
                 os.kill(pid, signum)
             if twice:  # found: the API servers dropped every connection
-                await trio.sleep(0.3)
+                await trio.sleep(0.3)  # the second signal comes while they drain: a time apart, not a wait
                 for pid in tree:
                     with contextlib.suppress(ProcessLookupError):
                         os.kill(pid, signal.SIGTERM)
@@ -454,16 +461,6 @@ def engine_cores_with_workers(pid: int) -> list[psutil.Process]:
                 found.append(p)
         except psutil.NoSuchProcess:
             pass
-    return found
-
-
-def engine_cores(pid: int) -> list[int]:
-    """The engine-core processes under ``pid``, however far they are."""
-    found = []
-    for p in psutil.Process(pid).children():
-        with contextlib.suppress(psutil.NoSuchProcess):
-            if p.cmdline()[-1:] == ["engine-core"]:
-                found.append(p.pid)
     return found
 
 

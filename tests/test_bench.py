@@ -38,9 +38,7 @@ def spec(**changes) -> WorkloadSpec:
     return WorkloadSpec(**{**options, **changes})
 
 
-@pytest.fixture
-def fake_config(fake_config):
-    return fake_config(step_delay_s=0.002)
+pytestmark = pytest.mark.fake_config(step_delay_s=0.002)
 
 
 def check_figures(result: dict, workload: WorkloadSpec, records: list) -> None:
@@ -77,7 +75,7 @@ def no_children_left() -> bool:
 async def test_in_process_run_reports_every_figure(fake_config, tmp_path):
     workload = spec()
     with trio.fail_after(30):
-        outcome = await run_in_process(fake_config, workload, Progress(workload.num_requests, enabled=False))
+        outcome = await run_in_process(fake_config(), workload, Progress(workload.num_requests, enabled=False))
     assert [r.num_output_tokens for r in outcome.records] == [r.max_tokens for r in build_requests(workload)]
     assert set(outcome.peak_rss_bytes) == {"front-end + bench", "engine-core", "worker-0"}
     assert all(size > 1024 * 1024 for size in outcome.peak_rss_bytes.values())
@@ -98,7 +96,7 @@ async def test_in_process_run_reports_every_figure(fake_config, tmp_path):
 async def test_request_rate_paces_the_requests(fake_config):
     workload = spec(num_requests=6, concurrency=None, request_rate=200.0)
     with trio.fail_after(30):
-        outcome = await run_in_process(fake_config, workload, Progress(6, enabled=False))
+        outcome = await run_in_process(fake_config(), workload, Progress(6, enabled=False))
     sent = [r.sent_s - outcome.records[0].sent_s for r in outcome.records]
     arrivals = [r.arrival_s for r in build_requests(workload)]
     assert all(s >= a - 0.005 for s, a in zip(sent, arrivals, strict=True))
@@ -111,7 +109,7 @@ async def test_websocket_driver_against_a_running_server(fake_config):
     workload = spec(num_requests=8)
     with trio.fail_after(30):
         async with trio.open_nursery() as nursery:
-            server = Server(fake_config, ServerConfig(port=0, shutdown_grace_s=0.5))
+            server = Server(fake_config(), ServerConfig(port=0, shutdown_grace_s=0.5))
             nursery.start_soon(server.run)
             assert await server.wait_ready()
             outcome = await run_against_server(server.url, None, workload, Progress(8, enabled=False))
@@ -145,7 +143,7 @@ async def test_with_url_the_workload_is_checked_against_the_servers_own_context(
     monkeypatch.setenv("TRIOSERVE_LOG_LEVEL", "WARNING")  # main() sets it; undone after the test
     with trio.fail_after(30):
         async with trio.open_nursery() as nursery:
-            server = Server(fake_config.replace(max_model_len=64), ServerConfig(port=0, shutdown_grace_s=0.5))
+            server = Server(fake_config(max_model_len=64), ServerConfig(port=0, shutdown_grace_s=0.5))
             nursery.start_soon(server.run)
             assert await server.wait_ready()
             argv = ["bench", "--url", server.url, "--model", str(tiny_model_dir("llama")), "--baselines", "none"]
@@ -449,7 +447,7 @@ async def test_a_baseline_process_ends_with_the_bench_that_started_it(tiny_model
         while not (baseline := [p for p in tree_of(proc.pid) if "trioserve.bench.baselines" in _cmdline(p)]):
             assert proc.poll() is None, proc.communicate()
             await trio.sleep(0.05)
-        await trio.sleep(1.0)  # into its workload
+        await trio.sleep(1.0)  # a while into its run: not a wait for an event, the stop must act alike at any point
         proc.send_signal(signum)
         _, err = await trio.to_thread.run_sync(partial(proc.communicate, timeout=30))
         if signum == signal.SIGTERM:
@@ -496,7 +494,7 @@ async def test_a_stop_signal_while_bench_runs_its_engine_stops_the_engine_in_ord
         while len(tree := tree_of(proc.pid)) < 2:  # its engine core and worker: it runs
             assert proc.poll() is None, proc.communicate()
             await trio.sleep(0.05)
-        await trio.sleep(0.5)  # into its workload
+        await trio.sleep(0.5)  # a while into its run: not a wait for an event, the stop must act alike at any point
         proc.send_signal(signum)
         _, err = await trio.to_thread.run_sync(partial(proc.communicate, timeout=30))
         assert proc.returncode == 128 + signum, err

@@ -102,15 +102,18 @@ async def test_a_stream_entered_by_two_tasks_at_once_runs_once(fake_config):
         async with trioserve.open_engine(config=fake_config(step_delay_s=0.01)) as engine:
             stream = engine.stream([5, 6, 7], LONG)
             outcomes: list[str] = []
+            refused = trio.Event()
 
             async def enter() -> None:
                 try:
                     async with stream:
                         outcomes.append("entered")
-                        await trio.sleep(0.2)
+                        with trio.move_on_after(10):  # inside while the other task tries: until it is refused
+                            await refused.wait()
                 except RuntimeError as exc:
                     assert "a stream runs once" in str(exc)
                     outcomes.append("refused")
+                    refused.set()
 
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(enter)
@@ -146,7 +149,7 @@ async def test_the_next_life_of_a_killed_engine_core_is_paused_as_the_last_one_s
                         nursery.start_soon(pause)  # it waits for the stream's request to end
                         while engine.health != "paused":
                             await trio.sleep(0.01)
-                        await trio.sleep(0.1)
+                        await engine.stats()  # answered after the pause: the engine core holds it
                     os.kill(pid, signal.SIGKILL)
                     with pytest.raises(EngineDeadError):
                         async for _ in stream:

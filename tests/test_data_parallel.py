@@ -12,12 +12,11 @@ from functools import partial
 
 import pytest
 import trio
-from helpers.concurrent import run_concurrently
+from helpers.concurrent import Outcome, consume_stream, run_concurrently
 from helpers.fakes import children, fake_tokens, wait_no_children
 from helpers.reference import reference_greedy
 
 import trioserve
-from test_supervision import Outcome, consume_stream
 from trioserve import SamplingParams
 from trioserve.errors import EngineDeadError
 

@@ -1,4 +1,4 @@
-"""Tests for trioserve.frontend.text.detokenizer, on the tokenizers of test_tokenizer.py.
+"""Tests for trioserve.frontend.text.detokenizer, on the tokenizers of ``helpers.tokenizers``.
 
 In the byte-level tokenizer token id ``b < 256`` is the byte ``b``, so a
 test can cut any character between tokens by feeding its UTF-8 bytes.
@@ -9,6 +9,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import pytest
+from helpers.tokenizers import BOS, BYTE_MERGES, EOS, PAD, write_byte_level_model, write_llama_style_model
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -21,25 +22,6 @@ from trioserve.frontend.text.detokenizer import (
 )
 from trioserve.frontend.text.tokenizer import Tokenizer
 from trioserve.messages import SamplingParams, TokenOutput
-
-try:  # tests/ as a package, or as rootdir-relative modules
-    from .test_tokenizer import (
-        BOS,
-        BYTE_MERGES,
-        EOS,
-        PAD,
-        write_byte_level_model,
-        write_llama_style_model,
-    )
-except ImportError:
-    from test_tokenizer import (
-        BOS,
-        BYTE_MERGES,
-        EOS,
-        PAD,
-        write_byte_level_model,
-        write_llama_style_model,
-    )
 
 R = "\ufffd"
 HEL = 257  # the byte-level merge "hel"

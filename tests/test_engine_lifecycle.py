@@ -606,7 +606,7 @@ async def test_sigusr1_leaves_an_idle_worker_alone_and_fails_its_next_step(fake_
             await engine.generate([1, 2], SamplingParams(max_tokens=3))
             (worker,) = engine.info.worker_pids
             os.kill(worker, signal.SIGUSR1)
-            await trio.sleep(0.2)
+            await trio.sleep(0.2)  # time for the signal to act: it must not end the idle worker
             assert alive(worker)
             stats = await engine.stats()  # no step: nothing fails yet
             assert stats.num_running == 0

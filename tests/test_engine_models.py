@@ -9,7 +9,7 @@ import random
 import pytest
 import trio
 from helpers.concurrent import run_concurrently, run_in_one_batch
-from helpers.reference import reference_greedy
+from helpers.reference import make_prompts, reference_greedy
 
 import trioserve
 from trioserve import EngineConfig, SamplingParams
@@ -19,12 +19,6 @@ pytestmark = pytest.mark.model
 
 ARCHITECTURES = ["llama", "qwen2", "qwen3"]
 MAX_TOKENS = 12
-
-
-def make_prompts(vocab_size: int, n: int = 8) -> list[list[int]]:
-    rng = random.Random(1234)
-    lengths = [3, 7, 12, 18, 25, 31, 40, 47][:n]
-    return [[rng.randrange(3, vocab_size) for _ in range(length)] for length in lengths]
 
 
 def make_shared_prefix_prompts(vocab_size: int) -> tuple[list[int], list[list[int]]]:

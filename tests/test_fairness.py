@@ -5,22 +5,21 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 import pytest
+from helpers.scheduling import make_request
 
 from trioserve.core.fairness import ClientQueues, RunningOrder
 from trioserve.core.request import Request, RequestStatus
-from trioserve.messages import SamplingParams
 
 
-def make_request(req_id: str, client_id: str | None = None) -> Request:
-    """A request of client ``client_id`` (by default the id's first letter)."""
-    client = req_id[0] if client_id is None else client_id
-    return Request(req_id, [1, 2, 3], SamplingParams(), eos_token_ids=[0], client_id=client)
+def client_request(req_id: str) -> Request:
+    """A request of the client named by the id's first letter."""
+    return make_request(req_id, client_id=req_id[0])
 
 
 def running(*req_ids: str) -> tuple[RunningOrder, dict[str, Request]]:
     order, reqs = RunningOrder(), {}
     for req_id in req_ids:
-        reqs[req_id] = make_request(req_id)
+        reqs[req_id] = client_request(req_id)
         reqs[req_id].status = RequestStatus.RUNNING
         order.add(reqs[req_id])
     return order, reqs
@@ -36,7 +35,7 @@ def ids(requests: Iterable[Request | None]) -> list[str]:
 def test_next_is_the_head_of_the_client_with_the_fewest_running_requests() -> None:
     queues = ClientQueues()
     for req_id in ("a1", "a2", "b1"):
-        queues.add(make_request(req_id))
+        queues.add(client_request(req_id))
     counts = {"a": 0, "b": 3}
     assert ids([queues.next(counts.__getitem__)]) == ["a1"]
     counts = {"a": 2, "b": 1}
@@ -46,7 +45,7 @@ def test_next_is_the_head_of_the_client_with_the_fewest_running_requests() -> No
 def test_equal_clients_take_turns_and_a_client_without_a_turn_goes_first() -> None:
     queues = ClientQueues()
     for req_id in ("a1", "a2", "b1", "b2"):
-        queues.add(make_request(req_id))
+        queues.add(client_request(req_id))
     taken = []
     for _ in range(3):
         req = queues.next(lambda _: 0)
@@ -54,23 +53,23 @@ def test_equal_clients_take_turns_and_a_client_without_a_turn_goes_first() -> No
         queues.take(req)
         taken.append(req.request_id)
     assert taken == ["a1", "b1", "a2"]
-    queues.add(make_request("c1"))  # queued last, but has had no turn yet
+    queues.add(client_request("c1"))  # queued last, but has had no turn yet
     assert ids([queues.next(lambda _: 0)]) == ["c1"]
     queues.check_invariants()
 
 
 def test_a_preempted_request_resumes_before_its_clients_newer_ones() -> None:
     queues = ClientQueues()
-    queues.add(make_request("a2"))
-    queues.push_front(make_request("a1"))
+    queues.add(client_request("a2"))
+    queues.push_front(client_request("a1"))
     assert ids(queues) == ["a1", "a2"] and len(queues) == 2
     queues.check_invariants()
 
 
 def test_take_refuses_a_request_that_is_not_at_the_head() -> None:
     queues = ClientQueues()
-    queues.add(make_request("a1"))
-    second = make_request("a2")
+    queues.add(client_request("a1"))
+    second = client_request("a2")
     queues.add(second)
     with pytest.raises(ValueError, match="head"):
         queues.take(second)
@@ -81,7 +80,7 @@ def test_take_refuses_a_request_that_is_not_at_the_head() -> None:
 
 def test_queue_invariants_catch_a_request_that_is_not_waiting() -> None:
     queues = ClientQueues()
-    req = make_request("a1")
+    req = client_request("a1")
     queues.add(req)
     req.status = RequestStatus.RUNNING
     with pytest.raises(RuntimeError, match="not WAITING"):
@@ -115,13 +114,13 @@ def test_removing_a_clients_oldest_moves_its_others_up_a_rank() -> None:
 
 def test_a_newcomer_outranks_only_requests_of_a_higher_rank_than_its_own() -> None:
     order, reqs = running("a1", "a2", "a3", "b1")
-    newcomer = make_request("b2")  # b holds 1: it would have rank 1
+    newcomer = client_request("b2")  # b holds 1: it would have rank 1
     assert [order.outranks(newcomer, reqs[r]) for r in ("a1", "a2", "a3", "b1")] == [False, False, True, False]
 
 
 def test_num_to_preempt_for_counts_the_fewest_outranked_requests_that_make_room() -> None:
     order, _ = running("a1", "a2", "a3", "a4")
-    newcomer = make_request("b1")
+    newcomer = client_request("b1")
 
     def blocks(_: Request) -> int:
         return 2

@@ -5,7 +5,6 @@ processes, the torch-free fake runner."""
 
 from __future__ import annotations
 
-import functools
 import json
 import os
 import signal
@@ -17,21 +16,19 @@ from typing import Any
 import psutil
 import pytest
 import trio
-from helpers.fakes import fake_tokens, wait_no_children
+from helpers.concurrent import Outcome, assert_idle_and_clean, consume
+from helpers.fakes import RESTARTING, fake_tokens, wait_no_children
+from helpers.server import Received, collect, generate, open_ws
 from helpers.serving import running, serve_argv, spawned, tree_of, wait_for_url, wait_gone
 
 import trioserve
-from test_server import Received, collect, generate, open_ws
-from test_supervision import Outcome, assert_idle_and_clean, consume
 from trioserve import SamplingParams
 from trioserve.errors import EngineDeadError
 
 FAST_BEATS = {"heartbeat_interval_s": 0.2, "heartbeat_timeout_s": 1.0}
 
 
-@pytest.fixture
-def fake_config(fake_config):
-    return functools.partial(fake_config, restart_backoff_s=0.05, num_kv_blocks=64)
+pytestmark = pytest.mark.fake_config(**RESTARTING)
 
 
 async def run_until_hung(engine: trioserve.Engine, victim: str, n: int = 4) -> tuple[list[Outcome], float, set[str]]:

@@ -24,11 +24,12 @@ from pathlib import Path
 import psutil
 import pytest
 import trio
+from helpers.server import Received, collect, expect_error, generate, open_ws, serving, wait_blocks_free
 from helpers.serving import REPO, serve_argv, spawned, tree_of, wait_for_url
+from helpers.waiting import in_thread
 from websockets.exceptions import InvalidStatus
 
 import trioserve
-from test_server import Received, collect, expect_error, generate, in_thread, open_ws, serving, wait_blocks_free
 from trioserve import SamplingParams
 from trioserve.errors import InvalidRequestError, PromptTooLongError
 from trioserve.frontend.text.prompt import PromptChecker

@@ -11,7 +11,6 @@ import signal
 import socket
 import stat
 import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -22,7 +21,7 @@ import pytest
 import trio
 import zmq
 from helpers.fakes import fake_tokens, wait_no_children
-from helpers.serving import REPO, running, tree_of
+from helpers.serving import REPO, free_port, headless, headless_argv, kill_tree, running, tree_of
 
 import trioserve
 from trioserve import EngineConfig, SamplingParams
@@ -39,13 +38,6 @@ from trioserve.transport.zmq_trio import TrioZmqSocket, private_ipc_dir
 
 HEARTBEAT_TIMEOUT_S = 1.5
 _encode = msgspec.msgpack.Encoder().encode
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
 
 
 @pytest.fixture
@@ -72,15 +64,6 @@ def head_config(fake_config, keys_dir):
     )
 
 
-def headless_argv(port: int, keys_dir: str | None, *options: str) -> list[str]:
-    keys = ["--curve-keys", keys_dir] if keys_dir is not None else ["--insecure-tcp"]
-    return [
-        sys.executable, "-m", "trioserve.cli", "serve", "--headless",
-        "--data-parallel-size", "2", "--data-parallel-size-local", "1", "--data-parallel-start-rank", "1",
-        "--data-parallel-address", "127.0.0.1", "--data-parallel-rpc-port", str(port), *keys, *options,
-    ]  # fmt: skip
-
-
 def head_of_one_remote_engine(fake_config, keys_dir: str, **options) -> tuple[EngineConfig, list[str]]:
     """A head with no engine of its own (``options``: more of its config), and
     the command of the headless host whose engine 0 it takes."""
@@ -98,17 +81,6 @@ def head_of_one_remote_engine(fake_config, keys_dir: str, **options) -> tuple[En
     argv[argv.index("--data-parallel-size") + 1] = "1"
     argv[argv.index("--data-parallel-start-rank") + 1] = "0"
     return config, argv
-
-
-@contextmanager
-def headless(argv: list[str], env: dict[str, str] | None = None) -> Iterator[subprocess.Popen[str]]:
-    """A headless process tree; on the way out, whatever of it is left is killed."""
-    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO, env=env)
-    try:
-        yield proc
-    finally:
-        kill_tree(proc.pid)
-        proc.communicate(timeout=10)
 
 
 @contextmanager
@@ -131,17 +103,6 @@ async def wait_for_lines(stderr: Path, *texts: str, count: int = 1) -> list[str]
         if sum(any(text in line for text in texts) for line in lines) >= count:
             return lines
         await trio.sleep(0.05)
-
-
-def kill_tree(pid: int) -> list[int]:
-    """``kill -9`` of ``pid`` and every descendant, at once; their pids."""
-    pids = [pid, *tree_of(pid)]
-    for p in pids:
-        try:
-            os.kill(p, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-    return pids
 
 
 async def wait_joined(engine: trioserve.Engine, index: int = 1, timeout: float = 30) -> int:
@@ -498,7 +459,7 @@ async def test_a_head_that_stops_while_a_headless_engine_core_loads_tells_it_and
             nursery.start_soon(head)
             while len(tree := tree_of(proc.pid)) < 2:  # an engine core, and its worker loading
                 await trio.sleep(0.05)
-            await trio.sleep(0.5)  # into the load
+            await trio.sleep(0.5)  # a while into the load: not a wait for an event, the stop acts alike at any point
             nursery.cancel_scope.cancel()  # the head stops
         stopped_at = time.monotonic()
         while any(running(p) for p in tree):

@@ -43,7 +43,9 @@ async def _wait_for_builder(proc: subprocess.Popen[str]) -> psutil.Process:
     while (builder := _builder(proc)) is None:
         assert proc.poll() is None, proc.communicate()
         await trio.sleep(0.05)
-    await trio.sleep(0.5)  # into the conversion: importing torch, reading the file
+    # A while into the conversion (importing torch, reading the file): not a wait for an event, the
+    # stop must act alike at any point.
+    await trio.sleep(0.5)
     return builder
 
 

@@ -9,17 +9,19 @@ import functools
 import json
 import socket
 import time
-from collections.abc import Callable
 from typing import Any
 
 import openai
 import pytest
 import trio
+from helpers.fakes import SERVING
+from helpers.server import raw_request, serving, wait_blocks_free
+from helpers.waiting import in_thread, wait_until
 from prometheus_client.parser import text_string_to_metric_families
 
-from test_server import fake_config, in_thread, serving, wait_blocks_free  # noqa: F401
-from trioserve import EngineConfig
 from trioserve.server import Server
+
+pytestmark = pytest.mark.fake_config(**SERVING)
 
 MODEL = "tiny-llama"  # the served model's name in these tests
 
@@ -27,35 +29,6 @@ MODEL = "tiny-llama"  # the served model's name in these tests
 def client(server: Server, **options: Any) -> openai.OpenAI:
     options.setdefault("api_key", "unused")
     return openai.OpenAI(base_url=server.http_url, max_retries=0, timeout=20, **options)
-
-
-async def run(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-    return await in_thread(functools.partial(fn, *args, **kwargs))
-
-
-def raw_request(
-    server: Server,
-    method: str,
-    path: str,
-    body: bytes = b"",
-    *,
-    headers: dict[str, str] | None = None,
-    declared_length: int | None = None,
-):
-    """One HTTP/1.1 request on a fresh socket: ``(status, headers, body)``,
-    the connection closed by us after the response."""
-    length = len(body) if declared_length is None else declared_length
-    lines = [f"{method} {path} HTTP/1.1", "Host: 127.0.0.1", f"Content-Length: {length}", "Connection: close"]
-    lines += [f"{k}: {v}" for k, v in (headers or {}).items()]
-    with socket.create_connection(("127.0.0.1", server.port), timeout=20) as sock:
-        sock.sendall(("\r\n".join(lines) + "\r\n\r\n").encode() + body)
-        data = b""
-        while chunk := sock.recv(65536):
-            data += chunk
-    head, _, payload = data.partition(b"\r\n\r\n")
-    status = int(head.split(b" ")[1])
-    header_lines = head.decode("latin-1").split("\r\n")[1:]
-    return status, {k.lower(): v.strip() for k, _, v in (h.partition(":") for h in header_lines)}, payload
 
 
 def stream_text(stream: Any, n: int = 1) -> tuple[list[str], list[str | None], Any]:
@@ -71,11 +44,6 @@ def stream_text(stream: Any, n: int = 1) -> tuple[list[str], list[str | None], A
     return texts, finishes, usage
 
 
-@pytest.fixture
-def config(fake_config) -> Callable[..., EngineConfig]:
-    return fake_config
-
-
 async def chat_prompt_tokens(server: Server, messages: list[dict[str, str]]) -> int:
     engine = server.engine
     assert engine is not None
@@ -88,12 +56,14 @@ MESSAGES = [{"role": "system", "content": "Be brief."}, {"role": "user", "conten
 # --- the official client -------------------------------------------------------------
 
 
-async def test_completions_streamed_and_not_give_the_same_text_and_the_right_usage(config):
+async def test_completions_streamed_and_not_give_the_same_text_and_the_right_usage(fake_config):
     with trio.fail_after(60):
-        async with serving(config(), model_name=MODEL) as server:
+        async with serving(fake_config(), model_name=MODEL) as server:
             api = client(server)
-            whole = await run(api.completions.create, model=MODEL, prompt="Hello there", max_tokens=12, temperature=0)
-            streamed = await run(
+            whole = await in_thread(
+                api.completions.create, model=MODEL, prompt="Hello there", max_tokens=12, temperature=0
+            )
+            streamed = await in_thread(
                 api.completions.create,
                 model=MODEL,
                 prompt="Hello there",
@@ -102,7 +72,7 @@ async def test_completions_streamed_and_not_give_the_same_text_and_the_right_usa
                 stream=True,
                 stream_options={"include_usage": True},
             )
-            texts, finishes, usage = await run(stream_text, streamed)
+            texts, finishes, usage = await in_thread(stream_text, streamed)
             assert server.engine is not None
             prompt_tokens = len(server.engine.tokenizer.encode("Hello there"))
     assert whole.object == "text_completion" and whole.model == MODEL
@@ -120,16 +90,16 @@ async def test_completions_streamed_and_not_give_the_same_text_and_the_right_usa
     assert whole.usage.prompt_tokens_details.cached_tokens == 0 and usage.prompt_tokens_details.cached_tokens == 8
 
 
-async def test_usage_reports_the_prompt_tokens_found_in_the_prefix_cache(config):
+async def test_usage_reports_the_prompt_tokens_found_in_the_prefix_cache(fake_config):
     prompt = (
         "A system prompt that two requests share, and then: "  # 52 tokens: the first 48 (12 blocks of 4) can be cached
     )
     with trio.fail_after(60):
-        async with serving(config(), model_name=MODEL) as server:
+        async with serving(fake_config(), model_name=MODEL) as server:
             api = client(server)
-            first = await run(api.completions.create, model=MODEL, prompt=prompt, max_tokens=4)
-            second = await run(api.completions.create, model=MODEL, prompt=prompt, max_tokens=4)
-            streamed = await run(
+            first = await in_thread(api.completions.create, model=MODEL, prompt=prompt, max_tokens=4)
+            second = await in_thread(api.completions.create, model=MODEL, prompt=prompt, max_tokens=4)
+            streamed = await in_thread(
                 api.completions.create,
                 model=MODEL,
                 prompt=prompt,
@@ -137,22 +107,24 @@ async def test_usage_reports_the_prompt_tokens_found_in_the_prefix_cache(config)
                 stream=True,
                 stream_options={"include_usage": True},
             )
-            _, _, usage = await run(stream_text, streamed)
+            _, _, usage = await in_thread(stream_text, streamed)
     assert first.usage.prompt_tokens == 52 and first.usage.prompt_tokens_details.cached_tokens == 0
     assert second.usage.prompt_tokens_details.cached_tokens == 48
     assert usage is not None and usage.prompt_tokens_details.cached_tokens == 48
 
 
-async def test_chat_completions_streamed_and_not_give_the_same_text_and_n_2_gives_two_choices(config):
+async def test_chat_completions_streamed_and_not_give_the_same_text_and_n_2_gives_two_choices(fake_config):
     with trio.fail_after(60):
-        async with serving(config(), model_name=MODEL) as server:
+        async with serving(fake_config(), model_name=MODEL) as server:
             api = client(server)
             create = api.chat.completions.create
-            whole = await run(create, model=MODEL, messages=MESSAGES, max_completion_tokens=10, temperature=0)
-            streamed = await run(create, model=MODEL, messages=MESSAGES, max_tokens=10, temperature=0, stream=True)
-            texts, finishes, usage = await run(stream_text, streamed)
-            two = await run(create, model=MODEL, messages=MESSAGES, max_tokens=7, n=2, seed=3)
-            two_streamed = await run(
+            whole = await in_thread(create, model=MODEL, messages=MESSAGES, max_completion_tokens=10, temperature=0)
+            streamed = await in_thread(
+                create, model=MODEL, messages=MESSAGES, max_tokens=10, temperature=0, stream=True
+            )
+            texts, finishes, usage = await in_thread(stream_text, streamed)
+            two = await in_thread(create, model=MODEL, messages=MESSAGES, max_tokens=7, n=2, seed=3)
+            two_streamed = await in_thread(
                 create,
                 model=MODEL,
                 messages=MESSAGES,
@@ -161,7 +133,7 @@ async def test_chat_completions_streamed_and_not_give_the_same_text_and_n_2_give
                 stream=True,
                 stream_options={"include_usage": True},
             )
-            texts2, finishes2, usage2 = await run(stream_text, two_streamed, 2)
+            texts2, finishes2, usage2 = await in_thread(stream_text, two_streamed, 2)
             prompt_tokens = await chat_prompt_tokens(server, MESSAGES)
     message = whole.choices[0].message
     assert whole.object == "chat.completion" and message.role == "assistant" and message.content
@@ -177,31 +149,31 @@ async def test_chat_completions_streamed_and_not_give_the_same_text_and_n_2_give
     assert usage2 is not None and (usage2.prompt_tokens, usage2.completion_tokens) == (prompt_tokens, 14)
 
 
-async def test_models_lists_the_served_model_and_stop_strings_end_a_request(config):
+async def test_models_lists_the_served_model_and_stop_strings_end_a_request(fake_config):
     with trio.fail_after(60):
-        async with serving(config(), model_name=MODEL) as server:
+        async with serving(fake_config(), model_name=MODEL) as server:
             api = client(server)
-            models = await run(api.models.list)
-            model = await run(api.models.retrieve, MODEL)
+            models = await in_thread(api.models.list)
+            model = await in_thread(api.models.retrieve, MODEL)
             with pytest.raises(openai.NotFoundError, match="is not served here"):
-                await run(api.models.retrieve, "gpt-4")
-            whole = await run(api.completions.create, model=MODEL, prompt="Hello", max_tokens=30, temperature=0)
+                await in_thread(api.models.retrieve, "gpt-4")
+            whole = await in_thread(api.completions.create, model=MODEL, prompt="Hello", max_tokens=30, temperature=0)
             stop = whole.choices[0].text[3:5]
-            stopped = await run(api.completions.create, model=MODEL, prompt="Hello", max_tokens=30, stop=stop)
+            stopped = await in_thread(api.completions.create, model=MODEL, prompt="Hello", max_tokens=30, stop=stop)
     assert [m.id for m in models.data] == [MODEL]
     assert model == models.data[0] and model.object == "model"
     assert stopped.choices[0].finish_reason == "stop"
     assert stopped.choices[0].text == whole.choices[0].text[: whole.choices[0].text.index(stop)]
 
 
-async def test_the_api_key_is_required_on_the_api_but_not_on_health_and_metrics(config):
+async def test_the_api_key_is_required_on_the_api_but_not_on_health_and_metrics(fake_config):
     with trio.fail_after(60):
-        async with serving(config(), model_name=MODEL, api_key="sesame") as server:
+        async with serving(fake_config(), model_name=MODEL, api_key="sesame") as server:
             with pytest.raises(openai.AuthenticationError) as info:
-                await run(client(server, api_key="wrong").models.list)
-            good = await run(client(server, api_key="sesame").models.list)
-            health = await run(raw_request, server, "GET", "/health")
-            metrics = await run(raw_request, server, "GET", "/metrics")
+                await in_thread(client(server, api_key="wrong").models.list)
+            good = await in_thread(client(server, api_key="sesame").models.list)
+            health = await in_thread(raw_request, server, "GET", "/health")
+            metrics = await in_thread(raw_request, server, "GET", "/metrics")
     assert info.value.status_code == 401
     assert info.value.body == {  # type: ignore[comparison-overlap]
         "message": "missing or wrong API key: send 'Authorization: Bearer <key>'",
@@ -281,16 +253,16 @@ BAD_REQUESTS = [
 ]
 
 
-async def test_every_bad_request_gets_an_openai_error_object_and_a_request_beside_it_completes(config):
+async def test_every_bad_request_gets_an_openai_error_object_and_a_request_beside_it_completes(fake_config):
     with trio.fail_after(90):
         # 150 steps of 30 ms: the long request runs about 4.5 s, while the bad ones are sent one by one.
-        engine_config = config(max_model_len=256, step_delay_s=0.03, max_num_seqs=4, max_waiting_requests=4)
+        engine_config = fake_config(max_model_len=256, step_delay_s=0.03, max_num_seqs=4, max_waiting_requests=4)
         async with serving(engine_config, model_name=MODEL) as server:
             api = client(server)
             results: dict[str, Any] = {}
 
             async def long_request() -> None:
-                stream = await run(
+                stream = await in_thread(
                     api.completions.create,
                     model=MODEL,
                     prompt="Beside",
@@ -298,15 +270,21 @@ async def test_every_bad_request_gets_an_openai_error_object_and_a_request_besid
                     stream=True,
                     extra_body={"ignore_eos": True},
                 )
-                results["long"] = await run(stream_text, stream)
+                results["long"] = await in_thread(stream_text, stream)
+
+            async def long_request_running() -> bool:
+                assert server.engine is not None
+                return (await server.engine.stats()).num_running == 1
 
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(long_request)
-                await trio.sleep(0.2)  # the long request is under way
+                await wait_until(long_request_running, 10, "the long request running")
                 for path, body, *_ in BAD_REQUESTS:
-                    results[path, body] = await run(raw_request, server, "POST", path, body)
-                results["405"] = await run(raw_request, server, "GET", "/v1/completions")
-                results["413"] = await run(raw_request, server, "POST", "/v1/completions", declared_length=2 << 20)
+                    results[path, body] = await in_thread(raw_request, server, "POST", path, body)
+                results["405"] = await in_thread(raw_request, server, "GET", "/v1/completions")
+                results["413"] = await in_thread(
+                    raw_request, server, "POST", "/v1/completions", declared_length=2 << 20
+                )
                 assert "long" not in results, "the long request ended before the bad ones were sent"
     for path, body, status, param, code in BAD_REQUESTS:
         got_status, headers, payload = results[path, body]
@@ -330,12 +308,12 @@ async def test_every_bad_request_gets_an_openai_error_object_and_a_request_besid
 # --- disconnects, metrics, keep-alive -----------------------------------------------------
 
 
-async def test_a_streaming_client_that_disconnects_has_its_request_aborted_and_its_blocks_freed(config):
+async def test_a_streaming_client_that_disconnects_has_its_request_aborted_and_its_blocks_freed(fake_config):
     body = json.dumps(
         {"model": MODEL, "prompt": "Go on", "max_tokens": 2000, "stream": True, "ignore_eos": True, "n": 2}
     ).encode()
     with trio.fail_after(60):
-        async with serving(config(step_delay_s=0.01), model_name=MODEL) as server:
+        async with serving(fake_config(step_delay_s=0.01), model_name=MODEL) as server:
             assert server.engine is not None
 
             def read_a_little_then_leave() -> bytes:
@@ -347,12 +325,12 @@ async def test_a_streaming_client_that_disconnects_has_its_request_aborted_and_i
                         data += sock.recv(4096)
                     return data
 
-            data = await run(read_a_little_then_leave)
+            data = await in_thread(read_a_little_then_leave)
             assert b"text/event-stream" in data and b"transfer-encoding: chunked" in data.lower()
             running = await server.engine.stats()
             await wait_blocks_free(server)
             assert server.engine.num_requests_in_flight() == 0
-            metrics = parse_metrics((await run(raw_request, server, "GET", "/metrics"))[2])
+            metrics = parse_metrics((await in_thread(raw_request, server, "GET", "/metrics"))[2])
     assert running.num_running + running.num_waiting <= 2  # (it may have been aborted already)
     assert metrics["trioserve_requests_total", (("engine", "0"), ("finish_reason", "abort"))] == 2
 
@@ -365,15 +343,15 @@ def parse_metrics(text: bytes) -> dict[tuple[str, tuple[tuple[str, str], ...]], 
     return samples
 
 
-async def test_metrics_parse_and_their_counters_move_as_requests_are_served(config):
+async def test_metrics_parse_and_their_counters_move_as_requests_are_served(fake_config):
     engine0 = (("engine", "0"),)
     with trio.fail_after(60):
-        async with serving(config(), model_name=MODEL) as server:
-            status, headers, before_text = await run(raw_request, server, "GET", "/metrics")
+        async with serving(fake_config(), model_name=MODEL) as server:
+            status, headers, before_text = await in_thread(raw_request, server, "GET", "/metrics")
             api = client(server)
-            await run(api.completions.create, model=MODEL, prompt="Count me", max_tokens=9)
-            await run(api.chat.completions.create, model=MODEL, messages=MESSAGES, max_tokens=4, n=2)
-            after = parse_metrics((await run(raw_request, server, "GET", "/metrics"))[2])
+            await in_thread(api.completions.create, model=MODEL, prompt="Count me", max_tokens=9)
+            await in_thread(api.chat.completions.create, model=MODEL, messages=MESSAGES, max_tokens=4, n=2)
+            after = parse_metrics((await in_thread(raw_request, server, "GET", "/metrics"))[2])
             chat_tokens = await chat_prompt_tokens(server, MESSAGES)
             prompt_tokens = len(server.engine.tokenizer.encode("Count me")) + 2 * chat_tokens
     before = parse_metrics(before_text)
@@ -415,46 +393,46 @@ def test_preemptions_count_a_restarted_engines_own_even_once_it_has_caught_up():
     assert scrape(2, 1) == 13
 
 
-async def test_a_request_refused_as_overloaded_counts_nothing_whatever_its_n(config):
+async def test_a_request_refused_as_overloaded_counts_nothing_whatever_its_n(fake_config):
     """Found: with room for one of its two samples, the refused request's
     first sample was counted as an abort."""
     with trio.fail_after(60):
-        cfg = config(max_num_seqs=1, max_waiting_requests=1, step_delay_s=0.01)
+        cfg = fake_config(max_num_seqs=1, max_waiting_requests=1, step_delay_s=0.01)
         async with serving(cfg, model_name=MODEL) as server:
             api = client(server)
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(
-                    functools.partial(run, api.completions.create, model=MODEL, prompt="a", max_tokens=300)
+                    functools.partial(in_thread, api.completions.create, model=MODEL, prompt="a", max_tokens=300)
                 )
                 with trio.fail_after(10):
                     while (await server.engine.stats()).num_running < 1:  # type: ignore[union-attr]
                         await trio.sleep(0.02)
                 with pytest.raises(openai.InternalServerError, match="retry later"):
-                    await run(api.completions.create, model=MODEL, prompt="b", max_tokens=4, n=2)
-            after = parse_metrics((await run(raw_request, server, "GET", "/metrics"))[2])
+                    await in_thread(api.completions.create, model=MODEL, prompt="b", max_tokens=4, n=2)
+            after = parse_metrics((await in_thread(raw_request, server, "GET", "/metrics"))[2])
     requests = {reason: after["trioserve_requests_total", (("engine", "0"), ("finish_reason", reason))]
                 for reason in ("length", "abort")}  # fmt: skip
     assert requests == {"length": 1, "abort": 0}
     assert after["trioserve_e2e_request_latency_seconds_count", (("engine", "0"),)] == 1
 
 
-async def test_with_two_engines_each_metric_is_each_engines_own(config):
+async def test_with_two_engines_each_metric_is_each_engines_own(fake_config):
     """Data parallel: every series exists for engine 0 and engine 1 from the
     start, a request counts under the engine it ran on, and the gauges are
     each engine's own (not the sum under engine 0)."""
     with trio.fail_after(60):
-        async with serving(config(data_parallel_size=2, step_delay_s=0.02), model_name=MODEL) as server:
-            before = parse_metrics((await run(raw_request, server, "GET", "/metrics"))[2])
+        async with serving(fake_config(data_parallel_size=2, step_delay_s=0.02), model_name=MODEL) as server:
+            before = parse_metrics((await in_thread(raw_request, server, "GET", "/metrics"))[2])
             api = client(server)
             async with trio.open_nursery() as nursery:  # six at once: the least loaded engine takes each
                 for i in range(6):
                     nursery.start_soon(
-                        functools.partial(run, api.completions.create, model=MODEL, prompt=f"n{i}", max_tokens=5)
+                        functools.partial(in_thread, api.completions.create, model=MODEL, prompt=f"n{i}", max_tokens=5)
                     )
             engine = server.engine
             assert engine is not None
             stats = await engine.stats()
-            after = parse_metrics((await run(raw_request, server, "GET", "/metrics"))[2])
+            after = parse_metrics((await in_thread(raw_request, server, "GET", "/metrics"))[2])
     for index in ("0", "1"):
         assert before["trioserve_requests_total", (("engine", index), ("finish_reason", "length"))] == 0
         assert ("trioserve_num_requests_running", (("engine", index),)) in before
@@ -465,10 +443,10 @@ async def test_with_two_engines_each_metric_is_each_engines_own(config):
     assert generated == [5 * n for n in served]
 
 
-async def test_keep_alive_serves_several_requests_on_one_connection_and_an_idle_one_is_closed(config):
+async def test_keep_alive_serves_several_requests_on_one_connection_and_an_idle_one_is_closed(fake_config):
     with trio.fail_after(60):
         async with serving(
-            config(), model_name=MODEL, keepalive_timeout_s=0.5, max_http_requests_per_connection=3
+            fake_config(), model_name=MODEL, keepalive_timeout_s=0.5, max_http_requests_per_connection=3
         ) as server:
 
             def three_then_closed() -> tuple[list[int], float, bytes]:
@@ -495,32 +473,33 @@ async def test_keep_alive_serves_several_requests_on_one_connection_and_an_idle_
                     assert data.startswith(b"HTTP/1.1 200")
                     return time.monotonic() - start
 
-            statuses, _, rest = await run(three_then_closed)
-            waited = await run(idle)
+            statuses, _, rest = await in_thread(three_then_closed)
+            waited = await in_thread(idle)
     assert statuses == [200, 200, 200] and rest == b""
     assert 0.4 <= waited < 2.0
 
 
-async def test_the_engine_is_paused_slept_and_resumed_over_http_and_health_says_so(config):
+async def test_the_engine_is_paused_slept_and_resumed_over_http_and_health_says_so(fake_config):
     """Requests running when generation is paused with mode=abort end with a
     503 ``aborted`` (an error event in a stream), never a short "success"."""
     auth = {"Authorization": "Bearer sesame"}
     with trio.fail_after(60):
-        async with serving(config(step_delay_s=0.01), model_name=MODEL, api_key="sesame") as server:
-            assert (await run(raw_request, server, "POST", "/v1/engine/pause"))[0] == 401
+        async with serving(fake_config(step_delay_s=0.01), model_name=MODEL, api_key="sesame") as server:
+            assert (await in_thread(raw_request, server, "POST", "/v1/engine/pause"))[0] == 401
             api = client(server, api_key="sesame")
             cut: dict[str, BaseException] = {}
             long = {"model": MODEL, "max_tokens": 2000, "extra_body": {"ignore_eos": True}}
 
             async def whole() -> None:
                 with pytest.raises(openai.InternalServerError) as info:
-                    await run(api.completions.create, prompt="Hi", **long)
+                    await in_thread(api.completions.create, prompt="Hi", **long)
                 cut["whole"] = info.value
 
             async def streamed() -> None:
                 with pytest.raises(openai.APIError) as info:
-                    await run(
-                        stream_text, await run(api.chat.completions.create, messages=MESSAGES, stream=True, **long)
+                    await in_thread(
+                        stream_text,
+                        await in_thread(api.chat.completions.create, messages=MESSAGES, stream=True, **long),
                     )
                 cut["streamed"] = info.value
 
@@ -530,13 +509,13 @@ async def test_the_engine_is_paused_slept_and_resumed_over_http_and_health_says_
                 with trio.fail_after(10):
                     while (await server.engine.stats()).num_running < 2:  # type: ignore[union-attr]
                         await trio.sleep(0.02)
-                paused = await run(raw_request, server, "POST", "/v1/engine/pause?mode=abort", headers=auth)
-            health_paused = await run(raw_request, server, "GET", "/health")
-            bad = await run(raw_request, server, "POST", "/v1/engine/sleep?level=3", headers=auth)
-            asleep = await run(raw_request, server, "POST", "/v1/engine/sleep?level=1", headers=auth)
-            woken = await run(raw_request, server, "POST", "/v1/engine/wake_up", headers=auth)
-            resumed = await run(raw_request, server, "POST", "/v1/engine/resume", headers=auth)
-            answer = await run(
+                paused = await in_thread(raw_request, server, "POST", "/v1/engine/pause?mode=abort", headers=auth)
+            health_paused = await in_thread(raw_request, server, "GET", "/health")
+            bad = await in_thread(raw_request, server, "POST", "/v1/engine/sleep?level=3", headers=auth)
+            asleep = await in_thread(raw_request, server, "POST", "/v1/engine/sleep?level=1", headers=auth)
+            woken = await in_thread(raw_request, server, "POST", "/v1/engine/wake_up", headers=auth)
+            resumed = await in_thread(raw_request, server, "POST", "/v1/engine/resume", headers=auth)
+            answer = await in_thread(
                 client(server, api_key="sesame").completions.create, model=MODEL, prompt="Hi", max_tokens=3
             )
     assert (paused[0], json.loads(paused[2])) == (200, {"health": "paused"})
@@ -573,14 +552,14 @@ def post(path: str, body: bytes, *headers: str) -> bytes:
     return ("\r\n".join(lines) + "\r\n\r\n").encode() + body
 
 
-async def test_a_body_that_is_not_utf8_gets_invalid_json_and_the_server_serves_on(config):
+async def test_a_body_that_is_not_utf8_gets_invalid_json_and_the_server_serves_on(fake_config):
     # Found: msgspec raised UnicodeDecodeError, which nothing caught: the
     # connection was dropped without a response and "a connection failed" logged.
     body = b'{"model": "tiny-llama", "prompt": "caf\xe9"}'
     with trio.fail_after(60):
-        async with serving(config(), model_name=MODEL) as server:
-            answer = await run(exchange, server, post("/v1/completions", body))
-            chat = await run(
+        async with serving(fake_config(), model_name=MODEL) as server:
+            answer = await in_thread(exchange, server, post("/v1/completions", body))
+            chat = await in_thread(
                 exchange,
                 server,
                 post(
@@ -588,7 +567,7 @@ async def test_a_body_that_is_not_utf8_gets_invalid_json_and_the_server_serves_o
                     b'{"model": "tiny-llama", "messages": [{"role": "user", "content": "\xff"}]}',
                 ),
             )
-            after = await run(raw_request, server, "GET", "/v1/models")
+            after = await in_thread(raw_request, server, "GET", "/v1/models")
     for data in (answer, chat):
         assert data.startswith(b"HTTP/1.1 400 "), data
         error = json.loads(data.partition(b"\r\n\r\n")[2])["error"]
@@ -596,14 +575,14 @@ async def test_a_body_that_is_not_utf8_gets_invalid_json_and_the_server_serves_o
     assert after[0] == 200
 
 
-async def test_a_client_that_never_reads_a_whole_response_is_dropped_after_the_slow_consumer_timeout(config):
+async def test_a_client_that_never_reads_a_whole_response_is_dropped_after_the_slow_consumer_timeout(fake_config):
     # Found: a non-streamed response was sent without any bound: a client
     # that never reads it held its connection (and a slot of
     # --max-connections) forever, past every timeout.
     body = json.dumps({"model": MODEL, "prompt": "Hi", "max_tokens": 1000, "n": 16, "ignore_eos": True}).encode()
     with trio.fail_after(60):
         async with serving(
-            config(step_delay_s=0.001, num_kv_blocks=8192),
+            fake_config(step_delay_s=0.001, num_kv_blocks=8192),
             model_name=MODEL,
             slow_consumer_timeout_s=1.0,
             socket_send_buffer_bytes=4096,
@@ -611,8 +590,8 @@ async def test_a_client_that_never_reads_a_whole_response_is_dropped_after_the_s
             sock = socket.socket()
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
             try:
-                await run(sock.connect, ("127.0.0.1", server.port))
-                await run(sock.sendall, post("/v1/completions", body))  # then never read
+                await in_thread(sock.connect, ("127.0.0.1", server.port))
+                await in_thread(sock.sendall, post("/v1/completions", body))  # then never read
                 with trio.move_on_after(15):
                     while server.num_connections or server.engine.num_requests_in_flight():  # type: ignore[union-attr]
                         await trio.sleep(0.05)
@@ -623,30 +602,30 @@ async def test_a_client_that_never_reads_a_whole_response_is_dropped_after_the_s
     assert held == 0, "the connection of a client that reads nothing is still held 15 s on"
 
 
-async def test_a_body_over_the_limit_gets_its_413_even_when_the_client_sent_it_whole(config):
+async def test_a_body_over_the_limit_gets_its_413_even_when_the_client_sent_it_whole(fake_config):
     # Found: the server answered 413 and closed at once with the rest of the
     # body unread, so the kernel sent a reset and the client lost the 413
     # (ECONNRESET instead of the documented answer).
     with trio.fail_after(60):
-        async with serving(config(), model_name=MODEL, max_message_bytes=64 * 1024) as server:
-            answer = await run(exchange, server, post("/v1/completions", b"x" * (8 << 20)))
+        async with serving(fake_config(), model_name=MODEL, max_message_bytes=64 * 1024) as server:
+            answer = await in_thread(exchange, server, post("/v1/completions", b"x" * (8 << 20)))
     assert answer.startswith(b"HTTP/1.1 413 "), answer[:200]
 
 
-async def test_a_body_that_never_ends_frees_its_connection_at_the_body_deadline(config):
+async def test_a_body_that_never_ends_frees_its_connection_at_the_body_deadline(fake_config):
     # Found: after the body deadline (--handshake-timeout) the server read on
     # for another --handshake-timeout to drop the rest of the body it had
     # given up on: a slow body held its connection twice the documented bound.
     head = b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\n{"
     with trio.fail_after(60):
-        async with serving(config(), model_name=MODEL, handshake_timeout_s=2.0) as server:
+        async with serving(fake_config(), model_name=MODEL, handshake_timeout_s=2.0) as server:
             started = trio.current_time()
-            await run(exchange, server, head)
+            await in_thread(exchange, server, head)
             held = trio.current_time() - started
     assert held < 3.2, f"held {held:.1f}s; the body deadline is 2s (twice that was the bug)"
 
 
-async def test_a_shutdown_ends_http_requests_past_the_grace_with_a_shutdown_error(config):
+async def test_a_shutdown_ends_http_requests_past_the_grace_with_a_shutdown_error(fake_config):
     # Found: past the grace, an SSE stream was cut mid-stream (no error event,
     # no [DONE], no last chunk) and a non-streamed request got an empty reply,
     # where a WebSocket request gets error "shutdown".
@@ -655,11 +634,11 @@ async def test_a_shutdown_ends_http_requests_past_the_grace_with_a_shutdown_erro
         return json.dumps(request).encode()
 
     with trio.fail_after(60):
-        async with serving(config(step_delay_s=0.01), model_name=MODEL, shutdown_grace_s=0.5) as server:
+        async with serving(fake_config(step_delay_s=0.01), model_name=MODEL, shutdown_grace_s=0.5) as server:
             answers: dict[bool, bytes] = {}
 
             async def one(stream: bool) -> None:
-                answers[stream] = await run(exchange, server, post("/v1/completions", body(stream)))
+                answers[stream] = await in_thread(exchange, server, post("/v1/completions", body(stream)))
 
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(one, True)
@@ -675,7 +654,7 @@ async def test_a_shutdown_ends_http_requests_past_the_grace_with_a_shutdown_erro
     assert json.loads(whole.partition(b"\r\n\r\n")[2])["error"]["code"] == "shutdown"
 
 
-async def test_a_body_of_one_byte_chunks_is_refused_before_it_costs_seconds_of_parsing(config):
+async def test_a_body_of_one_byte_chunks_is_refused_before_it_costs_seconds_of_parsing(fake_config):
     # Found: every chunk of a chunked body is one h11 event parsed on the
     # event loop (~25 us each): 200,000 one-byte chunks (1.2 MB on the wire,
     # within --max-message-bytes) took the server about 5 s of CPU, in slices
@@ -683,15 +662,15 @@ async def test_a_body_of_one_byte_chunks_is_refused_before_it_costs_seconds_of_p
     chunks = b"".join(b"1\r\nx\r\n" for _ in range(200_000))
     request = b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\nConnection: close\r\n\r\n"
     with trio.fail_after(60):
-        async with serving(config(), model_name=MODEL) as server:
+        async with serving(fake_config(), model_name=MODEL) as server:
             started = trio.current_time()
-            answer = await run(exchange, server, request + chunks + b"0\r\n\r\n")
+            answer = await in_thread(exchange, server, request + chunks + b"0\r\n\r\n")
             took = trio.current_time() - started
     assert answer.startswith((b"HTTP/1.1 400 ", b"HTTP/1.1 413 ")), answer[:200]
     assert took < 2.0, f"the server spent {took:.1f}s on one request body"
 
 
-async def test_a_body_announced_too_large_with_expect_100_continue_gets_413_and_no_100(config):
+async def test_a_body_announced_too_large_with_expect_100_continue_gets_413_and_no_100(fake_config):
     # Found: "100 Continue" went out before the declared length was checked,
     # inviting the client to send a body the server then refused (RFC 9110:
     # a server that will refuse the body answers with the final status instead).
@@ -699,29 +678,29 @@ async def test_a_body_announced_too_large_with_expect_100_continue_gets_413_and_
         b"Content-Length: 0", b"Content-Length: 2097152"
     )
     with trio.fail_after(60):
-        async with serving(config(), model_name=MODEL, max_message_bytes=64 * 1024) as server:
-            answer = await run(exchange, server, head)
+        async with serving(fake_config(), model_name=MODEL, max_message_bytes=64 * 1024) as server:
+            answer = await in_thread(exchange, server, head)
     assert answer.startswith(b"HTTP/1.1 413 "), answer[:200]
 
 
-async def test_the_last_response_a_connection_serves_says_connection_close(config):
+async def test_the_last_response_a_connection_serves_says_connection_close(fake_config):
     # Found: after its last request (max_http_requests_per_connection) the
     # server closed the connection without saying so in the response, so a
     # client reusing it could send a request nobody would read (RFC 9112 9.6).
     request = b"GET /v1/models HTTP/1.1\r\nHost: x\r\n\r\n"
     with trio.fail_after(60):
-        async with serving(config(), model_name=MODEL, max_http_requests_per_connection=2) as server:
-            answer = await run(exchange, server, request * 2)
+        async with serving(fake_config(), model_name=MODEL, max_http_requests_per_connection=2) as server:
+            answer = await in_thread(exchange, server, request * 2)
     first, second = answer.split(b"HTTP/1.1 200 OK")[1:]
     assert b"Connection: close" not in first and b"Connection: close" in second, answer
 
 
-async def test_the_gauges_are_read_while_the_engine_is_paused(config):
+async def test_the_gauges_are_read_while_the_engine_is_paused(fake_config):
     """Found: the gauges were read only while the engine was ready, so after
     a pause that aborted a running request /metrics still said one ran."""
     running = ("trioserve_num_requests_running", (("engine", "0"),))
     with trio.fail_after(60):
-        async with serving(config(step_delay_s=0.01), model_name=MODEL) as server:
+        async with serving(fake_config(step_delay_s=0.01), model_name=MODEL) as server:
             engine = server.engine
             assert engine is not None
             api = client(server)
@@ -729,7 +708,7 @@ async def test_the_gauges_are_read_while_the_engine_is_paused(config):
 
                 async def long_request() -> None:
                     with contextlib.suppress(openai.APIStatusError):  # ended by the pause
-                        await run(
+                        await in_thread(
                             api.completions.create,
                             model=MODEL,
                             prompt="a",
@@ -740,7 +719,7 @@ async def test_the_gauges_are_read_while_the_engine_is_paused(config):
                 nursery.start_soon(long_request)
                 while (await engine.stats()).num_running < 1:
                     await trio.sleep(0.02)
-                assert parse_metrics((await run(raw_request, server, "GET", "/metrics"))[2])[running] == 1
+                assert parse_metrics((await in_thread(raw_request, server, "GET", "/metrics"))[2])[running] == 1
                 await engine.pause(mode="abort")
             assert engine.health == "paused"
-            assert parse_metrics((await run(raw_request, server, "GET", "/metrics"))[2])[running] == 0
+            assert parse_metrics((await in_thread(raw_request, server, "GET", "/metrics"))[2])[running] == 0

@@ -3,26 +3,23 @@ counts, what is reported, and how preemption, aborts and resets treat shared blo
 
 from __future__ import annotations
 
+from helpers.scheduling import make_request, make_scheduler
+
 from trioserve.core.request import Request
 from trioserve.core.scheduler import Scheduler
 from trioserve.core.step import Step
-from trioserve.messages import RunnerOutput, SamplingParams, TokenOutput
+from trioserve.messages import RunnerOutput, TokenOutput
 
-EOS = 2
 PREFIX = list(range(10, 26))  # 16 tokens: four blocks of 4
 
 
-def make_scheduler(**overrides: int | bool) -> Scheduler:
-    kwargs: dict[str, int | bool] = dict(
-        num_blocks=32, block_size=4, max_num_seqs=4, max_num_batched_tokens=64, max_model_len=128
-    )
-    kwargs.update(overrides)
-    kwargs.setdefault("enable_prefix_caching", True)
-    return Scheduler(**kwargs)  # type: ignore[arg-type]
+def caching_scheduler(**overrides: int | bool) -> Scheduler:
+    """``make_scheduler`` with room for the prefix and prefix caching on."""
+    return make_scheduler(**{"num_blocks": 32, "max_model_len": 128, "enable_prefix_caching": True, **overrides})
 
 
 def request(req_id: str, prompt: list[int], max_tokens: int = 4) -> Request:
-    return Request(req_id, prompt, SamplingParams(max_tokens=max_tokens, ignore_eos=True), [EOS])
+    return make_request(req_id, prompt=prompt, max_tokens=max_tokens, ignore_eos=True)
 
 
 def run(sched: Scheduler, planned: Step, token: int = 7) -> list[TokenOutput]:
@@ -45,7 +42,7 @@ def drain(sched: Scheduler) -> list[TokenOutput]:
 
 
 def test_a_repeated_prefix_is_not_computed_again() -> None:
-    sched = make_scheduler()
+    sched = caching_scheduler()
     sched.add(request("a", [*PREFIX, 1, 2]))
     drain(sched)
     sched.add(request("b", [*PREFIX, 3, 4, 5]))
@@ -57,7 +54,7 @@ def test_a_repeated_prefix_is_not_computed_again() -> None:
 
 
 def test_the_budget_counts_only_computed_tokens() -> None:
-    sched = make_scheduler(max_num_batched_tokens=6)
+    sched = caching_scheduler(max_num_batched_tokens=6)
     sched.add(request("a", [*PREFIX, 1]))
     drain(sched)
     sched.add(request("b", [*PREFIX, 3, 4, 5]))
@@ -67,7 +64,7 @@ def test_the_budget_counts_only_computed_tokens() -> None:
 
 
 def test_an_identical_prompt_computes_its_last_block_again() -> None:
-    sched = make_scheduler()
+    sched = caching_scheduler()
     sched.add(request("a", PREFIX))
     drain(sched)
     sched.add(request("b", PREFIX))
@@ -78,7 +75,7 @@ def test_an_identical_prompt_computes_its_last_block_again() -> None:
 
 
 def test_a_prefix_shorter_than_a_block_is_not_shared() -> None:
-    sched = make_scheduler()
+    sched = caching_scheduler()
     sched.add(request("a", [1, 2, 3, 9, 9]))
     drain(sched)
     sched.add(request("b", [1, 2, 3, 8, 8]))
@@ -87,7 +84,7 @@ def test_a_prefix_shorter_than_a_block_is_not_shared() -> None:
 
 
 def test_requests_running_together_share_blocks_and_report_cached_tokens() -> None:
-    sched = make_scheduler()
+    sched = caching_scheduler()
     sched.add(request("a", [*PREFIX, 1], max_tokens=8))
     _, first = step(sched)
     assert first[0].num_cached_tokens == 0
@@ -109,7 +106,7 @@ def test_requests_running_together_share_blocks_and_report_cached_tokens() -> No
 
 
 def test_an_aborted_requests_computed_blocks_serve_the_next_request() -> None:
-    sched = make_scheduler(max_num_batched_tokens=8)
+    sched = caching_scheduler(max_num_batched_tokens=8)
     sched.add(request("a", [*PREFIX, 1]))
     step(sched)
     step(sched)  # two chunks of 8: the prefix is computed
@@ -120,7 +117,7 @@ def test_an_aborted_requests_computed_blocks_serve_the_next_request() -> None:
 
 
 def test_a_preempted_request_resumes_from_its_own_cached_blocks() -> None:
-    sched = make_scheduler(num_blocks=10, max_num_seqs=2)
+    sched = caching_scheduler(num_blocks=10, max_num_seqs=2)
     sched.add(request("a", [30, 31, 32, 33, 34], max_tokens=20))
     sched.add(request("b", [*PREFIX, 1], max_tokens=12))
     outputs = []
@@ -136,7 +133,7 @@ def test_a_preempted_request_resumes_from_its_own_cached_blocks() -> None:
 
 
 def test_reset_forgets_cached_prefixes() -> None:
-    sched = make_scheduler()
+    sched = caching_scheduler()
     sched.add(request("a", [*PREFIX, 1]))
     drain(sched)
     assert sched.reset_prefix_cache() == 5  # 17 prompt + 3 output tokens computed
@@ -146,7 +143,7 @@ def test_reset_forgets_cached_prefixes() -> None:
 
 
 def test_caching_off_computes_every_prompt_from_its_first_token() -> None:
-    sched = make_scheduler(enable_prefix_caching=False)
+    sched = caching_scheduler(enable_prefix_caching=False)
     sched.add(request("a", [*PREFIX, 1]))
     drain(sched)
     sched.add(request("b", [*PREFIX, 2]))

@@ -315,7 +315,7 @@ async def test_a_supervised_child_serves_on_after_sigterms_until_its_parent_stop
             await reports.next()
             for _ in range(2):
                 os.kill(child.pid, signal.SIGTERM)
-                await trio.sleep(0.5)
+                await trio.sleep(0.5)  # time for the SIGTERM to act: it must not stop the child
                 assert child.returncode is None and running(child.pid)
             child.stop()
     assert child.returncode == 0

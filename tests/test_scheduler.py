@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+from helpers.scheduling import EOS, make_request, make_scheduler
 
 from trioserve.core.request import Request, RequestStatus
 from trioserve.core.scheduler import Scheduler
@@ -14,19 +15,6 @@ from trioserve.messages import (
     SchedulerOutput,
     TokenOutput,
 )
-
-EOS = 2
-
-
-def make_scheduler(**overrides: int) -> Scheduler:
-    kwargs = dict(num_blocks=16, block_size=4, max_num_seqs=4, max_num_batched_tokens=64, max_model_len=64)
-    kwargs.update(overrides)
-    return Scheduler(**kwargs)
-
-
-def make_request(req_id: str, prompt_len: int = 4, client_id: str = "", **params: object) -> Request:
-    prompt = [10 + i for i in range(prompt_len)]
-    return Request(req_id, prompt, SamplingParams(**params), eos_token_ids=[EOS], client_id=client_id)
 
 
 def samplers(sched: Scheduler, out: SchedulerOutput) -> list[str]:

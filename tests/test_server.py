@@ -3,132 +3,39 @@ third-party ``websockets`` client (run in threads)."""
 
 from __future__ import annotations
 
-import functools
 import json
 import socket
 import threading
 import time
 import urllib.error
 import urllib.request
-from collections.abc import AsyncIterator, Callable
-from contextlib import asynccontextmanager
-from dataclasses import dataclass, field
-from functools import partial
 from typing import Any
 
 import psutil
 import pytest
 import trio
+from helpers.fakes import SERVING, children
+from helpers.server import (
+    Received,
+    collect,
+    expect_error,
+    generate,
+    generate_into,
+    http_get,
+    open_ws,
+    serving,
+    stream_requests,
+    wait_blocks_free,
+)
+from helpers.waiting import in_thread, wait_until
 from websockets.exceptions import ConnectionClosed, InvalidStatus
 from websockets.sync.client import ClientConnection, connect
 
-from trioserve import EngineConfig, SamplingParams
+from trioserve import SamplingParams
 from trioserve.errors import EngineDeadError
 from trioserve.server import Server, ServerConfig
 
-# --- helpers ---------------------------------------------------------------------
-
-
-@pytest.fixture
-def fake_config(fake_config) -> Callable[..., EngineConfig]:
-    return functools.partial(fake_config, num_kv_blocks=256, step_delay_s=0.002)
-
-
-@asynccontextmanager
-async def serving(engine_config: EngineConfig, **options: Any) -> AsyncIterator[Server]:
-    """A ready server on 127.0.0.1 and a free port; dropped (engine reaped) on exit."""
-    server = Server(engine_config, ServerConfig(port=0, **options))
-    async with trio.open_nursery() as nursery:
-        await nursery.start(server.run)
-        assert await server.wait_ready()
-        yield server
-        nursery.cancel_scope.cancel()
-    assert not psutil.Process().children(recursive=True)
-
-
-async def in_thread(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-    return await trio.to_thread.run_sync(partial(fn, *args, **kwargs), abandon_on_cancel=True)
-
-
-def open_ws(url: str, **kwargs: Any) -> ClientConnection:
-    return connect(url, open_timeout=10, close_timeout=5, legacy=True, **kwargs)
-
-
-def generate(request_id: str, prompt: str | list[int], **params: Any) -> str:
-    key = "prompt" if isinstance(prompt, str) else "prompt_token_ids"
-    return json.dumps({"type": "generate", "id": request_id, key: prompt, "params": params})
-
-
-@dataclass
-class Received:
-    text: str = ""
-    token_ids: list[int] = field(default_factory=list)
-    terminal: dict[str, Any] | None = None
-    at: list[float] = field(default_factory=list)  # arrival time of each message
-
-
-def collect(
-    ws: ClientConnection, ids: set[str], timeout: float = 30, received: dict[str, Received] | None = None
-) -> tuple[dict[str, Received], list[dict]]:
-    """Read until every request in ``ids`` has its terminal message (adding to
-    ``received`` when given). Checks that nothing arrives for a request after
-    its terminal. Returns the requests and any messages that name none of them."""
-    received = received if received is not None else {}
-    for request_id in ids:
-        received.setdefault(request_id, Received())
-    others: list[dict] = []
-    while any(received[request_id].terminal is None for request_id in ids):
-        msg = json.loads(ws.recv(timeout=timeout))
-        if not record(received, msg):
-            others.append(msg)
-    return received, others
-
-
-def record(received: dict[str, Received], msg: dict) -> bool:
-    """Add ``msg`` to its request in ``received``; False if it names none."""
-    r = received.get(msg.get("id"))  # type: ignore[arg-type]
-    if r is None:
-        return False
-    assert r.terminal is None, f"a message after the terminal one: {msg}"
-    r.at.append(time.monotonic())
-    if msg["type"] == "delta":
-        r.text += msg["text"]
-        r.token_ids += msg["token_ids"]
-    else:
-        assert msg["type"] in ("done", "error"), msg
-        r.terminal = msg
-    return True
-
-
-def stream_requests(url: str, requests: list[tuple[str, str | list[int], dict]]) -> dict[str, Received]:
-    with open_ws(url) as ws:
-        for request_id, prompt, params in requests:
-            ws.send(generate(request_id, prompt, **params))
-        received, others = collect(ws, {r[0] for r in requests})
-    assert not others, others
-    return received
-
-
-def expect_error(
-    ws: ClientConnection, code: str, request_id: str | None, running: dict[str, Received], timeout: float = 10
-) -> dict:
-    """The next message about anything but the ``running`` requests (whose
-    messages are recorded on the way): it must be this error."""
-    while True:
-        msg = json.loads(ws.recv(timeout=timeout))
-        if (msg["type"] == "error" and msg["code"] == "duplicate_id") or not record(running, msg):
-            assert msg["type"] == "error" and msg["code"] == code and msg["id"] == request_id, msg
-            return msg
-
-
-async def wait_blocks_free(server: Server, timeout: float = 5) -> None:
-    assert server.engine is not None
-    with trio.fail_after(timeout):
-        while True:
-            stats = await server.engine.stats()
-            if stats.num_running == 0 and stats.num_waiting == 0 and stats.num_free_blocks == stats.num_total_blocks:
-                return
-            await trio.sleep(0.02)
+pytestmark = pytest.mark.fake_config(**SERVING)
 
 
 def scrape(url: str) -> int:
@@ -136,20 +43,6 @@ def scrape(url: str) -> int:
     with urllib.request.urlopen(url, timeout=5) as response:
         response.read()
         return int(response.status)
-
-
-def http_get(url: str) -> tuple[int, dict]:
-    try:
-        with urllib.request.urlopen(url, timeout=5) as response:
-            return response.status, json.loads(response.read())
-    except urllib.error.HTTPError as exc:
-        return exc.code, json.loads(exc.read())
-
-
-async def generate_into(results: dict, server: Server, key: Any, prompt: str, params: dict) -> None:
-    """The same request without streaming."""
-    assert server.engine is not None
-    results[key] = await server.engine.generate(prompt, SamplingParams(**params))
 
 
 PROMPTS = [f"Request number {i} says" + " hello" * (i % 5) for i in range(16)]
@@ -393,7 +286,7 @@ async def test_a_client_that_stops_reading_neither_delays_others_nor_holds_its_r
             ids = {f"slow{i}" for i in range(4)}
             for request_id in sorted(ids):
                 stalled.send(generate(request_id, request_id, max_tokens=1900, ignore_eos=True))
-            await trio.sleep(0.5)  # its buffers fill
+            await trio.sleep(0.5)  # a time for its buffers to fill: no wait for an event, the test holds either way
 
             started = time.monotonic()
             fast = await in_thread(stream_requests, server.url, [("fast", "quick one", {"max_tokens": 50})])
@@ -443,7 +336,7 @@ async def test_shutdown_during_start_up_stops_the_engine_start(fake_config):
         server = Server(fake_config(load_delay_s=30), ServerConfig(port=0))
         async with trio.open_nursery() as nursery:
             await nursery.start(server.run)
-            await trio.sleep(0.5)
+            await wait_until(lambda: len(children()) >= 2, 20, "the engine core and its worker started")
             server.shutdown()
         assert not await server.wait_ready()
         assert not psutil.Process().children(recursive=True)
@@ -605,8 +498,11 @@ async def test_a_request_that_arrives_during_the_grace_does_not_hold_the_shutdow
             await ready.wait()
             started = trio.current_time()
             server.shutdown()
-            await trio.sleep(0.05)
-            assert (await in_thread(http_get, server.health_url))[0] == 503
+
+            async def draining() -> bool:
+                return (await in_thread(http_get, server.health_url))[0] == 503
+
+            await wait_until(draining, 5, "/health saying 503 (draining)")
             assert await in_thread(scrape, server.health_url.removesuffix("/health") + "/metrics") == 200
         stopped_after = trio.current_time() - started
         assert results["client"]["r"].terminal["type"] == "done"  # type: ignore[index]

@@ -15,16 +15,20 @@ from typing import Any, cast
 import pytest
 import trio
 import trio.testing
+from helpers.fakes import SERVING
+from helpers.server import collect, generate, http_get, open_ws, serving, stream_one, terminal_of
+from helpers.waiting import in_thread
 from trio_websocket import ConnectionClosed, wrap_client_stream, wrap_server_stream
 from websockets.exceptions import ConnectionClosed as WsClosed
 from websockets.exceptions import InvalidStatus
 
-from test_server import Received, collect, fake_config, generate, http_get, in_thread, open_ws, serving  # noqa: F401
 from trioserve.api import Engine
 from trioserve.server import Server, ServerConfig, http
 from trioserve.server.admission import OVER_CAP_SLOTS, OVER_CAP_TIMEOUT_S, RETRY_AFTER_S, Admission, Slot
 from trioserve.server.connection import IDLE_CLOSE_CODE, Connection
 from trioserve.server.state import ServerState
+
+pytestmark = pytest.mark.fake_config(**SERVING)
 
 # --- plain functions -------------------------------------------------------------------
 
@@ -252,17 +256,6 @@ async def test_a_connection_that_never_finishes_its_head_is_dropped_after_the_ha
             assert data == b""  # closed without a word
             assert timeout_s * 0.8 <= waited < timeout_s + 1.5  # the server's clock starts at the accept
             await wait_for_connections(server, 0)
-
-
-def terminal_of(received: Received) -> dict:
-    assert received.terminal is not None
-    return received.terminal
-
-
-def stream_one(url: str) -> str:
-    with open_ws(url) as ws:
-        ws.send(generate("one", "one", max_tokens=5))
-        return str(terminal_of(collect(ws, {"one"})[0]["one"])["type"])
 
 
 async def wait_for_connections(server: Server, n: int, timeout: float = 5) -> None:

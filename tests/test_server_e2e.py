@@ -18,10 +18,11 @@ from typing import Any
 import psutil
 import pytest
 import trio
+from helpers.server import Received, collect, generate, generate_into, open_ws, serving, stream_requests
 from helpers.serving import REPO, serve_argv, spawned, wait_for_url, wait_gone
+from helpers.waiting import in_thread
 from websockets.exceptions import ConnectionClosed
 
-from test_server import Received, collect, generate, generate_into, in_thread, open_ws, serving, stream_requests
 from trioserve import EngineConfig
 
 EXAMPLE = REPO / "examples" / "stream_client.py"
@@ -135,7 +136,7 @@ async def test_serve_started_under_nohup_serves_on_after_a_sighup(tiny_model_dir
     with trio.fail_after(60), spawned(argv) as proc:
         url = await in_thread(wait_for_url, proc, 30)
         proc.send_signal(signal.SIGHUP)
-        await trio.sleep(0.5)
+        await trio.sleep(0.5)  # time for the SIGHUP to act: it must not
         assert proc.poll() is None
         health = url.replace("ws://", "http://") + "/health"
 

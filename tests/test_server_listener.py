@@ -21,10 +21,10 @@ import psutil
 import pytest
 import trio
 import trio.testing
+from helpers.server import http_get, stream_one
+from helpers.serving import REPO, wait_for_url
+from helpers.waiting import in_thread
 
-from test_server import http_get, in_thread
-from test_server_admission import stream_one
-from test_server_e2e import REPO, wait_for_url
 from trioserve.server.listener import BACKOFF_MAX_S, QUIET_S, AcceptBackoff, accept_loop
 
 EMFILE = OSError(errno.EMFILE, os.strerror(errno.EMFILE))
@@ -183,7 +183,7 @@ async def test_accept_survives_fd_exhaustion_with_few_log_lines_and_serves_once_
         health_url = url.replace("ws://", "http://") + "/health"
         assert await in_thread(http_get, health_url) == (200, {"status": "ready"})
         assert await in_thread(stream_one, url) == "done"
-        await trio.sleep(QUIET_S)
+        await trio.sleep(QUIET_S)  # accept works for the quiet period: the next accept ends the episode
         assert await in_thread(http_get, health_url) == (200, {"status": "ready"})
         await in_thread(wait_for_line, lines, f"{WARNING}accept works again: it failed", 5)
         proc.terminate()

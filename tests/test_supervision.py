@@ -5,7 +5,6 @@ torch-free fake runner."""
 from __future__ import annotations
 
 import contextlib
-import functools
 import json
 import os
 import signal
@@ -17,8 +16,9 @@ from pathlib import Path
 import psutil
 import pytest
 import trio
-from helpers.fakes import children, wait_no_children
-from helpers.serving import running
+from helpers.concurrent import Outcome, assert_idle_and_clean, consume
+from helpers.fakes import RESTARTING, children, wait_no_children
+from helpers.serving import left_running
 
 import trioserve
 from trioserve import SamplingParams
@@ -27,49 +27,7 @@ from trioserve.errors import EngineDeadError
 REPO = Path(__file__).resolve().parent.parent
 
 
-@pytest.fixture
-def fake_config(fake_config):
-    return functools.partial(fake_config, restart_backoff_s=0.05, num_kv_blocks=64)
-
-
-async def assert_idle_and_clean(engine: trioserve.Engine) -> None:
-    """Nothing is left of any request: not in the front-end, not in the engine core."""
-    assert engine.num_requests_in_flight() == 0
-    with trio.fail_after(5):
-        while True:
-            stats = await engine.stats()
-            if (stats.num_running, stats.num_waiting, stats.num_free_blocks) == (0, 0, stats.num_total_blocks):
-                return
-            await trio.sleep(0.02)
-
-
-class Outcome:
-    """What one request's consumer saw: every output, then one terminal event."""
-
-    def __init__(self) -> None:
-        self.token_ids: list[int] = []
-        self.finish_reason: str | None = None
-        self.error: BaseException | None = None
-        self.ended_at: float | None = None
-        self.started = trio.Event()
-
-
-async def consume(engine: trioserve.Engine, prompt: list[int], params: SamplingParams, outcome: Outcome) -> None:
-    await consume_stream(engine.stream(prompt, params), outcome)
-
-
-async def consume_stream(stream: trioserve.RequestStream, outcome: Outcome) -> None:
-    """Enter ``stream`` and read it to its end, recording what came in ``outcome``."""
-    try:
-        async with stream:
-            async for out in stream:
-                outcome.token_ids += out.token_ids
-                outcome.started.set()
-                outcome.finish_reason = out.finish_reason
-    except EngineDeadError as exc:
-        outcome.error = exc
-    outcome.ended_at = time.monotonic()
-    outcome.started.set()
+pytestmark = pytest.mark.fake_config(**RESTARTING)
 
 
 @pytest.mark.parametrize("victim", ["worker", "engine-core"])
@@ -230,7 +188,7 @@ async def _cancel_after(scope: trio.CancelScope, delay: float) -> None:
 
 def run_cli(argv: list[str], timeout: float) -> tuple[int, str, list[int]]:
     """Run ``trioserve`` with ``argv``; its exit status, stderr, and the pids of
-    every process it started that was still alive after it exited."""
+    every process it started that still runs after it exited (``left_running``)."""
     proc = subprocess.Popen(
         [sys.executable, "-m", "trioserve.cli", *argv],
         stdout=subprocess.PIPE,
@@ -248,15 +206,7 @@ def run_cli(argv: list[str], timeout: float) -> tuple[int, str, list[int]]:
         if proc.poll() is None:
             raise AssertionError(f"trioserve {' '.join(argv)} did not exit within {timeout}s")
         _, stderr = proc.communicate(timeout=5)
-        left = []
-        time.sleep(0.5)
-        for pid in seen:
-            try:
-                if psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
-                    left.append(pid)
-            except psutil.NoSuchProcess:
-                pass
-        return proc.returncode, stderr, left
+        return proc.returncode, stderr, left_running(seen)
     finally:
         if proc.poll() is None:
             for p in psutil.Process(proc.pid).children(recursive=True):
@@ -299,8 +249,7 @@ async def test_generate_into_a_pipe_its_reader_closed_stops_quietly(tiny_model_d
             proc.stdout.close()  # as head does once it has its 10 bytes
             code = proc.wait(timeout=30)
             assert proc.stderr is not None
-            time.sleep(0.5)
-            return code, proc.stderr.read(), [pid for pid in tree if running(pid)]
+            return code, proc.stderr.read(), left_running(tree)
         finally:
             if proc.poll() is None:
                 proc.kill()
@@ -363,9 +312,7 @@ async def test_serve_out_of_restarts_exits_4_and_leaves_no_process(tiny_model_di
                         seen |= {p.pid for p in _wait_for_restart(proc.pid, seen)}
             code = proc.wait(timeout=15)
             stderr = proc.stderr.read() if proc.stderr else ""
-            time.sleep(0.5)
-            left = [pid for pid in seen if psutil.pid_exists(pid) and psutil.Process(pid).status() != "zombie"]
-            return code, stderr, codes, left
+            return code, stderr, codes, left_running(seen)
         finally:
             if proc.poll() is None:
                 for p in psutil.Process(proc.pid).children(recursive=True):

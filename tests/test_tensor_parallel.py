@@ -21,10 +21,9 @@ import trio
 from helpers.concurrent import run_concurrently, run_in_one_batch
 from helpers.fakes import wait_no_children
 from helpers.hosted import HostedEngine
-from helpers.reference import reference_greedy
+from helpers.reference import make_prompts, reference_greedy
 
 import trioserve
-from test_engine_models import make_prompts
 from trioserve import ControlCallError, DescribeShard, Echo, EchoReply, EngineConfig, SamplingParams, ShardInfo
 
 pytestmark = pytest.mark.model

@@ -1,11 +1,14 @@
-"""Requests run at once through an engine."""
+"""Requests run at once through an engine, and what each one saw."""
 
 from __future__ import annotations
+
+import time
 
 import trio
 
 import trioserve
 from trioserve import SamplingParams
+from trioserve.errors import EngineDeadError
 
 
 async def run_concurrently(
@@ -46,3 +49,44 @@ async def run_in_one_batch(
                 await trio.sleep(0.01)
         await engine.resume()
     return [results[i] for i in range(len(prompts))]
+
+
+async def assert_idle_and_clean(engine: trioserve.Engine) -> None:
+    """Nothing is left of any request: not in the front-end, not in the engine core."""
+    assert engine.num_requests_in_flight() == 0
+    with trio.fail_after(5):
+        while True:
+            stats = await engine.stats()
+            if (stats.num_running, stats.num_waiting, stats.num_free_blocks) == (0, 0, stats.num_total_blocks):
+                return
+            await trio.sleep(0.02)
+
+
+class Outcome:
+    """What one request's consumer saw: every output, then one terminal event."""
+
+    def __init__(self) -> None:
+        self.token_ids: list[int] = []
+        self.finish_reason: str | None = None
+        self.error: BaseException | None = None
+        self.ended_at: float | None = None
+        self.started = trio.Event()
+
+
+async def consume(engine: trioserve.Engine, prompt: list[int], params: SamplingParams, outcome: Outcome) -> None:
+    """Stream ``prompt`` to its end, recording what came in ``outcome``."""
+    await consume_stream(engine.stream(prompt, params), outcome)
+
+
+async def consume_stream(stream: trioserve.RequestStream, outcome: Outcome) -> None:
+    """Enter ``stream`` and read it to its end, recording what came in ``outcome``."""
+    try:
+        async with stream:
+            async for out in stream:
+                outcome.token_ids += out.token_ids
+                outcome.started.set()
+                outcome.finish_reason = out.finish_reason
+    except EngineDeadError as exc:
+        outcome.error = exc
+    outcome.ended_at = time.monotonic()
+    outcome.started.set()

@@ -39,6 +39,11 @@ def make_fake_config(model: str, **options: Any) -> EngineConfig:
     return EngineConfig(model=model, runner="fake", fake=FakeRunnerConfig(**options), **engine_options)
 
 
+# Defaults of the fake_config fixture that test modules share (``pytest.mark.fake_config(**SERVING)``).
+SERVING = {"num_kv_blocks": 256, "step_delay_s": 0.002}  # a server's tests: many requests at once, 2 ms steps
+RESTARTING = {"restart_backoff_s": 0.05, "num_kv_blocks": 64}  # supervision's tests: restarts at once
+
+
 def children() -> list[psutil.Process]:
     """This process's descendants that are still alive (one that exits
     while they are listed is not one of them)."""

@@ -9,6 +9,7 @@ decoding with no stop makes the same first tokens however many follow.
 
 from __future__ import annotations
 
+import random
 import threading
 from typing import Any
 
@@ -48,3 +49,10 @@ def _generate(model_dir: str, dtype: Any, prompt: list[int], max_tokens: int) ->
         )
         known = _tokens[key] = out[0, len(prompt) :].tolist()
     return known[:max_tokens]
+
+
+def make_prompts(vocab_size: int, n: int = 8) -> list[list[int]]:
+    """``n`` (at most 8) prompts of 3 to 47 random tokens, the same every time."""
+    rng = random.Random(1234)
+    lengths = [3, 7, 12, 18, 25, 31, 40, 47][:n]
+    return [[rng.randrange(3, vocab_size) for _ in range(length)] for length in lengths]

@@ -38,17 +38,18 @@ from contextlib import ExitStack, asynccontextmanager, contextmanager
 from dataclasses import dataclass
 from decimal import Decimal
 from fractions import Fraction
-from functools import partial
 from typing import Any
 
 import psutil
 import pytest
 import trio
 from helpers.fakes import VOCAB, fake_tokens
+from helpers.server import open_ws
+from helpers.waiting import in_thread
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from websockets.exceptions import ConnectionClosed
-from websockets.sync.client import ClientConnection, connect
+from websockets.sync.client import ClientConnection
 
 import trioserve
 from trioserve import Engine, EngineConfig, RequestOutput, SamplingParams
@@ -510,8 +511,8 @@ def generate_json(request_id: str, prompt_ids: list[int], max_tokens: int) -> st
     return json.dumps({"type": "generate", "id": request_id, "prompt_token_ids": prompt_ids, "params": params})
 
 
-def open_ws(url: str) -> ClientConnection:
-    return connect(url, open_timeout=10, close_timeout=5, max_size=None, ping_interval=None)
+# The fuzzing client's WebSocket options: any size of message read back, no keep-alive pings.
+CLIENT_OPTIONS: dict[str, Any] = {"max_size": None, "ping_interval": None}
 
 
 def receive(ws: ClientConnection) -> dict[str, Any]:
@@ -550,7 +551,7 @@ class FuzzClient:
     def send(self, frame: Frame) -> None:
         answer = expected_answer(frame.payload, frame.value, self.tokenizer)
         if self.ws is None:
-            self.ws = self._opened.enter_context(open_ws(self.url))
+            self.ws = self._opened.enter_context(open_ws(self.url, **CLIENT_OPTIONS))
         self.ws.send(frame.payload)
         if answer.closes:
             with pytest.raises(ConnectionClosed) as closed:
@@ -628,7 +629,7 @@ def check_run(run: Run, cancelled: bool, messages: list[dict[str, Any]]) -> None
 def stream_beside(url: str, stop: threading.Event) -> int:
     """Well-formed requests, one after another on their own connection,
     until ``stop``; each must stream the fake runner's tokens. How many ran."""
-    with open_ws(url) as ws:
+    with open_ws(url, **CLIENT_OPTIONS) as ws:
         for i in range(100_000):
             if stop.is_set():
                 return i
@@ -661,7 +662,7 @@ def fuzz_server(url: str, tokenizer: Tokenizer) -> None:
 
 
 def probe_new_connection(url: str) -> None:
-    with open_ws(url) as ws:
+    with open_ws(url, **CLIENT_OPTIONS) as ws:
         ws.send(generate_json("after", PROBE_PROMPT, 5))
         messages = [receive(ws)]
         while messages[-1]["type"] == "delta":
@@ -701,10 +702,6 @@ def logged_errors() -> Iterator[list[logging.LogRecord]]:
         yield records
     finally:
         logger.removeHandler(handler)
-
-
-async def in_thread(fn: Callable[..., Any], *args: Any) -> Any:
-    return await trio.to_thread.run_sync(partial(fn, *args), abandon_on_cancel=True)
 
 
 async def wait_engine_idle(server: Server) -> None:
