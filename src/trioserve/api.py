@@ -401,7 +401,7 @@ class Engine:
         within ``timeout_s`` are hung: their engine core dies and restarts."""
         if not isinstance(call, DescribeShard | Echo):
             raise InvalidRequestError("call", f"must be DescribeShard or Echo (got {type(call).__name__})")
-        try:  # its fields as the engine core will decode them (found: Echo(text=123) was dropped there)
+        try:  # its fields as the engine core will decode them: one it cannot decode is dropped there
             msgspec.convert(msgspec.to_builtins(call), type(call))
         except msgspec.ValidationError as exc:
             raise InvalidRequestError("call", f"{type(call).__name__}: {exc}") from None
@@ -413,7 +413,7 @@ class Engine:
     ) -> list[ControlReply]:
         """``on_workers``: the call runs on the workers, and those that miss
         ``timeout_s`` are killed as hung, so one given here is at least
-        ``MIN_WORKER_CALL_TIMEOUT_S`` (found: 1e-6 s killed a healthy engine
+        ``MIN_WORKER_CALL_TIMEOUT_S`` (a tiny one would kill a healthy engine
         core, and every request on it). None: ``config.control_timeout_s``."""
         if timeout_s is None:
             return await self._group.control(call, self.config.control_timeout_s)

@@ -395,9 +395,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
 def _stoppable(run: Callable[..., Awaitable[_T]], *args: Any) -> _T:
     """``trio.run(run, *args)``, which a SIGTERM or SIGHUP cancels, so that
-    the engine it started stops in order; then ``StoppedBySignal``. Found:
-    either signal ended bench at once, its engine's processes left to find
-    it gone."""
+    the engine it started stops in order, its processes reaped; then
+    ``StoppedBySignal``."""
     result: list[_T] = []
 
     async def main() -> None:

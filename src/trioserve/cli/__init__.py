@@ -87,7 +87,7 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         if honoured and previous is not None:  # None: a handler installed from C, which we cannot put back
             signal.signal(signal.SIGINT, previous)
-        for signum, handler in found.items():  # found: a caller in this process (a test) kept them ignored
+        for signum, handler in found.items():  # a caller in this process (a test) must not keep them ignored
             if handler is not None:
                 signal.signal(signum, handler)
         if strict and isinstance(sys.stdout, io.TextIOWrapper):

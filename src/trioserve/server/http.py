@@ -67,7 +67,7 @@ class RequestHead:
         target = self.target
         if not target.startswith("/") and "://" in target:
             # The absolute form (``POST http://host/v1/completions``), which a server must take
-            # (RFC 9112, 3.2.2; found: it was answered 426 as if it were no API path).
+            # (RFC 9112, 3.2.2), not a path outside the API.
             target = urlsplit(target).path or "/"
         return target.split("?", 1)[0]
 

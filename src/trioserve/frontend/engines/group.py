@@ -392,7 +392,7 @@ class EngineGroup:
                             "(ask again once it is up)"
                         )
         except BaseExceptionGroup as group:
-            if not meaningful_leaves(group):  # a bare Cancelled, as from every other call (found: a group of it)
+            if not meaningful_leaves(group):  # a bare Cancelled, as from every other call, not a group of it
                 raise leaves(group)[0] from None
             raise
         for supervisor in self.supervisors:

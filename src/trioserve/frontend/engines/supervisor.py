@@ -189,7 +189,7 @@ class EngineSupervisor:
         def ready(info: EngineInfo) -> None:
             nonlocal reported
             if reported:
-                self.num_restarts += 1  # (found: counted at each death, the last one too)
+                self.num_restarts += 1  # a restart is a life that came up again, not a death
             else:
                 reported = True
                 task_status.started(info)
@@ -201,7 +201,7 @@ class EngineSupervisor:
                 if (failed := first_leaf(group, EngineFailedError)) is not None:
                     self.failure = EngineDeadError(str(failed))
                     log.error("%s: %s", self.name, failed)
-                    self._set_health("failed")  # (found: "restarting" for good)
+                    self._set_health("failed")  # not "restarting": no restart will come
                     return
                 error = _startup_error(group)
                 if error is None:
@@ -261,10 +261,10 @@ class EngineSupervisor:
     def _check_same_model(self, info: EngineInfo) -> None:
         """A later life must have loaded the model the first one did (the
         front-end's tokenizer and checks are that one's); else that start
-        fails, naming what changed. Found: after the model directory was
-        replaced (a ``current -> vN`` symlink moved, files updated in place),
-        a restart served another model through the first one's tokenizer,
-        with health ``ready`` and no error."""
+        fails, naming what changed. A model directory can be replaced under
+        a running server (a ``current -> vN`` symlink moved, files updated in
+        place); a restart must not serve another model through the first
+        one's tokenizer."""
         if self._first_model is None:
             self._first_model = info.model
             return
@@ -311,8 +311,8 @@ class EngineSupervisor:
                     await client.control(call, self.config.control_timeout_s)
                 except EngineDeadError:
                     # For the next life: these calls (those it answered died with it), then those asked
-                    # meanwhile, in that order (found: a resume asked meanwhile was put before the pause
-                    # it undid; a pause it had answered was lost).
+                    # meanwhile, in that order: a resume asked meanwhile must come after the pause it
+                    # undoes, and a pause the dead life had answered must hold in the next.
                     meanwhile, self._wanted = list(self._wanted.values()), {}
                     for again in wanted + meanwhile:
                         self.remember(again)

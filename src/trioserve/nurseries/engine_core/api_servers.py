@@ -159,7 +159,7 @@ class ApiServers:
         self._lives[attach.frontend] = life
         self._identities[attach.frontend] = identity
         assert self._info is not None
-        # Paused or asleep from its first moment (found: "ready" until the next heartbeat).
+        # Paused or asleep from its first moment, not "ready" until the next heartbeat says otherwise.
         self._loop.send_nowait([identity, _encode(Attached(info=self._info, state=self._state))])
 
     def _forget(self, orphaned: Callable[[Life], bool]) -> list[str]:

@@ -200,7 +200,7 @@ class Controller:
             self._going_to_sleep = None
             results, error = await self._on_workers(SleepShard(level=call.level), msg.timeout_s)
             # A rank that slept gave its KV cache back, and wakes with a zeroed one: no cached
-            # prefix survives (found: a prompt hitting one after a wake-up read zeros, wrong tokens).
+            # prefix survives (a prompt hitting one after a wake-up would read zeros: wrong tokens).
             self.scheduler.reset_prefix_cache()
             if error:  # some ranks may sleep: wake them all
                 await self._on_workers(WakeShard(), msg.timeout_s)

@@ -198,8 +198,8 @@ class WorkerGroup:
         """Keep a worker's ``WorkerFailed`` as its stream delivers it, before
         it is queued: the monitor names it even when the collector has taken
         it off the inbox and not yet looked at it (``receive()`` yields after
-        taking a message; found: the monitor drained the inbox just then and
-        the error lost the words, about 1 whole-suite run in 3)."""
+        taking a message, and a monitor that drained the inbox just then would
+        find nothing)."""
         if isinstance(msg, WorkerFailed):
             self._last_words[rank] = msg.message
 
@@ -266,7 +266,7 @@ class WorkerGroup:
 
     async def call_all(self, messages: list[ToWorker], reply_type: type[_Reply]) -> list[_Reply]:
         """Send each worker its message, then take one reply from each."""
-        self._answered = set()  # none yet, even if this is cancelled while sending (found: no worker named late)
+        self._answered = set()  # none yet, even if cancelled while sending: every worker may be named late
         await self.send_all(messages)
         return await self.receive_all(reply_type)
 
