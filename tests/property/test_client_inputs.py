@@ -33,18 +33,17 @@ import logging
 import math
 import threading
 import uuid
-from collections.abc import AsyncIterator, Callable, Iterator, Sequence
-from contextlib import ExitStack, asynccontextmanager, contextmanager
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 from decimal import Decimal
 from fractions import Fraction
 from typing import Any
 
-import psutil
 import pytest
 import trio
 from helpers.fakes import VOCAB, fake_tokens
-from helpers.server import open_ws
+from helpers.server import open_ws, serving
 from helpers.waiting import in_thread
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -55,7 +54,7 @@ import trioserve
 from trioserve import Engine, EngineConfig, RequestOutput, SamplingParams
 from trioserve.frontend.text.tokenizer import Tokenizer
 from trioserve.messages import MAX_INT32, MAX_LOGPROBS, MAX_STOP_CHARS, MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS
-from trioserve.server import Server, ServerConfig
+from trioserve.server import Server
 
 MAX_MODEL_LEN = 1024  # over SYNC_TOKENIZE_CHARS / 5 (the longest token): long texts are tokenized in a thread
 MAX_MESSAGE_CHARS = 64 * 1024
@@ -671,18 +670,6 @@ def probe_new_connection(url: str) -> None:
 
 
 # --- the server test --------------------------------------------------------------
-
-
-@asynccontextmanager
-async def serving(engine_config: EngineConfig, **options: Any) -> AsyncIterator[Server]:
-    """A ready server on 127.0.0.1 and a free port; dropped (engine reaped) on exit."""
-    server = Server(engine_config, ServerConfig(port=0, **options))
-    async with trio.open_nursery() as nursery:
-        await nursery.start(server.run)
-        assert await server.wait_ready()
-        yield server
-        nursery.cancel_scope.cancel()
-    assert not psutil.Process().children(recursive=True)
 
 
 @contextmanager
