@@ -512,6 +512,68 @@ async def test_an_api_server_killed_before_it_first_serves_is_restarted_and_serv
         assert await in_thread(proc.wait, 15) == 0
 
 
+@pytest.mark.parametrize("when", ["at the first start", "as a replacement"])
+async def test_an_api_server_stopped_before_it_first_serves_is_killed_replaced_and_serve_starts(tiny_model_dir, when):
+    """Every start-up wait has a deadline: an API server SIGSTOPped as it
+    starts (at the first start, or as the replacement of one killed) is
+    killed as hung (no sign of life within ``startup_timeout_s``, or no
+    heartbeat once its loop runs) and replaced, and ``serve`` says it is
+    serving (it waited for ever on the stopped one)."""
+    options = ("--startup-timeout", "3", "--heartbeat-interval", "0.2", "--heartbeat-timeout", "1")
+    with trio.fail_after(60), spawned(argv(str(tiny_model_dir("llama")), *options)) as proc:
+        url = None
+        others: set[int] = set()
+        if when == "as a replacement":
+            url = await in_thread(wait_for_url, proc, 30)
+            killed, *rest = api_servers(proc.pid)
+            others = {killed, *rest}
+            os.kill(killed, signal.SIGKILL)
+        victim = (await wait_until(lambda: set(api_servers(proc.pid)) - others, 20, interval=0.005)).pop()
+        os.kill(victim, signal.SIGSTOP)
+        stopped_at = time.monotonic()
+        if url is None:
+            url = await in_thread(wait_for_url, proc, 30)
+        await wait_until(lambda: not running(victim), 10)
+        assert time.monotonic() - stopped_at < 3 + 3  # the start-up deadline, and a margin
+        await wait_until(lambda: len(api_servers(proc.pid)) == 2, 10)
+        pids = api_servers(proc.pid)
+        assert victim not in pids
+        with ExitStack() as stack:
+            await in_thread(open_on_both, stack, url, pids)
+        proc.send_signal(signal.SIGTERM)
+        assert await in_thread(proc.wait, 15) == 0
+        assert proc.stderr is not None
+        assert re.search("no sign of life within|sent nothing for", proc.stderr.read())
+
+
+async def test_the_api_key_reaches_no_api_server_environment_and_a_key_outside_ascii_works(tiny_model_dir, tmp_path):
+    """The key (here not ASCII) comes to each API server over a pipe: none
+    has it in its environment (``/proc/PID/environ``), and both accept it."""
+    key = "пароль-s3cret"
+    key_file = tmp_path / "key"
+    key_file.write_text(key + "\n")
+    with trio.fail_after(60), spawned(argv(str(tiny_model_dir("llama")), "--api-key-file", str(key_file))) as proc:
+        url = await in_thread(wait_for_url, proc, 30)
+        pids = api_servers(proc.pid)
+        assert len(pids) == 2
+        for pid in tree_of(proc.pid):
+            environ = open(f"/proc/{pid}/environ", "rb").read()  # noqa: SIM115
+            assert key.encode() not in environ and key.encode().hex().encode() not in environ
+            assert b"s3cret" not in environ and b"s3cret".hex().encode() not in environ
+        for pid in pids:
+            told = bytes.fromhex(psutil.Process(pid).environ()[API_SERVER_ENV])
+            assert msgspec.msgpack.decode(told, type=ApiServerInit).server_config.api_key is None
+        with ExitStack() as stack:
+            for conn in await in_thread(http_on_both, stack, port_of(url), pids):
+                for headers, status in (({}, 401), ({"Authorization": f"Bearer {key}".encode()}, 200)):
+                    conn.request("GET", "/v1/models", headers=headers)
+                    response = conn.getresponse()
+                    response.read()
+                    assert response.status == status
+        proc.send_signal(signal.SIGTERM)
+        assert await in_thread(proc.wait, 15) == 0
+
+
 async def test_the_usual_exit_codes_hold_3_when_the_engine_cannot_start(tiny_model_dir):
     options = ("--fake-options", '{"hang_at_load": true}', "--model-load-timeout", "1")
     with trio.fail_after(60), spawned(argv(str(tiny_model_dir("llama")), *options)) as proc:

@@ -195,10 +195,11 @@ def test_a_hard_exit_time_that_is_not_seconds_is_one_line_naming_the_variable(ti
 
 SIGNAL_AFTER_CLOSE = """
 import os, signal, trio
-from trioserve.cli.signals import _ignored_after_close, shutdown_signals
+from trioserve.cli.signals import shutdown_signals
+from trioserve.nurseries.supervision.oneshot import ignored_after_close
 
 async def main():
-    with trio.open_signal_receiver(*_ignored_after_close(shutdown_signals())) as signals:
+    with trio.open_signal_receiver(*ignored_after_close(shutdown_signals())) as signals:
         os.kill(os.getpid(), signal.SIGTERM)  # taken by the receiver
         await signals.__anext__()
         os.kill(os.getpid(), signal.SIGHUP)  # a second one, not taken before it closes

@@ -93,6 +93,36 @@ async def test_a_signal_while_the_default_model_converts_stops_the_converter_and
     assert os.listdir(cache) == []
 
 
+@pytest.mark.parametrize(
+    ("signum", "last_line"),
+    [
+        (signal.SIGTERM, STOPPED.format("SIGTERM")),
+        (signal.SIGHUP, STOPPED.format("SIGHUP")),
+        (signal.SIGINT, SIGINT_STOPPED),
+    ],
+    ids=["SIGTERM", "SIGHUP", "SIGINT"],
+)
+async def test_the_same_signal_twice_while_the_default_model_converts_stops_it_once_and_keeps_nothing(
+    tmp_path, signum, last_line
+):
+    """Found: the second of two SIGTERMs (or SIGHUPs) 20 ms apart killed
+    ``serve`` (exit 143 or 129, no message, a ``.building-*`` directory left in
+    the cache); two SIGINTs ended in a ``KeyboardInterrupt`` traceback. The
+    stop is taken once; a signal after it is ignored while the stop runs."""
+    cache = tmp_path / "cache"
+    with trio.fail_after(60), spawned(serve_argv(), {**os.environ, "TRIOSERVE_CACHE_DIR": str(cache)}) as proc:
+        builder = await _wait_for_builder(proc)
+        proc.send_signal(signum)
+        await trio.sleep(0.02)
+        proc.send_signal(signum)
+        _, err = await trio.to_thread.run_sync(partial(proc.communicate, timeout=30))
+        assert proc.returncode == 0, err
+        assert err.strip().splitlines()[-1] == last_line
+        assert "Traceback" not in err
+        assert not running(builder.pid)
+    assert os.listdir(cache) == []
+
+
 async def test_kill_9_while_the_default_model_converts_ends_the_converter_which_removes_its_directory(tmp_path):
     cache = tmp_path / "cache"
     with trio.fail_after(60), spawned(serve_argv(), {**os.environ, "TRIOSERVE_CACHE_DIR": str(cache)}) as proc:

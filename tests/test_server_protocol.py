@@ -203,6 +203,13 @@ def test_parse_request_head_lowercases_header_names():
     assert parsed.has_bearer_token("k") and not parsed.has_bearer_token("kk")
 
 
+def test_an_api_key_outside_ascii_matches_the_same_key_sent_as_utf_8():
+    """The header is decoded as latin-1: compared as text, a UTF-8 key sent by a client never matched."""
+    parsed = head("GET", "/v1/models", Authorization="Bearer пароль")
+    assert parsed.has_bearer_token("пароль")
+    assert not parsed.has_bearer_token("парол") and not parsed.has_bearer_token("Ð¿Ð°ÑÐ¾Ð»Ñ")
+
+
 def test_a_target_in_absolute_form_has_its_path():
     """RFC 9112, 3.2.2: a server takes ``POST http://host/path`` (found: it was answered 426)."""
     parsed = head("POST", "http://x:8000/v1/completions?a=1")

@@ -69,23 +69,35 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def main(argv: list[str] | None = None) -> int:
+def command() -> int:
+    """The ``trioserve`` command's entry point (its console script and
+    ``python -m trioserve.cli``): ``main`` in a process that exits when it
+    returns, so the signals it has taken stay ignored to the end (``main``'s
+    putting back the default handlers would let a second Ctrl-C or SIGTERM,
+    close behind the first, kill the process as it exits)."""
+    return main(restore_signals=False)
+
+
+def main(argv: list[str] | None = None, *, restore_signals: bool = True) -> int:
     """The ``trioserve`` command: its exit code. A closed standard
     descriptor gets ``/dev/null`` (``ensure_standard_fds``). SIGINT is
     honoured in every phase, even when this process was started with it
     ignored (a background job of a script, ``nohup``): ``kill -INT`` then
     means what it says, also while ``serve`` converts the default model,
-    before it serves. On return, the signals' handlers are what they were
-    (a server leaves its stop signals ignored, ``signals._ignored_after_close``)."""
+    before it serves. On return, with ``restore_signals``, the signals'
+    handlers are what they were (a stop leaves its signals ignored,
+    ``supervision.oneshot.ignored_after_close``): for a caller in this
+    process, a test."""
     ensure_standard_fds()  # before anything opens a descriptor
     honoured = threading.current_thread() is threading.main_thread()
-    found = {signum: signal.getsignal(signum) for signum in (signal.SIGTERM, signal.SIGHUP)} if honoured else {}
+    restored = (signal.SIGTERM, signal.SIGHUP) if honoured and restore_signals else ()
+    found = {signum: signal.getsignal(signum) for signum in restored}
     previous = signal.signal(signal.SIGINT, signal.default_int_handler) if honoured else None
     strict = _replace_unencodable(sys.stdout)
     try:
         return _main(argv)
     finally:
-        if honoured and previous is not None:  # None: a handler installed from C, which we cannot put back
+        if restore_signals and previous is not None:  # None: a handler installed from C, which we cannot put back
             signal.signal(signal.SIGINT, previous)
         for signum, handler in found.items():  # a caller in this process (a test) must not keep them ignored
             if handler is not None:

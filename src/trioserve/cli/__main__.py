@@ -1,5 +1,5 @@
 import sys
 
-from trioserve.cli import main
+from trioserve.cli import command
 
-sys.exit(main())
+sys.exit(command())

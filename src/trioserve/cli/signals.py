@@ -8,7 +8,7 @@ from collections.abc import Awaitable, Callable
 
 import trio
 
-from trioserve.nurseries.supervision.oneshot import stop_signals
+from trioserve.nurseries.supervision.oneshot import ignored_after_close, stop_signals
 from trioserve.stdio import say
 
 
@@ -18,18 +18,6 @@ def shutdown_signals() -> tuple[signal.Signals, ...]:
     terminal closed: streams must not be cut short) unless it was started
     under ``nohup``."""
     return (signal.SIGINT, *stop_signals())
-
-
-def _ignored_after_close(signals: tuple[signal.Signals, ...]) -> tuple[signal.Signals, ...]:
-    """``signals``, each set to be ignored, for a Trio signal receiver to take
-    over at once: when it closes it restores what it found, so a signal it
-    has not taken then (one more during the stop, or as the server ends)
-    is ignored, not fatal, until ``main`` returns (two signals close together
-    while the engine loads must not kill a server that has already said
-    "stopped")."""
-    for signum in signals:
-        signal.signal(signum, signal.SIG_IGN)
-    return signals
 
 
 async def run_until_signalled(
@@ -44,10 +32,10 @@ async def run_until_signalled(
     which stops the run: gracefully (a server's shutdown, which a second
     signal cuts short) or at once (``nursery.cancel_scope.cancel()``, then
     every process started is stopped and reaped). The signals stay ignored
-    after this returns (``_ignored_after_close``), until ``main`` restores
+    after this returns (``ignored_after_close``), until ``main`` restores
     them. What ``run`` raises is raised as it is, not in a group."""
     failure: list[Exception] = []
-    with trio.open_signal_receiver(*_ignored_after_close(shutdown_signals())) as signals:
+    with trio.open_signal_receiver(*ignored_after_close(shutdown_signals())) as signals:
         async with trio.open_nursery() as nursery:
 
             async def take_signals() -> None:

@@ -89,9 +89,11 @@ class RequestHead:
         return "websocket" in self.headers.get("upgrade", "").lower()
 
     def has_bearer_token(self, api_key: str) -> bool:
-        """True when ``Authorization: Bearer <api_key>`` is present (compared in constant time)."""
+        """True when ``Authorization: Bearer <api_key>`` is present (compared in constant time). Compared
+        as bytes: the header's as sent (decoded as latin-1, so encoding it back gives them), the key's as
+        UTF-8, so that a key outside ASCII matches the same key sent by a client."""
         scheme, _, token = self.headers.get("authorization", "").partition(" ")
-        return scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(), api_key.encode())
+        return scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode("latin-1"), api_key.encode())
 
 
 def parse_request_head(head: bytes) -> RequestHead:

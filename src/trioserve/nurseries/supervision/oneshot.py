@@ -13,7 +13,9 @@ for it. So it is a child like any other:
 - SIGINT in the parent (Ctrl-C), and SIGTERM or SIGHUP (a terminal closed),
   stop it, wait for it to be reaped, then raise ``KeyboardInterrupt`` and
   ``StoppedBySignal``; so does the end of its time limit, which returns as
-  ``timed_out``.
+  ``timed_out``. The first such signal is the one taken: those that follow
+  are ignored, so that the stop runs its course (the caller removes what the
+  child half built) whatever the user presses meanwhile.
 """
 
 from __future__ import annotations
@@ -113,7 +115,9 @@ async def _run(
             started.append(await nursery.start(start))
 
     with trio.move_on_after(timeout_s if timeout_s is not None else float("inf")) as limit:
-        if (signum := await until_stop_signal(supervise)) is not None:  # the child was stopped and reaped
+        if (signum := await until_stop_signal(supervise, interrupt=True)) is not None:  # stopped and reaped
+            if signum == signal.SIGINT:
+                raise KeyboardInterrupt
             raise StoppedBySignal(signum, f"stopped the {name} before it finished (nothing kept)")
     if limit.cancelled_caught or not started:
         return None  # stopped at its time limit (and reaped)
@@ -131,17 +135,33 @@ def stop_signals() -> tuple[signal.Signals, ...]:
     return (signal.SIGTERM, signal.SIGHUP)
 
 
-async def until_stop_signal(main: Callable[[], Awaitable[object]]) -> signal.Signals | None:
-    """Run ``main()``; a SIGTERM or SIGHUP (``stop_signals()``) cancels it, so
-    that what it started stops in order (a process killed by the signal would
-    leave its children to find it gone). Returns the signal that stopped it,
-    or None. Outside the main thread, where no signal arrives, it only runs
-    ``main()``."""
+def ignored_after_close(signals: tuple[signal.Signals, ...]) -> tuple[signal.Signals, ...]:
+    """``signals``, each set to be ignored, for a Trio signal receiver to take
+    over at once: when it closes it restores what it found, so a signal it
+    has not taken then (one more during the stop, or as the program ends)
+    is ignored, not fatal, until ``main`` restores the handlers (two signals
+    close together must not kill a process half-way through its stop)."""
+    for signum in signals:
+        signal.signal(signum, signal.SIG_IGN)
+    return signals
+
+
+async def until_stop_signal(main: Callable[[], Awaitable[object]], *, interrupt: bool = False) -> signal.Signals | None:
+    """Run ``main()``; a SIGTERM or SIGHUP (``stop_signals()``), and a SIGINT
+    if ``interrupt`` (else it raises ``KeyboardInterrupt`` as usual), cancels
+    it, so that what it started stops in order (a process killed by the
+    signal would leave its children to find it gone). Returns the signal that
+    stopped it, or None. Once one has come, they stay ignored
+    (``ignored_after_close``) until ``main`` restores them; if none came,
+    their handlers are put back at once. Outside the main thread, where no
+    signal arrives, it only runs ``main()``."""
     if threading.current_thread() is not threading.main_thread():
         await main()
         return None
+    taken = (signal.SIGINT, *stop_signals()) if interrupt else stop_signals()
+    found = {signum: signal.getsignal(signum) for signum in taken}
     stopped_by: signal.Signals | None = None
-    with trio.open_signal_receiver(*stop_signals()) as signals:
+    with trio.open_signal_receiver(*ignored_after_close(taken)) as signals:
         async with trio.open_nursery() as nursery:
 
             async def stop_on_signal() -> None:
@@ -153,6 +173,10 @@ async def until_stop_signal(main: Callable[[], Awaitable[object]]) -> signal.Sig
             nursery.start_soon(stop_on_signal)
             await main()
             nursery.cancel_scope.cancel()
+    if stopped_by is None:
+        for signum, handler in found.items():
+            if handler is not None:  # None: installed from C, which cannot be put back
+                signal.signal(signum, handler)
     return stopped_by
 
 

@@ -32,10 +32,15 @@ Each API server is a supervised child: one that dies, or falls silent, is
 restarted after
 ``restart_backoff_s`` (doubling), at most ``max_restarts`` times within
 ``restart_window_s`` (the engines' budget), past which ``serve`` stops
-(exit 1). Once it serves, it writes a byte on its ready pipe every
-``heartbeat_interval_s`` from its event loop; one silent for
-``heartbeat_timeout_s`` (stopped, or its loop wedged: it serves nobody) is
-killed as hung, which counts as a death. Its clients see their connections
+(exit 1). From the moment its event loop runs, it writes a byte on its
+ready pipe every ``heartbeat_interval_s`` (``r`` once it serves, ``h``
+otherwise), waiting for the engines or serving alike. Every wait has a
+deadline: one that shows no sign of life within ``startup_timeout_s`` of
+its start (the interpreter and its imports), or is then silent for
+``heartbeat_timeout_s`` (stopped, or its loop wedged: it serves nobody),
+is killed as hung, which counts as a death. So one stopped before it first
+serves is replaced as one stopped later is, and ``serve`` reports that it
+serves once a replacement does. Its clients see their connections
 close, and its requests are aborted in the engine cores
 (``EngineGroup.api_server_died``); the other API servers' see nothing.
 Whichever life of an API server first serves reports its start. SIGTERM or SIGINT to the supervising process drains them
@@ -50,6 +55,7 @@ the first of them to go removes the private directory.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import logging
 import os
@@ -72,9 +78,10 @@ from trioserve.server.server import Server
 from trioserve.transport.silence import Silence
 from trioserve.transport.zmq_trio import private_ipc_dir
 
-API_SERVER_ENV = "TRIOSERVE_API_SERVER"  # ApiServerInit, msgpack, hex
+API_SERVER_ENV = "TRIOSERVE_API_SERVER"  # ApiServerInit, msgpack, hex: holds no secret
+API_KEY_FD_ENV = "TRIOSERVE_API_KEY_FD"  # a pipe that carries the API key (never the environment)
 LISTEN_FD_ENV = "TRIOSERVE_LISTEN_FD"
-READY_FD_ENV = "TRIOSERVE_READY_FD"  # the API server writes b"r" there once it serves
+READY_FD_ENV = "TRIOSERVE_READY_FD"  # the API server's heartbeats: b"h" while it starts, b"r" once it serves
 DRAIN_SIGNAL = signal.SIGUSR1  # to an API server: shut down gracefully (again: end the grace now)
 BACKLOG = 4096
 MAX_API_SERVERS = 64  # processes: each holds a tokenizer and its connections
@@ -86,8 +93,10 @@ class ApiServerFailed(TrioserveError):
 
 
 class ApiServerInit(msgspec.Struct, frozen=True):
-    """What an API-server process is told (in its environment: it holds the
-    API key, so it goes to the child only, never on a command line)."""
+    """What an API-server process is told in its environment (readable in
+    ``/proc/PID/environ`` by the same user for the process's whole life): so
+    ``server_config`` has no API key here; the key comes over a pipe of its
+    own (``API_KEY_FD_ENV``)."""
 
     engine_config: EngineConfig
     server_config: ServerConfig
@@ -161,7 +170,7 @@ class ApiServers:
 
     async def _keep(self, k: int, fd: int, directory: str, *, task_status: trio.TaskStatus[None]) -> None:
         """API server ``k``, restarted within the budget; ``task_status`` once it first serves."""
-        init = ApiServerInit(self.engine_config, self.server_config, k, directory)
+        init = ApiServerInit(self.engine_config, dataclasses.replace(self.server_config, api_key=None), k, directory)
         env = {**os.environ, API_SERVER_ENV: msgspec.msgpack.encode(init).hex(), LISTEN_FD_ENV: str(fd)}
         deaths: deque[float] = deque()
         started = False
@@ -213,42 +222,67 @@ class ApiServers:
     async def _run_one(self, k: int, fd: int, env: dict[str, str], ready: Callable[[], None]) -> None:
         """One life of API server ``k``: ``ready()`` once it serves; raises
         ``ProcessExited`` (in a group) when it exits."""
-        read_end, write_end = os.pipe()
+        ends: list[int] = []  # closed at the end, those the child holds at once
         try:
+            read_end, write_end = _pipe(ends)
+            env = {**env, READY_FD_ENV: str(write_end)}
+            pass_fds = [fd, write_end]
+            key = self.server_config.api_key
+            if key is not None:
+                key_read_end, key_write_end = _pipe(ends)
+                env[API_KEY_FD_ENV] = str(key_read_end)
+                pass_fds.append(key_read_end)
             async with trio.open_nursery() as nursery:
                 child = await nursery.start(
                     functools.partial(
                         supervise_process,
                         python_argv("trioserve.server.api_servers"),
                         name=f"api-server-{k}",
-                        env={**env, READY_FD_ENV: str(write_end)},
-                        pass_fds=(fd, write_end),
+                        env=env,
+                        pass_fds=tuple(pass_fds),
                         grace_s=self.engine_config.shutdown_grace_s,
                     )
                 )
                 self.children[k] = child
-                os.close(write_end)
-                write_end = -1
-                await trio.lowlevel.wait_readable(read_end)
-                if os.read(read_end, 1) == b"r":
-                    ready()
-                    await self._watch_heartbeats(k, child, read_end)
-        finally:
-            for end in (read_end, write_end):
-                if end >= 0:
+                for end in pass_fds[1:]:  # the child's now
+                    ends.remove(end)
                     os.close(end)
+                if key is not None:
+                    ends.remove(key_write_end)
+                    nursery.start_soon(_hand_over, key_write_end, key.encode())
+                await self._watch_heartbeats(k, child, read_end, ready)
+        finally:
+            for end in ends:
+                os.close(end)
 
-    async def _watch_heartbeats(self, k: int, child: ChildProcess, read_end: int) -> None:
-        """Read API server ``k``'s heartbeats until its pipe ends (it exits);
-        if it is silent for ``heartbeat_timeout_s``, kill it as hung."""
+    async def _watch_heartbeats(self, k: int, child: ChildProcess, read_end: int, ready: Callable[[], None]) -> None:
+        """Read API server ``k``'s heartbeats until its pipe ends (it exits),
+        calling ``ready()`` at its first ``r``; if none comes within
+        ``startup_timeout_s``, or it is then silent for
+        ``heartbeat_timeout_s``, kill it as hung."""
+        with trio.move_on_after(self.engine_config.startup_timeout_s) as first:
+            await trio.lowlevel.wait_readable(read_end)
+        if first.cancelled_caught:
+            log.warning(
+                "api-server-%d (pid %d) showed no sign of life within %ss of its start (startup_timeout_s): "
+                "hung (stopped, or stuck), killed",
+                k,
+                child.pid,
+                self.engine_config.startup_timeout_s,
+            )
+            child.declare_hung()
+            return
         silence = Silence()
         timeout = self.engine_config.heartbeat_timeout_s
         async with silence.watched(timeout):
             while True:
                 await trio.lowlevel.wait_readable(read_end)
-                if not os.read(read_end, 4096):
+                beats = os.read(read_end, 4096)
+                if not beats:
                     return  # it is exiting: its reaper says how
                 silence.heard()
+                if b"r" in beats:
+                    ready()
         log.warning(
             "api-server-%d (pid %d) sent nothing for %.1fs (heartbeat_timeout_s=%ss): hung (stopped, or stuck), killed",
             k,
@@ -259,21 +293,57 @@ class ApiServers:
         child.declare_hung()
 
 
-async def _heartbeats(fd: int, interval_s: float) -> None:
+def _pipe(ends: list[int]) -> tuple[int, int]:
+    """A pipe, its two ends added to ``ends`` (to be closed)."""
+    read_end, write_end = os.pipe()
+    ends += (read_end, write_end)
+    return read_end, write_end
+
+
+async def _hand_over(fd: int, data: bytes) -> None:
+    """Write ``data`` on pipe ``fd`` and close it (the child reads to its
+    end); a child that is gone already is not an error."""
+    async with trio.lowlevel.FdStream(fd) as stream:
+        with contextlib.suppress(trio.BrokenResourceError):
+            await stream.send_all(data)
+
+
+async def _heartbeats(fd: int, interval_s: float, serving: trio.Event) -> None:
     """Write a byte on ``fd`` (the ready pipe) every ``interval_s``, from this
-    event loop; a full pipe (the supervising process is stopped) or a closed
-    one (it is gone: the parent watch ends this process) is not an error."""
+    event loop: ``h`` until ``serving`` is set, then ``r`` at once and ``h``
+    after it. A full pipe (the supervising process is stopped) or a closed one
+    (it is gone: the parent watch ends this process) is not an error (an
+    ``r`` not written is written at the next beat)."""
     os.set_blocking(fd, False)
+    told = False
     while True:
+        beat = b"r" if serving.is_set() and not told else b"h"
         with contextlib.suppress(BlockingIOError, BrokenPipeError):
-            os.write(fd, b"h")
-        await trio.sleep(interval_s)
+            os.write(fd, beat)
+            told = told or beat == b"r"
+        if told or serving.is_set():
+            await trio.sleep(interval_s)
+        else:
+            with trio.move_on_after(interval_s):
+                await serving.wait()
+
+
+async def _read_to_end(fd: int) -> str:
+    """What the supervising process writes on pipe ``fd`` (``_hand_over``), as text; the pipe is closed."""
+    chunks = []
+    async with trio.lowlevel.FdStream(fd) as pipe:
+        while chunk := await pipe.receive_some():
+            chunks.append(chunk)
+    return b"".join(chunks).decode()
 
 
 async def api_server_main() -> None:
     """The API-server process: ``Server`` over the inherited listening socket,
     attached to the engine cores (run by ``run_child_main``)."""
     init = msgspec.msgpack.decode(bytes.fromhex(os.environ.pop(API_SERVER_ENV)), type=ApiServerInit)
+    if (key_fd := os.environ.pop(API_KEY_FD_ENV, None)) is not None:
+        key = await _read_to_end(int(key_fd))
+        init = msgspec.structs.replace(init, server_config=dataclasses.replace(init.server_config, api_key=key))
     listen_socket = socket.socket(fileno=int(os.environ.pop(LISTEN_FD_ENV)))
     ready_fd = int(os.environ.pop(READY_FD_ENV))
     remove_if_parent_dies(init.directory)  # the supervising process's: nobody else removes it after a kill -9
@@ -291,8 +361,9 @@ async def api_server_main() -> None:
                 await server.run()  # returns once a shutdown has run its course
                 nursery.cancel_scope.cancel()
 
+            serving = trio.Event()
             nursery.start_soon(drain_on_signal)
             nursery.start_soon(run)
+            nursery.start_soon(_heartbeats, ready_fd, init.engine_config.heartbeat_interval_s, serving)
             if await server.wait_ready():
-                os.write(ready_fd, b"r")
-                nursery.start_soon(_heartbeats, ready_fd, init.engine_config.heartbeat_interval_s)
+                serving.set()
