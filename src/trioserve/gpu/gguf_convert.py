@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import copy
 import functools
+import os
 import pathlib
 
 
@@ -82,6 +83,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("gguf_file")
     parser.add_argument("out_dir", help="directory to write (created if missing)")
     args = parser.parse_args(argv)
+    # transformers' GGUF reader draws its own tqdm bar (dozens of lines in the log of a serve that converts):
+    # tqdm reads this when it is imported, so before transformers is.
+    os.environ["TQDM_DISABLE"] = "1"
     from transformers.utils import logging
 
     logging.disable_progress_bar()

@@ -52,7 +52,7 @@ class BadRequest(Exception):
 
     def body(self) -> ErrorBody:
         """The answer's body: OpenAI's error object (what the API's clients read), for any path."""
-        code = "request_too_large" if self.status == 413 else "malformed_request"
+        code = {413: "request_too_large", 431: "request_head_too_large"}.get(self.status, "malformed_request")
         return ErrorBody(ErrorObject(message=str(self), type="invalid_request_error", param=None, code=code))
 
 

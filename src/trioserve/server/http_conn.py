@@ -2,9 +2,16 @@
 
 h11 parses and frames; this class only reads and writes. Invariants:
 
-- A request head is at most ``http.MAX_HEAD_BYTES``, a body at most
+- A request head is at most ``http.MAX_HEAD_BYTES`` with at most
+  ``MAX_HEADERS`` fields, however it arrives (431 beyond), a body at most
   ``max_body_bytes`` (a larger one is answered 413 and the connection
   closed); the deadlines for reading them are the caller's.
+- A request with both ``Content-Length`` and ``Transfer-Encoding`` is
+  refused (400) and its connection closed (RFC 9112, 6.3): a proxy in front
+  that framed it by the other header would see another request in its body.
+- A client that half-closes its side (``shutdown(SHUT_WR)``) after its
+  request still gets the whole response (its connection then closes); only
+  a reset, or a failed write, is a client gone.
 - Exactly one task reads the socket at a time: the caller while it reads a
   request, else ``watch_disconnect``, which buffers what a pipelining client
   sends next (at most ``MAX_PIPELINED_BYTES``) and notices its EOF.
@@ -31,6 +38,7 @@ import trio
 from trioserve.server.http import MAX_HEAD_BYTES, BadRequest, ReplayStream, RequestHead, encode_json, response
 
 RECEIVE_BYTES = 64 * 1024
+MAX_HEADERS = 128  # fields in one request head
 MAX_PIPELINED_BYTES = 64 * 1024  # what a client may send ahead while its request is served
 SEND_PIECE_BYTES = 64 * 1024  # a write is bounded in time per piece of this size
 LINGER_S = 2.0  # after an error answer, how long to read on what the client still sends ...
@@ -83,6 +91,7 @@ class HttpConnection:
             return None
         if not isinstance(event, h11.Request):  # pragma: no cover - h11 gives a Request first
             raise BadRequest(f"unexpected {type(event).__name__}")
+        _check_head(event)
         self._request = event
         self.num_requests += 1
         return RequestHead.from_h11(event)
@@ -247,11 +256,11 @@ class HttpConnection:
         try:
             while len(self._h11.trailing_data[0]) < MAX_PIPELINED_BYTES:
                 data = await self.stream.receive_some(RECEIVE_BYTES)
-                if not data:
-                    break
+                if not data:  # a half-close: it still reads (if it is gone, a write will say)
+                    self._h11.receive_data(b"")  # no request after this one: the connection closes
+                    await trio.sleep_forever()
                 self._h11.receive_data(bytes(data))
-            else:
-                await trio.sleep_forever()  # a client that floods us is served, then dropped
+            await trio.sleep_forever()  # a client that floods us is served, then dropped
         except (trio.BrokenResourceError, trio.ClosedResourceError):
             pass
         except h11.RemoteProtocolError:  # pragma: no cover - h11 only buffers here
@@ -278,6 +287,20 @@ class HttpConnection:
         for start in range(0, len(data), SEND_PIECE_BYTES):
             with trio.fail_after(self.send_timeout_s):
                 await self.stream.send_all(data[start : start + SEND_PIECE_BYTES])
+
+
+def _check_head(request: h11.Request) -> None:
+    """``BadRequest`` for a head over the bounds (h11 bounds only one that
+    arrives in several reads) or one framed by two headers at once."""
+    headers = request.headers.raw_items()
+    if len(headers) > MAX_HEADERS:
+        raise BadRequest(f"request head with more than {MAX_HEADERS} header fields", status=431)
+    size = len(request.method) + len(request.target) + 12 + sum(len(n) + len(v) + 4 for n, v in headers)
+    if size > MAX_HEAD_BYTES:
+        raise BadRequest(f"request head larger than {MAX_HEAD_BYTES} bytes", status=431)
+    names = {name.lower() for name, _ in headers}
+    if b"content-length" in names and b"transfer-encoding" in names:
+        raise BadRequest("a request may not have both Content-Length and Transfer-Encoding")
 
 
 def _reason(status: int) -> bytes:

@@ -70,6 +70,13 @@ def model_name(config: EngineConfig) -> str:
     return Path(config.model).name or config.model
 
 
+def _only(exc: BaseException, *kinds: type[BaseException]) -> bool:
+    """True when ``exc`` is one of ``kinds``, or a group of nothing else."""
+    if isinstance(exc, BaseExceptionGroup):
+        return all(_only(inner, *kinds) for inner in exc.exceptions)
+    return isinstance(exc, kinds)
+
+
 class Server:
     """Serve ``engine_config``'s model over WebSocket. Run with ``await
     nursery.start(server.run)`` (started once listening; ``await
@@ -264,12 +271,15 @@ class Server:
                 with trio.move_on_after(DROP_WRITE_TIMEOUT_S):
                     reply = http.at_capacity(self.config.max_connections)
                     await stream.send_all(http.response(reply.status, reply.body, extra_headers=reply.headers))
-        except (trio.BrokenResourceError, trio.ClosedResourceError):
-            pass  # the client went away
-        except trio.TooSlowError:
-            log.debug("a client read nothing for %gs: its connection was closed", self.config.slow_consumer_timeout_s)
-        except Exception:  # a bug serving one client must not stop the others
-            log.exception("a connection failed")
+        except Exception as exc:  # from the connection's tasks too: in a group
+            if _only(exc, trio.BrokenResourceError, trio.ClosedResourceError):
+                log.debug("a client went away: its connection was closed")
+            elif _only(exc, trio.TooSlowError):
+                log.debug(
+                    "a client read nothing for %gs: its connection was closed", self.config.slow_consumer_timeout_s
+                )
+            else:  # a bug serving one client must not stop the others
+                log.exception("a connection failed")
         finally:
             self.admission.release(slot)
             await trio.aclose_forcefully(stream)
