@@ -117,6 +117,11 @@ async def test_seeded_sampling_does_not_depend_on_the_batch(tiny_model_dir):
             assert results["seeded"] == alone
             different_seed = SamplingParams(max_tokens=16, temperature=1.0, seed=8, ignore_eos=True)
             assert (await engine.generate(prompt, different_seed)).token_ids != alone
+            # Near-greedy settings sample the greedy tokens (found: a temperature of 1e-38 gave token 0 each time).
+            greedy = (await engine.generate(prompt, SamplingParams(max_tokens=12, temperature=0))).token_ids
+            for near in ({"temperature": 1e-38}, {"temperature": 5e-324}, {"top_p": 1e-46}, {"top_p": 5e-324}):
+                params = SamplingParams(max_tokens=12, **near)
+                assert (await engine.generate(prompt, params)).token_ids == greedy, near
 
 
 async def test_text_prompt_streams_text_that_matches_the_tokens(tiny_model_dir):

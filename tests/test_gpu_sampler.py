@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from trioserve.messages import SamplingParams
 
@@ -150,3 +152,46 @@ def test_logprobs_of_sampled_token_and_top_alternatives():
     assert (third.top_token_ids, third.top_logprobs) == ([], [])
     assert third.logprob == pytest.approx(expected[2].max().item(), abs=1e-5)
     assert sample(logits, batch_of([SamplingParams()] * 3), fresh_generator()).logprobs is None
+
+
+TINY_FLOATS = [5e-324, 1e-320, 1e-45, 1e-39, 1e-38, 1e-30, 1e-7]
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    temperature=st.sampled_from([*TINY_FLOATS, 1e-5, 0.5, 1.0, 100.0]),
+    top_p=st.sampled_from([*TINY_FLOATS, 0.5, 1.0]),
+    top_k=st.sampled_from([0, 1, 2, 2**31 - 1]),
+    min_p=st.sampled_from([0.0, *TINY_FLOATS, 1.0]),
+    repetition_penalty=st.sampled_from([*TINY_FLOATS, 1.0, 10.0]),
+    frequency_penalty=st.sampled_from([-2.0, 0.0, 2.0]),
+    presence_penalty=st.sampled_from([-2.0, 0.0, 2.0]),
+    seed=st.integers(0, 2**63 - 1),
+)
+def test_every_accepted_extreme_samples_a_real_token_and_greedy_equivalents_give_the_greedy_one(
+    temperature, top_p, top_k, min_p, repetition_penalty, frequency_penalty, presence_penalty, seed
+):
+    """Found: a temperature of 1e-38 made logits / temperature infinite and
+    the softmax NaN, so every token came out as id 0; a top_p that rounds to
+    0 in float32 dropped even the top token."""
+    params = SamplingParams(
+        temperature=temperature,
+        top_p=top_p,
+        top_k=top_k,
+        min_p=min_p,
+        repetition_penalty=repetition_penalty,
+        frequency_penalty=frequency_penalty,
+        presence_penalty=presence_penalty,
+        seed=seed,
+    )
+    logits = random_logits(1, seed=seed % 1000) * 8  # a spread like a model's
+    batch = batch_of([params], token_ids=[[3, 5, 3, 9]], num_prompt=[2])
+    penalized = apply_penalties(logits.float(), batch)
+    assert not penalized.isnan().any()
+    filtered = apply_filters(penalized, [params])
+    assert not filtered.isnan().any() and filtered.isfinite().any()
+    (token,) = sample(logits, batch, fresh_generator()).token_ids
+    if not params.greedy:  # (greedy rows take the argmax, unfiltered)
+        assert filtered[0, token].isfinite()  # a token the filters kept, never a NaN's argmax
+    if temperature < 1e-5 or top_k == 1 or top_p < 1e-7 or min_p == 1.0:
+        assert penalized[0, token] == penalized.max()  # the greedy token (or one tied with it)

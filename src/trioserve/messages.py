@@ -44,6 +44,9 @@ MAX_LOGPROBS = 20
 MAX_TEMPERATURE = 100.0
 
 
+GREEDY_BELOW = 1e-5  # a temperature this small samples as greedy: logits / it would overflow float32
+
+
 class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True, frozen=True):
     """How to pick tokens for one request. Invalid values raise
     ``InvalidRequestError`` (a ``ValueError``) naming the field, at
@@ -52,7 +55,8 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True, frozen=Tr
     and the struct is frozen, so a ``SamplingParams`` that exists can always
     cross a process boundary.
 
-    ``temperature == 0`` means greedy. ``top_k == 0`` and ``top_p == 1`` turn
+    ``temperature == 0`` means greedy, and so does any temperature below
+    ``GREEDY_BELOW`` (dividing logits by it would overflow). ``top_k == 0`` and ``top_p == 1`` turn
     those filters off. With ``seed`` set, the tokens depend only on the seed,
     the prompt and the model: not on what else shares the batch. ``stop``
     holds at most ``MAX_STOP_STRINGS`` strings of ``MAX_STOP_CHARS``
@@ -93,7 +97,7 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True, frozen=Tr
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0
+        return self.temperature < GREEDY_BELOW
 
 
 def _bad(name: str, message: str, value: object) -> InvalidRequestError:

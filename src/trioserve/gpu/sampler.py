@@ -4,8 +4,13 @@ Order of operations on each row of ``logits [B, V]``:
 
 1. penalties: repetition (HF style, over prompt and output tokens), then
    frequency and presence (OpenAI style, over output tokens);
-2. greedy rows (temperature 0) take the argmax;
+2. greedy rows (temperature 0, or below ``GREEDY_BELOW``) take the argmax;
 3. other rows: temperature, top-k, top-p, min-p, then one draw.
+
+Every accepted value samples sensibly: logits made infinite by an extreme
+penalty or temperature are clamped to the largest finite float (so no NaN
+comes out of a softmax), and top-p always keeps the most likely token, even
+when ``top_p`` rounds to 0 in float32.
 
 A draw is ``argmax(probs / noise)`` with ``noise ~ Exponential(1)`` per
 token, which picks token i with probability ``probs[i]``. For a request with
@@ -74,6 +79,14 @@ def _token_counts(rows: list[Sequence[int]], vocab: int, device: torch.device) -
     return counts[:, :vocab]
 
 
+def _finite(logits: torch.Tensor) -> torch.Tensor:
+    """``logits`` with +-inf clamped to the largest finite floats (-inf, a
+    removed token, stays): what an extreme penalty or temperature overflows
+    to must not become NaN in a softmax."""
+    big = torch.finfo(logits.dtype).max
+    return torch.nan_to_num(logits, nan=float("-inf"), posinf=big, neginf=float("-inf")).clamp_(max=big)
+
+
 def apply_penalties(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
     """Repetition, frequency and presence penalties; ``logits [B, V]`` float32."""
     params, device, vocab = batch.params, logits.device, logits.shape[1]
@@ -88,14 +101,14 @@ def apply_penalties(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
         frequency = _column([p.frequency_penalty for p in params], logits.dtype, device)
         presence = _column([p.presence_penalty for p in params], logits.dtype, device)
         logits = logits - frequency * counts - presence * (counts > 0).to(logits.dtype)
-    return logits
+    return _finite(logits)
 
 
 def apply_filters(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
     """Temperature, top-k, top-p and min-p on ``logits [B, V]``; removed tokens get -inf."""
     device, vocab = logits.device, logits.shape[1]
-    temperature = _column([p.temperature if p.temperature > 0 else 1.0 for p in params], logits.dtype, device)
-    logits = logits / temperature
+    temperature = _column([1.0 if p.greedy else p.temperature for p in params], logits.dtype, device)
+    logits = _finite(logits / temperature)
     if any(0 < p.top_k < vocab for p in params):
         ks = [p.top_k if 0 < p.top_k < vocab else vocab for p in params]
         top = logits.topk(max(ks), dim=1).values  # [B, max k], descending
@@ -106,7 +119,8 @@ def apply_filters(logits: torch.Tensor, params: list[SamplingParams]) -> torch.T
         sorted_logits, order = logits.sort(dim=1, descending=True)  # [B, V]
         sorted_probs = sorted_logits.softmax(dim=1)
         mass_before = sorted_probs.cumsum(dim=1) - sorted_probs  # [B, V]
-        drop_sorted = mass_before >= top_p  # the first token always stays
+        drop_sorted = mass_before >= top_p
+        drop_sorted[:, 0] = False  # the first token always stays (a top_p that rounds to 0 too)
         drop = torch.zeros_like(drop_sorted).scatter(1, order, drop_sorted)
         logits = logits.masked_fill(drop, float("-inf"))
     if any(p.min_p > 0 for p in params):
