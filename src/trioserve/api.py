@@ -11,7 +11,6 @@ plain exceptions (``EngineStartupError``, ``EngineDeadError``,
 from __future__ import annotations
 
 import contextlib
-import functools
 import itertools
 import secrets
 from collections.abc import AsyncIterator, Mapping, Sequence
@@ -30,6 +29,7 @@ from trioserve.frontend.requests.parallel_sampling import check_n
 from trioserve.frontend.requests.router import RequestObserver, RequestRouter
 from trioserve.frontend.requests.streams import RequestStream
 from trioserve.frontend.text.chat_template import RENDER_THREADS, ChatTemplate, TemplatedText
+from trioserve.frontend.text.literal import mark_contents
 from trioserve.frontend.text.prompt import Prompt
 from trioserve.frontend.text.tokenizer import Tokenizer
 from trioserve.messages import EngineInfo, EngineStats, SamplingParams
@@ -179,7 +179,11 @@ class Engine:
         self._router.observers.append(observer)
 
     async def render_chat(
-        self, messages: Sequence[Mapping[str, object]], *, add_generation_prompt: bool = True
+        self,
+        messages: Sequence[Mapping[str, object]],
+        *,
+        add_generation_prompt: bool = True,
+        special_tokens_in_content: bool = False,
     ) -> TemplatedText:
         """The prompt for chat ``messages`` (mappings with ``role`` and
         ``content``), rendered with the model's chat template in a worker
@@ -189,18 +193,25 @@ class Engine:
         fails on them or takes longer than ``RENDER_TIMEOUT_S``
         (``frontend/text/chat_template.py``), and ``PromptTooLongError`` when its
         text cannot fit the context. If cancelled, the thread's result is
-        dropped when it ends (by that timeout at the latest)."""
+        dropped when it ends (by that timeout at the latest).
+
+        The text of a special token in a message's content (``<|im_end|>``)
+        stays text (``frontend/text/literal.py``): a user cannot end their
+        turn and write another role's. ``special_tokens_in_content`` lets it
+        become the token, as transformers' ``apply_chat_template`` does."""
         template = self.chat_template
         if template is None:
             raise InvalidRequestError(
                 "messages", "this model has no chat template (chat_template.jinja or tokenizer_config.json)"
             )
-        render = functools.partial(
-            template.render,
-            messages,
-            add_generation_prompt=add_generation_prompt,
-            max_chars=self._router.prompts.max_chars,
-        )
+        specials = () if special_tokens_in_content else self._tokenizer.special_texts
+
+        def render() -> TemplatedText:
+            text = template.render(
+                messages, add_generation_prompt=add_generation_prompt, max_chars=self._router.prompts.max_chars
+            )
+            return mark_contents(text, messages, specials) if specials else text
+
         return await trio.to_thread.run_sync(render, abandon_on_cancel=True, limiter=self._render_threads)
 
     @property

@@ -113,6 +113,12 @@ def add_server_options(parser: argparse.ArgumentParser) -> None:
         help="the model's name in the OpenAI API ('model' in requests, /v1/models) "
         "(default: the model directory's name)",
     )
+    group.add_argument(
+        "--special-tokens-in-content",
+        action="store_true",
+        help="let the text of a special token in a chat message's content (<|im_end|>) become that token, as "
+        "transformers does; by default it stays text, so that a user cannot end their turn and write another role's",
+    )
 
 
 def server_config(args: argparse.Namespace) -> ServerConfig:
@@ -129,6 +135,7 @@ def server_config(args: argparse.Namespace) -> ServerConfig:
         shutdown_grace_s=args.shutdown_grace,
         keepalive_timeout_s=args.keepalive_timeout,
         model_name=args.served_model_name or (DEFAULT_MODEL_SERVED_NAME if args.model is None else None),
+        special_tokens_in_content=args.special_tokens_in_content,
     )
 
 

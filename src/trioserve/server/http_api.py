@@ -247,7 +247,9 @@ class HttpApi:
                 chat = oai.decode_body(body, oai.ChatCompletionRequest)
                 self._check_model(chat.model)
                 plan = oai.plan_chat(chat, engine.info.max_model_len)
-                prompt: Any = await engine.render_chat(oai.chat_messages(chat))
+                prompt: Any = await engine.render_chat(
+                    oai.chat_messages(chat), special_tokens_in_content=self._config.special_tokens_in_content
+                )
                 fmt: EventFormat = chat_format(self.model_name, engine.tokenizer)
             else:
                 completion = oai.decode_body(body, oai.CompletionRequest)

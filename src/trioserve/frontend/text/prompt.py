@@ -8,7 +8,8 @@ long ones (over ``SYNC_TOKENIZE_CHARS``) off the Trio thread, at most
 ``TOKENIZE_THREADS`` at once per engine.
 
 Text rendered from a chat template (``TemplatedText``) is tokenized without
-adding special tokens: it holds them already.
+adding special tokens: it holds them already. In its messages' contents,
+the text of a special token is tokenized as text (``literal.MarkedText``).
 
 Errors are ``InvalidRequestError`` (a ``ValueError``) naming the field
 ``prompt``, or ``PromptTooLongError`` when it does not fit.
@@ -24,6 +25,7 @@ import trio
 
 from trioserve.errors import InvalidRequestError, PromptTooLongError
 from trioserve.frontend.text.chat_template import TemplatedText
+from trioserve.frontend.text.literal import MarkedText, encode_marked
 from trioserve.frontend.text.tokenizer import GIL_FREE_ENCODE_CHARS, Tokenizer
 from trioserve.messages import EngineInfo, is_plain_int, is_valid_text, short_repr
 
@@ -96,7 +98,9 @@ class PromptChecker:
 
     def _encode(self, text: str) -> list[int]:
         self._check_text(text)
-        if isinstance(text, TemplatedText):  # a chat template's text holds its special tokens already
+        if isinstance(text, MarkedText):
+            token_ids = encode_marked(self.tokenizer, text)
+        elif isinstance(text, TemplatedText):  # a chat template's text holds its special tokens already
             token_ids = self.tokenizer.encode(text, add_special_tokens=False)
         else:
             token_ids = self.tokenizer.encode(text)

@@ -30,6 +30,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import threading
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
@@ -81,6 +82,10 @@ class Tokenizer:
         self.bos_token_id: int | None = bos_token_id
         self.eos_token_ids: list[int] = list(dict.fromkeys(eos_token_ids))
         self.all_special_ids: set[int] = {i for i, tok in added.items() if tok.special}
+        # The text of each special token (what encode turns into its id where it appears in a text).
+        self.special_texts: tuple[str, ...] = tuple(sorted({tok.content for tok in added.values() if tok.special}))
+        self._literal: tokenizers.Tokenizer | None = None  # a copy that reads special tokens' text as text
+        self._literal_lock = threading.Lock()
         self.all_special_ids.update(extra_special_ids)
         self.all_special_ids.update(self.eos_token_ids)
         if bos_token_id is not None:
@@ -128,6 +133,20 @@ class Tokenizer:
         if len(text) > GIL_FREE_ENCODE_CHARS:
             return self._backend.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
         return self._backend.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def encode_literal(self, text: str) -> list[int]:
+        """The token ids of ``text`` with no special token in them: a
+        special token's text (``"<|im_end|>"``) is encoded as the text it
+        is, and nothing is added around it."""
+        with self._literal_lock:  # one copy, made on first use (a copy: the setting is the tokenizer's own)
+            if self._literal is None:
+                literal = tokenizers.Tokenizer.from_str(self._backend.to_str())
+                literal.encode_special_tokens = True
+                self._literal = literal
+        backend = self._literal
+        if len(text) > GIL_FREE_ENCODE_CHARS:
+            return backend.encode_batch([text], add_special_tokens=False)[0].ids
+        return backend.encode(text, add_special_tokens=False).ids
 
     def decode(self, ids: Sequence[int], *, skip_special_tokens: bool = True) -> str:
         """The text of ``ids``. Ids the tokenizer does not know are skipped;
