@@ -84,3 +84,22 @@ async def test_a_client_that_half_closes_after_its_request_gets_the_whole_respon
     else:
         body = json.loads(answer.split(b"\r\n\r\n", 1)[1])
         assert body["usage"]["completion_tokens"] == 8
+
+
+@pytest.mark.parametrize("part", ["head", "body"])
+async def test_a_head_or_body_that_misses_its_deadline_gets_a_408_then_the_connection_closes(fake_config, part):
+    raw = post("/v1/completions", {"model": "m", "prompt": [5, 6], "max_tokens": 2})
+    cut = raw.index(b"\r\n\r\n") + (4 + 5 if part == "body" else -10)  # in the head, or 5 bytes into the body
+
+    def stall() -> bytes:
+        with socket.create_connection(("127.0.0.1", server.port), timeout=20) as sock:
+            sock.sendall(raw[:cut])
+            received = b""
+            while data := sock.recv(65536):
+                received += data
+            return received
+
+    async with serving(fake_config(), model_name="m", handshake_timeout_s=0.5) as server:
+        with trio.fail_after(30):
+            answer = await in_thread(stall)
+    assert answer.startswith(b"HTTP/1.1 408 ") and b'"request_timeout"' in answer, answer[:300]

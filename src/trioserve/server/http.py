@@ -52,7 +52,8 @@ class BadRequest(Exception):
 
     def body(self) -> ErrorBody:
         """The answer's body: OpenAI's error object (what the API's clients read), for any path."""
-        code = {413: "request_too_large", 431: "request_head_too_large"}.get(self.status, "malformed_request")
+        codes = {408: "request_timeout", 413: "request_too_large", 431: "request_head_too_large"}
+        code = codes.get(self.status, "malformed_request")
         return ErrorBody(ErrorObject(message=str(self), type="invalid_request_error", param=None, code=code))
 
 

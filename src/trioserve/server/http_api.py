@@ -41,7 +41,7 @@ from trioserve.frontend.requests.streams import RequestStream
 from trioserve.server import openai_protocol as oai
 from trioserve.server import openai_responses as resp
 from trioserve.server.config import ServerConfig
-from trioserve.server.http import METRICS_PATH, RequestHead, encode_json
+from trioserve.server.http import METRICS_PATH, BadRequest, RequestHead, encode_json
 from trioserve.server.http_conn import HttpConnection
 from trioserve.server.metrics import CONTENT_TYPE, ServerMetrics
 from trioserve.server.openai_protocol import OpenAIError
@@ -124,7 +124,8 @@ class HttpApi:
     async def handle(self, conn: HttpConnection, head: RequestHead, client_id: str, body_deadline: float) -> None:
         """Answer one request on ``conn``. Raises ``BadRequest`` when its
         body cannot be read; leaves the response unsent (so the connection
-        closes) when it has not arrived by ``body_deadline``. If the client disconnects, or this is cancelled,
+        closes) when it has not arrived by ``body_deadline`` (then a 408). If the client disconnects, or this is
+        cancelled,
         the request is aborted in the engine (its blocks freed) and the
         response may be cut short: the connection is to be closed."""
         try:
@@ -155,7 +156,7 @@ class HttpApi:
             with trio.move_on_at(body_deadline):
                 body = await conn.read_body()
             if body is None:
-                return
+                raise BadRequest("the request body did not arrive in time", status=408)
             with trio.CancelScope() as scope:
                 async with trio.open_nursery() as nursery:
                     nursery.start_soon(conn.watch_disconnect, scope)

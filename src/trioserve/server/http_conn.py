@@ -76,6 +76,11 @@ class HttpConnection:
         return self._h11.our_state is h11.DONE and self._h11.their_state is h11.DONE
 
     @property
+    def has_partial_head(self) -> bool:
+        """True when part of a request head has arrived, and not the rest."""
+        return self._h11.their_state is h11.IDLE and bool(self._h11.trailing_data[0])
+
+    @property
     def response_started(self) -> bool:
         """True once this request's response has begun (its head is sent)."""
         return self._h11.our_state is not h11.SEND_RESPONSE

@@ -327,8 +327,10 @@ class Server:
                             )
                 if websocket is not None:  # outside the head's deadline: the WebSocket lives on its own bounds
                     return await self._serve_websocket(websocket, deadline)
+                if head is None and conn.has_partial_head:  # began a request and did not finish it in time
+                    raise http.BadRequest("the request head did not arrive in time", status=408)
                 if head is None:
-                    return  # closed, or timed out
+                    return  # closed, or timed out between requests
                 if head.is_api:
                     await self._serve_api(conn, head, client_id)
             except http.BadRequest as exc:
