@@ -8,7 +8,7 @@ import msgspec
 import pytest
 
 from trioserve.messages import SamplingParams
-from trioserve.server.misfit import Misfit, find_misfit
+from trioserve.server.misfit import Misfit, find_misfit, unknown_fields
 from trioserve.server.openai_protocol import ChatCompletionRequest, CompletionRequest, OpenAIError, decode_body
 
 
@@ -73,12 +73,6 @@ def test_a_value_msgspec_takes_has_no_misfit() -> None:
     ("kind", "body", "param", "code"),
     [
         (CompletionRequest, {"model": "m", "prompt": "x", "stop": ["a", 5]}, "stop[1]", "invalid_type"),
-        (
-            CompletionRequest,
-            {"model": "m", "prompt": "x", "stream_options": {"x": 1}},
-            "stream_options.x",
-            "unknown_field",
-        ),
         (CompletionRequest, {"model": "m", "prompt": "x", "logit_bias": {"1": "x"}}, "logit_bias[...]", "invalid_type"),
         (ChatCompletionRequest, {"model": "m", "messages": [{"role": "bob"}]}, "messages[0].role", "invalid_type"),
         (ChatCompletionRequest, {"model": "m", "messages": [{"content": "x"}]}, "messages[0].role", "missing_field"),
@@ -95,6 +89,24 @@ def test_a_request_body_that_does_not_fit_names_the_field(kind: Any, body: objec
         decode_body(msgspec.json.encode(body), kind)
     assert (info.value.status, info.value.param, info.value.code) == (400, param, code)
     assert info.value.message.startswith(f"{param}: ")
+
+
+@pytest.mark.parametrize(
+    ("body", "unknown"),
+    [
+        ({"model": "m", "prompt": "x", "stream_options": {"x": 1}}, ["stream_options.x"]),
+        ({"model": "m", "prompt": "x", "metadata": {"a": 1}, "store": True}, ["metadata", "store"]),
+        ({"model": "m", "prompt": [1, 2, 3] * 1000, "echo": False}, []),  # (a list of ints is not walked)
+    ],
+)
+def test_unknown_fields_are_listed_ignored_or_refused_with_strict(body: object, unknown: list[str]) -> None:
+    raw = msgspec.json.encode(body)
+    assert unknown_fields(msgspec.json.decode(raw), CompletionRequest) == unknown
+    assert isinstance(decode_body(raw, CompletionRequest), CompletionRequest)
+    if unknown:
+        with pytest.raises(OpenAIError) as info:
+            decode_body(raw, CompletionRequest, strict=True)
+        assert (info.value.status, info.value.param, info.value.code) == (400, unknown[0], "unknown_field")
 
 
 def test_a_body_whose_misfit_the_walk_cannot_place_is_still_a_400_without_a_field() -> None:

@@ -243,7 +243,7 @@ def test_websocket_needs_the_api_key_when_one_is_set():
         assert reply is not None and reply.status == 401
 
 
-def test_websocket_is_refused_with_503_unless_ready_and_plain_http_gets_426():
+def test_websocket_is_refused_with_503_unless_ready_and_plain_http_gets_404():
     ws = {
         "Upgrade": "websocket",
         "Connection": "Upgrade",
@@ -252,10 +252,12 @@ def test_websocket_is_refused_with_503_unless_ready_and_plain_http_gets_426():
     }
     assert http.route(head(**ws), phase="starting", api_key=None).status == 503  # type: ignore[union-attr]
     assert http.route(head(**ws), phase="stopping", api_key=None).status == 503  # type: ignore[union-attr]
-    assert http.route(head("GET", "/"), phase="ready", api_key=None).status == 426  # type: ignore[union-attr]
+    not_found = http.route(head("GET", "/"), phase="ready", api_key=None)
+    assert not_found is not None and not_found.status == 404 and not_found.body["error"]["code"] == "not_found"  # type: ignore[index]
     assert http.route(head("POST", "/health"), phase="ready", api_key=None).status == 405  # type: ignore[union-attr]
     bad = http.route(head(Upgrade="websocket", Connection="Upgrade"), phase="ready", api_key=None)
     assert bad is not None and bad.status == 400
+    assert set(bad.body["error"]) == {"message", "type", "param", "code"}  # type: ignore[arg-type]  # OpenAI's
 
 
 def test_response_is_complete_http():

@@ -363,6 +363,13 @@ class Engine:
         assert result is not None  # a stream ends only after a finished output
         return result
 
+    async def tokenize(self, prompt: str | Sequence[int]) -> list[int]:
+        """The token ids the engine would run for ``prompt`` (a text, such as
+        one ``render_chat`` made, or token ids), checked as a request's
+        prompt is: ``InvalidRequestError`` or ``PromptTooLongError`` naming
+        ``prompt``. A long text is tokenized in a worker thread."""
+        return await self._router.check_prompt(prompt)
+
     async def stats(self) -> EngineStats:
         """The engine cores' counters (running and waiting requests, free KV
         blocks...): with several engines, the totals, and each engine's own

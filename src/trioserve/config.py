@@ -72,7 +72,7 @@ _TYPE_NAMES = {"int": "an integer", "float": "a number", "bool": "True or False"
 def check_types(config: Any, prefix: str = "") -> None:
     """Every field of the dataclass ``config`` holds a value of its declared
     type (its annotation: ``int``, ``float``, ``bool``, ``str``, each maybe
-    ``| None``, a ``Literal`` or a nested config), and integers fit in 64
+    ``| None``, ``tuple[str, ...]``, a ``Literal`` or a nested config), and integers fit in 64
     bits: ``ValueError`` naming the field otherwise, before any check of a
     range could fail with a ``TypeError`` or pass a value no child process
     could decode."""
@@ -87,6 +87,9 @@ def check_types(config: Any, prefix: str = "") -> None:
             _check(isinstance(value, FakeRunnerConfig), name, "must be a FakeRunnerConfig")
             continue
         kind = kinds[0]
+        if kind == "tuple[str, ...]":
+            _check(isinstance(value, tuple) and all(isinstance(v, str) for v in value), name, "must be a tuple of str")
+            continue
         ok = {
             "int": isinstance(value, int) and not isinstance(value, bool),
             "float": isinstance(value, int | float) and not isinstance(value, bool),

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import os
 from pathlib import Path
 
@@ -114,6 +115,23 @@ def add_server_options(parser: argparse.ArgumentParser) -> None:
         "(default: the model directory's name)",
     )
     group.add_argument(
+        "--strict-fields",
+        action="store_true",
+        help="refuse (400) a request field the API does not know; by default it is ignored, with a warning line "
+        "per field name, as OpenAI-compatible servers do",
+    )
+    cors = parser.add_argument_group("CORS (vLLM's flags; off unless --allowed-origins is given)")
+    cors.add_argument(
+        "--allowed-origins",
+        type=_names_list,
+        default=(),
+        metavar="LIST",
+        help='origins a browser may call from: a JSON list (\'["https://ui.example"]\') or a comma list; "*" for any',
+    )
+    cors.add_argument("--allowed-methods", type=_names_list, default=("*",), metavar="LIST", help='default: "*"')
+    cors.add_argument("--allowed-headers", type=_names_list, default=("*",), metavar="LIST", help='default: "*"')
+    cors.add_argument("--allow-credentials", action="store_true", help="answer with Access-Control-Allow-Credentials")
+    group.add_argument(
         "--special-tokens-in-content",
         action="store_true",
         help="let the text of a special token in a chat message's content (<|im_end|>) become that token, as "
@@ -136,7 +154,25 @@ def server_config(args: argparse.Namespace) -> ServerConfig:
         keepalive_timeout_s=args.keepalive_timeout,
         model_name=args.served_model_name or (DEFAULT_MODEL_SERVED_NAME if args.model is None else None),
         special_tokens_in_content=args.special_tokens_in_content,
+        strict_fields=args.strict_fields,
+        allowed_origins=args.allowed_origins,
+        allowed_methods=args.allowed_methods,
+        allowed_headers=args.allowed_headers,
+        allow_credentials=args.allow_credentials,
     )
+
+
+def _names_list(text: str) -> tuple[str, ...]:
+    """A JSON list of strings (vLLM's form) or a comma-separated list."""
+    if text.lstrip().startswith("["):
+        try:
+            value = json.loads(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"not a JSON list: {text[:80]!r}") from None
+        if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+            raise argparse.ArgumentTypeError(f"must be a JSON list of strings: {text[:80]!r}")
+        return tuple(value)
+    return tuple(part.strip() for part in text.split(",") if part.strip())
 
 
 def _api_key(args: argparse.Namespace) -> str | None:

@@ -41,6 +41,12 @@ class ServerConfig:
     # A special token's text in a chat message's content becomes the token (a user can then write another
     # role's turn); off: it stays text (frontend/text/literal.py).
     special_tokens_in_content: bool = False
+    strict_fields: bool = False  # a request field the API does not know is a 400 (else ignored, and logged)
+    # CORS (vLLM's flags): none allowed by default; "*" allows any origin, method or header.
+    allowed_origins: tuple[str, ...] = ()
+    allowed_methods: tuple[str, ...] = ("*",)
+    allowed_headers: tuple[str, ...] = ("*",)
+    allow_credentials: bool = False
 
     def __post_init__(self) -> None:
         check_types(self)

@@ -35,7 +35,6 @@ _REASONS = {
 }
 HEALTH_PATH = "/health"
 METRICS_PATH = "/metrics"
-API_PREFIX = "/v1/"
 _NOT_READY = {
     "starting": "the engine is starting",
     "stopping": "the server is shutting down",
@@ -82,8 +81,10 @@ class RequestHead:
 
     @property
     def is_api(self) -> bool:
-        """A request for the OpenAI-compatible API or the metrics (``http_api.py``)."""
-        return self.path.startswith(API_PREFIX) or self.path == METRICS_PATH
+        """A plain HTTP request (``http_api.py``: the OpenAI-compatible API,
+        the metrics, the other endpoints, a 404): anything but ``/health``
+        and a WebSocket handshake."""
+        return self.path != HEALTH_PATH and not self.is_websocket_upgrade
 
     @property
     def is_websocket_upgrade(self) -> bool:
@@ -127,29 +128,42 @@ def route(
     health: str | None = None,
     engines: Sequence[str] = (),
 ) -> Reply | None:
-    """What to answer to ``head``: a ``Reply``, or None to go on with the
-    WebSocket handshake. ``GET /health`` needs no API key; it reports
-    ``health`` (default: ``phase``), 200 when that is ``ready``, and with
-    several engines each one's health (``engines``, by index)."""
+    """What to answer to ``head`` (``/health``, or a WebSocket handshake):
+    a ``Reply``, or None to go on with the handshake. ``GET /health`` needs
+    no API key; it reports ``health`` (default: ``phase``), 200 when that is
+    ``ready``, and with several engines each one's health (``engines``, by
+    index). Errors are OpenAI's error object."""
     if head.path == HEALTH_PATH:
         return _health_reply(head, health if health is not None else phase, engines)
-    if not head.is_websocket_upgrade:
-        return Reply(
-            426,
-            {"error": "this is a WebSocket server: connect with a WebSocket, or GET /health"},
-            (("Upgrade", "websocket"),),
-        )
+    if not head.is_websocket_upgrade:  # (plain requests go to http_api.py: this is for direct callers)
+        return _error(404, f"no such endpoint: {head.method} {head.path[:100]}", "not_found")
     if "sec-websocket-key" not in head.headers or head.headers.get("sec-websocket-version") != "13":
-        return Reply(400, {"error": "bad WebSocket handshake: needs Sec-WebSocket-Key and Sec-WebSocket-Version: 13"})
+        return _error(
+            400, "bad WebSocket handshake: needs Sec-WebSocket-Key and Sec-WebSocket-Version: 13", "bad_handshake"
+        )
     if api_key is not None and not head.has_bearer_token(api_key):
-        return Reply(
+        return _error(
             401,
-            {"error": "missing or wrong API key: send 'Authorization: Bearer <key>'"},
+            "missing or wrong API key: send 'Authorization: Bearer <key>'",
+            "invalid_api_key",
             (("WWW-Authenticate", 'Bearer realm="trioserve"'),),
+            kind="authentication_error",
         )
     if phase != "ready":
-        return Reply(503, {"error": _NOT_READY.get(phase, phase)})
+        return _error(503, _NOT_READY.get(phase, phase), "unavailable", kind="server_error")
     return None
+
+
+def _error(
+    status: int,
+    message: str,
+    code: str,
+    headers: tuple[tuple[str, str], ...] = (),
+    *,
+    kind: str = "invalid_request_error",
+) -> Reply:
+    """A ``Reply`` holding OpenAI's error object."""
+    return Reply(status, {"error": {"message": message, "type": kind, "param": None, "code": code}}, headers)
 
 
 def route_over_capacity(head: RequestHead, *, health: str, max_connections: int, engines: Sequence[str] = ()) -> Reply:
@@ -163,16 +177,14 @@ def route_over_capacity(head: RequestHead, *, health: str, max_connections: int,
 
 def at_capacity(max_connections: int) -> Reply:
     """The 503 for a connection over the cap (``max_connections``)."""
-    body: dict[str, object] = {
-        "error": f"too many connections: the server is at its limit of {max_connections}; retry later",
-        "max_connections": max_connections,
-    }
-    return Reply(503, body, (("Retry-After", str(RETRY_AFTER_S)),))
+    message = f"too many connections: the server is at its limit of {max_connections}; retry later"
+    reply = _error(503, message, "too_many_connections", (("Retry-After", str(RETRY_AFTER_S)),), kind="server_error")
+    return Reply(reply.status, {**reply.body, "max_connections": max_connections}, reply.headers)
 
 
 def _health_reply(head: RequestHead, status: str, engines: Sequence[str] = ()) -> Reply:
     if head.method not in ("GET", "HEAD"):
-        return Reply(405, {"error": "use GET /health"}, (("Allow", "GET, HEAD"),))
+        return _error(405, "use GET /health", "method_not_allowed", (("Allow", "GET, HEAD"),))
     body: dict[str, object] = {"status": status}
     if len(engines) > 1:
         body["engines"] = [{"engine": i, "status": s} for i, s in enumerate(engines)]

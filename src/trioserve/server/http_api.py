@@ -21,6 +21,7 @@ object, then ``[DONE]``.
 
 from __future__ import annotations
 
+import importlib.metadata
 import logging
 import secrets
 from typing import Any, Literal
@@ -49,7 +50,9 @@ from trioserve.server.sse import Choices, Event, EventFormat, chat_format, compl
 from trioserve.server.state import ServerState
 
 log = logging.getLogger("trioserve.server")
-Endpoint = Literal["metrics", "models", "model", "completions", "chat", "control"]
+Endpoint = Literal[
+    "metrics", "models", "model", "completions", "chat", "control", "tokenize", "detokenize", "version", "ping"
+]
 _CONTROL_PREFIX = "/v1/engine/"
 _MODEL_PREFIX = "/v1/models/"  # then a model's id (URL-encoded)
 _CONTROL_CALLS = ("pause", "resume", "sleep", "wake_up")
@@ -58,9 +61,15 @@ _ENDPOINTS: dict[str, tuple[Endpoint, str]] = {
     "/v1/models": ("models", "GET"),
     "/v1/completions": ("completions", "POST"),
     "/v1/chat/completions": ("chat", "POST"),
+    "/tokenize": ("tokenize", "POST"),
+    "/detokenize": ("detokenize", "POST"),
+    "/version": ("version", "GET"),
+    "/ping": ("ping", "GET"),
     **{_CONTROL_PREFIX + call: ("control", "POST") for call in _CONTROL_CALLS},
 }
 RETRY_AFTER_S = 5  # for a 503 while the engine is busy, starting or restarting
+_OPEN = ("metrics", "version", "ping")  # answered without the API key, as /health is
+CORS_MAX_AGE_S = 600  # how long a browser may keep a preflight's answer
 
 
 def route_api(head: RequestHead, *, phase: str, api_key: str | None) -> Endpoint:
@@ -73,9 +82,12 @@ def route_api(head: RequestHead, *, phase: str, api_key: str | None) -> Endpoint
         endpoint, method = "model", "GET"
     if endpoint is None:
         raise OpenAIError(404, f"no such endpoint: {head.method} {head.path[:100]}", code="not_found")
-    if head.method != method and not (method == "GET" and head.method == "HEAD"):
+    methods: tuple[str, ...] = (method, "HEAD") if method == "GET" else (method,)
+    if endpoint == "ping":
+        methods += ("POST",)  # (as vLLM's, for SageMaker)
+    if head.method not in methods:
         raise OpenAIError(405, f"use {method} {head.path}", code="method_not_allowed")
-    if endpoint == "metrics":
+    if endpoint in _OPEN:
         return endpoint
     if api_key is not None and not head.has_bearer_token(api_key):
         raise OpenAIError(
@@ -87,6 +99,13 @@ def route_api(head: RequestHead, *, phase: str, api_key: str | None) -> Endpoint
     if phase != "ready":
         raise OpenAIError(503, f"the server is not serving ({phase})", type="server_error", code="unavailable")
     return endpoint
+
+
+def _version() -> str:
+    try:
+        return importlib.metadata.version("trioserve")
+    except importlib.metadata.PackageNotFoundError:  # run from a source tree
+        return "unknown"
 
 
 def engine_error(exc: Exception, names: dict[str, str]) -> OpenAIError:
@@ -128,12 +147,31 @@ class HttpApi:
         cancelled,
         the request is aborted in the engine (its blocks freed) and the
         response may be cut short: the connection is to be closed."""
+        origin = head.headers.get("origin")
+        if origin is not None and self._origin_allowed(origin):
+            conn.response_headers = self._cors_headers(origin)
+        if head.method == "OPTIONS" and origin is not None and "access-control-request-method" in head.headers:
+            await self._preflight(conn, head, origin)
+            return
         try:
             endpoint = route_api(head, phase=self._state.phase, api_key=self._config.api_key)
         except OpenAIError as error:
             await conn.send_json(error.status, error.body(), _error_headers(error), head_only=head.method == "HEAD")
             return
-        if endpoint == "metrics":
+        if endpoint == "version":
+            await conn.send_json(200, {"version": _version()}, head_only=head.method == "HEAD")
+        elif endpoint == "ping":
+            phase = self._state.phase
+            await conn.send_json(200 if phase == "ready" else 503, {"status": phase}, head_only=head.method == "HEAD")
+        elif endpoint in ("tokenize", "detokenize"):
+            body = await self._read_body(conn, body_deadline)
+            try:
+                answer = await self._tokens(endpoint, body)
+            except OpenAIError as error:
+                await conn.send_json(error.status, error.body(), _error_headers(error))
+                return
+            await conn.send_json(200, answer)
+        elif endpoint == "metrics":
             payload = await self.metrics.render(self._state.engine)
             await conn.send_body(200, payload, CONTENT_TYPE, head_only=head.method == "HEAD")
         elif endpoint == "control":
@@ -152,11 +190,7 @@ class HttpApi:
             entry = resp.Model(id=self.model_name, created=self._started, max_model_len=max_model_len)
             await conn.send_json(200, entry, head_only=head.method == "HEAD")
         else:
-            body: bytes | None = None
-            with trio.move_on_at(body_deadline):
-                body = await conn.read_body()
-            if body is None:
-                raise BadRequest("the request body did not arrive in time", status=408)
+            body = await self._read_body(conn, body_deadline)
             with trio.CancelScope() as scope:
                 async with trio.open_nursery() as nursery:
                     nursery.start_soon(conn.watch_disconnect, scope)
@@ -172,6 +206,94 @@ class HttpApi:
                     nursery.cancel_scope.cancel()
             if scope.cancelled_caught:
                 log.debug("a client went away: its request was aborted")
+
+    async def _read_body(self, conn: HttpConnection, deadline: float) -> bytes:
+        body: bytes | None = None
+        with trio.move_on_at(deadline):
+            body = await conn.read_body()
+        if body is None:
+            raise BadRequest("the request body did not arrive in time", status=408)
+        return body
+
+    def _origin_allowed(self, origin: str) -> bool:
+        allowed = self._config.allowed_origins
+        return "*" in allowed or origin in allowed
+
+    def _cors_headers(self, origin: str) -> list[tuple[str, str]]:
+        """The CORS headers of a response to a request from ``origin`` (allowed)."""
+        any_origin = "*" in self._config.allowed_origins and not self._config.allow_credentials
+        headers = [("Access-Control-Allow-Origin", "*" if any_origin else origin)]
+        if not any_origin:
+            headers.append(("Vary", "Origin"))
+        if self._config.allow_credentials:
+            headers.append(("Access-Control-Allow-Credentials", "true"))
+        return headers
+
+    async def _preflight(self, conn: HttpConnection, head: RequestHead, origin: str) -> None:
+        """A browser's CORS preflight (``OPTIONS`` with ``Origin`` and
+        ``Access-Control-Request-Method``): answered without the API key
+        (a browser never sends it with a preflight); 400 when the origin,
+        method or headers are not allowed."""
+        config = self._config
+        method = head.headers["access-control-request-method"].strip()
+        asked = [h.strip() for h in head.headers.get("access-control-request-headers", "").split(",") if h.strip()]
+        problem = None
+        if not self._origin_allowed(origin):
+            problem = f"origin {origin[:100]!r} is not allowed (--allowed-origins)"
+        elif "*" not in config.allowed_methods and method not in config.allowed_methods:
+            problem = f"method {method[:20]!r} is not allowed (--allowed-methods)"
+        elif "*" not in config.allowed_headers and (
+            missing := [h for h in asked if h.lower() not in {a.lower() for a in config.allowed_headers}]
+        ):
+            problem = f"header {missing[0][:60]!r} is not allowed (--allowed-headers)"
+        if problem is not None:
+            error = OpenAIError(400, f"CORS preflight refused: {problem}", code="cors_refused")
+            await conn.send_json(error.status, error.body())
+            return
+        methods = (
+            "DELETE, GET, HEAD, OPTIONS, PATCH, POST, PUT"
+            if "*" in config.allowed_methods
+            else ", ".join(config.allowed_methods)
+        )
+        headers = [
+            ("Access-Control-Allow-Methods", methods),
+            ("Access-Control-Max-Age", str(CORS_MAX_AGE_S)),
+        ]
+        allowed_headers = ", ".join(asked) if "*" in config.allowed_headers else ", ".join(config.allowed_headers)
+        if allowed_headers:
+            headers.append(("Access-Control-Allow-Headers", allowed_headers))
+        await conn.send_body(200, b"OK", "text/plain; charset=utf-8", headers)
+
+    async def _tokens(self, endpoint: Endpoint, body: bytes) -> dict[str, object]:
+        """``/tokenize`` (a ``prompt`` or chat ``messages``) and ``/detokenize`` (``tokens``), as vLLM's."""
+        engine = self._engine()
+        if endpoint == "detokenize":
+            request: Any = oai.decode_body(body, oai.DetokenizeRequest, strict=self._config.strict_fields)
+            if request.model is not None:
+                self._check_model(request.model)
+            vocab = engine.info.vocab_size
+            if bad := next((t for t in request.tokens if not 0 <= t < vocab), None):
+                raise oai.invalid("tokens", f"token ids must be in [0, {vocab}) (got {bad})")
+            return {"prompt": engine.tokenizer.decode(request.tokens, skip_special_tokens=False)}
+        request = oai.decode_body(body, oai.TokenizeRequest, strict=self._config.strict_fields)
+        if request.model is not None:
+            self._check_model(request.model)
+        try:
+            if request.messages is not None:
+                chat = oai.ChatCompletionRequest(model="", messages=request.messages)
+                text = await engine.render_chat(
+                    oai.chat_messages(chat),
+                    add_generation_prompt=request.add_generation_prompt,
+                    special_tokens_in_content=self._config.special_tokens_in_content,
+                )
+                tokens = await engine.tokenize(text)
+            elif request.prompt is not None:
+                tokens = engine.tokenizer.encode(request.prompt, add_special_tokens=request.add_special_tokens)
+            else:
+                raise oai.invalid("prompt", "give a 'prompt' or 'messages'", code="missing_field")
+        except InvalidRequestError as exc:
+            raise OpenAIError.from_engine(exc, {}) from None
+        return {"count": len(tokens), "max_model_len": engine.info.max_model_len, "tokens": tokens, "token_strs": None}
 
     async def _control(self, conn: HttpConnection, head: RequestHead) -> None:
         """Run the control call the path names; 200 with the engine's health
@@ -245,7 +367,7 @@ class HttpApi:
         names = {"prompt": "messages"} if endpoint == "chat" else {}
         try:
             if endpoint == "chat":
-                chat = oai.decode_body(body, oai.ChatCompletionRequest)
+                chat = oai.decode_body(body, oai.ChatCompletionRequest, strict=self._config.strict_fields)
                 self._check_model(chat.model)
                 plan = oai.plan_chat(chat, engine.info.max_model_len)
                 prompt: Any = await engine.render_chat(
@@ -253,7 +375,7 @@ class HttpApi:
                 )
                 fmt: EventFormat = chat_format(self.model_name, engine.tokenizer)
             else:
-                completion = oai.decode_body(body, oai.CompletionRequest)
+                completion = oai.decode_body(body, oai.CompletionRequest, strict=self._config.strict_fields)
                 self._check_model(completion.model)
                 plan = oai.plan_completion(completion)
                 prompt = oai.completion_prompt(completion)

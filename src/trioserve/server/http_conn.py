@@ -69,6 +69,7 @@ class HttpConnection:
         self._h11 = h11.Connection(h11.SERVER, max_incomplete_event_size=MAX_HEAD_BYTES)
         self._request: h11.Request | None = None
         self.num_requests = 0
+        self.response_headers: list[tuple[str, str]] = []  # on every response to this request (CORS)
 
     @property
     def can_keep_alive(self) -> bool:
@@ -97,6 +98,7 @@ class HttpConnection:
         if not isinstance(event, h11.Request):  # pragma: no cover - h11 gives a Request first
             raise BadRequest(f"unexpected {type(event).__name__}")
         _check_head(event)
+        self.response_headers = []
         self._request = event
         self.num_requests += 1
         return RequestHead.from_h11(event)
@@ -215,7 +217,9 @@ class HttpConnection:
 
     def _response(self, status: int, content_type: str, headers: Any, extra: list[tuple[bytes, bytes]]) -> h11.Response:
         all_headers = [SERVER_HEADER, (b"Content-Type", content_type.encode())]
-        all_headers += [(name.encode("latin-1"), value.encode("latin-1")) for name, value in headers]
+        all_headers += [
+            (name.encode("latin-1"), value.encode("latin-1")) for name, value in [*headers, *self.response_headers]
+        ]
         if self._closing() and (b"Connection", b"close") not in extra:
             extra = [*extra, (b"Connection", b"close")]  # said, so that a client does not send another request
         return h11.Response(status_code=status, headers=all_headers + extra, reason=_reason(status))

@@ -9,6 +9,9 @@ The walk meets problems in msgspec's order: an object's keys as they come
 (an unknown one, or one whose value does not fit), then its missing required
 fields in declaration order; so it names the field msgspec stopped at.
 
+``unknown_fields`` lists the fields a value has that its type does not
+know (at any depth), for a server that ignores them but says so.
+
 It knows the types request structs are made of: structs (tagged or not),
 lists, dicts with string keys, unions of these, ``Literal``, ``Any``, and
 ``int``, ``float``, ``str``, ``bool``, ``None``. Anything else (a
@@ -112,6 +115,65 @@ def _walk_struct(value: dict[Any, Any], info: mi.StructType, path: str) -> Misfi
         if field.required and field.encode_name not in value:
             return Misfit(_join(path, field.encode_name), "missing_field", "missing")
     return None
+
+
+MAX_UNKNOWN_FIELDS = 16  # listed at most, per value
+
+
+def unknown_fields(value: object, target: Any) -> list[str]:
+    """The paths of the fields of ``value`` (decoded JSON that fits
+    ``target``) that ``target``'s structs do not have, in the order met (at
+    most ``MAX_UNKNOWN_FIELDS``). Lists of scalars are not walked."""
+    found: list[str] = []
+    _collect(value, _info(target), "", found)
+    return found
+
+
+def _collect(value: object, info: mi.Type, path: str, found: list[str]) -> None:
+    if len(found) >= MAX_UNKNOWN_FIELDS or not _has_struct(info):
+        return
+    if isinstance(info, mi.UnionType):
+        members = [member for member in info.types if _takes(member, _kind(value))]
+        if len(members) > 1 and isinstance(value, dict):
+            members = [
+                m for m in members if isinstance(m, mi.StructType) and value.get(m.tag_field or "") == m.tag
+            ] or members[:1]
+        if members:
+            _collect(value, members[0], path, found)
+    elif isinstance(info, mi.StructType) and isinstance(value, dict):
+        fields = {field.encode_name: field for field in info.fields}
+        for name, item in value.items():
+            if name in fields:
+                _collect(item, fields[name].type, _join(path, name), found)
+            elif name != info.tag_field and len(found) < MAX_UNKNOWN_FIELDS:
+                found.append(_join(path, str(name)[:MAX_FIELD_NAME]))
+    elif isinstance(info, mi.ListType | mi.SetType | mi.FrozenSetType | mi.VarTupleType) and isinstance(value, list):
+        for i, item in enumerate(value):
+            _collect(item, info.item_type, f"{path}[{i}]", found)
+    elif isinstance(info, mi.DictType) and isinstance(value, dict):
+        for item in value.values():
+            _collect(item, info.value_type, f"{path}[...]", found)
+
+
+_HAS_STRUCT: dict[int, bool] = {}  # by id: the infos are those _info keeps (mi types are not hashable)
+
+
+def _has_struct(info: mi.Type) -> bool:
+    """Whether a value of ``info`` may hold a struct (the only place an unknown field can be)."""
+    if (known := _HAS_STRUCT.get(id(info))) is not None:
+        return known
+    if isinstance(info, mi.StructType):
+        has = True
+    elif isinstance(info, mi.UnionType):
+        has = any(_has_struct(member) for member in info.types)
+    elif isinstance(info, mi.ListType | mi.SetType | mi.FrozenSetType | mi.VarTupleType):
+        has = _has_struct(info.item_type)
+    elif isinstance(info, mi.DictType):
+        has = _has_struct(info.value_type)
+    else:
+        has = False
+    _HAS_STRUCT[id(info)] = has
+    return has
 
 
 def _wrong_type(value: object, info: mi.Type, path: str) -> Misfit:

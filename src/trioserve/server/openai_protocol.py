@@ -3,9 +3,12 @@ checked, and what to ask the engine for out; errors as ``OpenAIError``.
 No I/O, no trio. What it answers is in ``openai_responses.py``.
 
 Request bodies are decoded into msgspec structs: a field of the wrong JSON
-type, a missing one, or one that the API does not know, is an error naming
-it with its path (as in the WebSocket protocol), found by ``misfit.py``
-from the types' structure. What the values mean is checked once, by the
+type, or a missing one, is an error naming it with its path (as in the
+WebSocket protocol), found by ``misfit.py`` from the types' structure. A
+field the API does not know is ignored, as OpenAI-compatible servers do
+(clients send ``metadata``, ``store``, ``user``... and rely on it), with one
+warning line per field name at most every ``IGNORED_LOG_INTERVAL_S``; with
+``strict`` (``--strict-fields``) it is an error naming it. What the values mean is checked once, by the
 engine (``SamplingParams`` and ``Engine.stream``); ``OpenAIError.from_engine``
 maps its ``InvalidRequestError`` to OpenAI's error object, with the
 client's own name for the field. docs/openai-api.md lists what is
@@ -14,15 +17,22 @@ supported and how it differs from OpenAI's API.
 
 from __future__ import annotations
 
+import logging
+import re
+import time
 from typing import Any, Literal
 
 import msgspec
 
 from trioserve.errors import InvalidRequestError, PromptTooLongError
 from trioserve.messages import SamplingParams
-from trioserve.server.misfit import Misfit, find_misfit
+from trioserve.server.misfit import Misfit, find_misfit, unknown_fields
 from trioserve.server.openai_responses import ErrorBody, ErrorObject
 from trioserve.server.protocol import malformed_json_detail
+
+log = logging.getLogger("trioserve.openai")
+IGNORED_LOG_INTERVAL_S = 600.0  # an ignored field's name is logged at most this often
+MAX_IGNORED_NAMES = 256  # names remembered for that (then forgotten, all at once)
 
 # --- errors ---------------------------------------------------------------------
 
@@ -66,11 +76,11 @@ def invalid(param: str, message: str, code: str = "invalid_value") -> OpenAIErro
 # --- request bodies -----------------------------------------------------------------
 
 
-class StreamOptions(msgspec.Struct, forbid_unknown_fields=True):
+class StreamOptions(msgspec.Struct):
     include_usage: bool = False
 
 
-class _Sampling(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+class _Sampling(msgspec.Struct, kw_only=True):
     """Fields shared by both endpoints; ``None`` means "not given"."""
 
     model: str
@@ -100,11 +110,11 @@ class CompletionRequest(_Sampling, kw_only=True):
     suffix: str | None = None  # accepted only empty
 
 
-class TextPart(msgspec.Struct, forbid_unknown_fields=True, tag="text", tag_field="type"):
+class TextPart(msgspec.Struct, tag="text", tag_field="type"):
     text: str
 
 
-class ChatMessage(msgspec.Struct, forbid_unknown_fields=True):
+class ChatMessage(msgspec.Struct):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
@@ -117,7 +127,7 @@ class ChatMessage(msgspec.Struct, forbid_unknown_fields=True):
         return self.content if isinstance(self.content, str) else "".join(part.text for part in self.content)
 
 
-class ResponseFormat(msgspec.Struct, forbid_unknown_fields=True):
+class ResponseFormat(msgspec.Struct):
     type: str
 
 
@@ -132,20 +142,68 @@ class ChatCompletionRequest(_Sampling, kw_only=True):
     parallel_tool_calls: bool | None = None  # accepted, unused
 
 
-def decode_body(body: bytes, kind: type[msgspec.Struct]) -> Any:
+class TokenizeRequest(msgspec.Struct, kw_only=True):
+    """``POST /tokenize`` (vLLM's): a ``prompt``, or chat ``messages``."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool = True
+    add_generation_prompt: bool = True
+
+
+class DetokenizeRequest(msgspec.Struct, kw_only=True):
+    """``POST /detokenize`` (vLLM's)."""
+
+    model: str | None = None
+    tokens: list[int]
+
+
+def decode_body(body: bytes, kind: type[msgspec.Struct], *, strict: bool = False) -> Any:
     """The request body as a ``kind``. Raises ``OpenAIError`` (400) naming
-    the offending field: malformed JSON, a wrong type, a missing or unknown field."""
+    the offending field: malformed JSON, a wrong type, a missing field, and
+    with ``strict`` an unknown one (else ignored, and logged)."""
     try:
-        return msgspec.json.decode(body, type=kind)
+        request = msgspec.json.decode(body, type=kind)
     except msgspec.ValidationError as exc:
         refused = exc  # located below, from the body's plain JSON value
     except (RecursionError, UnicodeDecodeError, msgspec.DecodeError) as exc:
         raise _malformed(body, exc) from None
+    else:
+        unknown = unknown_fields(msgspec.json.decode(body), kind)
+        if unknown and strict:
+            raise invalid(unknown[0], "unknown field", code="unknown_field")
+        _IGNORED.note(unknown)
+        return request
     try:
         value = msgspec.json.decode(body)
     except (RecursionError, UnicodeDecodeError, msgspec.DecodeError) as exc:
         raise _malformed(body, exc) from None  # malformed past where the typed decode stopped
     raise _misfit_error(find_misfit(value, kind), refused) from None
+
+
+class _IgnoredFields:
+    """Logs the fields ignored, one line per name (indexes left out: ``messages[].x``)
+    at most every ``IGNORED_LOG_INTERVAL_S``, so a client cannot fill the log."""
+
+    def __init__(self) -> None:
+        self._logged_at: dict[str, float] = {}
+
+    def note(self, paths: list[str]) -> None:
+        now = time.monotonic()
+        for path in paths:
+            name = re.sub(r"\[[^\]]*\]", "[]", path)
+            if now - self._logged_at.get(name, -IGNORED_LOG_INTERVAL_S) < IGNORED_LOG_INTERVAL_S:
+                continue
+            if len(self._logged_at) >= MAX_IGNORED_NAMES:
+                self._logged_at.clear()
+            self._logged_at[name] = now
+            log.warning(
+                "ignored the request field %r, which this server does not use (--strict-fields refuses it)", name
+            )
+
+
+_IGNORED = _IgnoredFields()
 
 
 def _malformed(body: bytes, exc: Exception) -> OpenAIError:
