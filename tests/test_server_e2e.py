@@ -213,5 +213,20 @@ async def test_the_readme_commands_serve_the_default_model_which_knows_the_capit
         assert client.stdout
         proc.send_signal(signal.SIGTERM)
         assert await in_thread(proc.wait, 30) == 0
+        assert proc.stderr is not None
+        assert "it/s]" not in proc.stderr.read()  # (found: the converter's progress bars, 14 lines of them)
     # Nothing half-built is left beside the model.
+    assert sorted(p.name for p in (tmp_path / "cache").iterdir()) == ["SmolLM2-135M-Instruct-f32-v1"]
+    # The same model named as vLLM's users name one: its .gguf file, given as MODEL (the converted one serves).
+    from trioserve.default_model import gguf_path
+
+    with trio.fail_after(120), spawned([*argv, str(gguf_path()), "--runner", "fake"], env) as proc:
+        url = await in_thread(wait_for_url, proc, 90)
+        port = int(url.rsplit(":", 1)[1])
+        models = await in_thread(
+            lambda: json.loads(urllib.request.urlopen(f"http://127.0.0.1:{port}/v1/models").read())
+        )
+        assert [m["id"] for m in models["data"]] == ["SmolLM2-135M-Instruct.Q4_1"]
+        proc.send_signal(signal.SIGTERM)
+        assert await in_thread(proc.wait, 30) == 0
     assert sorted(p.name for p in (tmp_path / "cache").iterdir()) == ["SmolLM2-135M-Instruct-f32-v1"]

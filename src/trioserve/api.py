@@ -135,7 +135,13 @@ def _load_tokenizer(config: EngineConfig) -> tuple[Tokenizer, ChatTemplate | Non
     is checked; a missing or broken one is a start-up error naming the path."""
     try:
         tokenizer = load_model_dir(config.model, needs_weights=config.runner == "hf")
-        return tokenizer, ChatTemplate.from_dir(config.model)
+        text_dir = config.model
+        if config.tokenizer is not None:  # its own tokenizer (and chat template, unless one is given)
+            tokenizer = Tokenizer.from_dir(config.tokenizer)
+            text_dir = config.tokenizer
+        if config.chat_template is not None:
+            return tokenizer, ChatTemplate.from_source(config.chat_template, text_dir)
+        return tokenizer, ChatTemplate.from_dir(text_dir)
     except (OSError, ValueError) as exc:  # each names the directory or the file
         raise EngineStartupError(str(exc), stage="tokenizer") from None
 
@@ -342,6 +348,10 @@ class Engine:
             not isinstance(engine_index, int) or isinstance(engine_index, bool) or not 0 <= engine_index < num_engines
         ):
             raise InvalidRequestError("engine_index", f"must be an engine index in [0, {num_engines}) or None")
+        if params.logprobs is not None and params.logprobs > self.config.max_logprobs:
+            raise InvalidRequestError(
+                "logprobs", f"at most {self.config.max_logprobs} on this server (--max-logprobs; got {params.logprobs})"
+            )
 
     def _new_id(self) -> str:
         return f"{self._id_prefix}-{next(self._ids)}"

@@ -258,6 +258,16 @@ class EngineConfig:
 
     fake: FakeRunnerConfig = field(default_factory=FakeRunnerConfig)
 
+    # The front-end's text (vLLM's --tokenizer and --chat-template): a directory holding tokenizer.json (None: the
+    # model's), and a chat template's Jinja source (None: the model's own).
+    tokenizer: str | None = None
+    chat_template: str | None = None
+    # A request may ask for at most this many logprobs alternatives per token (vLLM's --max-logprobs).
+    max_logprobs: int = 20
+    # On CUDA, the share of the device's memory the worker may fill, its KV cache taking what the model leaves
+    # (vLLM's --gpu-memory-utilization); None: kv_cache_memory_bytes. Refused on the CPU.
+    gpu_memory_utilization: float | None = None
+
     def __post_init__(self) -> None:
         if isinstance(self.model, os.PathLike):
             object.__setattr__(self, "model", os.fspath(self.model))  # a pathlib.Path is a directory path too
@@ -272,6 +282,18 @@ class EngineConfig:
         )
         _check(self.block_size in (1, 2, 4, 8, 16, 32, 64, 128), "block_size", "must be a power of two <= 128")
         _check(self.kv_cache_memory_bytes > 0, "kv_cache_memory_bytes", "must be > 0")
+        _check(0 <= self.max_logprobs <= 20, "max_logprobs", "must be in [0, 20]")
+        _check(
+            self.gpu_memory_utilization is None or 0 < self.gpu_memory_utilization <= 1,
+            "gpu_memory_utilization",
+            "must be in (0, 1]",
+        )
+        _check(
+            self.gpu_memory_utilization is None or self.device != "cpu",
+            "gpu_memory_utilization",
+            "sizes the KV cache from an accelerator's free memory, and the CPU has none to share: "
+            "size it with --kv-cache-mib (kv_cache_memory_bytes)",
+        )
         _check(self.num_kv_blocks is None or self.num_kv_blocks >= 1, "num_kv_blocks", "must be >= 1")
         _check(self.max_num_seqs >= 1, "max_num_seqs", "must be >= 1")
         _check(self.max_num_batched_tokens >= 1, "max_num_batched_tokens", "must be >= 1")

@@ -17,7 +17,9 @@ weights (gibberish, but built in seconds), for tests and demos.
 
 from __future__ import annotations
 
+import contextlib
 import errno
+import hashlib
 import importlib.util
 import os
 import shutil
@@ -74,6 +76,26 @@ def default_model_dir(*, announce: bool = True) -> Path:
             say(f"Converted in {time.monotonic() - started:.0f}s.")
     if announce:
         say(f"No --model given: serving SmolLM2-135M-Instruct from {target}.")
+    return target
+
+
+def gguf_model_dir(gguf_file: Path, *, announce: bool = True) -> Path:
+    """The model directory of a GGUF file, converted once into the cache
+    (atomically, as the default model is) under a name that holds the file's
+    identity (its path, size and modification time), so a changed file is
+    converted again. The default model's own file is the default model.
+    Raises as ``default_model_dir``."""
+    source = gguf_file.resolve()
+    with contextlib.suppress(FileNotFoundError):
+        if source == gguf_path().resolve():
+            return default_model_dir(announce=announce)
+    stat = source.stat()
+    identity = hashlib.sha256(f"{source}\0{stat.st_size}\0{stat.st_mtime_ns}".encode()).hexdigest()[:16]
+    target = cache_dir() / f"gguf-{source.stem}-{identity}"
+    if not is_complete(target):
+        if announce:
+            say(f"Converting {source.name} into {target} (once)...")
+        build_model_dir(target, "trioserve.gpu.gguf_convert", [str(source)], name="GGUF converter")
     return target
 
 

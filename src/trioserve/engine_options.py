@@ -4,6 +4,11 @@ serve``, ``generate``, ``chat`` and ``bench``): the same option set
 everywhere, with per-command defaults only where a command needs its own
 (bench's model).
 
+Options carry vLLM's names and aliases beside trioserve's own where they
+differ (``-tp``, ``-dp``, ``--enable-prefix-caching``, ``--seed``,
+``--dtype half``), so that a ``vllm serve`` command line runs as it is
+(docs/vllm-compatibility.md).
+
 Every ``EngineConfig`` field has its option here (defaults read from
 ``EngineConfig`` itself), except: the engines on several hosts
 (``data_parallel_size_local``, ``data_parallel_address``,
@@ -16,9 +21,13 @@ restart backoff and wait, ``step_hang_factor``, ``control_timeout_s`` and
 from __future__ import annotations
 
 import argparse
+import os
+from pathlib import Path
 from typing import Any
 
 from trioserve.config import EngineConfig, FakeRunnerConfig
+
+DTYPE_ALIASES = {"half": "float16", "float": "float32"}  # vLLM's names
 
 # The titles of the argument groups that hold the engine options (a test compares them across commands).
 ENGINE_GROUP = "engine"
@@ -42,6 +51,7 @@ def add_engine_options(
     model_metavar: str = "DIR",
     model_help: str = MODEL_HELP,
     threads_help: str = THREADS_HELP,
+    seed_flags: tuple[str, ...] = ("--engine-seed",),
 ) -> None:
     """The groups ``ENGINE_GROUPS`` of ``parser``: every engine option.
     ``--model`` defaults to ``model_default`` (None: the command's own
@@ -49,14 +59,55 @@ def add_engine_options(
     defaults = EngineConfig(model="-")
     group = parser.add_argument_group(ENGINE_GROUP)
     group.add_argument("--model", default=model_default, metavar=model_metavar, help=model_help)
-    devices, dtypes = ["auto", "cpu", "cuda"], ["auto", "float32", "bfloat16", "float16"]
+    devices, dtypes = ["auto", "cpu", "cuda"], ["auto", "float32", "bfloat16", "float16", *DTYPE_ALIASES]
     group.add_argument("--device", choices=devices, default=defaults.device, help="default: %(default)s")
-    group.add_argument("--dtype", choices=dtypes, default=defaults.dtype, help="default: %(default)s")
+    group.add_argument(
+        "--dtype", choices=dtypes, default=defaults.dtype, help="half = float16, float = float32 (default: %(default)s)"
+    )
+    group.add_argument(
+        "--tokenizer",
+        metavar="DIR",
+        help="the directory of the tokenizer (tokenizer.json) and chat template to use (default: the model's)",
+    )
+    group.add_argument(
+        "--chat-template",
+        metavar="FILE_OR_TEMPLATE",
+        help="a Jinja chat template to use instead of the model's: a file, or the template itself",
+    )
+    group.add_argument(
+        "--download-dir",
+        metavar="DIR",
+        help="with a Hugging Face model id: the Hugging Face cache to find it in, or download it to "
+        "(default: $HF_HUB_CACHE, or $HF_HOME/hub)",
+    )
+    group.add_argument(
+        "--revision",
+        metavar="REV",
+        help="with a Hugging Face model id: the branch, tag or commit of the model (default: main)",
+    )
+    group.add_argument(
+        "--max-logprobs",
+        type=int,
+        default=defaults.max_logprobs,
+        metavar="N",
+        help="logprobs alternatives a request may ask for, at most 20 (default: %(default)s)",
+    )
+    group.add_argument(
+        "--enforce-eager",
+        action="store_true",
+        help="run the model eagerly: no torch.compile (--compile), and on CUDA no graphs (vLLM's flag)",
+    )
+    group.add_argument(
+        "--trust-remote-code",
+        action="store_true",
+        help="accepted for vLLM's command lines; trioserve never runs a model repository's own code",
+    )
     group.add_argument("--torch-threads", type=int, default=defaults.torch_threads, metavar="N", help=threads_help)
     _add_memory_options(group, defaults)
     _add_batching_options(group, defaults)
     group.add_argument(
-        "--engine-seed",
+        *seed_flags,
+        dest="engine_seed",
         type=int,
         default=defaults.seed,
         metavar="N",
@@ -85,6 +136,14 @@ def add_engine_options(
 
 def _add_memory_options(group: argparse._ArgumentGroup, defaults: EngineConfig) -> None:
     group.add_argument(
+        "--gpu-memory-utilization",
+        type=float,
+        default=defaults.gpu_memory_utilization,
+        metavar="SHARE",
+        help="on CUDA: the share (0 to 1] of the device's memory the model and its KV cache may fill, in place of "
+        "--kv-cache-mib; refused on the CPU",
+    )
+    group.add_argument(
         "--kv-cache-mib",
         type=int,
         default=defaults.kv_cache_memory_bytes // 2**20,
@@ -108,6 +167,7 @@ def _add_memory_options(group: argparse._ArgumentGroup, defaults: EngineConfig) 
     )
     group.add_argument(
         "--prefix-caching",
+        "--enable-prefix-caching",
         dest="enable_prefix_caching",
         action=argparse.BooleanOptionalAction,
         default=defaults.enable_prefix_caching,
@@ -158,6 +218,7 @@ def _add_batching_options(group: argparse._ArgumentGroup, defaults: EngineConfig
 def _add_parallel_options(group: argparse._ArgumentGroup, defaults: EngineConfig) -> None:
     group.add_argument(
         "--data-parallel-size",
+        "-dp",
         type=int,
         default=defaults.data_parallel_size,
         metavar="N",
@@ -166,6 +227,7 @@ def _add_parallel_options(group: argparse._ArgumentGroup, defaults: EngineConfig
     )
     group.add_argument(
         "--tensor-parallel-size",
+        "-tp",
         type=int,
         default=defaults.tensor_parallel_size,
         metavar="N",
@@ -229,6 +291,18 @@ def _add_supervision_options(group: argparse._ArgumentGroup, defaults: EngineCon
         group.add_argument(option, type=float, default=default, metavar="SECONDS", help=help)
 
 
+def chat_template_source(given: str) -> str:
+    """``--chat-template``'s template: the file it names, or the template
+    itself when it holds Jinja markup (as vLLM takes it). ``ValueError``
+    naming the file when it cannot be read."""
+    if "{{" in given or "{%" in given:
+        return given
+    try:
+        return Path(given).read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ValueError(f"--chat-template: cannot read {given!r}: {exc}") from None
+
+
 def engine_config(args: argparse.Namespace, model: str, **fields: Any) -> EngineConfig:
     """The ``EngineConfig`` that ``args`` (parsed with ``add_engine_options``)
     gives, for the model directory ``model`` (the caller resolves
@@ -238,7 +312,11 @@ def engine_config(args: argparse.Namespace, model: str, **fields: Any) -> Engine
         model=model,
         runner=args.runner,
         device=args.device,
-        dtype=args.dtype,
+        dtype=DTYPE_ALIASES.get(args.dtype, args.dtype),
+        tokenizer=None if args.tokenizer is None else os.path.abspath(args.tokenizer),
+        chat_template=None if args.chat_template is None else chat_template_source(args.chat_template),
+        max_logprobs=args.max_logprobs,
+        gpu_memory_utilization=args.gpu_memory_utilization,
         seed=args.engine_seed,
         block_size=args.block_size,
         kv_cache_memory_bytes=args.kv_cache_mib * 1024 * 1024,
@@ -249,7 +327,7 @@ def engine_config(args: argparse.Namespace, model: str, **fields: Any) -> Engine
         max_waiting_requests=args.max_waiting_requests,
         max_steps_in_flight=args.max_steps_in_flight,
         enable_prefix_caching=args.enable_prefix_caching,
-        compile=args.compile,
+        compile=args.compile and not args.enforce_eager,
         torch_threads=args.torch_threads,
         data_parallel_size=args.data_parallel_size,
         tensor_parallel_size=args.tensor_parallel_size,

@@ -34,6 +34,7 @@ from trioserve.cli.exits import (
 from trioserve.cli.hosts import add_keys_parser
 from trioserve.cli.serve import add_serve_parser
 from trioserve.cli.terminal import add_chat_parser, add_generate_parser
+from trioserve.cli.vllm_flags import unsupported_flag
 from trioserve.errors import collapse
 from trioserve.server.listener import fd_limit, raise_fd_limit
 from trioserve.stdio import LOG_LEVEL_ENV, drop_stdout, ensure_standard_fds, say
@@ -119,6 +120,9 @@ def _replace_unencodable(stream: object) -> bool:
 
 
 def _main(argv: list[str] | None) -> int:
+    if (line := unsupported_flag(sys.argv[1:] if argv is None else argv)) is not None:
+        say(line)
+        return EXIT_USAGE
     parser = build_parser()
     args = parser.parse_args(argv)
     args.log_level = getattr(args, "log_level", "WARNING")

@@ -34,8 +34,15 @@ def add_serve_parser(commands: Any) -> None:
         "(docs/metrics.md). Prints the URLs once the model is loaded; GET /health on the same port answers 200 "
         "when ready. SIGINT (Ctrl-C), SIGTERM or SIGHUP shuts down gracefully.",
     )
+    serve.add_argument(
+        "model_tag",
+        nargs="?",
+        metavar="MODEL",
+        help="the model, as vllm serve takes it: a model directory, a .gguf file, or a Hugging Face id found in the "
+        "local Hugging Face cache (or downloaded); the same as --model (default: the built-in model)",
+    )
     add_server_options(serve)
-    add_engine_options(serve)
+    add_engine_options(serve, seed_flags=("--engine-seed", "--seed"))  # --seed: vLLM's (no request seed here)
     add_hosts_options(serve)
     serve.set_defaults(func=cmd_serve)
 

@@ -7,7 +7,7 @@ import json
 import os
 from pathlib import Path
 
-from trioserve.cli.engine import DEFAULT_MODEL_SERVED_NAME
+from trioserve.cli.engine import DEFAULT_MODEL_SERVED_NAME, model_argument
 from trioserve.server import ServerConfig
 
 API_KEY_ENV = "TRIOSERVE_API_KEY"  # never passed on to a child process (nurseries.supervision.process.SECRET_ENV_NAMES)
@@ -110,9 +110,17 @@ def add_server_options(parser: argparse.ArgumentParser) -> None:
     )
     group.add_argument(
         "--served-model-name",
+        nargs="+",
         metavar="NAME",
-        help="the model's name in the OpenAI API ('model' in requests, /v1/models) "
-        "(default: the model directory's name)",
+        help="the model's names in the OpenAI API: requests may give any of them as 'model', responses carry the "
+        "first, /v1/models lists each (default: the model as given: a Hugging Face id, a .gguf file's name, or the "
+        "model directory's name)",
+    )
+    group.add_argument(
+        "--root-path",
+        default="",
+        metavar="PATH",
+        help="a path prefix a proxy in front leaves on requests (/api with /api/v1/models): taken off (vLLM's flag)",
     )
     group.add_argument(
         "--strict-fields",
@@ -140,6 +148,7 @@ def add_server_options(parser: argparse.ArgumentParser) -> None:
 
 
 def server_config(args: argparse.Namespace) -> ServerConfig:
+    names = list(dict.fromkeys(args.served_model_name or []))
     return ServerConfig(
         host=args.host,
         port=args.port,
@@ -152,7 +161,9 @@ def server_config(args: argparse.Namespace) -> ServerConfig:
         slow_consumer_timeout_s=args.slow_consumer_timeout,
         shutdown_grace_s=args.shutdown_grace,
         keepalive_timeout_s=args.keepalive_timeout,
-        model_name=args.served_model_name or (DEFAULT_MODEL_SERVED_NAME if args.model is None else None),
+        model_name=names[0] if names else _served_name(model_argument(args)),
+        model_aliases=tuple(names[1:]),
+        root_path=args.root_path.rstrip("/"),
         special_tokens_in_content=args.special_tokens_in_content,
         strict_fields=args.strict_fields,
         allowed_origins=args.allowed_origins,
@@ -173,6 +184,16 @@ def _names_list(text: str) -> tuple[str, ...]:
             raise argparse.ArgumentTypeError(f"must be a JSON list of strings: {text[:80]!r}")
         return tuple(value)
     return tuple(part.strip() for part in text.split(",") if part.strip())
+
+
+def _served_name(given: str | None) -> str | None:
+    """The API's name for the model given (None: its directory's name)."""
+    if given is None:
+        return DEFAULT_MODEL_SERVED_NAME
+    path = Path(given)
+    if path.is_dir():
+        return None
+    return path.stem if path.suffix == ".gguf" else given  # a Hugging Face id, as vLLM names it
 
 
 def _api_key(args: argparse.Namespace) -> str | None:

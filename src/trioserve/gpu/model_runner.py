@@ -225,9 +225,30 @@ class ModelRunner:
     def _blocks_for_budget(self, max_model_len: int) -> int:
         """As many blocks as the memory budget holds, but no more than every
         sequence of a full batch at full context length could use."""
-        by_memory = self.config.kv_cache_memory_bytes // self.bytes_per_block
+        by_memory = self._kv_budget_bytes() // self.bytes_per_block
         per_sequence = -(-max_model_len // self.block_size)
         return max(1, min(by_memory, per_sequence * self.config.max_num_seqs))
+
+    def _kv_budget_bytes(self) -> int:
+        """``kv_cache_memory_bytes``; with ``gpu_memory_utilization``, what
+        that share of the CUDA device leaves after what is in use now (the
+        model loaded)."""
+        share = self.config.gpu_memory_utilization
+        if share is None:
+            return self.config.kv_cache_memory_bytes
+        if self.device.type != "cuda":
+            raise ValueError(
+                "gpu_memory_utilization (--gpu-memory-utilization) sizes the KV cache from CUDA memory, and this "
+                f"worker runs on {self.device.type}: size it with --kv-cache-mib"
+            )
+        free, total = torch.cuda.mem_get_info(self.device)
+        budget = int(share * total) - (total - free)
+        if budget < self.bytes_per_block:
+            raise MemoryError(
+                f"gpu_memory_utilization={share} of {total / 2**30:.1f} GiB leaves no room for the KV cache once the "
+                f"model is loaded ({(total - free) / 2**30:.1f} GiB in use): raise it"
+            )
+        return budget
 
     @property
     def bytes_per_block(self) -> int:

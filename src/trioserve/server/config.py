@@ -38,6 +38,8 @@ class ServerConfig:
     keepalive_timeout_s: float = 5.0  # an HTTP connection between two requests waits this long for the next head
     max_http_requests_per_connection: int = 1000  # then the connection closes (the client reconnects)
     model_name: str | None = None  # the API's name for the model (None: the model directory's name)
+    model_aliases: tuple[str, ...] = ()  # more names requests may give for it (vLLM's --served-model-name a b)
+    root_path: str = ""  # a prefix a proxy in front may leave on every path (vLLM's --root-path): taken off
     # A special token's text in a chat message's content becomes the token (a user can then write another
     # role's turn); off: it stays text (frontend/text/literal.py).
     special_tokens_in_content: bool = False

@@ -11,6 +11,7 @@ cap, ``route_over_capacity`` answers instead of ``route``.
 
 from __future__ import annotations
 
+import dataclasses
 import hmac
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -96,6 +97,18 @@ class RequestHead:
         UTF-8, so that a key outside ASCII matches the same key sent by a client."""
         scheme, _, token = self.headers.get("authorization", "").partition(" ")
         return scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode("latin-1"), api_key.encode())
+
+
+def without_root(head: RequestHead, root_path: str) -> RequestHead:
+    """``head`` with ``root_path`` (``/api``) taken off the front of its
+    path, when it is there: a proxy in front may forward paths with or
+    without it."""
+    if not root_path or not head.target.startswith(root_path):  # (a target in absolute form is left as it is)
+        return head
+    if not (head.path == root_path or head.path.startswith(root_path + "/")):
+        return head
+    rest = head.target[len(root_path) :]
+    return dataclasses.replace(head, target=rest if rest.startswith("/") else "/" + rest)
 
 
 def parse_request_head(head: bytes) -> RequestHead:

@@ -178,7 +178,8 @@ class HttpApi:
             await self._control(conn, head)
         elif endpoint == "models":
             engine = self._engine()
-            models = resp.models_list(self.model_name, engine.info.max_model_len, self._started)
+            names = [self.model_name, *self._config.model_aliases]
+            models = resp.models_list(names, engine.info.max_model_len, self._started)
             await conn.send_json(200, models, head_only=head.method == "HEAD")
         elif endpoint == "model":
             try:
@@ -188,6 +189,8 @@ class HttpApi:
                 return
             max_model_len = self._engine().info.max_model_len
             entry = resp.Model(id=self.model_name, created=self._started, max_model_len=max_model_len)
+            if (asked := unquote(head.path.rstrip("/").removeprefix(_MODEL_PREFIX))) in self._config.model_aliases:
+                entry = resp.Model(id=asked, created=self._started, max_model_len=max_model_len)
             await conn.send_json(200, entry, head_only=head.method == "HEAD")
         else:
             body = await self._read_body(conn, body_deadline)
@@ -386,7 +389,7 @@ class HttpApi:
             raise OpenAIError.from_engine(exc, names) from None
 
     def _check_model(self, model: str) -> None:
-        if model != self.model_name:
+        if model != self.model_name and model not in self._config.model_aliases:
             raise OpenAIError(
                 404,
                 f"model: {model[:100]!r} is not served here; this server serves {self.model_name!r}",

@@ -182,8 +182,9 @@ class ModelList(msgspec.Struct, kw_only=True):
     data: list[Model]
 
 
-def models_list(model: str, max_model_len: int, created: int) -> ModelList:
-    return ModelList(data=[Model(id=model, created=created, max_model_len=max_model_len)])
+def models_list(names: list[str], max_model_len: int, created: int) -> ModelList:
+    """The one model served, under each of its ``names``."""
+    return ModelList(data=[Model(id=name, created=created, max_model_len=max_model_len) for name in names])
 
 
 class EngineHealth(msgspec.Struct):

@@ -311,6 +311,8 @@ class Server:
             try:
                 with trio.move_on_at(deadline):
                     head = await conn.read_head()
+                    if head is not None:
+                        head = http.without_root(head, self.config.root_path)
                     if head is not None and not head.is_api:
                         reply = http.route(
                             head,

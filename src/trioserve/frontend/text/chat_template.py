@@ -90,6 +90,17 @@ class ChatTemplate:
         except jinja2.TemplateSyntaxError as exc:
             raise ValueError(f"{directory}: the chat template does not compile: {exc}") from None
 
+    @classmethod
+    def from_source(cls, source: str, model_dir: str | Path) -> ChatTemplate:
+        """A template given by the operator (``--chat-template``), with the
+        special tokens the model in ``model_dir`` names. Raises
+        ``ValueError`` when it does not compile."""
+        config = _read_config(Path(model_dir) / TOKENIZER_CONFIG_FILE)
+        try:
+            return cls(source, _special_tokens(config))
+        except jinja2.TemplateSyntaxError as exc:
+            raise ValueError(f"chat_template (--chat-template) does not compile: {exc}") from None
+
     def render(
         self,
         messages: Sequence[Mapping[str, Any]],
