@@ -7,6 +7,7 @@ from __future__ import annotations
 import functools
 import logging
 import os
+import re
 import signal
 import socket
 import stat
@@ -96,10 +97,25 @@ def headless_logging_to(argv: list[str], stderr: Path) -> Iterator[subprocess.Po
         proc.wait(timeout=10)
 
 
+LOG_LINE = re.compile(r"\S+ \S+ (?P<level>[A-Z]+) \S+\[\d+\] (?P<rest>.*)")  # date time LEVEL role[pid] logger: ...
+
+
+def said(text: str) -> list[str]:
+    """The lines of ``text`` (a standard error) that say something went wrong: log lines of level WARNING and
+    above, as ``LEVEL logger: message``, and the command's own lines; not INFO's account of what happens."""
+    lines = []
+    for line in text.splitlines():
+        if (log := LOG_LINE.fullmatch(line)) is None:
+            lines.append(line)
+        elif log["level"] not in ("DEBUG", "INFO"):
+            lines.append(f"{log['level']} {log['rest']}")
+    return lines
+
+
 async def wait_for_lines(stderr: Path, *texts: str, count: int = 1) -> list[str]:
-    """Wait until ``stderr`` has ``count`` lines holding any of ``texts``; all its lines."""
+    """Wait until ``stderr`` has ``count`` lines holding any of ``texts``; all its lines (``said``)."""
     while True:
-        lines = stderr.read_text().splitlines()
+        lines = said(stderr.read_text())
         if sum(any(text in line for text in texts) for line in lines) >= count:
             return lines
         await trio.sleep(0.05)

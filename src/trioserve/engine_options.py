@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from trioserve.config import EngineConfig, FakeRunnerConfig
+from trioserve.stdio import LOG_FORMATS
 
 DTYPE_ALIASES = {"half": "float16", "float": "float32"}  # vLLM's names
 
@@ -52,6 +53,7 @@ def add_engine_options(
     model_help: str = MODEL_HELP,
     threads_help: str = THREADS_HELP,
     seed_flags: tuple[str, ...] = ("--engine-seed",),
+    log_level: str = "WARNING",
 ) -> None:
     """The groups ``ENGINE_GROUPS`` of ``parser``: every engine option.
     ``--model`` defaults to ``model_default`` (None: the command's own
@@ -127,9 +129,16 @@ def add_engine_options(
     group.add_argument("--fake-options", default="{}", help=argparse.SUPPRESS)
     group.add_argument(
         "--log-level",
-        default="WARNING",
+        default=log_level,
         metavar="LEVEL",
         help="logging level of this process and the engine's (default: %(default)s)",
+    )
+    group.add_argument(
+        "--log-format",
+        choices=LOG_FORMATS,
+        default="text",
+        help="text: a line with the date and time, level, process and logger; json: one JSON object a line "
+        "(default: %(default)s)",
     )
     _add_supervision_options(parser.add_argument_group(SUPERVISION_GROUP), defaults)
 

@@ -10,6 +10,8 @@ every process of ours.
 
 from __future__ import annotations
 
+import datetime
+import json
 import logging
 import os
 import sys
@@ -82,6 +84,61 @@ def drop_stdout() -> None:
         pass
     finally:
         os.close(null)
+
+
+LOG_FORMAT_ENV = "TRIOSERVE_LOG_FORMAT"  # the trioserve command's --log-format, for its children
+LOG_FORMATS = ("text", "json")
+DATE_FORMAT = "%Y-%m-%d %H:%M:%S"
+
+
+class JsonFormatter(logging.Formatter):
+    """One JSON object a line: ``time`` (UTC, ISO 8601 with milliseconds),
+    ``level``, ``logger``, ``process`` (the role: ``serve``, ``engine-core``...),
+    ``pid``, ``message``; a record's ``fields`` (a dict: the access log's)
+    are added as they are, and an exception as ``exception``."""
+
+    def __init__(self, role: str) -> None:
+        super().__init__()
+        self.role = role
+
+    def format(self, record: logging.LogRecord) -> str:
+        entry: dict[str, object] = {
+            "time": datetime.datetime.fromtimestamp(record.created, datetime.UTC).isoformat(timespec="milliseconds"),
+            "level": record.levelname,
+            "logger": record.name,
+            "process": self.role,
+            "pid": record.process,
+            "message": record.getMessage(),
+        }
+        fields = getattr(record, "fields", None)
+        if isinstance(fields, dict):
+            entry.update(fields)
+        if record.exc_info:
+            entry["exception"] = self.formatException(record.exc_info)
+        return json.dumps(entry, ensure_ascii=False, default=str)
+
+
+def configure_logging(level: int | str, log_format: str, role: str) -> None:
+    """The process's logging, on standard error: ``text`` lines with the
+    date and time (milliseconds), level, ``role[pid]``, logger and message,
+    or ``json`` (``JsonFormatter``). As ``logging.basicConfig``, it does
+    nothing where logging is set up already (a test's capture)."""
+    handler = logging.StreamHandler()
+    if log_format == "json":
+        handler.setFormatter(JsonFormatter(role))
+    else:
+        handler.setFormatter(
+            logging.Formatter(
+                f"%(asctime)s.%(msecs)03d %(levelname)s {role}[%(process)d] %(name)s: %(message)s", DATE_FORMAT
+            )
+        )
+    logging.basicConfig(level=level, handlers=[handler])
+
+
+def child_log_format() -> str:
+    """The log format a child process takes from ``TRIOSERVE_LOG_FORMAT`` (text when unset or unknown)."""
+    given = os.environ.get(LOG_FORMAT_ENV, "text").strip().lower()
+    return given if given in LOG_FORMATS else "text"
 
 
 def child_log_level() -> int:

@@ -37,7 +37,7 @@ from trioserve.cli.terminal import add_chat_parser, add_generate_parser
 from trioserve.cli.vllm_flags import unsupported_flag
 from trioserve.errors import collapse
 from trioserve.server.listener import fd_limit, raise_fd_limit
-from trioserve.stdio import LOG_LEVEL_ENV, drop_stdout, ensure_standard_fds, say
+from trioserve.stdio import LOG_FORMAT_ENV, LOG_LEVEL_ENV, configure_logging, drop_stdout, ensure_standard_fds, say
 
 __all__ = [
     "EXIT_ENGINE_DEAD",
@@ -129,8 +129,10 @@ def _main(argv: list[str] | None) -> int:
     if not isinstance(logging.getLevelName(args.log_level.upper()), int):
         say(f"trioserve: invalid input: --log-level: unknown level {args.log_level!r}")
         return EXIT_USAGE
-    logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
+    log_format = getattr(args, "log_format", "text")
+    configure_logging(args.log_level.upper(), log_format, args.command or "trioserve")
     os.environ[LOG_LEVEL_ENV] = args.log_level.upper()  # its children's, over one in the environment
+    os.environ[LOG_FORMAT_ENV] = log_format
     raise_fd_limit(MIN_OPEN_FILES)  # the process is ours
     if args.command != "keys" and (limit := fd_limit()) is not None and limit < MIN_OPEN_FILES:
         say(

@@ -42,7 +42,8 @@ def add_serve_parser(commands: Any) -> None:
         "local Hugging Face cache (or downloaded); the same as --model (default: the built-in model)",
     )
     add_server_options(serve)
-    add_engine_options(serve, seed_flags=("--engine-seed", "--seed"))  # --seed: vLLM's (no request seed here)
+    # --seed: vLLM's (serve has no request seed of its own); INFO: a server's log says what happens, when.
+    add_engine_options(serve, seed_flags=("--engine-seed", "--seed"), log_level="INFO")
     add_hosts_options(serve)
     serve.set_defaults(func=cmd_serve)
 

@@ -122,6 +122,25 @@ def add_server_options(parser: argparse.ArgumentParser) -> None:
         metavar="PATH",
         help="a path prefix a proxy in front leaves on requests (/api with /api/v1/models): taken off (vLLM's flag)",
     )
+    logs = parser.add_argument_group("logs")
+    logs.add_argument(
+        "--disable-log-requests",
+        "--disable-uvicorn-access-log",
+        dest="log_requests",
+        action="store_false",
+        help="no access-log line per request (by default: method, path, status, duration, tokens, request id)",
+    )
+    logs.add_argument(
+        "--enable-log-requests", dest="log_requests", action="store_true", help="the access log (the default)"
+    )
+    logs.add_argument("--disable-log-stats", dest="log_stats", action="store_false", help="no periodic stats line")
+    logs.add_argument(
+        "--log-stats-interval",
+        type=float,
+        default=10.0,
+        metavar="SECONDS",
+        help="how often the stats line is logged, when something happened (default: %(default)s)",
+    )
     group.add_argument(
         "--strict-fields",
         action="store_true",
@@ -166,6 +185,8 @@ def server_config(args: argparse.Namespace) -> ServerConfig:
         root_path=args.root_path.rstrip("/"),
         special_tokens_in_content=args.special_tokens_in_content,
         strict_fields=args.strict_fields,
+        log_requests=args.log_requests,
+        log_stats_interval_s=args.log_stats_interval if args.log_stats else None,
         allowed_origins=args.allowed_origins,
         allowed_methods=args.allowed_methods,
         allowed_headers=args.allowed_headers,

@@ -44,6 +44,8 @@ class ServerConfig:
     # role's turn); off: it stays text (frontend/text/literal.py).
     special_tokens_in_content: bool = False
     strict_fields: bool = False  # a request field the API does not know is a 400 (else ignored, and logged)
+    log_requests: bool = True  # an access-log line (logger trioserve.access, INFO) per HTTP request
+    log_stats_interval_s: float | None = 10.0  # a stats line (logger trioserve.stats, INFO) this often (None: off)
     # CORS (vLLM's flags): none allowed by default; "*" allows any origin, method or header.
     allowed_origins: tuple[str, ...] = ()
     allowed_methods: tuple[str, ...] = ("*",)
@@ -78,3 +80,6 @@ class ServerConfig:
         ):
             _check(getattr(self, name) > 0, name, "must be > 0")
         _check(self.shutdown_grace_s >= 0, "shutdown_grace_s", "must be >= 0")
+        _check(
+            self.log_stats_interval_s is None or self.log_stats_interval_s > 0, "log_stats_interval_s", "must be > 0"
+        )

@@ -346,6 +346,7 @@ class HttpApi:
         try:
             stream, fmt, plan = await self._start(endpoint, body, client_id)
             names = plan.names
+            conn.log_fields["request_id"] = stream.request_id
             async with stream:
                 if plan.stream:
                     await self._send_events(conn, stream, fmt, plan.include_usage, grace)
@@ -406,6 +407,7 @@ class HttpApi:
                 choices.add(out)
         except _Stopped as stop:
             raise stop.error() from None
+        conn.log_fields.update(prompt_tokens=stream.num_prompt_tokens, generated_tokens=choices.completion_tokens)
         await conn.send_json(200, fmt.response(choices, stream.num_prompt_tokens))
 
     async def _send_events(
@@ -430,6 +432,7 @@ class HttpApi:
         except _Stopped as stop:
             await self._send_event(conn, stop.error().body())
         else:
+            conn.log_fields.update(prompt_tokens=stream.num_prompt_tokens, generated_tokens=choices.completion_tokens)
             if include_usage:
                 await self._send_event(conn, fmt.usage_chunk(choices, stream.num_prompt_tokens))
         await self._send_line(conn, b"data: [DONE]\n\n")

@@ -70,6 +70,8 @@ class HttpConnection:
         self._request: h11.Request | None = None
         self.num_requests = 0
         self.response_headers: list[tuple[str, str]] = []  # on every response to this request (CORS)
+        self.status: int | None = None  # this request's response status, once its head is sent
+        self.log_fields: dict[str, object] = {}  # what the access log says of this request beside its status
 
     @property
     def can_keep_alive(self) -> bool:
@@ -99,6 +101,8 @@ class HttpConnection:
             raise BadRequest(f"unexpected {type(event).__name__}")
         _check_head(event)
         self.response_headers = []
+        self.status = None
+        self.log_fields = {}
         self._request = event
         self.num_requests += 1
         return RequestHead.from_h11(event)
@@ -222,6 +226,7 @@ class HttpConnection:
         ]
         if self._closing() and (b"Connection", b"close") not in extra:
             extra = [*extra, (b"Connection", b"close")]  # said, so that a client does not send another request
+        self.status = status
         return h11.Response(status_code=status, headers=all_headers + extra, reason=_reason(status))
 
     async def send_error_and_close(self, error: BadRequest) -> None:

@@ -129,6 +129,7 @@ class ServerMetrics:
         self.restarts = Counter(
             f"{PREFIX}engine_restarts", "Times the engine core was restarted after dying.", labels, registry=r
         )
+        self.total_generation_tokens = 0  # of ended requests, for the stats line (server/stats_log.py)
         self._last_preemptions = [0] * num_engines
         self._preemptions_life = [0] * num_engines  # the restart count of the life _last_preemptions is from
         self._last_restarts = [0] * num_engines
@@ -156,6 +157,7 @@ class ServerMetrics:
         self.requests.labels(engine, request.finish_reason).inc()
         self.prompt_tokens.labels(engine).inc(request.num_prompt_tokens)
         self.generation_tokens.labels(engine).inc(request.num_output_tokens)
+        self.total_generation_tokens += request.num_output_tokens
         if request.time_to_first_token_s is not None:
             self.ttft.labels(engine).observe(request.time_to_first_token_s)
         itl = self.itl.labels(engine)

@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import logging
 import socket
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -59,8 +60,10 @@ from trioserve.server.http_conn import HttpConnection
 from trioserve.server.listener import accept_loop, fd_limit, fds_needed
 from trioserve.server.metrics import ServerMetrics
 from trioserve.server.state import ServerState, wait_any
+from trioserve.server.stats_log import log_stats
 
 log = logging.getLogger("trioserve.server")
+access_log = logging.getLogger("trioserve.access")
 INCOMING_MESSAGE_QUEUE = 4  # client messages trio-websocket buffers before we read them
 DROP_WRITE_TIMEOUT_S = 0.1  # to write the 503 to a connection dropped for a full reserve
 
@@ -68,6 +71,30 @@ DROP_WRITE_TIMEOUT_S = 0.1  # to write the 503 to a connection dropped for a ful
 def model_name(config: EngineConfig) -> str:
     """The name the API serves a model under, by default: its directory's name."""
     return Path(config.model).name or config.model
+
+
+def log_access(head: http.RequestHead, status: int | None, seconds: float, fields: dict[str, object]) -> None:
+    """The access-log line of one HTTP request: method, path, status (``-``
+    when none was sent: the client went away first), duration, and the
+    request's own ``fields`` (request id, prompt and generated tokens)."""
+    extra = "".join(f" {name}={value}" for name, value in fields.items())
+    access_log.info(
+        '"%s %s" %s %.3fs%s',
+        head.method,
+        head.path[:200],
+        "-" if status is None else status,
+        seconds,
+        extra,
+        extra={
+            "fields": {
+                "method": head.method,
+                "path": head.path[:200],
+                "status": status,
+                "duration_s": round(seconds, 6),
+                **fields,
+            }
+        },
+    )
 
 
 def _only(exc: BaseException, *kinds: type[BaseException]) -> bool:
@@ -199,6 +226,8 @@ class Server:
                 async with trio.open_nursery() as nursery:
                     nursery.start_soon(self._watch_engine, engine)
                     nursery.start_soon(self.state.run_grace_timer)
+                    if self.config.log_stats_interval_s is not None:
+                        nursery.start_soon(log_stats, engine, self.metrics, self.config.log_stats_interval_s)
                     await self.state.stopping.wait()
                     await self._end_websockets()
                     nursery.cancel_scope.cancel()
@@ -349,12 +378,15 @@ class Server:
         ``handshake_timeout_s``. A shutdown lets it run for the grace, then
         cancels it. If cancelled, its request is aborted in the engine."""
         body_deadline = trio.current_time() + self.config.handshake_timeout_s
+        started = time.monotonic()
         with trio.CancelScope() as scope:
             self._track(scope)
             try:
                 await self.api.handle(conn, head, client_id, body_deadline)
             finally:
                 self._untrack(scope)
+                if self.config.log_requests:
+                    log_access(head, conn.status, time.monotonic() - started, conn.log_fields)
 
     async def _answer_over_cap(self, stream: trio.SocketStream, deadline: float) -> None:
         """Over the connection cap: read one request head by ``deadline``

@@ -9,7 +9,6 @@ executes a module the package has already imported.
 from __future__ import annotations
 
 import functools
-import logging
 import signal
 import sys
 
@@ -21,13 +20,10 @@ def main(role: str) -> None:
     # in their parent's group would die of it at once, before their parent stops them in order.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGHUP, signal.SIG_IGN)
-    from trioserve.stdio import child_log_level, ensure_standard_fds
+    from trioserve.stdio import child_log_format, child_log_level, configure_logging, ensure_standard_fds
 
     ensure_standard_fds()  # before anything opens a descriptor that stays open
-    logging.basicConfig(
-        level=child_log_level(),
-        format=f"%(levelname)s {role}[%(process)d] %(name)s: %(message)s",
-    )
+    configure_logging(child_log_level(), child_log_format(), role)
     from trioserve.nurseries.supervision.process import run_child_main
 
     if role == "engine-core":

@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import logging
 import signal
 
 # First, before the slow imports: Ctrl-C, and a terminal's SIGHUP, are the supervising process's to
@@ -13,11 +12,8 @@ signal.signal(signal.SIGHUP, signal.SIG_IGN)
 
 from trioserve.nurseries.supervision.process import run_child_main  # noqa: E402
 from trioserve.server.api_servers.supervisor import api_server_main  # noqa: E402
-from trioserve.stdio import child_log_level, ensure_standard_fds  # noqa: E402
+from trioserve.stdio import child_log_format, child_log_level, configure_logging, ensure_standard_fds  # noqa: E402
 
 ensure_standard_fds()  # before anything opens a descriptor (imports open none that stay)
-logging.basicConfig(
-    level=child_log_level(),
-    format="%(levelname)s api-server[%(process)d] %(name)s: %(message)s",
-)
+configure_logging(child_log_level(), child_log_format(), "api-server")
 run_child_main(api_server_main, name="trioserve-api-server")
