@@ -390,9 +390,7 @@ def _log_exit(child: ChildProcess, usual_exit_codes: frozenset[int], runs_to_end
     elif child.exit_expected:
         level = logging.INFO if code == 0 else logging.WARNING
         log.log(level, "%s (pid %d) %s after it was asked to exit", child.name, child.pid, describe_exit(code))
-    elif runs_to_end:  # its caller says what its exit means
-        log.info("%s (pid %d) %s", child.name, child.pid, describe_exit(code))
-    elif code in usual_exit_codes:  # one of the ways it ends that its parent knows: no surprise
+    elif runs_to_end or code in usual_exit_codes:  # its caller says what it means; or a way its parent knows
         log.info("%s (pid %d) %s", child.name, child.pid, describe_exit(code))
     else:
         log.warning("%s (pid %d) %s unexpectedly", child.name, child.pid, describe_exit(code))
