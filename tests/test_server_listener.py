@@ -9,6 +9,7 @@ import errno
 import itertools
 import logging
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -138,7 +139,7 @@ def serving_under_fd_limit(argv: list[str], limit: int) -> Iterator[tuple[subpro
     assert proc.stdout is not None and proc.stderr is not None
     stdout, stderr = proc.stdout, proc.stderr
     lines: list[str] = []
-    reader = threading.Thread(target=lambda: lines.extend(iter(stderr.readline, "")), daemon=True)
+    reader = threading.Thread(target=lambda: lines.extend(map(_plain, iter(stderr.readline, ""))), daemon=True)
     reader.start()
     try:
         yield proc, lines
@@ -151,6 +152,14 @@ def serving_under_fd_limit(argv: list[str], limit: int) -> Iterator[tuple[subpro
         reader.join(timeout=10)
         stdout.close()
         stderr.close()
+
+
+_LOG_PREFIX = re.compile(r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d\.\d{3} (\S+) \S+\[\d+\] ")  # date time LEVEL role[pid]
+
+
+def _plain(line: str) -> str:
+    """A log line as ``LEVEL logger: message`` (its date, time and process left out)."""
+    return _LOG_PREFIX.sub(r"\1 ", line, count=1)
 
 
 def wait_for_line(lines: list[str], start: str, timeout: float) -> None:
