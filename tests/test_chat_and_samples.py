@@ -332,7 +332,7 @@ async def test_chat_whose_engine_is_out_of_restarts_exits_4_in_one_line(tiny_mod
 async def test_when_the_engine_dies_under_n_samples_each_counts_as_an_error_not_an_abort(fake_config):
     """Found: the first sample to see the ``EngineDeadError`` ended as
     ``error`` and the parent aborted the others, which the request observers
-    (and so ``trioserve_requests_total``) counted as ``abort``: "the client
+    (and so ``vllm:request_success_total``) counted as ``abort``: "the client
     left or cancelled" in docs/metrics.md, though the engine died under them."""
     config = fake_config(num_kv_blocks=256, step_delay_s=0.005, die_at_step=5)
     reasons: list[str] = []

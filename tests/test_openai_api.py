@@ -360,14 +360,15 @@ async def test_a_streaming_client_that_disconnects_has_its_request_aborted_and_i
             assert server.engine.num_requests_in_flight() == 0
             metrics = parse_metrics((await in_thread(raw_request, server, "GET", "/metrics"))[2])
     assert running.num_running + running.num_waiting <= 2  # (it may have been aborted already)
-    assert metrics["trioserve_requests_total", (("engine", "0"), ("finish_reason", "abort"))] == 2
+    assert metrics["vllm:request_success_total", (("engine", "0"), ("finished_reason", "abort"))] == 2
 
 
 def parse_metrics(text: bytes) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
     samples = {}
     for family in text_string_to_metric_families(text.decode()):
         for sample in family.samples:
-            samples[sample.name, tuple(sorted(sample.labels.items()))] = sample.value
+            labels = {k: v for k, v in sample.labels.items() if k != "model_name"}  # (one model: its name is MODEL)
+            samples[sample.name, tuple(sorted(labels.items()))] = sample.value
     return samples
 
 
@@ -384,19 +385,17 @@ async def test_metrics_parse_and_their_counters_move_as_requests_are_served(fake
             prompt_tokens = len(server.engine.tokenizer.encode("Count me")) + 2 * chat_tokens
     before = parse_metrics(before_text)
     assert status == 200 and headers["content-type"].startswith("text/plain")
-    length = ("trioserve_requests_total", (("engine", "0"), ("finish_reason", "length")))
+    length = ("vllm:request_success_total", (("engine", "0"), ("finished_reason", "length")))
     assert before[length] == 0 and after[length] == 3
-    assert after["trioserve_prompt_tokens_total", engine0] - before["trioserve_prompt_tokens_total", engine0] == (
-        prompt_tokens
-    )
-    assert after["trioserve_generation_tokens_total", engine0] == 9 + 2 * 4
-    assert after["trioserve_time_to_first_token_seconds_count", engine0] == 3
-    assert after["trioserve_e2e_request_latency_seconds_count", engine0] == 3
-    assert after["trioserve_inter_token_latency_seconds_count", engine0] == 8 + 2 * 3
-    assert after["trioserve_num_requests_running", engine0] == 0
-    assert after["trioserve_kv_cache_usage_ratio", engine0] == 0
+    assert after["vllm:prompt_tokens_total", engine0] - before["vllm:prompt_tokens_total", engine0] == (prompt_tokens)
+    assert after["vllm:generation_tokens_total", engine0] == 9 + 2 * 4
+    assert after["vllm:time_to_first_token_seconds_count", engine0] == 3
+    assert after["vllm:e2e_request_latency_seconds_count", engine0] == 3
+    assert after["vllm:inter_token_latency_seconds_count", engine0] == 8 + 2 * 3
+    assert after["vllm:num_requests_running", engine0] == 0
+    assert after["vllm:kv_cache_usage_perc", engine0] == 0
     assert after["trioserve_engine_restarts_total", engine0] == 0
-    assert ("trioserve_num_preemptions_total", engine0) in after
+    assert ("vllm:num_preemptions_total", engine0) in after
 
 
 def test_preemptions_count_a_restarted_engines_own_even_once_it_has_caught_up():
@@ -413,7 +412,7 @@ def test_preemptions_count_a_restarted_engines_own_even_once_it_has_caught_up():
     def scrape(num_restarts: int, num_preemptions: int) -> float:
         metrics.update_restarts([num_restarts])
         metrics.update_from_stats(EngineStats(0, 0, 8, 8, num_preemptions, 50))
-        return parse_metrics(generate_latest(metrics.registry))["trioserve_num_preemptions_total", (("engine", "0"),)]
+        return parse_metrics(generate_latest(metrics.registry))["vllm:num_preemptions_total", (("engine", "0"),)]
 
     assert scrape(0, 5) == 5
     assert scrape(1, 5) == 10  # a new life, 5 of its own
@@ -438,10 +437,10 @@ async def test_a_request_refused_as_overloaded_counts_nothing_whatever_its_n(fak
                 with pytest.raises(openai.InternalServerError, match="retry later"):
                     await in_thread(api.completions.create, model=MODEL, prompt="b", max_tokens=4, n=2)
             after = parse_metrics((await in_thread(raw_request, server, "GET", "/metrics"))[2])
-    requests = {reason: after["trioserve_requests_total", (("engine", "0"), ("finish_reason", reason))]
+    requests = {reason: after["vllm:request_success_total", (("engine", "0"), ("finished_reason", reason))]
                 for reason in ("length", "abort")}  # fmt: skip
     assert requests == {"length": 1, "abort": 0}
-    assert after["trioserve_e2e_request_latency_seconds_count", (("engine", "0"),)] == 1
+    assert after["vllm:e2e_request_latency_seconds_count", (("engine", "0"),)] == 1
 
 
 async def test_with_two_engines_each_metric_is_each_engines_own(fake_config):
@@ -462,12 +461,12 @@ async def test_with_two_engines_each_metric_is_each_engines_own(fake_config):
             stats = await engine.stats()
             after = parse_metrics((await in_thread(raw_request, server, "GET", "/metrics"))[2])
     for index in ("0", "1"):
-        assert before["trioserve_requests_total", (("engine", index), ("finish_reason", "length"))] == 0
-        assert ("trioserve_num_requests_running", (("engine", index),)) in before
-    served = [after["trioserve_requests_total", (("engine", i), ("finish_reason", "length"))] for i in "01"]
+        assert before["vllm:request_success_total", (("engine", index), ("finished_reason", "length"))] == 0
+        assert ("vllm:num_requests_running", (("engine", index),)) in before
+    served = [after["vllm:request_success_total", (("engine", i), ("finished_reason", "length"))] for i in "01"]
     assert served == [e.num_requests for e in stats.engines]  # each engine's own count, as the engine says
     assert sum(served) == 6 and all(n > 0 for n in served)
-    generated = [after["trioserve_generation_tokens_total", (("engine", i),)] for i in "01"]
+    generated = [after["vllm:generation_tokens_total", (("engine", i),)] for i in "01"]
     assert generated == [5 * n for n in served]
 
 
@@ -726,7 +725,7 @@ async def test_the_last_response_a_connection_serves_says_connection_close(fake_
 async def test_the_gauges_are_read_while_the_engine_is_paused(fake_config):
     """Found: the gauges were read only while the engine was ready, so after
     a pause that aborted a running request /metrics still said one ran."""
-    running = ("trioserve_num_requests_running", (("engine", "0"),))
+    running = ("vllm:num_requests_running", (("engine", "0"),))
     with trio.fail_after(60):
         async with serving(fake_config(step_delay_s=0.01), model_name=MODEL) as server:
             engine = server.engine

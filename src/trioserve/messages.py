@@ -409,6 +409,7 @@ class TokenOutput(msgspec.Struct, array_like=True):
     # With a request's first token, when prefix caching is on: how many of its
     # prompt tokens came from the cache.
     num_cached_tokens: int | None = None
+    queued_s: float | None = None  # with its first token: how long it waited in the engine core to be scheduled
 
 
 class EngineOutputs(msgspec.Struct, tag=True):

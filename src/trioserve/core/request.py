@@ -24,6 +24,7 @@ Only the scheduler mutates a request; everyone else reads.
 from __future__ import annotations
 
 import enum
+import time
 from collections.abc import Sequence
 
 from trioserve.core.block_hash import BlockHash
@@ -60,6 +61,8 @@ class Request:
         self.finish_reason: FinishReason | None = None
         self.block_hashes: list[BlockHash] = []  # of its full blocks of known tokens, when caching
         self.num_cached_tokens = -1  # prompt tokens served from the prefix cache at its first admission
+        self.arrived_at = time.monotonic()
+        self.queued_s: float | None = None  # from its arrival to its first admission
         self._stop_token_ids = frozenset(params.stop_token_ids)
 
     def __repr__(self) -> str:

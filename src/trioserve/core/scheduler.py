@@ -80,6 +80,7 @@ always finishes.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterable
 
 from trioserve.core.block_manager import BlockManager
@@ -262,7 +263,10 @@ class Scheduler:
                 self._finish(req, reason)
             new_logprobs = None if logprobs is None else [logprobs]
             cached = self.prefix_cache.reported(req)
-            outputs.append(TokenOutput(req_id, [token_id], reason, new_logprobs, num_cached_tokens=cached))
+            queued = req.queued_s if req.num_output_tokens == 1 else None
+            outputs.append(
+                TokenOutput(req_id, [token_id], reason, new_logprobs, num_cached_tokens=cached, queued_s=queued)
+            )
         self.running.remove(finished_running)
         return outputs
 
@@ -346,6 +350,8 @@ class Scheduler:
             plan.admitting = False  # no skipping ahead
             return False
         self.waiting.take(req)
+        if req.queued_s is None:
+            req.queued_s = time.monotonic() - req.arrived_at
         req.status = RequestStatus.RUNNING
         req.num_computed_tokens = num_computed
         self.prefix_cache.admitted(req, hit)

@@ -1,26 +1,38 @@
-"""``GET /metrics``: the server's metrics in the Prometheus text format.
+"""``GET /metrics``: the server's metrics in the Prometheus text format,
+under vLLM's names and labels (``vllm:...``, with ``model_name``), so that
+vLLM's Grafana dashboards and alerts work unchanged; what has no vLLM
+counterpart is ``trioserve_...``. Every metric also has an ``engine`` label,
+the index of the engine it is about (data parallel: "0" .. "N-1").
 
 Each ``ServerMetrics`` has a registry of its own (never the process-wide
 default one), so that several servers, and tests, in one process do not
-collide. Every metric has an ``engine`` label, the index of the engine it
-is about (data parallel: "0" .. "N-1"; with one engine, "0").
+collide. With several API servers (``serve --api-server-count M``), each
+API-server process writes its figures to files in a directory the
+supervising process owns (prometheus_client's multiprocess mode,
+``PROMETHEUS_MULTIPROC_DIR``), and any of them answers a scrape with the sum
+over all of them (``MultiProcessCollector``); the engine cores' own
+counters are reported by API server 0 alone, so they are not counted M
+times.
 
 Two sources: each request, when it ends, through the engine's request
 observer (counts by finish reason, tokens, latency histograms); and, at
 each scrape, the engine cores' own counters (``Engine.stats()``, each
-engine's: running and waiting requests, KV-cache usage, preemptions) and
-each supervisor's restart count. Counters the engine core keeps since its own start (which
-restart from zero with it) are turned into counters that never go down.
-docs/metrics.md lists every metric.
+engine's: running and waiting requests, KV-cache usage, preemptions, the
+prefix cache's queries and hits) and each supervisor's restart count.
+Counters the engine core keeps since its own start (which restart from zero
+with it) are turned into counters that never go down. docs/metrics.md lists
+every metric.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 
 import trio
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector
 from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
+from prometheus_client.multiprocess import MultiProcessCollector
 
 from trioserve.api import Engine
 from trioserve.frontend.requests.outputs import RequestMetrics
@@ -29,178 +41,239 @@ from trioserve.messages import EngineStats
 log = logging.getLogger("trioserve.server")
 CONTENT_TYPE = CONTENT_TYPE_LATEST
 STATS_TIMEOUT_S = 2.0  # a scrape waits this long for the engine core's counters, then serves without them
-PREFIX = "trioserve_"
-_LATENCY_BUCKETS = (
-    0.005,
-    0.01,
-    0.02,
-    0.04,
-    0.06,
-    0.08,
-    0.1,
-    0.25,
-    0.5,
-    0.75,
-    1.0,
-    2.5,
-    5.0,
-    7.5,
-    10.0,
-    20.0,
-    40.0,
-    80.0,
-    160.0,
-    640.0,
-)
-_ITL_BUCKETS = (
-    0.001,
-    0.0025,
-    0.005,
-    0.01,
-    0.015,
-    0.02,
-    0.025,
-    0.03,
-    0.04,
-    0.05,
-    0.075,
-    0.1,
-    0.15,
-    0.2,
-    0.3,
-    0.4,
-    0.5,
-    0.75,
-    1.0,
-    2.5,
-    5.0,
-    10.0,
-)
+REFRESH_S = 2.0  # with several API servers, how often the one reporting the engine's counters reads them
+VLLM = "vllm:"
+OURS = "trioserve_"
+MULTIPROC_DIR_ENV = "PROMETHEUS_MULTIPROC_DIR"  # prometheus_client's; set for the API servers by their supervisor
+_LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
+                    40.0, 80.0, 160.0, 640.0)  # fmt: skip
+_ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4,
+                0.5, 0.75, 1.0, 2.5, 5.0, 10.0)  # fmt: skip
+_TOKEN_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000, 50000, 100000)
 
 
 class ServerMetrics:
-    """The metrics of one server, for each of its ``num_engines`` engines."""
+    """The metrics of one server, for each of its ``num_engines`` engines,
+    of the model served as ``model_name``. In an API-server process of
+    several (``MULTIPROC_DIR_ENV`` set), ``reports_engine`` says whether it
+    is the one that reports the engine cores' own counters."""
 
-    def __init__(self, num_engines: int = 1) -> None:
+    def __init__(self, num_engines: int = 1, model_name: str = "", *, reports_engine: bool = True) -> None:
+        self.multiproc_dir = os.environ.get(MULTIPROC_DIR_ENV)
+        self.reports_engine = reports_engine
         self.registry = CollectorRegistry(auto_describe=True)
+        # Multiprocess mode: the metrics write to files, and a scrape collects them all (the metrics' own
+        # registration is then unused); else they live in the server's registry.
+        r = None if self.multiproc_dir else self.registry
         self.engine_labels = [str(i) for i in range(num_engines)]
-        r, labels = self.registry, ["engine"]
+        self.model_name = model_name
+        labels = ["model_name", "engine"]
+
+        def histogram(name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
+            return Histogram(name, doc, labels, buckets=buckets, registry=r)
+
+        def gauge(name: str, doc: str) -> Gauge:
+            return Gauge(name, doc, labels, registry=r, multiprocess_mode="mostrecent")
+
         self.requests = Counter(
-            f"{PREFIX}requests",
-            "Requests ended, by finish reason (stop, length, abort, error).",
-            [*labels, "finish_reason"],
+            f"{VLLM}request_success",
+            "Requests ended, by finish reason (stop, length, abort, error); each of n samples counts once.",
+            [*labels, "finished_reason"],
             registry=r,
         )
-        self.prompt_tokens = Counter(f"{PREFIX}prompt_tokens", "Prompt tokens of ended requests.", labels, registry=r)
+        self.prompt_tokens = Counter(f"{VLLM}prompt_tokens", "Prompt tokens of ended requests.", labels, registry=r)
         self.generation_tokens = Counter(
-            f"{PREFIX}generation_tokens", "Tokens generated by ended requests.", labels, registry=r
+            f"{VLLM}generation_tokens", "Tokens generated by ended requests.", labels, registry=r
         )
-        self.ttft = Histogram(
-            f"{PREFIX}time_to_first_token_seconds",
-            "From submission to the first token.",
-            labels,
-            buckets=_LATENCY_BUCKETS,
-            registry=r,
+        self.ttft = histogram(
+            f"{VLLM}time_to_first_token_seconds", "From submission to the first token.", _LATENCY_BUCKETS
         )
-        self.itl = Histogram(
-            f"{PREFIX}inter_token_latency_seconds",
-            "Between two tokens of a request.",
-            labels,
-            buckets=_ITL_BUCKETS,
-            registry=r,
+        self.itl = histogram(f"{VLLM}inter_token_latency_seconds", "Between two tokens of a request.", _ITL_BUCKETS)
+        self.tpot = histogram(
+            f"{VLLM}time_per_output_token_seconds",
+            "Between two tokens of a request (vLLM's older name of inter_token_latency_seconds).",
+            _ITL_BUCKETS,
         )
-        self.e2e = Histogram(
-            f"{PREFIX}e2e_request_latency_seconds",
-            "From submission to the end of a request.",
-            labels,
-            buckets=_LATENCY_BUCKETS,
-            registry=r,
+        self.e2e = histogram(
+            f"{VLLM}e2e_request_latency_seconds", "From submission to the end of a request.", _LATENCY_BUCKETS
         )
-        self.running = Gauge(
-            f"{PREFIX}num_requests_running", "Requests in the engine's running batch.", labels, registry=r
+        self.queue = histogram(
+            f"{VLLM}request_queue_time_seconds", "Waiting in the engine core to be scheduled.", _LATENCY_BUCKETS
         )
-        self.waiting = Gauge(f"{PREFIX}num_requests_waiting", "Requests waiting for the engine.", labels, registry=r)
-        self.kv_usage = Gauge(
-            f"{PREFIX}kv_cache_usage_ratio", "Fraction of KV-cache blocks in use (0 to 1).", labels, registry=r
+        self.prefill = histogram(
+            f"{VLLM}request_prefill_time_seconds", "From being scheduled to the first token.", _LATENCY_BUCKETS
+        )
+        self.decode = histogram(
+            f"{VLLM}request_decode_time_seconds", "From the first token to the last.", _LATENCY_BUCKETS
+        )
+        self.inference = histogram(
+            f"{VLLM}request_inference_time_seconds", "From being scheduled to the end.", _LATENCY_BUCKETS
+        )
+        self.request_prompt_tokens = histogram(
+            f"{VLLM}request_prompt_tokens", "Prompt tokens, per ended request.", _TOKEN_BUCKETS
+        )
+        self.request_generation_tokens = histogram(
+            f"{VLLM}request_generation_tokens", "Generated tokens, per ended request.", _TOKEN_BUCKETS
+        )
+        self.request_max_generation_tokens = histogram(
+            f"{VLLM}request_max_num_generation_tokens",
+            "Generated tokens per ended request (each of n samples is its own request here).",
+            _TOKEN_BUCKETS,
+        )
+        self.request_max_tokens = histogram(
+            f"{VLLM}request_params_max_tokens", "max_tokens asked for, per ended request.", _TOKEN_BUCKETS
+        )
+        self.running = gauge(f"{VLLM}num_requests_running", "Requests in the engine's running batch.")
+        self.waiting = gauge(f"{VLLM}num_requests_waiting", "Requests waiting for the engine.")
+        self.kv_usage = gauge(f"{VLLM}kv_cache_usage_perc", "Fraction of KV-cache blocks in use (0 to 1).")
+        self.gpu_cache_usage = gauge(
+            f"{VLLM}gpu_cache_usage_perc", "Fraction of KV-cache blocks in use (vLLM's older name; the CPU's too)."
         )
         self.preemptions = Counter(
-            f"{PREFIX}num_preemptions", "Requests preempted (their blocks taken back).", labels, registry=r
+            f"{VLLM}num_preemptions", "Requests preempted (their blocks taken back).", labels, registry=r
+        )
+        self.prefix_queries = Counter(
+            f"{VLLM}prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", labels, registry=r
+        )
+        self.prefix_hits = Counter(
+            f"{VLLM}prefix_cache_hits", "Prompt tokens found in the prefix cache.", labels, registry=r
         )
         self.restarts = Counter(
-            f"{PREFIX}engine_restarts", "Times the engine core was restarted after dying.", labels, registry=r
+            f"{OURS}engine_restarts", "Times the engine core was restarted after dying.", labels, registry=r
         )
+        self.cache_config = Gauge(
+            f"{VLLM}cache_config_info",
+            "The KV cache's configuration, in its labels.",
+            ["model_name", "block_size", "num_gpu_blocks", "enable_prefix_caching", "cache_dtype"],
+            registry=r,
+            multiprocess_mode="mostrecent",
+        )
+        if r is not None:
+            ProcessCollector(registry=self.registry)  # process_cpu_seconds_total, memory, open fds of this process
         self.total_generation_tokens = 0  # of ended requests, for the stats line (server/stats_log.py)
-        self._last_preemptions = [0] * num_engines
-        self._preemptions_life = [0] * num_engines  # the restart count of the life _last_preemptions is from
+        self._last: dict[str, list[int]] = {
+            name: [0] * num_engines for name in ("preemptions", "queries", "hits")
+        }  # the engine cores' counts last seen
+        self._life = [0] * num_engines  # the restart count of the lives those counts are from
         self._last_restarts = [0] * num_engines
-        for metric in (
-            self.prompt_tokens,
-            self.generation_tokens,
-            self.ttft,
-            self.itl,
-            self.e2e,
-            self.running,
-            self.waiting,
-            self.kv_usage,
-            self.preemptions,
-            self.restarts,
-        ):
-            for label in self.engine_labels:
-                metric.labels(label)  # present from the start, at zero
+        self._configured = False
         for label in self.engine_labels:
+            for metric in (
+                self.prompt_tokens, self.generation_tokens, self.ttft, self.itl, self.tpot, self.e2e, self.queue,
+                self.prefill, self.decode, self.inference, self.request_prompt_tokens,
+                self.request_generation_tokens, self.request_max_generation_tokens, self.request_max_tokens,
+                self.preemptions, self.prefix_queries, self.prefix_hits, self.restarts,
+            ):  # fmt: skip
+                metric.labels(model_name, label)  # present from the start, at zero
+            for gauge_ in (self.running, self.waiting, self.kv_usage, self.gpu_cache_usage):
+                gauge_.labels(model_name, label)
             for reason in ("stop", "length", "abort", "error"):
-                self.requests.labels(label, reason)
+                self.requests.labels(model_name, label, reason)
 
     def observe(self, request: RequestMetrics) -> None:
         """Record one ended request (an ``Engine`` request observer)."""
-        engine = str(request.engine_index)
-        self.requests.labels(engine, request.finish_reason).inc()
-        self.prompt_tokens.labels(engine).inc(request.num_prompt_tokens)
-        self.generation_tokens.labels(engine).inc(request.num_output_tokens)
+        labels = (self.model_name, str(request.engine_index))
+        self.requests.labels(*labels, request.finish_reason).inc()
+        self.prompt_tokens.labels(*labels).inc(request.num_prompt_tokens)
+        self.generation_tokens.labels(*labels).inc(request.num_output_tokens)
         self.total_generation_tokens += request.num_output_tokens
-        if request.time_to_first_token_s is not None:
-            self.ttft.labels(engine).observe(request.time_to_first_token_s)
-        itl = self.itl.labels(engine)
+        self.request_prompt_tokens.labels(*labels).observe(request.num_prompt_tokens)
+        self.request_generation_tokens.labels(*labels).observe(request.num_output_tokens)
+        self.request_max_generation_tokens.labels(*labels).observe(request.num_output_tokens)
+        self.request_max_tokens.labels(*labels).observe(request.max_tokens)
+        first = request.time_to_first_token_s
+        if first is not None:
+            self.ttft.labels(*labels).observe(first)
+            self.decode.labels(*labels).observe(max(0.0, request.e2e_s - first))
+        if request.queued_s is not None:
+            self.queue.labels(*labels).observe(request.queued_s)
+            self.inference.labels(*labels).observe(max(0.0, request.e2e_s - request.queued_s))
+            if first is not None:
+                self.prefill.labels(*labels).observe(max(0.0, first - request.queued_s))
+        itl, tpot = self.itl.labels(*labels), self.tpot.labels(*labels)
         for gap in request.inter_token_s:
             itl.observe(gap)
-        self.e2e.labels(engine).observe(request.e2e_s)
+            tpot.observe(gap)
+        self.e2e.labels(*labels).observe(request.e2e_s)
 
     def update_from_stats(self, stats: EngineStats) -> None:
         """Set the gauges from the engine cores' counters (each engine's own,
-        with several; an engine that is restarting reports zeros)."""
+        with several; an engine that is restarting reports zeros); and, when
+        this server ``reports_engine``, add what their counters grew by."""
         for index, own in enumerate(stats.engines or [stats]):
-            engine = str(index)
-            self.running.labels(engine).set(own.num_running)
-            self.waiting.labels(engine).set(own.num_waiting)
+            labels = (self.model_name, str(index))
+            self.running.labels(*labels).set(own.num_running)
+            self.waiting.labels(*labels).set(own.num_waiting)
             used = own.num_total_blocks - own.num_free_blocks
-            self.kv_usage.labels(engine).set(used / own.num_total_blocks if own.num_total_blocks else 0.0)
+            usage = used / own.num_total_blocks if own.num_total_blocks else 0.0
+            self.kv_usage.labels(*labels).set(usage)
+            self.gpu_cache_usage.labels(*labels).set(usage)
+            if not self.reports_engine:
+                continue
             # The engine core counts since its start: after a restart, from zero. The restart
             # count (update_restarts, before) tells a new life even when its count has caught up.
-            if self._last_restarts[index] != self._preemptions_life[index]:
-                self._preemptions_life[index] = self._last_restarts[index]
-                self._last_preemptions[index] = 0
-            grown = own.num_preemptions - self._last_preemptions[index]
-            self.preemptions.labels(engine).inc(grown if grown >= 0 else own.num_preemptions)
-            self._last_preemptions[index] = own.num_preemptions
+            if self._last_restarts[index] != self._life[index]:
+                self._life[index] = self._last_restarts[index]
+                for counts in self._last.values():
+                    counts[index] = 0
+            for name, metric, count in (
+                ("preemptions", self.preemptions, own.num_preemptions),
+                ("queries", self.prefix_queries, own.prefix_cache_queries),
+                ("hits", self.prefix_hits, own.prefix_cache_hits),
+            ):
+                grown = count - self._last[name][index]
+                metric.labels(*labels).inc(grown if grown >= 0 else count)
+                self._last[name][index] = count
 
     def update_restarts(self, num_restarts: list[int]) -> None:
         """Each engine's restart count, by engine index."""
+        if not self.reports_engine:
+            return
         for index, count in enumerate(num_restarts):
-            self.restarts.labels(str(index)).inc(max(0, count - self._last_restarts[index]))
+            self.restarts.labels(self.model_name, str(index)).inc(max(0, count - self._last_restarts[index]))
             self._last_restarts[index] = max(self._last_restarts[index], count)
 
+    def update_cache_config(self, engine: Engine) -> None:
+        """``vllm:cache_config_info``, once the engine is known."""
+        if self._configured:
+            return
+        self._configured = True
+        info, config = engine.info, engine.config
+        self.cache_config.labels(
+            self.model_name, str(info.block_size), str(info.num_kv_blocks),
+            str(config.enable_prefix_caching), config.dtype,
+        ).set(1)  # fmt: skip
+
+    async def refresh(self, engine: Engine) -> None:
+        """Read the engine cores' counters (at most ``STATS_TIMEOUT_S``;
+        without them while it starts or restarts). Paused or asleep, it
+        answers: found, its gauges kept the values from before a
+        ``pause(mode="abort")`` (a request running that had ended). If
+        cancelled, nothing is left behind."""
+        self.update_restarts(engine.num_restarts_by_engine)
+        self.update_cache_config(engine)
+        if engine.health in ("ready", "stalled", "paused", "sleeping"):
+            with trio.move_on_after(STATS_TIMEOUT_S):
+                try:
+                    self.update_from_stats(await engine.stats())
+                except Exception as exc:  # the engine died meanwhile: serve what we have
+                    log.debug("metrics without engine stats: %s", exc)
+
+    async def keep_fresh(self, engine: Engine, interval_s: float = REFRESH_S) -> None:
+        """In the API server that reports the engine cores' counters, when
+        several share the metrics: refresh them every ``interval_s``, so a
+        scrape that another API server answers finds them (runs until
+        cancelled)."""
+        while True:
+            await trio.sleep(interval_s)
+            await self.refresh(engine)
+
     async def render(self, engine: Engine | None) -> bytes:
-        """The text exposition, after asking the engine core for its counters
-        (at most ``STATS_TIMEOUT_S``; without them while it starts or
-        restarts). Paused or asleep, it answers: found, its gauges kept the
-        values from before a ``pause(mode="abort")`` (a request running that
-        had ended). If cancelled, nothing is left behind."""
+        """The text exposition, after ``refresh``. If cancelled, nothing is left behind."""
         if engine is not None:
-            self.update_restarts(engine.num_restarts_by_engine)
-            if engine.health in ("ready", "stalled", "paused", "sleeping"):
-                with trio.move_on_after(STATS_TIMEOUT_S):
-                    try:
-                        self.update_from_stats(await engine.stats())
-                    except Exception as exc:  # the engine died meanwhile: serve what we have
-                        log.debug("metrics without engine stats: %s", exc)
+            await self.refresh(engine)
+        if self.multiproc_dir:
+            registry = CollectorRegistry()
+            MultiProcessCollector(registry, path=self.multiproc_dir)  # type: ignore[no-untyped-call]
+            return generate_latest(registry)
         return generate_latest(self.registry)

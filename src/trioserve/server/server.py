@@ -133,8 +133,12 @@ class Server:
         self._no_websockets = trio.Event()
         self._no_websockets.set()
         self._engine_failure: EngineDeadError | None = None
-        self.metrics = ServerMetrics(engine_config.data_parallel_size)
-        self.api = HttpApi(self.state, self.config, self.metrics, self.config.model_name or model_name(engine_config))
+        name = self.config.model_name or model_name(engine_config)
+        # With several API servers, the first reports the engine cores' own counters (server/metrics.py).
+        self.metrics = ServerMetrics(
+            engine_config.data_parallel_size, name, reports_engine=attach is None or attach[0] == 0
+        )
+        self.api = HttpApi(self.state, self.config, self.metrics, name)
 
     @property
     def engine(self) -> Engine | None:
@@ -226,6 +230,8 @@ class Server:
                 async with trio.open_nursery() as nursery:
                     nursery.start_soon(self._watch_engine, engine)
                     nursery.start_soon(self.state.run_grace_timer)
+                    if self.metrics.multiproc_dir and self.metrics.reports_engine:
+                        nursery.start_soon(self.metrics.keep_fresh, engine)
                     if self.config.log_stats_interval_s is not None:
                         nursery.start_soon(log_stats, engine, self.metrics, self.config.log_stats_interval_s)
                     await self.state.stopping.wait()

@@ -74,6 +74,8 @@ class RequestMetrics:
     inter_token_s: tuple[float, ...]
     e2e_s: float
     engine_index: int = 0  # the engine (data parallel) it ran on
+    queued_s: float | None = None  # waiting in the engine core to be scheduled (None: never scheduled)
+    max_tokens: int = 0  # what it asked for
 
 
 @dataclass

@@ -32,6 +32,7 @@ class RequestState:
         self.collector = OutputCollector()
         self.num_output_tokens = 0
         self.num_cached_tokens: int | None = None  # prompt tokens from the prefix cache, from the first token on
+        self.queued_s: float | None = None  # how long the engine core kept it waiting, from the first token on
         self.finished = False
         self._on_end = on_end  # told once, when the request ends
         self.engine_index = 0  # the engine it was submitted to (data parallel)
@@ -56,6 +57,8 @@ class RequestState:
         self.num_output_tokens += len(output.new_token_ids)
         if output.num_cached_tokens is not None:
             self.num_cached_tokens = output.num_cached_tokens
+        if output.queued_s is not None:
+            self.queued_s = output.queued_s
         update = self.detokenizer.update(output.new_token_ids)
         text = update.text_delta
         finish_reason = output.finish_reason
@@ -121,5 +124,7 @@ class RequestState:
                 inter_token_s=tuple(self._inter_token_s),
                 e2e_s=time.monotonic() - self._started,
                 engine_index=self.engine_index,
+                queued_s=self.queued_s,
+                max_tokens=self.params.max_tokens,
             )
         )

@@ -74,6 +74,7 @@ from trioserve.frontend.engines.group import EngineGroup
 from trioserve.nurseries.supervision.child_main import remove_if_parent_dies
 from trioserve.nurseries.supervision.process import ChildProcess, ProcessExited, python_argv, supervise_process
 from trioserve.server.config import ServerConfig
+from trioserve.server.metrics import MULTIPROC_DIR_ENV
 from trioserve.server.server import Server
 from trioserve.transport.silence import Silence
 from trioserve.transport.zmq_trio import private_ipc_dir
@@ -84,6 +85,7 @@ LISTEN_FD_ENV = "TRIOSERVE_LISTEN_FD"
 READY_FD_ENV = "TRIOSERVE_READY_FD"  # the API server's heartbeats: b"h" while it starts, b"r" once it serves
 DRAIN_SIGNAL = signal.SIGUSR1  # to an API server: shut down gracefully (again: end the grace now)
 BACKLOG = 4096
+METRICS_DIR = "metrics"  # in the private directory: every API server's metrics files
 MAX_API_SERVERS = 64  # processes: each holds a tokenizer and its connections
 log = logging.getLogger("trioserve.api_servers")
 
@@ -159,6 +161,7 @@ class ApiServers:
         sockets = [address.removeprefix("ipc://").rsplit("/", 1)[1] for address in api_server_addresses("", last)]
         with listen(self.server_config) as sock, private_ipc_dir("trioserve-api-", socket_names=sockets) as directory:
             self.port = sock.getsockname()[1]
+            os.mkdir(os.path.join(directory, METRICS_DIR), 0o700)  # removed with the directory
             self.group = EngineGroup(self.engine_config, api_servers_dir=str(directory))
             async with trio.open_nursery() as nursery:
                 await nursery.start(self.group.run)
@@ -172,6 +175,7 @@ class ApiServers:
         """API server ``k``, restarted within the budget; ``task_status`` once it first serves."""
         init = ApiServerInit(self.engine_config, dataclasses.replace(self.server_config, api_key=None), k, directory)
         env = {**os.environ, API_SERVER_ENV: msgspec.msgpack.encode(init).hex(), LISTEN_FD_ENV: str(fd)}
+        env[MULTIPROC_DIR_ENV] = os.path.join(directory, METRICS_DIR)  # their metrics, summed (server/metrics.py)
         deaths: deque[float] = deque()
         started = False
 

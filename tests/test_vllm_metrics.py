@@ -1,0 +1,72 @@
+"""``/metrics`` under vLLM's names: every metric vLLM's published Grafana
+dashboard queries (examples/online_serving/prometheus_grafana/grafana.json
+in vLLM's repository) is served with the ``model_name`` label, and with
+``serve --api-server-count 2`` the totals count every request, whichever API
+server served it and whichever answers the scrape."""
+
+from __future__ import annotations
+
+import json
+import signal
+import urllib.request
+
+import trio
+from helpers.serving import serve_argv, spawned, wait_for_url
+from helpers.waiting import in_thread
+from prometheus_client.parser import text_string_to_metric_families
+
+# The series vLLM's dashboard queries (histograms by their _bucket, _sum and _count series).
+DASHBOARD = {
+    "vllm:e2e_request_latency_seconds_bucket", "vllm:e2e_request_latency_seconds_sum",
+    "vllm:e2e_request_latency_seconds_count", "vllm:prompt_tokens_total", "vllm:generation_tokens_total",
+    "vllm:time_per_output_token_seconds_bucket", "vllm:time_per_output_token_seconds_sum",
+    "vllm:time_per_output_token_seconds_count", "vllm:num_requests_running", "vllm:num_requests_waiting",
+    "vllm:time_to_first_token_seconds_bucket", "vllm:time_to_first_token_seconds_sum",
+    "vllm:time_to_first_token_seconds_count", "vllm:gpu_cache_usage_perc", "vllm:request_prompt_tokens_bucket",
+    "vllm:request_generation_tokens_bucket", "vllm:request_success_total", "vllm:request_queue_time_seconds_sum",
+    "vllm:request_prefill_time_seconds_sum", "vllm:request_decode_time_seconds_sum",
+    "vllm:request_max_num_generation_tokens_sum",
+}  # fmt: skip
+# And what else an operator of vLLM reads.
+MORE = {
+    "vllm:inter_token_latency_seconds_count", "vllm:kv_cache_usage_perc", "vllm:num_preemptions_total",
+    "vllm:prefix_cache_queries_total", "vllm:prefix_cache_hits_total", "vllm:request_inference_time_seconds_sum",
+    "vllm:cache_config_info", "vllm:request_params_max_tokens_sum",
+}  # fmt: skip
+NUM_REQUESTS = 12
+
+
+def scrape(base: str) -> dict[str, list]:
+    with urllib.request.urlopen(f"{base}/metrics", timeout=10) as response:
+        text = response.read().decode()
+    samples: dict[str, list] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            samples.setdefault(sample.name, []).append(sample)
+    return samples
+
+
+def complete(base: str, i: int) -> None:
+    body = json.dumps({"model": "m", "prompt": [5, 6, 7 + i], "max_tokens": 4, "ignore_eos": True}).encode()
+    request = urllib.request.Request(f"{base}/v1/completions", body, {"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=20) as response:  # a new connection each: both API servers serve
+        assert json.loads(response.read())["usage"]["completion_tokens"] == 4
+
+
+async def test_the_dashboards_metrics_are_served_and_count_every_request_across_two_api_servers(tiny_model_dir):
+    argv = serve_argv(str(tiny_model_dir("llama")), "--runner", "fake", "--served-model-name", "m")
+    with trio.fail_after(90), spawned([*argv, "--api-server-count", "2"]) as proc:
+        base = (await in_thread(wait_for_url, proc, 60)).replace("ws://", "http://")
+        for i in range(NUM_REQUESTS):
+            await in_thread(complete, base, i)
+        scrapes = [await in_thread(scrape, base) for _ in range(6)]  # answered by either API server
+        proc.send_signal(signal.SIGTERM)
+        assert await in_thread(proc.wait, 30) == 0
+    for samples in scrapes:
+        assert set(samples) >= DASHBOARD | MORE, sorted(DASHBOARD | MORE - set(samples))
+        assert all(s.labels["model_name"] == "m" for name in DASHBOARD for s in samples[name])
+        ended = {s.labels["finished_reason"]: s.value for s in samples["vllm:request_success_total"]}
+        assert ended["length"] == NUM_REQUESTS  # every request, whichever API server served it
+        assert sum(s.value for s in samples["vllm:generation_tokens_total"]) == 4 * NUM_REQUESTS
+        assert sum(s.value for s in samples["vllm:e2e_request_latency_seconds_count"]) == NUM_REQUESTS
+        assert sum(s.value for s in samples["vllm:request_queue_time_seconds_count"]) == NUM_REQUESTS
