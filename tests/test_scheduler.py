@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import msgspec
 import pytest
 from helpers.scheduling import EOS, make_request, make_scheduler
 
@@ -15,6 +16,31 @@ from trioserve.messages import (
     SchedulerOutput,
     TokenOutput,
 )
+
+
+@pytest.fixture(autouse=True)
+def _outputs_without_queue_times(monkeypatch: pytest.MonkeyPatch) -> None:
+    """These tests compare outputs whole; a first token's queue time is a clock reading, checked on its own
+    (``test_the_first_token_carries_how_long_its_request_waited``)."""
+    postprocess = Scheduler.postprocess
+
+    def without_queue_times(self: Scheduler, *args: object, **kwargs: object) -> list[TokenOutput]:
+        return [msgspec.structs.replace(out, queued_s=None) for out in postprocess(self, *args, **kwargs)]  # type: ignore[arg-type]
+
+    monkeypatch.setattr(Scheduler, "postprocess", without_queue_times)
+
+
+def test_the_first_token_carries_how_long_its_request_waited(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.undo()  # the real postprocess
+    sched = make_scheduler()
+    sched.add(make_request("a", 3, max_tokens=3))
+    queued = []
+    for token in (42, 43):
+        step = sched.schedule()
+        assert step is not None
+        (out,) = sched.postprocess(step, RunnerOutput(["a"], [token]))
+        queued.append(out.queued_s)
+    assert queued[0] is not None and 0 <= queued[0] < 5 and queued[1] is None
 
 
 def samplers(sched: Scheduler, out: SchedulerOutput) -> list[str]:
