@@ -4,9 +4,10 @@ nested objects, arrays with bounds, enums, integers with bounds, ``anyOf``,
 
 Each entry is ``(name, schema, example)``: ``example`` is an instance the
 schema accepts (``scripts/grammar_engines.py`` walks a matcher through its
-tokens to time the per-step masks). Free strings carry a ``maxLength`` so
-that a random model's output ends within a few hundred tokens: a tiny random
-model picks the closing quote of an unbounded string rarely.
+tokens to time the per-step masks). Free strings carry a ``maxLength``, and
+numbers bounds, so that a random model's output ends within a few hundred
+tokens: a tiny random model picks the closing quote of an unbounded string,
+or the end of an unbounded number, rarely.
 """
 
 from __future__ import annotations
@@ -14,13 +15,14 @@ from __future__ import annotations
 from typing import Any
 
 NAME = {"type": "string", "maxLength": 12}
+INT = {"type": "integer", "minimum": -1000, "maximum": 1000}  # digits bounded, as free strings are
 
 SCHEMAS: list[tuple[str, dict[str, Any], Any]] = [
     (
         "flat_object",
         {
             "type": "object",
-            "properties": {"name": NAME, "age": {"type": "integer"}, "ok": {"type": "boolean"}},
+            "properties": {"name": NAME, "age": INT, "ok": {"type": "boolean"}},
             "required": ["name", "age", "ok"],
             "additionalProperties": False,
         },
@@ -75,7 +77,8 @@ SCHEMAS: list[tuple[str, dict[str, Any], Any]] = [
         "number_bounds",
         {
             "type": "object",
-            "properties": {"t": {"type": "number", "minimum": -1.5, "maximum": 2.5}},
+            # multipleOf bounds the digits too (a random model may never end a free fraction)
+            "properties": {"t": {"type": "number", "minimum": -1.5, "maximum": 2.5, "multipleOf": 0.25}},
             "required": ["t"],
             "additionalProperties": False,
         },
@@ -102,7 +105,7 @@ SCHEMAS: list[tuple[str, dict[str, Any], Any]] = [
             "$defs": {
                 "point": {
                     "type": "object",
-                    "properties": {"x": {"type": "integer"}, "y": {"type": "integer"}},
+                    "properties": {"x": INT, "y": INT},
                     "required": ["x", "y"],
                     "additionalProperties": False,
                 }
@@ -163,7 +166,7 @@ SCHEMAS: list[tuple[str, dict[str, Any], Any]] = [
         "optional_fields",
         {
             "type": "object",
-            "properties": {"a": {"type": "integer"}, "b": NAME, "c": {"type": "boolean"}},
+            "properties": {"a": INT, "b": NAME, "c": {"type": "boolean"}},
             "required": ["a"],
             "additionalProperties": False,
         },
@@ -175,7 +178,7 @@ SCHEMAS: list[tuple[str, dict[str, Any], Any]] = [
             "type": "array",
             "items": {
                 "type": "object",
-                "properties": {"sku": {"type": "string", "pattern": "^[a-z]{2}[0-9]{2}$"}, "qty": {"type": "integer"}},
+                "properties": {"sku": {"type": "string", "pattern": "^[a-z]{2}[0-9]{2}$"}, "qty": INT},
                 "required": ["sku", "qty"],
                 "additionalProperties": False,
             },
@@ -199,7 +202,7 @@ SCHEMAS: list[tuple[str, dict[str, Any], Any]] = [
         {
             "type": "object",
             "properties": {
-                "maybe": {"type": ["integer", "null"]},
+                "maybe": {"type": ["integer", "null"], "maximum": 99, "minimum": 0},
                 "tags": {"type": "array", "items": NAME, "maxItems": 3},
             },
             "required": ["maybe", "tags"],

@@ -55,7 +55,7 @@ def grammar_text(constraint: StructuredOutput) -> str:
     except ConstraintError:
         raise
     except Exception as exc:  # llguidance's own errors are ValueError, GbnfToLarkError...
-        raise ConstraintError(_first_line(exc)) from exc
+        raise ConstraintError(_message(str(exc), type(exc).__name__)) from exc
     raise ConstraintError(f"unknown constraint {type(constraint).__name__}")
 
 
@@ -74,9 +74,13 @@ def _literal(text: str) -> str:
     return "".join(c if c.isascii() and c.isalnum() else f"\\x{{{ord(c):X}}}" for c in text)
 
 
-def _first_line(exc: BaseException) -> str:
-    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
-    return " ".join(lines[:3]) or type(exc).__name__
+MAX_ERROR_CHARS = 400  # of a grammar engine's message, in an error a client reads
+
+
+def _message(text: str, fallback: str) -> str:
+    """llguidance's (multi-line) message on one line, cut to ``MAX_ERROR_CHARS``."""
+    line = " ".join(part.strip() for part in text.splitlines() if part.strip()) or fallback
+    return line if len(line) <= MAX_ERROR_CHARS else line[: MAX_ERROR_CHARS - 3] + "..."
 
 
 def check(constraint: StructuredOutput) -> None:
@@ -84,7 +88,7 @@ def check(constraint: StructuredOutput) -> None:
     compile (any tokenizer; about a millisecond for the schema suite)."""
     error = llguidance.LLMatcher.validate_grammar(grammar_text(constraint), limits=LIMITS)
     if error:
-        raise ConstraintError(" ".join(line.strip() for line in error.splitlines()[:3] if line.strip()))
+        raise ConstraintError(_message(error, "invalid"))
 
 
 class Tokenizer:
@@ -109,7 +113,7 @@ class Tokenizer:
                     self._built = llguidance.LLTokenizer(text, n_vocab=self._vocab_size, eos_token=eos)
                 except Exception as exc:
                     raise ConstraintError(
-                        f"structured outputs need the model's tokenizer ({_first_line(exc)})"
+                        f"structured outputs need the model's tokenizer ({_message(str(exc), type(exc).__name__)})"
                     ) from exc
             return self._built
 
@@ -120,7 +124,7 @@ def compile_matcher(tokenizer: Tokenizer, constraint: StructuredOutput) -> llgui
     states it needs are built here, not in a step. Raises ``ConstraintError``."""
     matcher = llguidance.LLMatcher(tokenizer.get(), grammar_text(constraint), log_level=0, limits=LIMITS)
     if matcher.is_error():
-        raise ConstraintError(_first_line(ValueError(matcher.get_error())))
+        raise ConstraintError(_message(matcher.get_error(), "invalid"))
     matcher.deep_copy().compute_bitmask()
     return matcher
 
