@@ -70,8 +70,8 @@ def check_constraint(constraint: object) -> str | None:
     """What is wrong with ``constraint``'s shape or size, or None."""
     if not isinstance(constraint, CONSTRAINT_TYPES):
         return f"must be one of {', '.join(t.__name__ for t in CONSTRAINT_TYPES)} (got {type(constraint).__name__})"
-    if isinstance(constraint, JsonSchema) and (depth := nesting_depth(constraint.schema)) > MAX_SCHEMA_DEPTH:
-        return f"schema nests {depth} levels deep; at most {MAX_SCHEMA_DEPTH}"  # checked before encoding it
+    if isinstance(constraint, JsonSchema) and nesting_depth(constraint.schema) > MAX_SCHEMA_DEPTH:
+        return f"schema nests more than {MAX_SCHEMA_DEPTH} levels deep"  # checked before encoding it
     try:
         size = len(_encode(constraint))
     except (TypeError, ValueError, RecursionError) as exc:
@@ -97,7 +97,8 @@ def check_constraint(constraint: object) -> str | None:
 
 
 def nesting_depth(value: object) -> int:
-    """How deeply dicts and lists nest in ``value`` (a scalar is 0), without recursion."""
+    """How deeply dicts and lists nest in ``value`` (a scalar is 0), without
+    recursion; past ``MAX_SCHEMA_DEPTH`` the walk stops at the first level beyond."""
     deepest = 0
     stack: list[tuple[object, int]] = [(value, 0)]
     while stack:
