@@ -164,12 +164,8 @@ class FakeRunner:
             if num_computed[req_id] + n == len(tokens):
                 req_ids.append(req_id)
                 token = self.next_token(tokens)
-                if req_id in allowed:  # the first allowed token from the deterministic one on
-                    token = (
-                        next(t for t in allowed[req_id] if t >= token)
-                        if token <= allowed[req_id][-1]
-                        else allowed[req_id][0]
-                    )
+                if req_id in allowed:  # the first allowed token from the deterministic one on, cyclically
+                    token = _first_allowed(allowed[req_id], token)
                 sampled.append(token)
                 if self._faults_apply() and self.num_steps == self.fake.diverge_at_step:
                     sampled[-1] = (sampled[-1] + 1) % self.vocab_size  # this rank disagrees
@@ -179,9 +175,9 @@ class FakeRunner:
         return RunnerOutput(req_ids=req_ids, sampled_token_ids=sampled)
 
 
-def _allowed_rows(sched: SchedulerOutput, bitmask: Callable[[], GrammarBitmask] | None) -> dict[str, list[int]]:
-    """The tokens each constrained row may take, ascending (none for a step
-    that does not await a bitmask)."""
+def _allowed_rows(sched: SchedulerOutput, bitmask: Callable[[], GrammarBitmask] | None) -> dict[str, int]:
+    """Each constrained row's bitmask as one int (bit t: token t allowed);
+    none for a step that does not await a bitmask."""
     if not sched.awaits_bitmask:
         return {}
     if bitmask is None:
@@ -190,8 +186,15 @@ def _allowed_rows(sched: SchedulerOutput, bitmask: Callable[[], GrammarBitmask] 
     size = mask.words * 4
     rows = {}
     for i, req_id in enumerate(mask.req_ids):
-        row = int.from_bytes(mask.bitmask[i * size : (i + 1) * size], "little")
-        rows[req_id] = [t for t in range(mask.words * 32) if row >> t & 1]
+        rows[req_id] = int.from_bytes(mask.bitmask[i * size : (i + 1) * size], "little")
         if not rows[req_id]:
             raise ValueError(f"grammar bitmask: request {req_id!r} may take no token")
     return rows
+
+
+def _first_allowed(row: int, token: int) -> int:
+    """The lowest allowed token at or above ``token``, else the lowest allowed."""
+    above = row >> token
+    if above:
+        return token + (above & -above).bit_length() - 1
+    return (row & -row).bit_length() - 1

@@ -138,6 +138,8 @@ class EngineCore:
 
     async def _next_message(self, inbox: trio.MemoryReceiveChannel[EngineRequest]) -> EngineRequest | None:
         """The next front-end message; or None, once a grammar compiled first."""
+        if self.structured.has_results:
+            return None  # a compile ended while the last step ran
         if not self.structured.compiling:
             return await inbox.receive()
         received: EngineRequest | None = None

@@ -40,7 +40,8 @@ from trioserve.structured import constraint_key
 GRAMMAR_CACHE_SIZE = 256  # compiled constraints kept
 COMPILE_TIMEOUT_S = 10.0  # the longest one constraint may take to compile
 COMPILE_THREADS = 2  # compiles at once
-FILL_THREADS = max(1, min(8, (os.cpu_count() or 2) // 2))  # llguidance's threads for a step's bitmask
+# llguidance's threads for a step's bitmask: they run while the workers' forward pass does, so a few at most.
+FILL_THREADS = max(1, min(4, os.cpu_count() or 1))
 
 Result = GrammarMatcher | str  # a request's matcher, or why it has none
 
@@ -72,6 +73,11 @@ class StructuredOutputs:
     @property
     def compiling(self) -> bool:
         return bool(self._compiling)
+
+    @property
+    def has_results(self) -> bool:
+        """A compile has ended whose result is not yet taken."""
+        return bool(self._results)
 
     def prepare(self, request: Request, nursery: trio.Nursery) -> GrammarMatcher | None:
         """``request``'s matcher now, from the cache; else None, and its
