@@ -248,3 +248,31 @@ async def test_in_lockstep_one_engine_dying_restarts_them_all_and_they_serve_aga
             assert counts[-1][0] == counts[-1][1] and engine._group.generation == 1
             assert [s.num_restarts for s in engine._group.supervisors] == [1, 1]
         assert await wait_no_children() == []
+
+
+# --- structured outputs ------------------------------------------------------------
+
+
+@pytest.mark.parametrize("lockstep", [False, True])
+async def test_constrained_requests_beside_unconstrained_ones_on_two_engines(dp_config, lockstep):
+    """Each engine core compiles and applies its own requests' grammars; the
+    unconstrained requests give the runner's own tokens, in lockstep too."""
+    from trioserve.structured import Regex
+
+    constrained = SamplingParams(max_tokens=50, structured=Regex(pattern="[a-f]{3}-[0-9]{2}"))
+    plain = SamplingParams(max_tokens=8, ignore_eos=True)
+    results: dict = {}
+    with trio.fail_after(60):
+        async with trioserve.open_engine(config=dp_config(data_parallel_lockstep=lockstep)) as engine:
+
+            async def one(key: tuple[str, int], params: SamplingParams, engine_index: int) -> None:
+                results[key] = await engine.generate([10 + key[1], 11], params, engine_index=engine_index)
+
+            async with trio.open_nursery() as nursery:
+                for i in range(6):
+                    nursery.start_soon(one, ("plain", i), plain, i % 2)
+                    nursery.start_soon(one, ("constrained", i), constrained, i % 2)
+    for i in range(6):
+        assert results["plain", i].token_ids == fake_tokens([10 + i, 11], 8)
+        out = results["constrained", i]
+        assert out.finish_reason == "stop" and len(out.text) == 6 and out.text[3] == "-", out.text

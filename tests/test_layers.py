@@ -28,6 +28,7 @@ RANKS = {
     "rpc": 0,  # the control calls: a closed union that messages carries
     "byte_level": 0,  # the byte-level vocabularies' alphabet (the front-end's tokenizer, the tiny models)
     "stdio": 0,  # a process's standard descriptors, and lines said on them
+    "structured": 0,  # structured-output constraints, as SamplingParams carries them
     "messages": 1,
     "core": 2,
     "transport": 3,
@@ -53,6 +54,7 @@ THIRD_PARTY = {
     "config": set(),
     "byte_level": set(),
     "stdio": set(),
+    "structured": {"msgspec"},
     "rpc": {"msgspec"},
     "messages": {"msgspec"},
     "core": {"msgspec"},
@@ -60,9 +62,11 @@ THIRD_PARTY = {
     "runners": {"msgspec", "trio"},
     # gguf: the default model's file, read by transformers and made once per conversion (gpu/gguf_convert.py).
     "gpu": {"msgspec", "torch", "transformers", "safetensors", "tokenizers", "numpy", "gguf"},
-    "nurseries": {"msgspec", "trio", "zmq", "setproctitle"},
+    # llguidance (and numpy, its bitmask arrays): the engine core's grammars (nurseries/engine_core/grammar.py).
+    "nurseries": {"msgspec", "trio", "zmq", "setproctitle", "llguidance", "numpy"},
     # jinja2: the model's chat template, rendered in a sandbox (frontend/text/chat_template.py).
-    "frontend": {"msgspec", "trio", "zmq", "tokenizers", "jinja2"},
+    # llguidance: a request's constraint checked before it goes to an engine (frontend/text/structured.py).
+    "frontend": {"msgspec", "trio", "zmq", "tokenizers", "jinja2", "llguidance"},
     "default_model": set(),
     "api": {"msgspec", "trio"},
     # h11: HTTP/1.1 framing (server/http_conn.py); prometheus_client: /metrics (server/metrics.py).

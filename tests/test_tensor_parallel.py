@@ -318,3 +318,42 @@ async def test_kill_9_of_rank_1_in_a_step_or_at_load_ends_requests_at_once_and_t
         for pid in (first_pids[0], rank0[0].pid):
             assert f"worker-0 (pid {pid}) declared hung: SIGKILL" in engine_cores_said
         assert [p for p in await wait_no_children() if p.pid not in others] == []
+
+
+def test_constrained_and_unconstrained_requests_share_a_batch_across_both_ranks(tp_engine):
+    """Both ranks get each step's grammar bitmask and sample the same tokens
+    (the executor checks that every step); the unconstrained requests give
+    the tokens they give alone."""
+    import json
+
+    import jsonschema
+
+    from trioserve.structured import JsonSchema
+
+    schema = {
+        "type": "object",
+        "properties": {"id": {"type": "integer", "minimum": 0, "maximum": 99}, "tag": {"enum": ["a", "b"]}},
+        "required": ["id", "tag"],
+        "additionalProperties": False,
+    }
+    plain = [SamplingParams(max_tokens=12, seed=s, ignore_eos=True) for s in (1, 2)]
+    plain.append(SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))
+    constrained = [SamplingParams(max_tokens=60, seed=s, structured=JsonSchema(schema=schema)) for s in (3, 4)]
+
+    async def generate_all(engine, params_list):
+        results: list = [None] * len(params_list)
+
+        async def one(i, params):
+            results[i] = await engine.generate([5, 6, 7, 8, 9], params)
+
+        async with trio.open_nursery() as nursery:
+            for i, params in enumerate(params_list):
+                nursery.start_soon(one, i, params)
+        return results
+
+    alone = tp_engine.call(lambda engine: generate_all(engine, plain))
+    mixed = tp_engine.call(lambda engine: generate_all(engine, plain + constrained))
+    assert [r.token_ids for r in mixed[: len(plain)]] == [r.token_ids for r in alone]
+    for result in mixed[len(plain) :]:
+        assert result.finish_reason == "stop"
+        jsonschema.validate(json.loads(result.text), schema)

@@ -35,8 +35,10 @@ if TYPE_CHECKING:
     from trioserve.frontend.requests.streams import RequestStream
     from trioserve.messages import EngineInfo, EngineStats, SampleLogprobs, SamplingParams
     from trioserve.rpc import DescribeShard, Echo, EchoReply, ShardInfo
+    from trioserve.structured import Choice, Grammar, JsonObject, JsonSchema, Regex
 
 __all__ = [
+    "Choice",
     "ControlCallError",
     "DescribeShard",
     "Echo",
@@ -49,8 +51,12 @@ __all__ = [
     "EngineStartupError",
     "EngineStats",
     "FakeRunnerConfig",
+    "Grammar",
     "InvalidRequestError",
+    "JsonObject",
+    "JsonSchema",
     "PromptTooLongError",
+    "Regex",
     "RequestError",
     "RequestOutput",
     "RequestStream",
@@ -80,6 +86,7 @@ _HOMES = {
     "trioserve.frontend.requests.streams": ("RequestStream",),
     "trioserve.messages": ("EngineInfo", "EngineStats", "SampleLogprobs", "SamplingParams"),
     "trioserve.rpc": ("DescribeShard", "Echo", "EchoReply", "ShardInfo"),
+    "trioserve.structured": ("Choice", "Grammar", "JsonObject", "JsonSchema", "Regex"),
 }
 _HOME_OF = {name: module for module, names in _HOMES.items() for name in names}
 

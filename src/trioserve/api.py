@@ -31,6 +31,7 @@ from trioserve.frontend.requests.streams import RequestStream
 from trioserve.frontend.text.chat_template import RENDER_THREADS, ChatTemplate, TemplatedText
 from trioserve.frontend.text.literal import mark_contents
 from trioserve.frontend.text.prompt import Prompt
+from trioserve.frontend.text.structured import CHECK_THREADS, check_constraint_compiles
 from trioserve.frontend.text.tokenizer import Tokenizer
 from trioserve.messages import EngineInfo, EngineStats, SamplingParams
 from trioserve.rpc import (
@@ -48,6 +49,7 @@ from trioserve.rpc import (
     WakeUp,
     WorkerResult,
 )
+from trioserve.structured import StructuredOutput
 
 # A call that runs on the workers (sleep, wake_up, collective_rpc) gets at least this long: past
 # its timeout the workers count as hung and are killed with their engine core.
@@ -165,6 +167,7 @@ class Engine:
         self._chat_template = chat_template  # the model's own, or None
         self._router = RequestRouter(group, tokenizer)
         self._render_threads = trio.CapacityLimiter(RENDER_THREADS)
+        self._check_threads = trio.CapacityLimiter(CHECK_THREADS)
         self._ids = itertools.count()
         own = secrets.token_hex(3)
         self._id_prefix = own if id_prefix is None else f"{id_prefix}-{own}"
@@ -219,6 +222,16 @@ class Engine:
             return mark_contents(text, messages, specials) if specials else text
 
         return await trio.to_thread.run_sync(render, abandon_on_cancel=True, limiter=self._render_threads)
+
+    async def check_structured(self, constraint: StructuredOutput) -> None:
+        """Raise ``InvalidRequestError`` naming ``structured`` if a request's
+        constraint (``SamplingParams.structured``) cannot compile: an invalid
+        schema, regex or grammar, a keyword the engine cannot enforce, or one
+        that takes longer than ``CHECK_TIMEOUT_S`` to check (in a worker
+        thread). A request whose constraint was not checked is checked by
+        the engine core, where the same problem ends it with ``RequestError``.
+        If cancelled, the thread's result is dropped when it ends."""
+        await check_constraint_compiles(constraint, self._check_threads)
 
     @property
     def config(self) -> EngineConfig:

@@ -30,6 +30,7 @@ import msgspec
 from trioserve.config import EngineConfig
 from trioserve.errors import InvalidRequestError, StartupStage
 from trioserve.rpc import ControlReply, ControlRequest, GenerationState, ShardInfo, WorkerCall, WorkerResult
+from trioserve.structured import StructuredOutput, check_constraint
 
 FinishReason = Literal["stop", "length", "abort", "error"]
 
@@ -61,6 +62,9 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True, frozen=Tr
     the prompt and the model: not on what else shares the batch. ``stop``
     holds at most ``MAX_STOP_STRINGS`` strings of ``MAX_STOP_CHARS``
     characters in all; ``stop_token_ids`` at most ``MAX_STOP_TOKEN_IDS`` ids.
+    ``structured``: the one constraint the output is held to (a JSON schema,
+    any JSON object, a regex, a choice, a grammar: ``trioserve.structured``);
+    the request ends with ``"stop"`` once the constraint is complete.
     """
 
     max_tokens: int = 16
@@ -76,6 +80,7 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True, frozen=Tr
     stop_token_ids: list[int] = msgspec.field(default_factory=list)
     ignore_eos: bool = False
     logprobs: int | None = None  # number of top alternatives to return per token
+    structured: StructuredOutput | None = None
 
     def __post_init__(self) -> None:
         _check_int(self, "max_tokens", 1, MAX_INT32)
@@ -94,6 +99,8 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True, frozen=Tr
             raise _bad("ignore_eos", "must be true or false", self.ignore_eos)
         if self.logprobs is not None:
             _check_int(self, "logprobs", 0, MAX_LOGPROBS)
+        if self.structured is not None and (problem := check_constraint(self.structured)) is not None:
+            raise InvalidRequestError("structured", problem)
 
     @property
     def greedy(self) -> bool:
@@ -522,6 +529,21 @@ class SchedulerOutput(msgspec.Struct, tag=True):
     # Lockstep: the output rank joins the data-parallel collective with this
     # engine's "has unfinished requests" (a step with no tokens is a dummy step).
     dp_unfinished: bool | None = None
+    # Some row samples under a constraint: a ``GrammarBitmask`` follows this
+    # message (once the step before is postprocessed), and the workers sample
+    # only after it.
+    awaits_bitmask: bool = False
+
+
+class GrammarBitmask(msgspec.Struct, tag=True):
+    """The tokens each constrained row of the step just sent may take: one
+    row of ``words`` little-endian int32 words per request in ``req_ids``
+    (bit ``t % 32`` of word ``t // 32`` set: token ``t`` allowed; tokens past
+    the last word are not). Rows of the step not named are unconstrained."""
+
+    req_ids: list[str]
+    words: int
+    bitmask: bytes  # len(req_ids) * words * 4 bytes
 
 
 def is_dummy(sched: SchedulerOutput) -> bool:
@@ -595,5 +617,5 @@ class RpcReply(msgspec.Struct, tag=True):
     error: str = ""
 
 
-ToWorker = WorkerInit | InitKVCache | SchedulerOutput | RpcRequest
+ToWorker = WorkerInit | InitKVCache | SchedulerOutput | GrammarBitmask | RpcRequest
 FromWorker = WorkerLoaded | KVCacheReady | RunnerOutput | RpcReply | WorkerFailed | WorkerHeartbeat

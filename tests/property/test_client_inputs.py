@@ -344,6 +344,8 @@ def param_ok(name: str, value: object) -> bool:
         ),
         "ignore_eos": lambda v: isinstance(v, bool),
         "logprobs": lambda v: v is None or (_is_int(v) and 0 <= v <= MAX_LOGPROBS),
+        # Constraints change the tokens (tests/test_structured_*.py): here, only that nothing else is one.
+        "structured": lambda v: v is None,
     }
     return name not in checks or bool(checks[name](value))
 
@@ -403,6 +405,7 @@ VALID_PARAMS: dict[str, st.SearchStrategy[Any]] = {
     "stop_token_ids": st.lists(st.integers(0, MAX_INT32) | st.integers(0, VOCAB), max_size=3),
     "ignore_eos": st.booleans(),
     "logprobs": st.none() | st.integers(0, MAX_LOGPROBS),
+    "structured": st.none(),
 }
 
 
@@ -601,10 +604,13 @@ def check_answer(answer: Answer, cancelled: bool, messages: list[dict[str, Any]]
 
 
 def _matches(error: dict[str, Any], allowed: tuple[str, str | None, str | None]) -> bool:
-    """``error`` is the allowed one; an item of a list may be named (``params.stop[2]``)."""
+    """``error`` is the allowed one; an item of a list, or a member of an object, may be named
+    (``params.stop[2]``, ``params.structured.type``)."""
     code, field, request_id = allowed
     named = error.get("field")
-    same_field = named == field or (field is not None and named is not None and named.startswith(f"{field}["))
+    same_field = named == field or (
+        field is not None and named is not None and named.startswith((f"{field}[", f"{field}."))
+    )
     return error["code"] == code and error["id"] == request_id and same_field
 
 

@@ -27,6 +27,7 @@ class SchedulerState:
     running: RunningOrder
     waiting: ClientQueues
     requests: dict[str, Request]  # every unfinished request
+    awaiting_grammar: dict[str, Request]  # those waiting for their grammar
     on_workers: set[str]  # the requests whose state the workers hold
     max_num_seqs: int
 
@@ -41,8 +42,10 @@ def check_scheduler(sched: SchedulerState, steps_in_flight: Iterable[Step]) -> N
     requests = sched.requests
     running = {r.request_id for r in sched.running}
     waiting = {r.request_id for r in sched.waiting}
+    awaiting = set(sched.awaiting_grammar)
     _check(not running & waiting, "a request is both running and waiting")
-    _check(running | waiting == set(requests), "running + waiting != unfinished")
+    _check(not (running | waiting) & awaiting, "a request waiting for its grammar is also queued or running")
+    _check(running | waiting | awaiting == set(requests), "running + waiting + waiting for grammar != unfinished")
     _check(len(sched.running) <= sched.max_num_seqs, "more running requests than max_num_seqs")
     _check(sched.on_workers == running, "workers hold requests other than the running")
     pending: dict[str, int] = {}
@@ -64,6 +67,10 @@ def check_scheduler(sched: SchedulerState, steps_in_flight: Iterable[Step]) -> N
     for req in sched.waiting:
         _check(req.num_computed_tokens == 0, f"{req!r} is waiting with computed tokens")
         _check(not bm.block_table(req.request_id), f"{req!r} waits holding blocks")
+    for req in sched.awaiting_grammar.values():
+        _check(req.status is RequestStatus.WAITING_FOR_GRAMMAR, f"{req!r} waits for a grammar but not in that state")
+        _check(req.num_computed_tokens == 0 and not req.output_token_ids, f"{req!r} ran before its grammar")
+        _check(not bm.block_table(req.request_id), f"{req!r} waits for its grammar holding blocks")
     check_shared_blocks(sched.running, bm)
     cache = sched.prefix_cache
     _check(0 <= cache.num_hits <= cache.num_queries, "more prefix cache hits than queries")

@@ -17,6 +17,11 @@ Invariants:
   tokens (prefix caching: ``core/block_hash.py``); the list only grows.
   ``num_cached_tokens`` is -1 until it is first admitted, then the number
   of its prompt tokens found in the prefix cache then; it never changes again.
+- A request with a structured-output constraint (``params.structured``)
+  waits in WAITING_FOR_GRAMMAR, holding nothing, until the engine core gives
+  it its ``constraint``; from then on the constraint has accepted exactly
+  its output tokens, in order (preemption keeps them all, so it keeps its
+  state too).
 
 Only the scheduler mutates a request; everyone else reads.
 """
@@ -26,6 +31,7 @@ from __future__ import annotations
 import enum
 import time
 from collections.abc import Sequence
+from typing import Protocol
 
 from trioserve.core.block_hash import BlockHash
 from trioserve.core.block_manager import cdiv
@@ -33,9 +39,23 @@ from trioserve.messages import FinishReason, SamplingParams
 
 
 class RequestStatus(enum.Enum):
+    WAITING_FOR_GRAMMAR = enum.auto()  # its constraint is being compiled: not queued yet
     WAITING = enum.auto()  # queued: new, or preempted and waiting to be recomputed
     RUNNING = enum.auto()  # holds KV blocks; the workers hold its state
     FINISHED = enum.auto()  # stopped, hit a length limit, or aborted
+
+
+class TokenConstraint(Protocol):
+    """A request's structured-output state, as the scheduler uses it (the
+    engine core's grammar matcher satisfies it)."""
+
+    def accept(self, token_id: int) -> bool:
+        """Move past ``token_id``; False if the constraint does not allow it."""
+        ...
+
+    def is_complete(self) -> bool:
+        """The constraint is satisfied and allows nothing more."""
+        ...
 
 
 class Request:
@@ -57,7 +77,8 @@ class Request:
         self.output_token_ids: list[int] = []
         self.num_computed_tokens = 0
         self.num_pending = 0  # tokens being sampled in steps in flight
-        self.status = RequestStatus.WAITING
+        self.constraint: TokenConstraint | None = None
+        self.status = RequestStatus.WAITING_FOR_GRAMMAR if params.structured is not None else RequestStatus.WAITING
         self.finish_reason: FinishReason | None = None
         self.block_hashes: list[BlockHash] = []  # of its full blocks of known tokens, when caching
         self.num_cached_tokens = -1  # prompt tokens served from the prefix cache at its first admission
@@ -96,7 +117,8 @@ class Request:
         """Raise ``ValueError`` naming the field if this new request could never
         run: it has run already, or its prompt is empty, holds a bad token id,
         leaves no room to generate, or needs more than the whole KV cache."""
-        if self.status is not RequestStatus.WAITING or self.output_token_ids:
+        fresh = (RequestStatus.WAITING, RequestStatus.WAITING_FOR_GRAMMAR)
+        if self.status not in fresh or self.output_token_ids:
             raise ValueError(f"request: {self.request_id!r} has already run")
         num_prompt = self.num_prompt_tokens
         if num_prompt == 0:
@@ -113,14 +135,17 @@ class Request:
                 f"but the cache holds only {num_blocks} (of {block_size} tokens)"
             )
 
-    def append_output_token(self, token_id: int) -> None:
+    def append_output_token(self, token_id: int) -> bool:
+        """Append a sampled token; False if the request's constraint refused it."""
         self.output_token_ids.append(token_id)
+        return self.constraint is None or self.constraint.accept(token_id)
 
     def stop_reason(self, max_model_len: int) -> FinishReason | None:
         """Why the request must stop after its last output token, or None.
 
-        Checked in order: EOS (unless ``ignore_eos``), a stop token id,
-        ``max_tokens`` output tokens, ``max_model_len`` tokens in all.
+        Checked in order: EOS (unless ``ignore_eos``), a stop token id, its
+        constraint complete, ``max_tokens`` output tokens, ``max_model_len``
+        tokens in all.
         """
         if not self.output_token_ids:
             return None
@@ -128,6 +153,8 @@ class Request:
         if last in self.eos_token_ids and not self.params.ignore_eos:
             return "stop"
         if last in self._stop_token_ids:
+            return "stop"
+        if self.constraint is not None and self.constraint.is_complete():
             return "stop"
         if self.reaches_length_limit(max_model_len):
             return "length"

@@ -51,9 +51,18 @@ So a client with waiting requests is served before every client that holds
 more running requests, and takes a slot (and blocks) from any client holding
 at least two more (``core/fairness.py``: why this cannot go back and forth).
 
+A request with a structured-output constraint first waits for its grammar
+(WAITING_FOR_GRAMMAR: in no queue, holding nothing, invisible to
+``schedule()``) until the engine core hands its constraint over
+(``grammar_ready``) or says it cannot be had (``grammar_failed``). From then
+on every token appended to it goes through its constraint, and a step that
+samples for a constrained request is marked ``awaits_bitmask``: the engine
+core sends the allowed tokens once the steps before it are postprocessed.
+
 Invariants (``check_invariants`` raises ``RuntimeError`` naming the one broken):
-- every unfinished request is either running (RUNNING) or waiting (WAITING);
-  the running are in fair order, the waiting in their client's queue;
+- every unfinished request is either running (RUNNING), waiting (WAITING) or
+  waiting for its grammar (WAITING_FOR_GRAMMAR); the running are in fair
+  order, the waiting in their client's queue;
 - a waiting request holds no blocks and has ``num_computed_tokens == 0``;
 - a running request's table holds exactly ``ceil(num_computed_tokens / block_size)``
   blocks, and the workers hold its state (it has been scheduled at least once);
@@ -87,7 +96,7 @@ from trioserve.core.block_manager import BlockManager
 from trioserve.core.fairness import ClientQueues, RunningOrder
 from trioserve.core.invariants import SchedulerState, check_scheduler
 from trioserve.core.prefix_cache import PrefixCache
-from trioserve.core.request import Request, RequestStatus
+from trioserve.core.request import Request, RequestStatus, TokenConstraint
 from trioserve.core.step import Step, StepPlan, sampled_tokens
 from trioserve.messages import EngineStats, FinishReason, RunnerOutput, TokenOutput
 
@@ -122,6 +131,7 @@ class Scheduler:
         self.waiting = ClientQueues()
         self.running = RunningOrder()
         self._requests: dict[str, Request] = {}  # every unfinished request
+        self._awaiting_grammar: dict[str, Request] = {}  # WAITING_FOR_GRAMMAR, in order of arrival
         self._on_workers: set[str] = set()  # requests whose state the workers hold
         self._finished_req_ids: list[str] = []  # for the next output
         self.num_preemptions = 0  # for blocks
@@ -139,8 +149,35 @@ class Scheduler:
         bm = self.block_manager
         request.check_can_run(self.max_model_len, bm.num_blocks, bm.block_size)
         self._requests[request.request_id] = request
-        self.waiting.add(request)
+        if request.status is RequestStatus.WAITING_FOR_GRAMMAR:
+            self._awaiting_grammar[request.request_id] = request
+        else:
+            self.waiting.add(request)
         self.num_requests += 1
+
+    def grammar_ready(self, req: Request, constraint: TokenConstraint) -> bool:
+        """Give ``req``, waiting for its grammar, its constraint: it joins its
+        client's queue. False if it is not waiting for one (aborted meanwhile)."""
+        if self._awaiting_grammar.get(req.request_id) is not req:
+            return False
+        del self._awaiting_grammar[req.request_id]
+        req.constraint = constraint
+        req.status = RequestStatus.WAITING
+        self.waiting.add(req)
+        return True
+
+    def grammar_failed(self, req: Request, error: str) -> TokenOutput | None:
+        """End ``req``, waiting for its grammar, with ``error``; its output,
+        or None if it is not waiting for one."""
+        if self._awaiting_grammar.get(req.request_id) is not req:
+            return None
+        del self._awaiting_grammar[req.request_id]
+        self._finish(req, "error")
+        return TokenOutput(req.request_id, [], "error", error=error)
+
+    def awaiting_grammar(self) -> list[Request]:
+        """The requests waiting for their grammar, oldest first."""
+        return list(self._awaiting_grammar.values())
 
     def abort(self, request_ids: Iterable[str]) -> list[str]:
         """Finish these requests with reason ``"abort"`` and free their blocks now.
@@ -156,6 +193,8 @@ class Scheduler:
                 continue
             if req.status is RequestStatus.RUNNING:
                 self.running.remove([req])
+            elif req.status is RequestStatus.WAITING_FOR_GRAMMAR:
+                del self._awaiting_grammar[req_id]
             else:
                 self.waiting.remove(req)
             self._finish(req, "abort")
@@ -169,6 +208,10 @@ class Scheduler:
     def has_unfinished(self) -> bool:
         return bool(self._requests)
 
+    def has_schedulable(self) -> bool:
+        """Some unfinished request is not waiting for its grammar: a step may have work."""
+        return len(self._requests) > len(self._awaiting_grammar)
+
     def request_ids(self) -> list[str]:
         """Every unfinished request's id."""
         return list(self._requests)
@@ -179,12 +222,12 @@ class Scheduler:
 
     @property
     def num_waiting(self) -> int:
-        return len(self.waiting)
+        return len(self.waiting) + len(self._awaiting_grammar)
 
     def stats(self) -> EngineStats:
         return EngineStats(
             num_running=len(self.running),
-            num_waiting=len(self.waiting),
+            num_waiting=self.num_waiting,
             num_free_blocks=self.block_manager.num_free_blocks,
             num_total_blocks=self.block_manager.num_blocks,
             num_preemptions=self.num_preemptions,
@@ -226,6 +269,7 @@ class Scheduler:
             if req.num_computed_tokens == req.num_tokens + req.num_pending:
                 req.num_pending += 1
                 samplers.append(req)
+                output.awaits_bitmask |= req.constraint is not None
             self.prefix_cache.register(req)
         self.num_steps += 1
         self.num_scheduled_tokens += output.total_num_scheduled_tokens
@@ -252,9 +296,9 @@ class Scheduler:
                 raise RuntimeError(f"the runner sampled no token for request {req_id!r} in step {step.number}")
             req.num_pending -= 1
             token_id, logprobs = sampled[req_id]
-            req.append_output_token(token_id)
+            allowed = req.append_output_token(token_id)
             self.prefix_cache.register(req)  # the token may fill a block that a step in flight computes
-            reason = req.stop_reason(self._max_len)
+            reason = req.stop_reason(self._max_len) if allowed else "error"
             if reason is not None:
                 if req.status is RequestStatus.WAITING:
                     self.waiting.remove(req)  # preempted while this step ran
@@ -264,8 +308,9 @@ class Scheduler:
             new_logprobs = None if logprobs is None else [logprobs]
             cached = self.prefix_cache.reported(req)
             queued = req.queued_s if req.num_output_tokens == 1 else None
+            error = None if allowed else f"sampled token {token_id}, which its structured-output constraint refuses"
             outputs.append(
-                TokenOutput(req_id, [token_id], reason, new_logprobs, num_cached_tokens=cached, queued_s=queued)
+                TokenOutput(req_id, [token_id], reason, new_logprobs, error, num_cached_tokens=cached, queued_s=queued)
             )
         self.running.remove(finished_running)
         return outputs
@@ -412,6 +457,7 @@ class Scheduler:
             running=self.running,
             waiting=self.waiting,
             requests=self._requests,
+            awaiting_grammar=self._awaiting_grammar,
             on_workers=self._on_workers,
             max_num_seqs=self.max_num_seqs,
         )

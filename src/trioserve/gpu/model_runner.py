@@ -18,6 +18,7 @@ from __future__ import annotations
 import logging
 import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -42,9 +43,11 @@ from trioserve.gpu.cpu_kernels.host_memory import (
     resident_bytes,
 )
 from trioserve.gpu.cpu_kernels.linear import pack_linears, packing_supported
+from trioserve.gpu.grammar_bitmask import apply_grammar_bitmask
 from trioserve.gpu.sampler import SamplingBatch, sample
 from trioserve.messages import (
     CachedRequestData,
+    GrammarBitmask,
     ModelInfo,
     NewRequestData,
     RunnerOutput,
@@ -342,10 +345,12 @@ class ModelRunner:
 
     # --- one step -----------------------------------------------------------
 
-    def execute(self, sched: SchedulerOutput) -> RunnerOutput:
-        """Run one step: update request state, one packed model call, sample."""
+    def execute(self, sched: SchedulerOutput, bitmask: Callable[[], GrammarBitmask] | None = None) -> RunnerOutput:
+        """Run one step: update request state, one packed model call, then
+        (for a step that awaits one, once ``bitmask()`` gives it) the grammar
+        bitmask, and sample."""
         started = time.perf_counter()
-        out = self._execute(sched)
+        out = self._execute(sched, bitmask)
         if self._step_log is not None:
             self._log_step(sched, out, started)
         return out
@@ -361,7 +366,7 @@ class ModelRunner:
             self._step_log.write(format_step(record))
 
     @torch.inference_mode()
-    def _execute(self, sched: SchedulerOutput) -> RunnerOutput:
+    def _execute(self, sched: SchedulerOutput, bitmask: Callable[[], GrammarBitmask] | None) -> RunnerOutput:
         if is_dummy(sched):  # lockstep's step with nothing to compute: also while asleep, with its peers
             self._update_requests(sched)  # (it only forgets requests)
             return RunnerOutput(req_ids=[], sampled_token_ids=[])
@@ -378,6 +383,10 @@ class ModelRunner:
             logits = self._forward(input_ids[None], meta.positions[None], keep)  # [1, T], [1, T], [S] -> [S, V]
         for req_id, n in sched.num_scheduled_tokens.items():
             self.requests[req_id].num_computed_tokens += n
+        if sched.awaits_bitmask:
+            if bitmask is None:
+                raise ValueError("a step that awaits a grammar bitmask, and no way to receive it")
+            logits = apply_grammar_bitmask(logits, step.sample_req_ids, bitmask())
         if not step.sample_req_ids:
             return RunnerOutput(req_ids=[], sampled_token_ids=[])
         reqs = [self.requests[r] for r in step.sample_req_ids]

@@ -8,7 +8,9 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:
-    from trioserve.messages import RunnerOutput, SchedulerOutput, WorkerLoaded
+    from collections.abc import Callable
+
+    from trioserve.messages import GrammarBitmask, RunnerOutput, SchedulerOutput, WorkerLoaded
     from trioserve.rpc import ShardInfo
 
 
@@ -31,8 +33,11 @@ class Runner(Protocol):
         """Allocate ``num_blocks`` KV blocks (the smallest any rank can hold)."""
         ...
 
-    def execute(self, step: SchedulerOutput) -> RunnerOutput:
-        """Run one step and return the tokens it sampled."""
+    def execute(self, step: SchedulerOutput, bitmask: Callable[[], GrammarBitmask] | None = None) -> RunnerOutput:
+        """Run one step and return the tokens it sampled. A step that
+        ``awaits_bitmask`` samples only once ``bitmask()`` (which blocks until
+        the engine core sends it) gives the allowed tokens of its constrained
+        rows; call it once, after the model's forward pass."""
         ...
 
     def describe(self) -> ShardInfo:

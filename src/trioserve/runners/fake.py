@@ -14,13 +14,14 @@ import os
 import signal
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from types import FrameType
 
 import trio
 
 from trioserve.config import EngineConfig
-from trioserve.messages import ModelInfo, RunnerOutput, SchedulerOutput, WorkerLoaded, is_dummy
+from trioserve.messages import GrammarBitmask, ModelInfo, RunnerOutput, SchedulerOutput, WorkerLoaded, is_dummy
 from trioserve.rpc import ShardInfo
 
 FAULT_SIGNAL = signal.SIGUSR1
@@ -141,7 +142,7 @@ class FakeRunner:
             while True:
                 time.sleep(3600)
 
-    def execute(self, sched: SchedulerOutput) -> RunnerOutput:
+    def execute(self, sched: SchedulerOutput, bitmask: Callable[[], GrammarBitmask] | None = None) -> RunnerOutput:
         if self.sleep_level and is_dummy(sched):  # lockstep: an asleep engine still steps with its peers
             for req_id in sched.finished_req_ids:
                 self._tokens.pop(req_id, None)
@@ -156,15 +157,44 @@ class FakeRunner:
             self._tokens[new.req_id] = list(new.token_ids)
         num_computed = {r.req_id: r.num_computed_tokens for r in sched.new_requests}
         num_computed.update({r.req_id: r.num_computed_tokens for r in sched.cached_requests})
+        allowed = _allowed_rows(sched, bitmask)
         req_ids, sampled = [], []
         for req_id, n in sched.num_scheduled_tokens.items():
             tokens = self._tokens[req_id]
             if num_computed[req_id] + n == len(tokens):
                 req_ids.append(req_id)
-                sampled.append(self.next_token(tokens))
+                token = self.next_token(tokens)
+                if req_id in allowed:  # the first allowed token from the deterministic one on, cyclically
+                    token = _first_allowed(allowed[req_id], token)
+                sampled.append(token)
                 if self._faults_apply() and self.num_steps == self.fake.diverge_at_step:
                     sampled[-1] = (sampled[-1] + 1) % self.vocab_size  # this rank disagrees
                 tokens.append(sampled[-1])  # as a real runner does: the next step computes it
         if self.fake.step_delay_s:
             time.sleep(self.fake.step_delay_s)
         return RunnerOutput(req_ids=req_ids, sampled_token_ids=sampled)
+
+
+def _allowed_rows(sched: SchedulerOutput, bitmask: Callable[[], GrammarBitmask] | None) -> dict[str, int]:
+    """Each constrained row's bitmask as one int (bit t: token t allowed);
+    none for a step that does not await a bitmask."""
+    if not sched.awaits_bitmask:
+        return {}
+    if bitmask is None:
+        raise ValueError("a step that awaits a grammar bitmask, and no way to receive it")
+    mask = bitmask()
+    size = mask.words * 4
+    rows = {}
+    for i, req_id in enumerate(mask.req_ids):
+        rows[req_id] = int.from_bytes(mask.bitmask[i * size : (i + 1) * size], "little")
+        if not rows[req_id]:
+            raise ValueError(f"grammar bitmask: request {req_id!r} may take no token")
+    return rows
+
+
+def _first_allowed(row: int, token: int) -> int:
+    """The lowest allowed token at or above ``token``, else the lowest allowed."""
+    above = row >> token
+    if above:
+        return token + (above & -above).bit_length() - 1
+    return (row & -row).bit_length() - 1

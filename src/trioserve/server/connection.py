@@ -273,6 +273,8 @@ class Connection:
         terminal message. If cancelled, the request is aborted in the engine."""
         request = flight.request
         try:
+            if request.params.structured is not None:
+                await self._engine.check_structured(request.params.structured)
             stream = self._engine.stream(request.the_prompt, request.params, client_id=self._client_id)
             return await self._stream(flight, stream)
         except InvalidRequestError as exc:  # the engine's checks: "field: message"
@@ -333,5 +335,8 @@ def _invalid_request(request: Generate, exc: InvalidRequestError) -> ProtocolErr
     if field == "prompt":
         field = request.prompt_field
         message = field + message.removeprefix("prompt")
+    elif field == "structured":  # Engine.check_structured: a field of params here
+        field = "params.structured"
+        message = "params." + message
     code = protocol.PROMPT_TOO_LONG if isinstance(exc, PromptTooLongError) else protocol.INVALID_FIELD
     return ProtocolError(code, message, id=request.id, field=field)

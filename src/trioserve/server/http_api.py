@@ -385,6 +385,8 @@ class HttpApi:
                 prompt = oai.completion_prompt(completion)
                 fmt = completion_format(self.model_name, engine.tokenizer)
             names = plan.names
+            if plan.params.structured is not None:
+                await engine.check_structured(plan.params.structured)
             return engine.stream_n(prompt, plan.params, plan.n, client_id=client_id), fmt, plan
         except InvalidRequestError as exc:
             raise OpenAIError.from_engine(exc, names) from None

@@ -28,6 +28,7 @@ from trioserve.errors import InvalidRequestError, PromptTooLongError
 from trioserve.messages import SamplingParams
 from trioserve.server.misfit import Misfit, find_misfit, unknown_fields
 from trioserve.server.openai_responses import ErrorBody, ErrorObject
+from trioserve.server.openai_structured import StructuredError, StructuredFields, requested_constraint
 from trioserve.server.protocol import malformed_json_detail
 
 log = logging.getLogger("trioserve.openai")
@@ -80,8 +81,9 @@ class StreamOptions(msgspec.Struct):
     include_usage: bool = False
 
 
-class _Sampling(msgspec.Struct, kw_only=True):
-    """Fields shared by both endpoints; ``None`` means "not given"."""
+class _Sampling(StructuredFields, kw_only=True):
+    """Fields shared by both endpoints (with those asking for a structured
+    output: ``openai_structured.py``); ``None`` means "not given"."""
 
     model: str
     n: int = 1
@@ -127,16 +129,11 @@ class ChatMessage(msgspec.Struct):
         return self.content if isinstance(self.content, str) else "".join(part.text for part in self.content)
 
 
-class ResponseFormat(msgspec.Struct):
-    type: str
-
-
 class ChatCompletionRequest(_Sampling, kw_only=True):
     messages: list[ChatMessage]
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
-    response_format: ResponseFormat | None = None  # accepted only {"type": "text"}
     tools: list[Any] | None = None  # accepted only empty
     tool_choice: Any = None  # accepted only "none" or absent
     parallel_tool_calls: bool | None = None  # accepted, unused
@@ -262,8 +259,6 @@ def completion_prompt(request: CompletionRequest) -> str | list[int]:
 
 def plan_chat(request: ChatCompletionRequest, max_model_len: int) -> Plan:
     _check_unsupported(request)
-    if request.response_format is not None and request.response_format.type != "text":
-        raise invalid("response_format", "only {'type': 'text'} is supported", code="unsupported")
     if request.tools:
         raise invalid("tools", "tool calls are not supported", code="unsupported")
     if request.tool_choice not in (None, "none"):
@@ -313,12 +308,17 @@ def _sampling_params(
     }
     stop = [request.stop] if isinstance(request.stop, str) else list(request.stop or [])
     try:
+        structured, names["structured"] = requested_constraint(request)
+    except StructuredError as exc:
+        raise invalid(exc.param, exc.message) from None
+    try:
         return SamplingParams(
             max_tokens=default_max if max_tokens is None else max_tokens,
             seed=request.seed,
             stop=stop,
             ignore_eos=request.ignore_eos,
             logprobs=logprobs,
+            structured=structured,
             **{name: value for name, value in given.items() if value is not None},
         )
     except InvalidRequestError as exc:

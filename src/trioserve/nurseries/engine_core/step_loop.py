@@ -11,12 +11,18 @@ Invariants:
   and the step loop queues them with its own, in the order they were made;
 - the tokens postprocessed go out before the replies queued with them (a request that ended before a pause had
   its last token sent before the pause is answered); a step's tokens go out once the step after it is on its way,
-  or when no step follows.
+  or when no step follows;
+- a step that samples under a constraint gets its bitmask (``GrammarBitmask``) the moment it is the oldest step in
+  flight: every token before it is postprocessed, so the matchers are where its rows sample from. The workers run
+  its forward pass meanwhile and wait for the bitmask only to sample;
+- grammars compile in the step loop's own nursery (``structured_outputs.py``), off the Trio thread; their results
+  are handed to the scheduler between steps, and an idle step loop wakes for them as for a message.
 """
 
 from __future__ import annotations
 
 import math
+import os
 from collections import deque
 from collections.abc import Sequence
 
@@ -44,6 +50,8 @@ from trioserve.messages import (
 )
 from trioserve.nurseries.engine_core.control import Controller
 from trioserve.nurseries.engine_core.executor.executor import Executor
+from trioserve.nurseries.engine_core.grammar import Tokenizer
+from trioserve.nurseries.engine_core.structured_outputs import StructuredOutputs
 from trioserve.rpc import ControlRequest
 
 LOAD_REPORT_INTERVAL_S = 0.02  # the most often the load goes out when it changes
@@ -71,6 +79,10 @@ class EngineCore:
         self.control = Controller(scheduler, executor)  # pause, sleep, calls to the workers
         self._last_load = LoadReport(num_waiting=0, num_running=0)
         self._last_load_at = -math.inf
+        text_dir = executor.config.tokenizer or executor.config.model  # --tokenizer's, as the front-end's
+        tokenizer = Tokenizer(os.path.join(text_dir, "tokenizer.json"), info.vocab_size, info.eos_token_ids)
+        self.structured = StructuredOutputs(tokenizer, info.vocab_size)
+        self._compiles: trio.Nursery | None = None  # where grammars compile: the step loop's
 
     def steps_in_flight(self) -> Sequence[Step]:
         """The steps sent to the workers and not yet postprocessed, oldest first (to read, not to keep)."""
@@ -88,11 +100,18 @@ class EngineCore:
         for the oldest step and postprocess it. A control call that can run
         (``nurseries/engine_core/control.py``) runs first, once the steps in flight are
         collected. If cancelled, steps still in flight are dropped with the
-        workers.
+        workers, and grammar compiles are abandoned.
         """
+        async with trio.open_nursery() as self._compiles:
+            await self._run(inbox, outbox)
+
+    async def _run(
+        self, inbox: trio.MemoryReceiveChannel[EngineRequest], outbox: trio.MemorySendChannel[EngineResponse]
+    ) -> None:
         while True:
             await self._wait_for_work(inbox, outbox)
             self._take_messages(inbox)
+            self._take_grammars()
             if self.control.has_ready():
                 while self._in_flight:
                     await self._collect_oldest()
@@ -113,12 +132,47 @@ class EngineCore:
         lockstep, no wave runs), flush the outputs and sleep on the inbox."""
         if not self._in_flight and not self._due() and not self.control.has_ready():
             await self._send_outputs(outbox)
-            self.apply(await inbox.receive())
+            if (msg := await self._next_message(inbox)) is not None:
+                self.apply(msg)
+
+    async def _next_message(self, inbox: trio.MemoryReceiveChannel[EngineRequest]) -> EngineRequest | None:
+        """The next front-end message; or None, once a grammar compiled first."""
+        if self.structured.has_results:
+            return None  # a compile ended while the last step ran
+        if not self.structured.compiling:
+            return await inbox.receive()
+        received: EngineRequest | None = None
+        async with trio.open_nursery() as nursery:
+
+            async def take() -> None:
+                nonlocal received
+                received = await inbox.receive()
+                nursery.cancel_scope.cancel()
+
+            async def compiled() -> None:
+                await self.structured.wait_results()
+                nursery.cancel_scope.cancel()
+
+            nursery.start_soon(take)
+            nursery.start_soon(compiled)
+        return received
 
     def _due(self) -> bool:
-        """Is a step due? When there is work, and in lockstep while the wave runs."""
-        has_work = self.scheduler.has_unfinished()
-        return has_work if self.waves is None else self.waves.should_step(has_work)
+        """Is a step due? When a request can run (not only wait for its grammar),
+        and in lockstep while the wave runs."""
+        if self.waves is None:
+            return self.scheduler.has_schedulable()
+        return self.waves.should_step(self.scheduler.has_unfinished())
+
+    def _take_grammars(self) -> None:
+        """Hand the compiles that ended to the scheduler: a request with its
+        matcher is queued, one whose constraint did not compile ends with the error."""
+        for request, result in self.structured.take_results():
+            if isinstance(result, str):
+                if (error := self.scheduler.grammar_failed(request, result)) is not None:
+                    self._unsent.append(error)
+            else:
+                self.scheduler.grammar_ready(request, result)
 
     def _take_messages(self, inbox: trio.MemoryReceiveChannel[EngineRequest]) -> None:
         while True:
@@ -139,13 +193,25 @@ class EngineCore:
             return False
         await self.executor.dispatch(step)
         self._in_flight.append(step)
+        if len(self._in_flight) == 1:
+            await self._send_bitmask(step)
         return True
+
+    async def _send_bitmask(self, step: Step) -> None:
+        """``step``'s bitmask, if it samples under a constraint (it must be the oldest step in flight)."""
+        if step.scheduled.awaits_bitmask:
+            live = self.scheduler.get_request
+            await self.executor.send_bitmask(
+                self.structured.bitmask(step.samplers, lambda req: live(req.request_id) is req)
+            )
 
     async def _collect_oldest(self) -> None:
         step = self._in_flight[0]
         runner_output = await self.executor.collect(step)
         self._in_flight.popleft()
         self._unsent += self.scheduler.postprocess(step, runner_output)
+        if self._in_flight:
+            await self._send_bitmask(self._in_flight[0])
         if self.waves is not None:
             done = self.waves.stepped(bool(runner_output.dp_any_unfinished))
             if done is not None:
@@ -211,3 +277,9 @@ class EngineCore:
             # The front-end validates first; this guards against any other sender.
             error = TokenOutput(msg.request_id, [], finish_reason="error", error=str(exc))
             self._replies.append(EngineOutputs(outputs=[error]))
+            return
+        if msg.params.structured is not None:
+            assert self._compiles is not None  # requests are added by the step loop only
+            matcher = self.structured.prepare(request, self._compiles)
+            if matcher is not None:
+                self.scheduler.grammar_ready(request, matcher)

@@ -4,7 +4,9 @@ The engine core starts it with ``python -m trioserve.nurseries.supervision.entry
 stream's socket arrives as an inherited fd (``TRIOSERVE_WORKER_FD``). The
 worker answers, in order: ``WorkerInit`` -> ``WorkerLoaded``, ``InitKVCache``
 -> ``KVCacheReady``, then one ``RunnerOutput`` for each ``SchedulerOutput``
-and one ``RpcReply`` for each ``RpcRequest`` (a control call between steps),
+(after a ``GrammarBitmask`` too, for a step that ``awaits_bitmask``: it is
+read once the step's forward pass is done, just before sampling) and one
+``RpcReply`` for each ``RpcRequest`` (a control call between steps),
 until the engine core closes the stream. A control call that raises is
 answered with its error, and the worker serves on; a step that raises ends
 the worker. From ``WorkerInit`` on, a thread of
@@ -34,6 +36,7 @@ import msgspec
 import trio
 
 from trioserve.messages import (
+    GrammarBitmask,
     InitKVCache,
     KVCacheReady,
     RpcReply,
@@ -190,7 +193,7 @@ def serve(sock: socket.socket) -> None:
         stage = "step"
         while (msg := talk.receive()) is not None:
             if isinstance(msg, SchedulerOutput):
-                step_output = runner.execute(msg)
+                step_output = runner.execute(msg, bitmask=lambda: talk.expect(GrammarBitmask))
                 if msg.dp_unfinished is not None and collective is not None:
                     step_output.dp_any_unfinished = collective.any_of(msg.dp_unfinished)
                 output: msgspec.Struct = step_output

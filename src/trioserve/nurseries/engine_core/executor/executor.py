@@ -32,6 +32,7 @@ from trioserve.errors import EngineStartupError
 from trioserve.messages import (
     DataParallelInit,
     EngineInfo,
+    GrammarBitmask,
     InitKVCache,
     KVCacheReady,
     RpcReply,
@@ -167,6 +168,11 @@ class Executor:
         workers run them in order, and ``collect`` takes their outputs in the
         same order."""
         await self.group.send_all([step.scheduled] * len(self.group.workers))
+
+    async def send_bitmask(self, bitmask: GrammarBitmask) -> None:
+        """Send every worker the bitmask of the oldest step in flight (which
+        they run up to sampling, then wait for it)."""
+        await self.group.send_all([bitmask] * len(self.group.workers))
 
     async def collect(self, step: Step) -> RunnerOutput:
         """The output rank's sampled tokens for ``step``, the oldest step in flight.
