@@ -17,6 +17,9 @@ Invariants:
   tokens (prefix caching: ``core/block_hash.py``); the list only grows.
   ``num_cached_tokens`` is -1 until it is first admitted, then the number
   of its prompt tokens found in the prefix cache then; it never changes again.
+- ``prompt_logprobs`` (when its params ask for them) holds those of prompt
+  tokens 1, 2... in order, without a gap, until its first output token
+  takes them all away.
 
 Only the scheduler mutates a request; everyone else reads.
 """
@@ -29,7 +32,7 @@ from collections.abc import Sequence
 
 from trioserve.core.block_hash import BlockHash
 from trioserve.core.block_manager import cdiv
-from trioserve.messages import FinishReason, SamplingParams
+from trioserve.messages import FinishReason, SampleLogprobs, SamplingParams
 
 
 class RequestStatus(enum.Enum):
@@ -64,6 +67,7 @@ class Request:
         self.arrived_at = time.monotonic()
         self.queued_s: float | None = None  # from its arrival to its first admission
         self._stop_token_ids = frozenset(params.stop_token_ids)
+        self.prompt_logprobs: list[SampleLogprobs] = []  # of prompt tokens 1, 2... so far
 
     def __repr__(self) -> str:
         return (
@@ -119,16 +123,18 @@ class Request:
     def stop_reason(self, max_model_len: int) -> FinishReason | None:
         """Why the request must stop after its last output token, or None.
 
-        Checked in order: EOS (unless ``ignore_eos``), a stop token id,
+        Checked in order: EOS (unless ``ignore_eos``), a stop token id (those
+        two only once it has more than ``min_tokens`` output tokens),
         ``max_tokens`` output tokens, ``max_model_len`` tokens in all.
         """
         if not self.output_token_ids:
             return None
         last = self.output_token_ids[-1]
-        if last in self.eos_token_ids and not self.params.ignore_eos:
-            return "stop"
-        if last in self._stop_token_ids:
-            return "stop"
+        if self.num_output_tokens > self.params.min_tokens:
+            if last in self.eos_token_ids and not self.params.ignore_eos:
+                return "stop"
+            if last in self._stop_token_ids:
+                return "stop"
         if self.reaches_length_limit(max_model_len):
             return "length"
         return None
@@ -138,6 +144,14 @@ class Request:
         ``max_tokens`` output tokens or ``max_model_len`` tokens in all."""
         num_tokens = self.num_tokens + num_more
         return num_tokens - self.num_prompt_tokens >= self.params.max_tokens or num_tokens >= max_model_len
+
+    def add_prompt_logprobs(self, start: int, logprobs: list[SampleLogprobs]) -> None:
+        """Take the logprobs of prompt tokens ``start``, ``start + 1``... (a
+        step's slice), keeping those it does not have yet: a prompt computed
+        again after a preemption gives them again."""
+        have = len(self.prompt_logprobs) + 1  # the next prompt token without one
+        if start <= have < start + len(logprobs):
+            self.prompt_logprobs.extend(logprobs[have - start :])
 
     def finish(self, reason: FinishReason) -> None:
         self.status = RequestStatus.FINISHED

@@ -296,7 +296,13 @@ class Connection:
             async for out in stream:
                 flight.cached_tokens = out.num_cached_tokens or 0
                 if out.text or out.token_ids:
-                    delta = Delta(id=request_id, text=out.text, token_ids=out.token_ids, logprobs=out.logprobs)
+                    delta = Delta(
+                        id=request_id,
+                        text=out.text,
+                        token_ids=out.token_ids,
+                        logprobs=out.logprobs,
+                        prompt_logprobs=out.prompt_logprobs,
+                    )
                     if not await self._queue_delta(protocol.encode(delta)):
                         return protocol.error(
                             request_id,

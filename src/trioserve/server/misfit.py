@@ -27,7 +27,7 @@ from typing import Any, Literal
 
 import msgspec.inspect as mi
 
-from trioserve.messages import short_repr
+from trioserve.checks import short_repr
 
 MAX_FIELD_NAME = 64  # an unknown field's name is echoed at most this long
 

@@ -70,12 +70,26 @@ def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) ->
 
 
 class CompletionLogprobs(msgspec.Struct):
-    """The legacy completions ``logprobs``: one list item per token."""
+    """The legacy completions ``logprobs``: one list item per token (an
+    echoed prompt's first token has none: null)."""
 
     tokens: list[str]
-    token_logprobs: list[float]
-    top_logprobs: list[dict[str, float]]
+    token_logprobs: list[float | None]
+    top_logprobs: list[dict[str, float] | None]
     text_offset: list[int]  # where the character holding the token's first byte starts
+
+
+class PromptTokenLogprob(msgspec.Struct):
+    """One token of a ``prompt_logprobs`` entry (vLLM's shape)."""
+
+    logprob: float
+    rank: int
+    decoded_token: str
+
+
+# vLLM's ``prompt_logprobs``: per prompt token, null for the first, else the
+# token and the top alternatives by token id (as a string).
+PromptLogprobsField = list[dict[str, PromptTokenLogprob] | None]
 
 
 class TopLogprob(msgspec.Struct):
@@ -105,6 +119,7 @@ class CompletionChoice(msgspec.Struct):
     logprobs: CompletionLogprobs | None
     finish_reason: str | None
     text: str
+    prompt_logprobs: PromptLogprobsField | UnsetType = UNSET  # when asked for
 
 
 class Completion(msgspec.Struct, kw_only=True):
@@ -139,6 +154,7 @@ class ChatCompletion(msgspec.Struct, kw_only=True):
     model: str
     choices: list[ChatChoice]
     usage: Usage
+    prompt_logprobs: PromptLogprobsField | UnsetType = UNSET  # when asked for
 
 
 class ChatDelta(msgspec.Struct, kw_only=True):
@@ -286,4 +302,44 @@ def chat_logprobs(placed: Placed, tokenizer: Tokenizer) -> ChatLogprobs:
             )
             for token_id, lp, _ in placed
         ]
+    )
+
+
+def prompt_logprobs_field(
+    token_ids: Sequence[int], logprobs: Sequence[SampleLogprobs], tokenizer: Tokenizer
+) -> PromptLogprobsField:
+    """vLLM's ``prompt_logprobs``: null for the first prompt token, then for
+    each the token itself and its top alternatives (``logprobs``: those of
+    tokens 1, 2...), keyed by token id."""
+    field: PromptLogprobsField = [None] if token_ids else []
+    for token_id, lp in zip(token_ids[1:], logprobs, strict=False):
+        entry = {str(token_id): PromptTokenLogprob(lp.logprob, lp.rank, _text(tokenizer, token_id))}
+        for rank, (top_id, top_logprob) in enumerate(zip(lp.top_token_ids, lp.top_logprobs, strict=True), 1):
+            entry.setdefault(str(top_id), PromptTokenLogprob(top_logprob, rank, _text(tokenizer, top_id)))
+        field.append(entry)
+    return field
+
+
+def echoed_prompt_logprobs(
+    token_ids: Sequence[int], logprobs: Sequence[SampleLogprobs] | None, tokenizer: Tokenizer
+) -> CompletionLogprobs:
+    """The legacy completions ``logprobs`` of an echoed prompt: each token's
+    text at its place in the prompt's decoded text, its logprob (none for the
+    first) and its top alternatives."""
+    entries: list[SampleLogprobs | None] = [None, *(logprobs or [])]
+    tokens, offsets, offset = [], [], 0
+    for token_id in token_ids:
+        tokens.append(_text(tokenizer, token_id))
+        offsets.append(offset)
+        offset += len(tokens[-1])
+    return CompletionLogprobs(
+        tokens=tokens,
+        token_logprobs=[None if lp is None else lp.logprob for lp in entries[: len(token_ids)]],
+        top_logprobs=[
+            None
+            if lp is None
+            else {_text(tokenizer, t): p for t, p in zip(lp.top_token_ids, lp.top_logprobs, strict=True)}
+            for lp in entries[: len(token_ids)]
+        ],
+        text_offset=offsets,
     )
