@@ -171,8 +171,10 @@ def test_echoed_client_values_are_cut_short():
 def test_server_messages_encode_as_documented():
     delta = Delta(id="a", text="hi", token_ids=[1, 2])
     assert json.loads(protocol.encode(delta)) == {"type": "delta", "id": "a", "text": "hi", "token_ids": [1, 2]}
-    with_logprobs = Delta(id="a", text="", token_ids=[1], logprobs=[SampleLogprobs(-0.5, [1, 2], [-0.5, -1.0])])
-    assert json.loads(protocol.encode(with_logprobs))["logprobs"] == [[-0.5, [1, 2], [-0.5, -1.0]]]
+    with_logprobs = Delta(id="a", text="", token_ids=[1], logprobs=[SampleLogprobs(-0.5, [1, 2], [-0.5, -1.0], 1)])
+    assert json.loads(protocol.encode(with_logprobs))["logprobs"] == [[-0.5, [1, 2], [-0.5, -1.0], 1]]
+    first = Delta(id="a", text="", token_ids=[1], prompt_logprobs=[SampleLogprobs(-2.0, [7], [-0.1], 3)])
+    assert json.loads(protocol.encode(first))["prompt_logprobs"] == [[-2.0, [7], [-0.1], 3]]
     assert json.loads(protocol.encode(protocol.done("a", "stop", "\n", 3, 4))) == {
         "type": "done",
         "id": "a",

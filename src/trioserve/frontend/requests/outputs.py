@@ -41,9 +41,9 @@ class RequestOutput:
     finish_reason: str | None = None
     stop_reason: str | int | None = None
     logprobs: list[SampleLogprobs] | None = None
-    prompt_logprobs: list[SampleLogprobs] | None = None
     index: int = 0  # which of a parent request's n samples (``Engine.stream_n``); 0 otherwise
     num_cached_tokens: int | None = None
+    prompt_logprobs: list[SampleLogprobs] | None = None
 
     @property
     def finished(self) -> bool:
