@@ -135,6 +135,9 @@ def check_openai_api(url: str, prompt_ids: list[int]) -> None:
     num_prompt = whole.usage.prompt_tokens
     assert lp.token_logprobs[0] is None and all(x is not None for x in lp.token_logprobs[1:])
     assert len(lp.tokens) >= num_prompt and "".join(lp.tokens[1:num_prompt]) == "Hello"  # after <s>
+    assert lp.text_offset is not None and lp.text_offset[:num_prompt] == [0, 0, 1, 2, 3, 4]  # <s> is not in the text
+    placed = [(t, o) for t, o in zip(lp.tokens, lp.text_offset, strict=True) if t.isascii()]
+    assert all(choice.text[offset:].startswith(t) for t, offset in placed[1:])
     streamed = client.completions.create(
         model=model, prompt="Hello", max_tokens=5, temperature=0, echo=True, stream=True
     )

@@ -477,8 +477,9 @@ def _format_options(plan: oai.Plan) -> dict[str, bool]:
 def _prompt_info(prompt: object, token_ids: list[int], tokenizer: Tokenizer) -> PromptInfo:
     """The prompt as a response shows it: a text as given; token ids (or a
     chat's rendered messages) decoded, special tokens included."""
-    text = prompt if type(prompt) is str else tokenizer.decode(token_ids, skip_special_tokens=False)
-    return PromptInfo(text, token_ids)
+    if type(prompt) is str:
+        return PromptInfo(prompt, token_ids)
+    return PromptInfo(tokenizer.decode(token_ids, skip_special_tokens=False), token_ids, special_tokens_shown=True)
 
 
 def _check_not_aborted(out: RequestOutput) -> None:

@@ -321,25 +321,42 @@ def prompt_logprobs_field(
 
 
 def echoed_prompt_logprobs(
-    token_ids: Sequence[int], logprobs: Sequence[SampleLogprobs] | None, tokenizer: Tokenizer
+    token_ids: Sequence[int],
+    logprobs: Sequence[SampleLogprobs] | None,
+    tokenizer: Tokenizer,
+    *,
+    special_tokens_shown: bool,
 ) -> CompletionLogprobs:
     """The legacy completions ``logprobs`` of an echoed prompt: each token's
-    text at its place in the prompt's decoded text, its logprob (none for the
-    first) and its top alternatives."""
-    entries: list[SampleLogprobs | None] = [None, *(logprobs or [])]
-    tokens, offsets, offset = [], [], 0
-    for token_id in token_ids:
-        tokens.append(_text(tokenizer, token_id))
-        offsets.append(offset)
-        offset += len(tokens[-1])
+    text, where its character starts in the echoed text (which shows the
+    special tokens' text or not, as ``special_tokens_shown``), its logprob
+    (none for the first) and its top alternatives."""
+    entries: list[SampleLogprobs | None] = [None, *(logprobs or [])][: len(token_ids)]
     return CompletionLogprobs(
-        tokens=tokens,
-        token_logprobs=[None if lp is None else lp.logprob for lp in entries[: len(token_ids)]],
+        tokens=[_text(tokenizer, token_id) for token_id in token_ids],
+        token_logprobs=[None if lp is None else lp.logprob for lp in entries],
         top_logprobs=[
             None
             if lp is None
             else {_text(tokenizer, t): p for t, p in zip(lp.top_token_ids, lp.top_logprobs, strict=True)}
-            for lp in entries[: len(token_ids)]
+            for lp in entries
         ],
-        text_offset=offsets,
+        text_offset=_char_offsets(token_ids, tokenizer, special_tokens_shown),
     )
+
+
+def _char_offsets(token_ids: Sequence[int], tokenizer: Tokenizer, special_tokens_shown: bool) -> list[int]:
+    """Where each token's first character starts in the text of ``token_ids``
+    (as ``TokenPlacer`` counts: bytes that are no UTF-8 count as U+FFFD)."""
+    decoder = codecs.getincrementaldecoder("utf-8")("replace")
+    special = tokenizer.all_special_ids
+    offsets, decoded = [], 0
+    for token_id in token_ids:
+        if token_id in special:
+            data = _text(tokenizer, token_id).encode() if special_tokens_shown else b""
+        else:
+            data = tokenizer.token_bytes(token_id)
+        pending = decoder.getstate()[0]
+        offsets.append(decoded + (1 if pending and data and not _continues(pending, data[:1]) else 0))
+        decoded += len(decoder.decode(data))
+    return offsets

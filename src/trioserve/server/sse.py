@@ -30,6 +30,7 @@ Event = resp.Completion | resp.ChatCompletionChunk  # one chunk of a stream
 class PromptInfo:
     text: str  # as the client gave it, or decoded from its token ids
     token_ids: list[int]
+    special_tokens_shown: bool = False  # the text shows its special tokens (decoded from token ids)
 
 
 @dataclass
@@ -162,7 +163,12 @@ class CompletionFormat(EventFormat):
             return resp.completion_logprobs(placed, self.tokenizer)
         shift = len(self.prompt.text)
         outputs = resp.completion_logprobs([(t, lp, before + shift) for t, lp, before in placed], self.tokenizer)
-        prompt = resp.echoed_prompt_logprobs(self.prompt.token_ids, choice.prompt_logprobs, self.tokenizer)
+        prompt = resp.echoed_prompt_logprobs(
+            self.prompt.token_ids,
+            choice.prompt_logprobs,
+            self.tokenizer,
+            special_tokens_shown=self.prompt.special_tokens_shown,
+        )
         return resp.CompletionLogprobs(
             tokens=prompt.tokens + outputs.tokens,
             token_logprobs=prompt.token_logprobs + outputs.token_logprobs,
