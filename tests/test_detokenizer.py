@@ -368,3 +368,57 @@ def test_text_after_flush_does_not_complete_a_stop_string_begun_before(byte_tok:
     assert detok.update([ord("a")]) == DetokenizerUpdate("")
     assert detok.flush() == "a"
     assert detok.update([ord("b")]) == DetokenizerUpdate("b")
+
+
+# --- include_stop_str_in_output, min_tokens, and the text of a stop token -----
+
+
+@SETTINGS
+@given(
+    text=texts,
+    stops=st.lists(st.sampled_from(["l", "lo", "é", "o w", "🙂"]), min_size=1, max_size=3),
+    sizes=chunk_sizes,
+)
+def test_an_included_stop_string_ends_the_text_however_the_tokens_are_split(
+    byte_tok: Tokenizer, text: str, stops: list[str], sizes: list[int]
+) -> None:
+    detok = IncrementalDetokenizer(byte_tok, [], stop=stops, include_stop_str_in_output=True)
+    updates = stream(detok, split(utf8_ids(text), sizes))
+    before, stop = first_stop(text, stops)
+    got = "".join(deltas(updates)) + detok.flush()
+    assert got == (before + stop if stop is not None else text) == detok.text
+    assert [u.stop_string for u in updates if u.stop_string] == ([stop] if stop else [])
+
+
+def test_an_included_stop_string_holds_nothing_back(byte_tok: Tokenizer) -> None:
+    detok = IncrementalDetokenizer(byte_tok, [], stop=["llo"], include_stop_str_in_output=True)
+    assert deltas(stream(detok, [[HEL], [ord("l")], [ord("o")], [ord("!")]])) == ["hel", "l", "o", ""]
+
+
+@pytest.mark.parametrize(
+    "chunks", [[[HEL], [ord("l")], [ord("o")], [ord("l")], [ord("o")]], [[HEL, 108, 111, 108, 111]]]
+)
+def test_no_stop_string_counts_in_the_text_of_the_first_min_tokens_tokens(
+    byte_tok: Tokenizer, chunks: list[list[int]]
+) -> None:
+    # "hel", "l", "o": the first three tokens, whose "lo" does not count; the next "lo" does.
+    detok = IncrementalDetokenizer(byte_tok, [], stop=["lo"], min_tokens=3)
+    updates = stream(detok, chunks)
+    assert "".join(deltas(updates)) == "hell" + "o" and detok.stop_string == "lo"
+
+
+def test_a_stop_token_or_eos_that_ends_the_request_leaves_its_text_out_unless_asked(byte_tok: Tokenizer) -> None:
+    for include, text in ((False, "xy"), (True, "xyz")):
+        for ends_by in ({"stop_token_ids": [ord("z")]}, {}):
+            params = SamplingParams(include_stop_str_in_output=include, **ends_by)
+            eos = [] if ends_by else [ord("z")]  # without a stop token id, "z" is the model's EOS
+            state = RequestState("r", [5], params, byte_tok, eos_token_ids=eos)
+            state.process(TokenOutput("r", [ord("x"), ord("y")]))
+            state.process(TokenOutput("r", [ord("z")], "stop"))
+            out = state.collector.poll()
+            assert out is not None and out.cumulative_text == text and out.token_ids[-1] == ord("z")
+    # Ended by length, the last token's text is the text's end.
+    state = RequestState("r", [5], SamplingParams(stop_token_ids=[ord("z")]), byte_tok)
+    state.process(TokenOutput("r", [ord("z")], "length"))
+    out = state.collector.poll()
+    assert out is not None and out.cumulative_text == "z"

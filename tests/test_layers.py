@@ -24,6 +24,7 @@ SRC = Path(trioserve.__file__).parent
 
 RANKS = {
     "errors": 0,
+    "checks": 0.5,  # a request's values checked, naming the field (SamplingParams' building blocks; uses errors)
     "config": 0,
     "rpc": 0,  # the control calls: a closed union that messages carries
     "byte_level": 0,  # the byte-level vocabularies' alphabet (the front-end's tokenizer, the tiny models)
@@ -51,6 +52,7 @@ TORCH = {"torch", "transformers", "safetensors", "trioserve.gpu"}
 # Third-party packages each unit may import (anywhere in its modules).
 THIRD_PARTY = {
     "errors": {"trio"},  # lazily: to tell a cancellation from a failure
+    "checks": set(),
     "config": set(),
     "byte_level": set(),
     "stdio": set(),

@@ -97,6 +97,10 @@ def test_missing_type_is_an_invalid_field():
         ({"type": "generate", "id": "a", "prompt": "x", "params": {"temperature": 1e300}}, "params.temperature"),
         ({"type": "generate", "id": "a", "prompt": "x", "params": [1]}, "params"),
         ({"type": "generate", "id": "a", "prompt": "x", "params": {"max_tokens": 0}}, "params.max_tokens"),
+        ({"type": "generate", "id": "a", "prompt": "x", "params": {"logit_bias": {"x": 1}}}, "params.logit_bias"),
+        ({"type": "generate", "id": "a", "prompt": "x", "params": {"logit_bias": {"05": 1}}}, "params.logit_bias"),
+        ({"type": "generate", "id": "a", "prompt": "x", "params": {"logit_bias": {"-3": 1}}}, "params.logit_bias"),
+        ({"type": "generate", "id": "a", "prompt": "x", "params": {"min_tokens": 17}}, "params.min_tokens"),
         ({"type": "generate", "id": "a", "prompt": "x", "params": {"max_tokens": "3"}}, "params.max_tokens"),
         ({"type": "generate", "id": "a", "prompt": "x", "params": {"max_tokens": 2.0}}, "params.max_tokens"),
         ({"type": "generate", "id": "a", "prompt": "x", "params": {"temperature": -1}}, "params.temperature"),
@@ -171,8 +175,10 @@ def test_echoed_client_values_are_cut_short():
 def test_server_messages_encode_as_documented():
     delta = Delta(id="a", text="hi", token_ids=[1, 2])
     assert json.loads(protocol.encode(delta)) == {"type": "delta", "id": "a", "text": "hi", "token_ids": [1, 2]}
-    with_logprobs = Delta(id="a", text="", token_ids=[1], logprobs=[SampleLogprobs(-0.5, [1, 2], [-0.5, -1.0])])
-    assert json.loads(protocol.encode(with_logprobs))["logprobs"] == [[-0.5, [1, 2], [-0.5, -1.0]]]
+    with_logprobs = Delta(id="a", text="", token_ids=[1], logprobs=[SampleLogprobs(-0.5, [1, 2], [-0.5, -1.0], 1)])
+    assert json.loads(protocol.encode(with_logprobs))["logprobs"] == [[-0.5, [1, 2], [-0.5, -1.0], 1]]
+    first = Delta(id="a", text="", token_ids=[1], prompt_logprobs=[SampleLogprobs(-2.0, [7], [-0.1], 3)])
+    assert json.loads(protocol.encode(first))["prompt_logprobs"] == [[-2.0, [7], [-0.1], 3]]
     assert json.loads(protocol.encode(protocol.done("a", "stop", "\n", 3, 4))) == {
         "type": "done",
         "id": "a",
@@ -350,3 +356,9 @@ def test_logprobs_offsets_count_each_invalid_byte_as_its_replacement_and_stop_at
     first, second = placer.place(ids, logprobs, 3), placer.place(ids, logprobs, len("world, how"))
     assert completion_logprobs(first, words).text_offset == [0]  # type: ignore[arg-type]
     assert completion_logprobs(second, words).text_offset == [5, 6]  # type: ignore[arg-type]
+
+
+def test_sampling_params_take_logit_bias_keys_as_json_writes_them():
+    frame = {"type": "generate", "id": "a", "prompt": "x", "params": {"logit_bias": {"42": -100, "7": 2.5}}}
+    message = protocol.parse_client_message(json.dumps(frame))
+    assert isinstance(message, protocol.Generate) and message.params.logit_bias == {42: -100.0, 7: 2.5}

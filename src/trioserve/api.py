@@ -303,8 +303,7 @@ class Engine:
         request finished, or being cancelled, aborts it in the engine and
         frees its KV blocks.
         """
-        params = SamplingParams() if params is None else params
-        self._check_request(params, client_id, engine_index)
+        params = self._check_request(SamplingParams() if params is None else params, client_id, engine_index)
         token_ids = self._router.token_ids_now(prompt)
         return RequestStream(
             self._router, self._new_id(), prompt, token_ids, params, client_id=client_id, engine_index=engine_index
@@ -329,8 +328,7 @@ class Engine:
         what an engine takes at once (``max_num_seqs + max_waiting_requests``)
         is refused too: no retry could ever run it.
         """
-        params = SamplingParams() if params is None else params
-        self._check_request(params, client_id, engine_index)
+        params = self._check_request(SamplingParams() if params is None else params, client_id, engine_index)
         n = check_n(n)
         capacity = self.config.max_num_seqs + self.config.max_waiting_requests
         if n > capacity:
@@ -351,7 +349,9 @@ class Engine:
             n=n,
         )
 
-    def _check_request(self, params: object, client_id: object, engine_index: object = None) -> None:
+    def _check_request(self, params: object, client_id: object, engine_index: object = None) -> SamplingParams:
+        """The params, checked with the rest of a request and made ready for
+        the engine (``RequestRouter.prepare_params``)."""
         if not isinstance(params, SamplingParams):
             raise InvalidRequestError("params", f"must be a SamplingParams (got {type(params).__name__})")
         if not isinstance(client_id, str):
@@ -361,10 +361,13 @@ class Engine:
             not isinstance(engine_index, int) or isinstance(engine_index, bool) or not 0 <= engine_index < num_engines
         ):
             raise InvalidRequestError("engine_index", f"must be an engine index in [0, {num_engines}) or None")
-        if params.logprobs is not None and params.logprobs > self.config.max_logprobs:
-            raise InvalidRequestError(
-                "logprobs", f"at most {self.config.max_logprobs} on this server (--max-logprobs; got {params.logprobs})"
-            )
+        for name in ("logprobs", "prompt_logprobs"):
+            wanted = getattr(params, name)
+            if wanted is not None and wanted > self.config.max_logprobs:
+                raise InvalidRequestError(
+                    name, f"at most {self.config.max_logprobs} on this server (--max-logprobs; got {wanted})"
+                )
+        return self._router.prepare_params(params)
 
     def _new_id(self) -> str:
         return f"{self._id_prefix}-{next(self._ids)}"

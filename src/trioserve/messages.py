@@ -22,11 +22,21 @@ Channels:
 
 from __future__ import annotations
 
-import reprlib
 from typing import Literal
 
 import msgspec
 
+from trioserve.checks import (
+    MAX_INT32,
+    bad,
+    check_bool,
+    check_float,
+    check_int,
+    check_logit_bias,
+    check_strings,
+    check_token_ids,
+    check_token_sequences,
+)
 from trioserve.config import EngineConfig
 from trioserve.errors import InvalidRequestError, StartupStage
 from trioserve.rpc import ControlReply, ControlRequest, GenerationState, ShardInfo, WorkerCall, WorkerResult
@@ -37,12 +47,17 @@ FinishReason = Literal["stop", "length", "abort", "error"]
 
 # Bounds on what a request may ask for: each keeps a value inside what the
 # engine and msgpack can carry, and the per-request cost of stop strings small.
-MAX_INT32 = 2**31 - 1
 MAX_STOP_STRINGS = 64  # entries in ``stop``
 MAX_STOP_CHARS = 4096  # characters in all of ``stop`` together
 MAX_STOP_TOKEN_IDS = 64  # entries in ``stop_token_ids``
 MAX_LOGPROBS = 20
 MAX_TEMPERATURE = 100.0
+MAX_LOGIT_BIAS = 1024  # entries in ``logit_bias``
+MAX_ABS_LOGIT_BIAS = 100.0
+MAX_ALLOWED_TOKEN_IDS = 2**18  # entries in ``allowed_token_ids``: more than any vocabulary served
+MAX_BAD_WORDS = 64  # entries in ``bad_words``
+MAX_BAD_WORDS_CHARS = 4096  # characters in all of ``bad_words`` together
+MAX_BAD_WORD_TOKENS = 64  # tokens in one of ``bad_words_token_ids``
 
 
 GREEDY_BELOW = 1e-5  # a temperature this small samples as greedy: logits / it would overflow float32
@@ -65,9 +80,32 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True, frozen=Tr
     ``structured``: the one constraint the output is held to (a JSON schema,
     any JSON object, a regex, a choice, a grammar: ``trioserve.structured``);
     the request ends with ``"stop"`` once the constraint is complete.
+
+    Before any of those, each row's logits are processed (``gpu/logits_processing.py``),
+    greedy rows alike: ``logit_bias`` (at most ``MAX_LOGIT_BIAS`` token ids,
+    each biased by at most ``MAX_ABS_LOGIT_BIAS``) is added; only
+    ``allowed_token_ids`` may be picked, when given; a token that would
+    complete one of ``bad_words_token_ids`` after the output so far is not;
+    and while fewer than ``min_tokens`` tokens are out, neither EOS (unless
+    ``ignore_eos``) nor a stop token id is, and no stop string counts.
+    ``bad_words`` are words (at most ``MAX_BAD_WORDS``, of
+    ``MAX_BAD_WORDS_CHARS`` characters in all) that the engine's front-end
+    tokenizes into ``bad_words_token_ids``, as they stand and after a space.
+    Token ids are checked against the model's vocabulary by the engine
+    (``Engine.stream``), which knows it.
+
+    ``prompt_logprobs``: the logprob of each prompt token given those before
+    it, and of its top alternatives, delivered with the first output; such a
+    request computes its whole prompt (no prefix-cache hit). The text: a
+    stop string is cut off unless ``include_stop_str_in_output`` (so is the
+    text of a stop token id or EOS that ended the request); special tokens
+    are left out of it unless ``skip_special_tokens`` is false.
+    ``spaces_between_special_tokens`` is accepted for compatibility: the
+    tokenizers served here (fast ones) never add such spaces.
     """
 
     max_tokens: int = 16
+    min_tokens: int = 0
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0
@@ -78,27 +116,53 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True, frozen=Tr
     repetition_penalty: float = 1.0
     stop: list[str] = msgspec.field(default_factory=list)
     stop_token_ids: list[int] = msgspec.field(default_factory=list)
+    include_stop_str_in_output: bool = False
     ignore_eos: bool = False
     logprobs: int | None = None  # number of top alternatives to return per token
     structured: StructuredOutput | None = None
+    prompt_logprobs: int | None = None  # the same for each prompt token
+    logit_bias: dict[int, float] = msgspec.field(default_factory=dict)
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] = msgspec.field(default_factory=list)
+    bad_words_token_ids: list[list[int]] = msgspec.field(default_factory=list)
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
 
     def __post_init__(self) -> None:
-        _check_int(self, "max_tokens", 1, MAX_INT32)
-        _check_float(self, "temperature", 0.0, MAX_TEMPERATURE)
-        _check_float(self, "top_p", 0.0, 1.0, low_open=True)
-        _check_int(self, "top_k", 0, MAX_INT32, note="0 turns it off")
-        _check_float(self, "min_p", 0.0, 1.0)
+        check_int("max_tokens", self.max_tokens, 1, MAX_INT32)
+        check_int("min_tokens", self.min_tokens, 0, MAX_INT32)
+        if self.min_tokens > self.max_tokens:
+            raise bad("min_tokens", f"must be at most max_tokens ({self.max_tokens})", self.min_tokens)
+        check_float("temperature", self.temperature, 0.0, MAX_TEMPERATURE)
+        check_float("top_p", self.top_p, 0.0, 1.0, low_open=True)
+        check_int("top_k", self.top_k, 0, MAX_INT32, note="0 turns it off")
+        check_float("min_p", self.min_p, 0.0, 1.0)
         if self.seed is not None:
-            _check_int(self, "seed", 0, 2**63 - 1)
-        _check_float(self, "presence_penalty", -2.0, 2.0)
-        _check_float(self, "frequency_penalty", -2.0, 2.0)
-        _check_float(self, "repetition_penalty", 0.0, 10.0, low_open=True)
-        _check_stop(self.stop)
-        _check_stop_token_ids(self.stop_token_ids)
-        if not isinstance(self.ignore_eos, bool):
-            raise _bad("ignore_eos", "must be true or false", self.ignore_eos)
-        if self.logprobs is not None:
-            _check_int(self, "logprobs", 0, MAX_LOGPROBS)
+            check_int("seed", self.seed, 0, 2**63 - 1)
+        check_float("presence_penalty", self.presence_penalty, -2.0, 2.0)
+        check_float("frequency_penalty", self.frequency_penalty, -2.0, 2.0)
+        check_float("repetition_penalty", self.repetition_penalty, 0.0, 10.0, low_open=True)
+        check_strings("stop", self.stop, max_count=MAX_STOP_STRINGS, max_chars=MAX_STOP_CHARS, what="stop string")
+        check_token_ids("stop_token_ids", self.stop_token_ids, max_count=MAX_STOP_TOKEN_IDS)
+        for name in (
+            "include_stop_str_in_output",
+            "ignore_eos",
+            "skip_special_tokens",
+            "spaces_between_special_tokens",
+        ):
+            check_bool(name, getattr(self, name))
+        for name in ("logprobs", "prompt_logprobs"):
+            if getattr(self, name) is not None:
+                check_int(name, getattr(self, name), 0, MAX_LOGPROBS)
+        check_logit_bias("logit_bias", self.logit_bias, max_entries=MAX_LOGIT_BIAS, max_abs=MAX_ABS_LOGIT_BIAS)
+        if self.allowed_token_ids is not None:
+            check_token_ids(
+                "allowed_token_ids", self.allowed_token_ids, max_count=MAX_ALLOWED_TOKEN_IDS, allow_empty=False
+            )
+        check_strings("bad_words", self.bad_words, max_count=MAX_BAD_WORDS, max_chars=MAX_BAD_WORDS_CHARS, what="word")
+        check_token_sequences(
+            "bad_words_token_ids", self.bad_words_token_ids, max_count=2 * MAX_BAD_WORDS, max_length=MAX_BAD_WORD_TOKENS
+        )
         if self.structured is not None and (problem := check_constraint(self.structured)) is not None:
             raise InvalidRequestError("structured", problem)
 
@@ -106,76 +170,12 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True, frozen=Tr
     def greedy(self) -> bool:
         return self.temperature < GREEDY_BELOW
 
-
-def _bad(name: str, message: str, value: object) -> InvalidRequestError:
-    kind = "" if type(value).__module__ == "builtins" else f" of type {type(value).__name__}"
-    return InvalidRequestError(name, f"{message} (got {short_repr(value)}{kind})")
-
-
-_REPR = reprlib.Repr()  # bounded nesting and lengths: cheap whatever the value
-_REPR.maxlevel = 3
-_REPR.maxstring = _REPR.maxother = 60
-
-
-def short_repr(value: object, limit: int = 60) -> str:
-    """``repr(value)`` cut to ``limit`` characters, for an error message.
-    Never raises: a value nested too deeply, an int too long to print, or a
-    broken ``__repr__`` is described by its type."""
-    try:
-        text = _REPR.repr(value)
-    except Exception:  # RecursionError, ValueError (int to str), whatever __repr__ raises
-        size = f" of {value.bit_length()} bits" if isinstance(value, int) else ""
-        text = f"<{type(value).__name__}{size}>"
-    return text if len(text) <= limit else text[: limit - 3] + "..."
-
-
-def is_plain_int(value: object) -> bool:
-    """An ``int``: not a bool, nor another subclass (which msgpack cannot encode)."""
-    return type(value) is int
-
-
-def _check_int(params: SamplingParams, name: str, low: int, high: int, note: str = "") -> None:
-    value = getattr(params, name)
-    if not is_plain_int(value) or not low <= value <= high:
-        extra = f"; {note}" if note else ""
-        raise _bad(name, f"must be an integer in [{low}, {high}]{extra}", value)
-
-
-def _check_float(params: SamplingParams, name: str, low: float, high: float, *, low_open: bool = False) -> None:
-    value = getattr(params, name)
-    ok = type(value) in (int, float) and (low < value <= high if low_open else low <= value <= high)
-    if not ok:  # NaN fails every comparison
-        interval = f"({low:g}, {high:g}]" if low_open else f"[{low:g}, {high:g}]"
-        raise _bad(name, f"must be a number in {interval}", value)
-
-
-def _check_stop(stop: object) -> None:
-    if not isinstance(stop, list) or not all(type(s) is str and s for s in stop):
-        raise _bad("stop", "must be a list of non-empty strings", stop)
-    if len(stop) > MAX_STOP_STRINGS:
-        raise _bad("stop", f"at most {MAX_STOP_STRINGS} stop strings", f"{len(stop)} strings")
-    total = sum(len(s) for s in stop)
-    if total > MAX_STOP_CHARS:
-        raise _bad("stop", f"at most {MAX_STOP_CHARS} characters in all", f"{total} characters")
-    for s in stop:
-        if not is_valid_text(s):
-            raise _bad("stop", "invalid string: it holds a lone UTF-16 surrogate", s)
-
-
-def _check_stop_token_ids(ids: object) -> None:
-    if not isinstance(ids, list) or not all(is_plain_int(t) and 0 <= t <= MAX_INT32 for t in ids):
-        raise _bad("stop_token_ids", f"must be a list of token ids in [0, {MAX_INT32}]", ids)
-    if len(ids) > MAX_STOP_TOKEN_IDS:
-        raise _bad("stop_token_ids", f"at most {MAX_STOP_TOKEN_IDS} ids", f"{len(ids)} ids")
-
-
-def is_valid_text(text: str) -> bool:
-    """True when ``text`` can be encoded as UTF-8 (it holds no lone surrogate)."""
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError:
-        return False
-    return True
+    @property
+    def processes_logits(self) -> bool:
+        """Whether its rows' logits are processed before sampling (``gpu/logits_processing.py``)."""
+        return bool(
+            self.logit_bias or self.allowed_token_ids is not None or self.bad_words_token_ids or self.min_tokens
+        )
 
 
 class ModelInfo(msgspec.Struct, frozen=True):
@@ -246,6 +246,7 @@ class SampleLogprobs(msgspec.Struct, frozen=True, array_like=True):
     logprob: float
     top_token_ids: list[int]
     top_logprobs: list[float]
+    rank: int = 0  # the token's rank in the distribution (1: the most likely); 0 where not computed
 
 
 # --- handshake -------------------------------------------------------------
@@ -417,6 +418,8 @@ class TokenOutput(msgspec.Struct, array_like=True):
     # prompt tokens came from the cache.
     num_cached_tokens: int | None = None
     queued_s: float | None = None  # with its first token: how long it waited in the engine core to be scheduled
+    # With its first token, when asked for: the logprobs of prompt tokens 1, 2... (the first has none).
+    prompt_logprobs: list[SampleLogprobs] | None = None
 
 
 class EngineOutputs(msgspec.Struct, tag=True):
@@ -580,13 +583,25 @@ class KVCacheReady(msgspec.Struct, tag=True):
     pass
 
 
+class PromptLogprobs(msgspec.Struct, array_like=True):
+    """The logprobs of a request's prompt tokens ``start``, ``start + 1``...,
+    each given the tokens before it: those a step's slice of the prompt
+    computed (``SamplingParams.prompt_logprobs``)."""
+
+    req_id: str
+    start: int
+    logprobs: list[SampleLogprobs]
+
+
 class RunnerOutput(msgspec.Struct, tag=True):
-    """One sampled token for each request whose scheduled range reached the end."""
+    """One sampled token for each request whose scheduled range reached the
+    end, and the prompt logprobs of the step's slices that asked for them."""
 
     req_ids: list[str]
     sampled_token_ids: list[int]
     logprobs: list[SampleLogprobs | None] | None = None
     dp_any_unfinished: bool | None = None  # lockstep: the collective's result (from the output rank)
+    prompt_logprobs: list[PromptLogprobs] | None = None
 
 
 WorkerStage = Literal["model-load", "kv-cache", "step"]

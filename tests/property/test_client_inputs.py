@@ -31,6 +31,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import re
 import threading
 import uuid
 from collections.abc import Callable, Iterator, Sequence
@@ -53,7 +54,18 @@ from websockets.sync.client import ClientConnection
 import trioserve
 from trioserve import Engine, EngineConfig, RequestOutput, SamplingParams
 from trioserve.frontend.text.tokenizer import Tokenizer
-from trioserve.messages import MAX_INT32, MAX_LOGPROBS, MAX_STOP_CHARS, MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS
+from trioserve.messages import (
+    MAX_ALLOWED_TOKEN_IDS,
+    MAX_BAD_WORD_TOKENS,
+    MAX_BAD_WORDS,
+    MAX_BAD_WORDS_CHARS,
+    MAX_INT32,
+    MAX_LOGIT_BIAS,
+    MAX_LOGPROBS,
+    MAX_STOP_CHARS,
+    MAX_STOP_STRINGS,
+    MAX_STOP_TOKEN_IDS,
+)
 from trioserve.server import Server
 
 MAX_MODEL_LEN = 1024  # over SYNC_TOKENIZE_CHARS / 5 (the longest token): long texts are tokenized in a thread
@@ -275,7 +287,10 @@ def _answer_to_generate(message: dict[str, Any], tokenizer: Tokenizer) -> Answer
         errors.append((INVALID_FIELD, "params"))
     else:
         errors += [(INVALID_FIELD, field) for field in _unknown(params, set(PARAM_FIELDS), "params.")]
-        errors += [(INVALID_FIELD, f"params.{name}") for name, v in params.items() if not param_ok(name, v)]
+        bad_params = [name for name, v in params.items() if not param_ok(name, v, json_keys=True)]
+        if not bad_params and set(params) <= set(PARAM_FIELDS):
+            bad_params = engine_param_errors(params, tokenizer)
+        errors += [(INVALID_FIELD, f"params.{name}") for name in bad_params]
     if errors:
         return Answer(errors=frozenset((code, field, request_id) for code, field in errors), request_id=request_id)
     assert prompt_ids is not None
@@ -320,9 +335,56 @@ def _in(value: object, low: float, high: float, *, low_open: bool = False) -> bo
     return number and (low < value <= high if low_open else low <= value <= high)  # type: ignore[operator]
 
 
-def param_ok(name: str, value: object) -> bool:
+def _token_id(value: object) -> bool:
+    return _is_int(value) and 0 <= value <= MAX_INT32  # type: ignore[operator]
+
+
+def _token_ids(value: object, max_count: int, min_count: int = 0) -> bool:
+    return isinstance(value, list) and min_count <= len(value) <= max_count and all(map(_token_id, value))
+
+
+def _json_token_id(key: object) -> bool:
+    """A JSON object's key that msgspec reads as a token id (``logit_bias``'s keys)."""
+    return isinstance(key, str) and re.fullmatch(r"-?(0|[1-9][0-9]*)", key) is not None and 0 <= int(key) <= MAX_INT32
+
+
+def _logit_bias(value: object, json_keys: bool) -> bool:
+    if not isinstance(value, dict) or len(value) > MAX_LOGIT_BIAS:
+        return False
+    key_ok = _json_token_id if json_keys else _token_id
+    return all(key_ok(k) and _in(v, -100, 100) for k, v in value.items())
+
+
+def engine_param_errors(params: dict[str, Any], tokenizer: Tokenizer) -> list[str]:
+    """The fields of valid ``params`` that the engine still refuses: one
+    against another (``min_tokens`` above ``max_tokens``), or a token id
+    outside the vocabulary, or bad words too long or too many once tokenized."""
+    errors = []
+    if params.get("min_tokens", 0) > params.get("max_tokens", 16):
+        errors.append("min_tokens")
+    if any(int(t) >= VOCAB for t in params.get("logit_bias", {})):
+        errors.append("logit_bias")
+    if any(t >= VOCAB for t in params.get("allowed_token_ids") or []):
+        errors.append("allowed_token_ids")
+    given = params.get("bad_words_token_ids", [])
+    if any(t >= VOCAB for word in given for t in word):
+        errors.append("bad_words_token_ids")
+    sequences = list(given)
+    for word in params.get("bad_words", []):
+        ids = tokenizer.encode(word.lstrip(), add_special_tokens=False)
+        if len(ids) > MAX_BAD_WORD_TOKENS:
+            errors.append("bad_words")
+        elif ids and ids not in sequences:
+            sequences.append(ids)
+    if len(sequences) > 2 * MAX_BAD_WORDS:
+        errors.append("bad_words")
+    return errors
+
+
+def param_ok(name: str, value: object, *, json_keys: bool = False) -> bool:
     """Whether ``value`` is valid for the ``SamplingParams`` field ``name``
-    (its docstring and the limits in ``trioserve.messages``)."""
+    (its docstring and the limits in ``trioserve.messages``); ``json_keys``:
+    a map's keys are as JSON writes them (strings)."""
     checks: dict[str, Callable[[Any], bool]] = {
         "max_tokens": lambda v: _is_int(v) and 1 <= v <= MAX_INT32,
         "temperature": lambda v: _in(v, 0, 100),
@@ -346,6 +408,24 @@ def param_ok(name: str, value: object) -> bool:
         "logprobs": lambda v: v is None or (_is_int(v) and 0 <= v <= MAX_LOGPROBS),
         # Constraints change the tokens (tests/test_structured_*.py): here, only that nothing else is one.
         "structured": lambda v: v is None,
+        "min_tokens": lambda v: _is_int(v) and 0 <= v <= MAX_INT32,
+        "include_stop_str_in_output": lambda v: isinstance(v, bool),
+        "prompt_logprobs": lambda v: v is None or (_is_int(v) and 0 <= v <= MAX_LOGPROBS),
+        "logit_bias": lambda v: _logit_bias(v, json_keys),
+        "allowed_token_ids": lambda v: v is None or _token_ids(v, MAX_ALLOWED_TOKEN_IDS, 1),
+        "bad_words": lambda v: (
+            isinstance(v, list)
+            and len(v) <= MAX_BAD_WORDS
+            and all(type(s) is str and s and _utf8(s) for s in v)
+            and sum(map(len, v)) <= MAX_BAD_WORDS_CHARS
+        ),
+        "bad_words_token_ids": lambda v: (
+            isinstance(v, list)
+            and len(v) <= 2 * MAX_BAD_WORDS
+            and all(_token_ids(word, MAX_BAD_WORD_TOKENS, 1) for word in v)
+        ),
+        "skip_special_tokens": lambda v: isinstance(v, bool),
+        "spaces_between_special_tokens": lambda v: isinstance(v, bool),
     }
     return name not in checks or bool(checks[name](value))
 
@@ -406,6 +486,15 @@ VALID_PARAMS: dict[str, st.SearchStrategy[Any]] = {
     "ignore_eos": st.booleans(),
     "logprobs": st.none() | st.integers(0, MAX_LOGPROBS),
     "structured": st.none(),
+    "min_tokens": st.integers(0, 20),
+    "include_stop_str_in_output": st.booleans(),
+    "prompt_logprobs": st.none() | st.integers(0, MAX_LOGPROBS),
+    "logit_bias": st.dictionaries(st.integers(0, VOCAB + 3).map(str), st.floats(-100, 100), max_size=4),  # JSON's keys
+    "allowed_token_ids": st.none() | st.lists(st.integers(0, VOCAB + 3), min_size=1, max_size=5),
+    "bad_words": st.lists(st.text(min_size=1, max_size=6), max_size=3),
+    "bad_words_token_ids": st.lists(st.lists(st.integers(0, VOCAB + 2), min_size=1, max_size=3), max_size=3),
+    "skip_special_tokens": st.booleans(),
+    "spaces_between_special_tokens": st.booleans(),
 }
 
 
@@ -869,7 +958,8 @@ async def test_sampling_params_take_any_value_or_refuse_it_naming_the_field(
 
 
 def fuzz_sampling_params(engine: Engine) -> None:
-    field_values = {name: weighted((1, VALID_PARAMS[name]), (2, python_values)) for name in PARAM_FIELDS}
+    valid = {**VALID_PARAMS, "logit_bias": st.dictionaries(st.integers(0, VOCAB + 3), st.floats(-100, 100), max_size=4)}
+    field_values = {name: weighted((1, valid[name]), (2, python_values)) for name in PARAM_FIELDS}
 
     @API_SETTINGS
     @given(st.fixed_dictionaries({}, optional=field_values))
@@ -879,10 +969,18 @@ def fuzz_sampling_params(engine: Engine) -> None:
         try:
             params = SamplingParams(**fields)
         except ValueError as exc:
+            invalid = invalid or engine_param_errors(fields, engine.tokenizer)
             assert str(exc).partition(":")[0] in invalid, (exc, invalid)
             return
         assert not invalid, (params, invalid)
-        check_generated(trio.from_thread.run(engine.generate, API_PROMPT, params), API_PROMPT, params)
+        refused = engine_param_errors(fields, engine.tokenizer)
+        try:
+            output = trio.from_thread.run(engine.generate, API_PROMPT, params)
+        except ValueError as exc:
+            assert str(exc).partition(":")[0] in refused, (exc, refused)
+            return
+        assert not refused, (params, refused)
+        check_generated(output, API_PROMPT, params)
 
     check()
 

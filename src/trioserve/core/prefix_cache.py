@@ -8,7 +8,9 @@ this decides when to use them:
   its longest prefix of whole blocks found in the cache, but never from all
   of its tokens: at least one is computed, so that the step has logits to
   sample from. So at most ``(num_tokens - 1) // block_size`` blocks hit, and
-  it computes (and writes) only blocks after them, which are its own.
+  it computes (and writes) only blocks after them, which are its own. A
+  request that asks for prompt logprobs finds nothing: it needs the logits
+  of every prompt position, so it computes them all.
 - A block is registered once it is full, its tokens are known, and a step
   that computes it has been made for good: at the end of ``schedule()``,
   once no slice of the step can be taken back, or in ``postprocess()``, when
@@ -51,7 +53,7 @@ class PrefixCache:
 
     def longest_hit(self, req: Request) -> list[int]:
         """The cached blocks that ``req``, about to be admitted, starts with."""
-        if not self.enabled:
+        if not self.enabled or req.params.prompt_logprobs is not None:
             return []
         bm = self.block_manager
         max_blocks = (req.num_tokens - 1) // bm.block_size

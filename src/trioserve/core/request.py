@@ -22,6 +22,9 @@ Invariants:
   it its ``constraint``; from then on the constraint has accepted exactly
   its output tokens, in order (preemption keeps them all, so it keeps its
   state too).
+- ``prompt_logprobs`` (when its params ask for them) holds those of prompt
+  tokens 1, 2... in order, without a gap, until its first output token
+  takes them all away.
 
 Only the scheduler mutates a request; everyone else reads.
 """
@@ -35,7 +38,7 @@ from typing import Protocol
 
 from trioserve.core.block_hash import BlockHash
 from trioserve.core.block_manager import cdiv
-from trioserve.messages import FinishReason, SamplingParams
+from trioserve.messages import FinishReason, SampleLogprobs, SamplingParams
 
 
 class RequestStatus(enum.Enum):
@@ -85,6 +88,7 @@ class Request:
         self.arrived_at = time.monotonic()
         self.queued_s: float | None = None  # from its arrival to its first admission
         self._stop_token_ids = frozenset(params.stop_token_ids)
+        self.prompt_logprobs: list[SampleLogprobs] = []  # of prompt tokens 1, 2... so far
 
     def __repr__(self) -> str:
         return (
@@ -143,17 +147,19 @@ class Request:
     def stop_reason(self, max_model_len: int) -> FinishReason | None:
         """Why the request must stop after its last output token, or None.
 
-        Checked in order: EOS (unless ``ignore_eos``), a stop token id, its
+        Checked in order: EOS (unless ``ignore_eos``), a stop token id (those
+        two only once it has more than ``min_tokens`` output tokens), its
         constraint complete, ``max_tokens`` output tokens, ``max_model_len``
         tokens in all.
         """
         if not self.output_token_ids:
             return None
         last = self.output_token_ids[-1]
-        if last in self.eos_token_ids and not self.params.ignore_eos:
-            return "stop"
-        if last in self._stop_token_ids:
-            return "stop"
+        if self.num_output_tokens > self.params.min_tokens:
+            if last in self.eos_token_ids and not self.params.ignore_eos:
+                return "stop"
+            if last in self._stop_token_ids:
+                return "stop"
         if self.constraint is not None and self.constraint.is_complete():
             return "stop"
         if self.reaches_length_limit(max_model_len):
@@ -165,6 +171,14 @@ class Request:
         ``max_tokens`` output tokens or ``max_model_len`` tokens in all."""
         num_tokens = self.num_tokens + num_more
         return num_tokens - self.num_prompt_tokens >= self.params.max_tokens or num_tokens >= max_model_len
+
+    def add_prompt_logprobs(self, start: int, logprobs: list[SampleLogprobs]) -> None:
+        """Take the logprobs of prompt tokens ``start``, ``start + 1``... (a
+        step's slice), keeping those it does not have yet: a prompt computed
+        again after a preemption gives them again."""
+        have = len(self.prompt_logprobs) + 1  # the next prompt token without one
+        if start <= have < start + len(logprobs):
+            self.prompt_logprobs.extend(logprobs[have - start :])
 
     def finish(self, reason: FinishReason) -> None:
         self.status = RequestStatus.FINISHED

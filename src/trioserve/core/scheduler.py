@@ -286,6 +286,10 @@ class Scheduler:
         request that had to sample.
         """
         sampled = sampled_tokens(runner_output)
+        for chunk in runner_output.prompt_logprobs or ():
+            req = self._requests.get(chunk.req_id)
+            if req is not None and req.params.prompt_logprobs is not None and not req.output_token_ids:
+                req.add_prompt_logprobs(chunk.start, chunk.logprobs)
         outputs = []
         finished_running = []
         for req in step.samplers:
@@ -307,10 +311,22 @@ class Scheduler:
                 self._finish(req, reason)
             new_logprobs = None if logprobs is None else [logprobs]
             cached = self.prefix_cache.reported(req)
-            queued = req.queued_s if req.num_output_tokens == 1 else None
+            first = req.num_output_tokens == 1
+            prompt_logprobs = None
+            if first and req.params.prompt_logprobs is not None:
+                prompt_logprobs, req.prompt_logprobs = req.prompt_logprobs, []  # sent once: no need to keep them
             error = None if allowed else f"sampled token {token_id}, which its structured-output constraint refuses"
             outputs.append(
-                TokenOutput(req_id, [token_id], reason, new_logprobs, error, num_cached_tokens=cached, queued_s=queued)
+                TokenOutput(
+                    req_id,
+                    [token_id],
+                    reason,
+                    new_logprobs,
+                    error,
+                    num_cached_tokens=cached,
+                    queued_s=req.queued_s if first else None,
+                    prompt_logprobs=prompt_logprobs,
+                )
             )
         self.running.remove(finished_running)
         return outputs

@@ -19,7 +19,7 @@ import logging
 import os
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
@@ -44,6 +44,8 @@ from trioserve.gpu.cpu_kernels.host_memory import (
 )
 from trioserve.gpu.cpu_kernels.linear import pack_linears, packing_supported
 from trioserve.gpu.grammar_bitmask import apply_grammar_bitmask
+from trioserve.gpu.logits_processing import RowProcessors
+from trioserve.gpu.prompt_logprobs import PromptLogprobsPlan
 from trioserve.gpu.sampler import SamplingBatch, sample
 from trioserve.messages import (
     CachedRequestData,
@@ -106,6 +108,10 @@ class _Request:
     block_ids: list[int]
     num_prompt_tokens: int
     num_computed_tokens: int
+    processors: RowProcessors | None = None  # its logits processing (gpu/logits_processing.py)
+    # Prompt logprobs still to compute: asked for, and no output yet (with one,
+    # the engine core has had them all, with the first token).
+    wants_prompt_logprobs: bool = False
 
 
 @dataclass
@@ -118,6 +124,7 @@ class _Step:
     block_tables: list[list[int]]
     sample_rows: list[int]  # packed index of the last token of each sampling request
     sample_req_ids: list[str]
+    prompt_logprobs: PromptLogprobsPlan = field(default_factory=PromptLogprobsPlan)
 
 
 class ModelRunner:
@@ -158,6 +165,7 @@ class ModelRunner:
         self.kv_caches: KVCache = []
         self.num_blocks = 0
         self.requests: dict[str, _Request] = {}
+        self.eos_token_ids: list[int] = []  # the model's, once loaded
         if self.device.type == "cpu":
             torch.set_num_threads(cpu_threads_per_worker(config))
             keep_freed_memory()  # else every step faults its temporaries in afresh
@@ -207,7 +215,8 @@ class ModelRunner:
                 f"{model_len} tokens (max_position_embeddings in {self.config.model}/config.json)"
             )
         max_model_len = self.config.max_model_len or model_len
-        info = ModelInfo(vocab_size=self.vocab_size, max_model_len=max_model_len, eos_token_ids=_eos_token_ids(model))
+        self.eos_token_ids = _eos_token_ids(model)
+        info = ModelInfo(vocab_size=self.vocab_size, max_model_len=max_model_len, eos_token_ids=self.eos_token_ids)
         return WorkerLoaded(
             model=info, max_num_kv_blocks=self.config.num_kv_blocks or self._blocks_for_budget(max_model_len)
         )
@@ -378,25 +387,39 @@ class ModelRunner:
         step = self._plan(sched)
         meta = self.metadata(step.query_lens, step.context_lens, step.block_tables)
         input_ids = torch.tensor(step.input_ids, dtype=torch.long, device=self.device)  # [T]
-        keep = torch.tensor(step.sample_rows, dtype=torch.long, device=self.device)  # [S]
+        keep = torch.tensor(
+            step.sample_rows + step.prompt_logprobs.rows, dtype=torch.long, device=self.device
+        )  # [S + P]
         with step_metadata(meta):
-            logits = self._forward(input_ids[None], meta.positions[None], keep)  # [1, T], [1, T], [S] -> [S, V]
+            logits = self._forward(input_ids[None], meta.positions[None], keep)  # [1, T], [1, T], [S + P] -> [S + P, V]
         for req_id, n in sched.num_scheduled_tokens.items():
             self.requests[req_id].num_computed_tokens += n
+        num_sampled = len(step.sample_rows)
+        prompt_logprobs = step.prompt_logprobs.compute(logits[num_sampled:])
+        logits = logits[:num_sampled]  # [S, V]
         if sched.awaits_bitmask:
             if bitmask is None:
                 raise ValueError("a step that awaits a grammar bitmask, and no way to receive it")
             logits = apply_grammar_bitmask(logits, step.sample_req_ids, bitmask())
         if not step.sample_req_ids:
-            return RunnerOutput(req_ids=[], sampled_token_ids=[])
+            return RunnerOutput(req_ids=[], sampled_token_ids=[], prompt_logprobs=prompt_logprobs)
         reqs = [self.requests[r] for r in step.sample_req_ids]
         batch = SamplingBatch(
-            [r.params for r in reqs], [r.token_ids for r in reqs], [r.num_prompt_tokens for r in reqs]
+            [r.params for r in reqs],
+            [r.token_ids for r in reqs],
+            [r.num_prompt_tokens for r in reqs],
+            [r.processors for r in reqs] if any(r.processors is not None for r in reqs) else (),
         )
         out = sample(logits, batch, self.generator)
         for req, token_id in zip(reqs, out.token_ids, strict=True):
             req.token_ids.append(token_id)  # the next step computes it, whether or not the engine has it yet
-        return RunnerOutput(req_ids=step.sample_req_ids, sampled_token_ids=out.token_ids, logprobs=out.logprobs)
+            req.wants_prompt_logprobs = False
+        return RunnerOutput(
+            req_ids=step.sample_req_ids,
+            sampled_token_ids=out.token_ids,
+            logprobs=out.logprobs,
+            prompt_logprobs=prompt_logprobs,
+        )
 
     def _update_requests(self, sched: SchedulerOutput) -> None:
         for req_id in sched.finished_req_ids:
@@ -409,12 +432,15 @@ class ModelRunner:
     def _add_request(self, new: NewRequestData) -> None:
         _check_range(f"token_ids of {new.req_id!r}", new.token_ids, self.vocab_size)
         _check_range(f"block_ids of {new.req_id!r}", new.block_ids, self.num_blocks)
+        params = new.params
         self.requests[new.req_id] = _Request(
-            params=new.params,
+            params=params,
             token_ids=list(new.token_ids),
             block_ids=list(new.block_ids),
             num_prompt_tokens=new.num_prompt_tokens,
             num_computed_tokens=new.num_computed_tokens,
+            processors=RowProcessors.build(params, self.eos_token_ids, self.vocab_size, self.device),
+            wants_prompt_logprobs=params.prompt_logprobs is not None and len(new.token_ids) == new.num_prompt_tokens,
         )
 
     def _update_request(self, cached: CachedRequestData) -> None:
@@ -442,6 +468,9 @@ class ModelRunner:
             step.query_lens.append(n)
             step.context_lens.append(end)
             step.block_tables.append(req.block_ids)
+            if req.wants_prompt_logprobs:
+                top_n, packed_at = req.params.prompt_logprobs or 0, len(step.input_ids) - n
+                step.prompt_logprobs.add(req_id, req.token_ids, req.num_prompt_tokens, top_n, start, end, packed_at)
             if end == len(req.token_ids):
                 step.sample_rows.append(len(step.input_ids) - 1)
                 step.sample_req_ids.append(req_id)

@@ -2,6 +2,8 @@
 
 Order of operations on each row of ``logits [B, V]``:
 
+0. the row's own logits processing (``gpu/logits_processing.py``: logit
+   bias, allowed tokens, bad words, min_tokens), for rows that ask for it;
 1. penalties: repetition (HF style, over prompt and output tokens), then
    frequency and presence (OpenAI style, over output tokens);
 2. greedy rows (temperature 0, or below ``GREEDY_BELOW``) take the argmax;
@@ -21,8 +23,8 @@ rest of the batch, nor on preemption and re-prefill. Unseeded rows share the
 worker's generator.
 
 Logprobs are those of the model's own distribution (``log_softmax`` of the
-raw logits, before penalties, temperature and filters), as vLLM reports by
-default.
+raw logits, before logits processing, penalties, temperature and filters),
+as vLLM reports by default; each with its rank in that distribution.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ from dataclasses import dataclass
 
 import torch
 
+from trioserve.gpu.logits_processing import RowProcessors, apply_logits_processors
 from trioserve.messages import SampleLogprobs, SamplingParams
 
 _MASK64 = (1 << 64) - 1
@@ -53,6 +56,7 @@ class SamplingBatch:
     params: list[SamplingParams]
     token_ids: list[Sequence[int]]  # prompt + output so far, per row
     num_prompt_tokens: list[int]
+    processors: Sequence[RowProcessors | None] = ()  # per row (empty: no row processes its logits)
 
     @property
     def positions(self) -> list[int]:
@@ -154,23 +158,35 @@ def compute_logprobs(
     wanted = [p.logprobs for p in params]
     if all(n is None for n in wanted):
         return None
-    raw_logprobs = raw_logits.log_softmax(dim=1)  # [B, V]
-    chosen = raw_logprobs.gather(1, sampled[:, None])[:, 0].tolist()  # [B]
     top_n = max(n for n in wanted if n is not None)
-    top = raw_logprobs.topk(top_n, dim=1)  # [B, top_n]
-    top_values: list[list[float]] = top.values.tolist()
-    top_ids: list[list[int]] = top.indices.tolist()
+    chosen, ranks, top_ids, top_values = token_logprobs(raw_logits, sampled, top_n)
     return [
-        None if n is None else SampleLogprobs(chosen[i], top_ids[i][:n], top_values[i][:n])
+        None if n is None else SampleLogprobs(chosen[i], top_ids[i][:n], top_values[i][:n], ranks[i])
         for i, n in enumerate(wanted)
     ]
+
+
+def token_logprobs(
+    logits: torch.Tensor, token_ids: torch.Tensor, top_n: int
+) -> tuple[list[float], list[int], list[list[int]], list[list[float]]]:
+    """For each row of ``logits [N, V]``: the logprob of ``token_ids [N]``'s
+    token, its rank (1: the most likely), and the ``top_n`` most likely
+    tokens with their logprobs."""
+    logprobs = logits.float().log_softmax(dim=1)  # [N, V]
+    chosen = logprobs.gather(1, token_ids[:, None])  # [N, 1]
+    ranks = (logprobs > chosen).sum(dim=1) + 1  # [N]
+    top = logprobs.topk(top_n, dim=1)  # [N, top_n]
+    return chosen[:, 0].tolist(), ranks.tolist(), top.indices.tolist(), top.values.tolist()
 
 
 def sample(logits: torch.Tensor, batch: SamplingBatch, generator: torch.Generator) -> SamplerOutput:
     """One token per row of ``logits [B, V]`` (any float dtype), as the
     rows' ``SamplingParams`` ask."""
     raw = logits.float()  # [B, V]
-    logits = apply_penalties(raw, batch)
+    logits = raw
+    if batch.processors:
+        logits = apply_logits_processors(raw, batch.processors, batch.token_ids, batch.num_prompt_tokens)
+    logits = apply_penalties(logits, batch)
     params = batch.params
     sampled = logits.argmax(dim=1)  # [B] greedy
     if not all(p.greedy for p in params):

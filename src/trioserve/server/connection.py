@@ -44,6 +44,7 @@ from trioserve.errors import (
     RequestError,
 )
 from trioserve.frontend.requests.streams import RequestStream
+from trioserve.messages import SamplingParams
 from trioserve.server import protocol
 from trioserve.server.config import ServerConfig
 from trioserve.server.protocol import Cancel, Delta, Generate, ProtocolError, ServerMessage
@@ -298,7 +299,13 @@ class Connection:
             async for out in stream:
                 flight.cached_tokens = out.num_cached_tokens or 0
                 if out.text or out.token_ids:
-                    delta = Delta(id=request_id, text=out.text, token_ids=out.token_ids, logprobs=out.logprobs)
+                    delta = Delta(
+                        id=request_id,
+                        text=out.text,
+                        token_ids=out.token_ids,
+                        logprobs=out.logprobs,
+                        prompt_logprobs=out.prompt_logprobs,
+                    )
                     if not await self._queue_delta(protocol.encode(delta)):
                         return protocol.error(
                             request_id,
@@ -330,13 +337,14 @@ class Connection:
 
 def _invalid_request(request: Generate, exc: InvalidRequestError) -> ProtocolError:
     """The protocol's error for the engine's: the engine names the field
-    ``prompt`` whichever way it was given; the client gets its own name."""
+    ``prompt`` whichever way it was given, and a sampling parameter without
+    its ``params.``; the client gets its own name."""
     field, message = exc.field, str(exc)
     if field == "prompt":
         field = request.prompt_field
         message = field + message.removeprefix("prompt")
-    elif field == "structured":  # Engine.check_structured: a field of params here
-        field = "params.structured"
+    elif field in SamplingParams.__struct_fields__:
+        field = f"params.{field}"
         message = "params." + message
     code = protocol.PROMPT_TOO_LONG if isinstance(exc, PromptTooLongError) else protocol.INVALID_FIELD
     return ProtocolError(code, message, id=request.id, field=field)

@@ -39,6 +39,7 @@ from trioserve.errors import (
 )
 from trioserve.frontend.requests.outputs import RequestOutput
 from trioserve.frontend.requests.streams import RequestStream
+from trioserve.frontend.text.tokenizer import Tokenizer
 from trioserve.server import openai_protocol as oai
 from trioserve.server import openai_responses as resp
 from trioserve.server.config import ServerConfig
@@ -46,7 +47,7 @@ from trioserve.server.http import METRICS_PATH, BadRequest, RequestHead, encode_
 from trioserve.server.http_conn import HttpConnection
 from trioserve.server.metrics import CONTENT_TYPE, ServerMetrics
 from trioserve.server.openai_protocol import OpenAIError
-from trioserve.server.sse import Choices, Event, EventFormat, chat_format, completion_format
+from trioserve.server.sse import Choices, Event, EventFormat, PromptInfo, chat_format, completion_format
 from trioserve.server.state import ServerState
 
 log = logging.getLogger("trioserve.server")
@@ -344,10 +345,11 @@ class HttpApi:
         shutdown grace is over). If cancelled, it is aborted."""
         names: dict[str, str] = {}
         try:
-            stream, fmt, plan = await self._start(endpoint, body, client_id)
+            stream, fmt, plan, prompt = await self._start(endpoint, body, client_id)
             names = plan.names
             conn.log_fields["request_id"] = stream.request_id
             async with stream:
+                fmt.prompt = _prompt_info(prompt, stream.prompt_token_ids, fmt.tokenizer)
                 if plan.stream:
                     await self._send_events(conn, stream, fmt, plan.include_usage, grace)
                 else:
@@ -365,8 +367,8 @@ class HttpApi:
 
     async def _start(
         self, endpoint: Endpoint, body: bytes, client_id: str
-    ) -> tuple[RequestStream, EventFormat, oai.Plan]:
-        """Decode and check the request; its stream (not yet entered)."""
+    ) -> tuple[RequestStream, EventFormat, oai.Plan, Any]:
+        """Decode and check the request; its stream (not yet entered), and its prompt."""
         engine = self._engine()
         names = {"prompt": "messages"} if endpoint == "chat" else {}
         try:
@@ -377,17 +379,17 @@ class HttpApi:
                 prompt: Any = await engine.render_chat(
                     oai.chat_messages(chat), special_tokens_in_content=self._config.special_tokens_in_content
                 )
-                fmt: EventFormat = chat_format(self.model_name, engine.tokenizer)
+                fmt: EventFormat = chat_format(self.model_name, engine.tokenizer, **_format_options(plan))
             else:
                 completion = oai.decode_body(body, oai.CompletionRequest, strict=self._config.strict_fields)
                 self._check_model(completion.model)
                 plan = oai.plan_completion(completion)
                 prompt = oai.completion_prompt(completion)
-                fmt = completion_format(self.model_name, engine.tokenizer)
+                fmt = completion_format(self.model_name, engine.tokenizer, echo=plan.echo, **_format_options(plan))
             names = plan.names
             if plan.params.structured is not None:
                 await engine.check_structured(plan.params.structured)
-            return engine.stream_n(prompt, plan.params, plan.n, client_id=client_id), fmt, plan
+            return engine.stream_n(prompt, plan.params, plan.n, client_id=client_id), fmt, plan, prompt
         except InvalidRequestError as exc:
             raise OpenAIError.from_engine(exc, names) from None
 
@@ -465,6 +467,21 @@ class _Stopped(Exception):
             "aborted": "the engine aborted it (generation was paused or put to sleep with mode=abort)",
         }.get(self.code, "the server is shutting down")
         return OpenAIError(503, f"{why}; the request was ended", type="server_error", code=self.code)
+
+
+def _format_options(plan: oai.Plan) -> dict[str, bool]:
+    return {
+        "continuous_usage": plan.include_usage and plan.continuous_usage,
+        "prompt_logprobs": plan.prompt_logprobs,
+    }
+
+
+def _prompt_info(prompt: object, token_ids: list[int], tokenizer: Tokenizer) -> PromptInfo:
+    """The prompt as a response shows it: a text as given; token ids (or a
+    chat's rendered messages) decoded, special tokens included."""
+    if type(prompt) is str:
+        return PromptInfo(prompt, token_ids)
+    return PromptInfo(tokenizer.decode(token_ids, skip_special_tokens=False), token_ids, special_tokens_shown=True)
 
 
 def _check_not_aborted(out: RequestOutput) -> None:

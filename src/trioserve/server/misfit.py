@@ -22,12 +22,13 @@ caller that finds no misfit must still answer, without a field.
 from __future__ import annotations
 
 import functools
+import re
 from dataclasses import dataclass
 from typing import Any, Literal
 
 import msgspec.inspect as mi
 
-from trioserve.messages import short_repr
+from trioserve.checks import short_repr
 
 MAX_FIELD_NAME = 64  # an unknown field's name is echoed at most this long
 
@@ -76,6 +77,12 @@ def _walk(value: object, info: mi.Type, path: str) -> Misfit | None:
     if isinstance(info, mi.ListType | mi.SetType | mi.FrozenSetType | mi.VarTupleType) and isinstance(value, list):
         return _first(_walk(item, info.item_type, f"{path}[{i}]") for i, item in enumerate(value))
     if isinstance(info, mi.DictType) and isinstance(value, dict):
+        if isinstance(info.key_type, mi.IntType):  # JSON writes such keys as strings: {"42": ...}
+            bad_key = next((k for k in value if not re.fullmatch(r"-?(0|[1-9][0-9]*)", k)), None)
+            if bad_key is not None:
+                return Misfit(
+                    path, "invalid_type", f"keys must be integers written as strings (got {short_repr(bad_key)})"
+                )
         return _first(_walk(item, info.value_type, f"{path}[...]") for item in value.values())
     return None
 

@@ -25,7 +25,7 @@ from typing import Any, Literal
 import msgspec
 
 from trioserve.errors import InvalidRequestError, PromptTooLongError
-from trioserve.messages import SamplingParams
+from trioserve.messages import MAX_ABS_LOGIT_BIAS, MAX_LOGIT_BIAS, SamplingParams
 from trioserve.server.misfit import Misfit, find_misfit, unknown_fields
 from trioserve.server.openai_responses import ErrorBody, ErrorObject
 from trioserve.server.openai_structured import StructuredError, StructuredFields, requested_constraint
@@ -79,6 +79,7 @@ def invalid(param: str, message: str, code: str = "invalid_value") -> OpenAIErro
 
 class StreamOptions(msgspec.Struct):
     include_usage: bool = False
+    continuous_usage_stats: bool = False  # vLLM's: the usage so far in every chunk
 
 
 class _Sampling(StructuredFields, kw_only=True):
@@ -100,14 +101,23 @@ class _Sampling(StructuredFields, kw_only=True):
     repetition_penalty: float | None = None  # not OpenAI's
     ignore_eos: bool = False  # not OpenAI's
     max_tokens: int | None = None
-    logit_bias: dict[str, float] | None = None  # accepted only empty
+    logit_bias: dict[str, float] | None = None  # token ids (as strings) to biases, clamped to [-100, 100]
     user: str | None = None  # accepted, unused
+    # vLLM's sampling parameters (not OpenAI's):
+    min_tokens: int = 0
+    stop_token_ids: list[int] | None = None
+    include_stop_str_in_output: bool = False
+    prompt_logprobs: int | None = None
+    bad_words: list[str] | None = None
+    allowed_token_ids: list[int] | None = None
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
 
 
 class CompletionRequest(_Sampling, kw_only=True):
     prompt: str | list[Any]  # a string, token ids, or a batch of one of either
     logprobs: int | None = None
-    echo: bool = False  # accepted only false
+    echo: bool = False  # the prompt before the completion (and its logprobs, with logprobs)
     best_of: int | None = None  # accepted only equal to n
     suffix: str | None = None  # accepted only empty
 
@@ -232,19 +242,23 @@ class Plan(msgspec.Struct, frozen=True):
     stream: bool
     include_usage: bool
     names: dict[str, str]  # engine field -> the client's name for it
+    continuous_usage: bool = False  # the usage so far in every chunk (``stream_options.continuous_usage_stats``)
+    echo: bool = False  # completions: the prompt before each choice's text
+    prompt_logprobs: bool = False  # the response carries vLLM's ``prompt_logprobs`` (the client asked for them)
 
 
 def plan_completion(request: CompletionRequest) -> Plan:
-    _check_unsupported(request)
-    if request.echo:
-        raise invalid("echo", "not supported", code="unsupported")
     if request.suffix:
         raise invalid("suffix", "not supported", code="unsupported")
     if request.best_of is not None and request.best_of != request.n:
         raise invalid("best_of", "not supported (other than equal to n)", code="unsupported")
     names = {"prompt": "prompt", "max_tokens": "max_tokens"}
     params = _sampling_params(request, names, max_tokens=request.max_tokens, logprobs=request.logprobs, default_max=16)
-    return _plan(request, params, names)
+    if request.echo and request.logprobs is not None and params.prompt_logprobs is None:
+        # The echoed prompt's tokens come with logprobs too.
+        names["prompt_logprobs"] = "logprobs"
+        params = msgspec.structs.replace(params, prompt_logprobs=request.logprobs)
+    return _plan(request, params, names, echo=request.echo)
 
 
 def completion_prompt(request: CompletionRequest) -> str | list[int]:
@@ -258,7 +272,6 @@ def completion_prompt(request: CompletionRequest) -> str | list[int]:
 
 
 def plan_chat(request: ChatCompletionRequest, max_model_len: int) -> Plan:
-    _check_unsupported(request)
     if request.tools:
         raise invalid("tools", "tool calls are not supported", code="unsupported")
     if request.tool_choice not in (None, "none"):
@@ -288,9 +301,15 @@ def chat_messages(request: ChatCompletionRequest) -> list[dict[str, Any]]:
     return messages
 
 
-def _check_unsupported(request: _Sampling) -> None:
-    if request.logit_bias:
-        raise invalid("logit_bias", "not supported", code="unsupported")
+def _logit_bias(given: dict[str, float] | None) -> dict[int, float]:
+    """OpenAI's ``logit_bias`` (token ids written as strings) as the engine
+    takes it, each bias clamped to [-100, 100] as vLLM does."""
+    bias = {}
+    for key, value in (given or {}).items():
+        if not (key.isascii() and key.isdigit() and len(key) <= 10):
+            raise invalid("logit_bias", f"keys must be token ids written as strings (got {key[:40]!r})")
+        bias[int(key)] = min(MAX_ABS_LOGIT_BIAS, max(-MAX_ABS_LOGIT_BIAS, value))
+    return bias
 
 
 def _sampling_params(
@@ -307,6 +326,8 @@ def _sampling_params(
         "repetition_penalty": request.repetition_penalty,
     }
     stop = [request.stop] if isinstance(request.stop, str) else list(request.stop or [])
+    if len(request.logit_bias or ()) > MAX_LOGIT_BIAS:  # refused before its keys are looked at
+        raise invalid("logit_bias", f"at most {MAX_LOGIT_BIAS} entries (got {len(request.logit_bias or ())})")
     try:
         structured, names["structured"] = requested_constraint(request)
     except StructuredError as exc:
@@ -325,8 +346,19 @@ def _sampling_params(
         raise OpenAIError.from_engine(exc, names) from None
 
 
-def _plan(request: _Sampling, params: SamplingParams, names: dict[str, str]) -> Plan:
-    include_usage = request.stream_options is not None and request.stream_options.include_usage
-    if request.stream_options is not None and not request.stream:
+def _plan(request: _Sampling, params: SamplingParams, names: dict[str, str], *, echo: bool = False) -> Plan:
+    options = request.stream_options
+    if options is not None and not request.stream:
         raise invalid("stream_options", "only with stream: true")
-    return Plan(params=params, n=request.n, stream=request.stream, include_usage=include_usage, names=names)
+    if request.stream and request.prompt_logprobs is not None:
+        raise invalid("prompt_logprobs", "not available with stream: true", code="unsupported")
+    return Plan(
+        params=params,
+        n=request.n,
+        stream=request.stream,
+        include_usage=options is not None and options.include_usage,
+        names=names,
+        continuous_usage=options is not None and options.continuous_usage_stats,
+        echo=echo,
+        prompt_logprobs=request.prompt_logprobs is not None,
+    )

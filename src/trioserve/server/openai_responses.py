@@ -70,12 +70,26 @@ def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) ->
 
 
 class CompletionLogprobs(msgspec.Struct):
-    """The legacy completions ``logprobs``: one list item per token."""
+    """The legacy completions ``logprobs``: one list item per token (an
+    echoed prompt's first token has none: null)."""
 
     tokens: list[str]
-    token_logprobs: list[float]
-    top_logprobs: list[dict[str, float]]
+    token_logprobs: list[float | None]
+    top_logprobs: list[dict[str, float] | None]
     text_offset: list[int]  # where the character holding the token's first byte starts
+
+
+class PromptTokenLogprob(msgspec.Struct):
+    """One token of a ``prompt_logprobs`` entry (vLLM's shape)."""
+
+    logprob: float
+    rank: int
+    decoded_token: str
+
+
+# vLLM's ``prompt_logprobs``: per prompt token, null for the first, else the
+# token and the top alternatives by token id (as a string).
+PromptLogprobsField = list[dict[str, PromptTokenLogprob] | None]
 
 
 class TopLogprob(msgspec.Struct):
@@ -105,6 +119,7 @@ class CompletionChoice(msgspec.Struct):
     logprobs: CompletionLogprobs | None
     finish_reason: str | None
     text: str
+    prompt_logprobs: PromptLogprobsField | UnsetType = UNSET  # when asked for
 
 
 class Completion(msgspec.Struct, kw_only=True):
@@ -139,6 +154,7 @@ class ChatCompletion(msgspec.Struct, kw_only=True):
     model: str
     choices: list[ChatChoice]
     usage: Usage
+    prompt_logprobs: PromptLogprobsField | UnsetType = UNSET  # when asked for
 
 
 class ChatDelta(msgspec.Struct, kw_only=True):
@@ -287,3 +303,60 @@ def chat_logprobs(placed: Placed, tokenizer: Tokenizer) -> ChatLogprobs:
             for token_id, lp, _ in placed
         ]
     )
+
+
+def prompt_logprobs_field(
+    token_ids: Sequence[int], logprobs: Sequence[SampleLogprobs], tokenizer: Tokenizer
+) -> PromptLogprobsField:
+    """vLLM's ``prompt_logprobs``: null for the first prompt token, then for
+    each the token itself and its top alternatives (``logprobs``: those of
+    tokens 1, 2...), keyed by token id."""
+    field: PromptLogprobsField = [None] if token_ids else []
+    for token_id, lp in zip(token_ids[1:], logprobs, strict=False):
+        entry = {str(token_id): PromptTokenLogprob(lp.logprob, lp.rank, _text(tokenizer, token_id))}
+        for rank, (top_id, top_logprob) in enumerate(zip(lp.top_token_ids, lp.top_logprobs, strict=True), 1):
+            entry.setdefault(str(top_id), PromptTokenLogprob(top_logprob, rank, _text(tokenizer, top_id)))
+        field.append(entry)
+    return field
+
+
+def echoed_prompt_logprobs(
+    token_ids: Sequence[int],
+    logprobs: Sequence[SampleLogprobs] | None,
+    tokenizer: Tokenizer,
+    *,
+    special_tokens_shown: bool,
+) -> CompletionLogprobs:
+    """The legacy completions ``logprobs`` of an echoed prompt: each token's
+    text, where its character starts in the echoed text (which shows the
+    special tokens' text or not, as ``special_tokens_shown``), its logprob
+    (none for the first) and its top alternatives."""
+    entries: list[SampleLogprobs | None] = [None, *(logprobs or [])][: len(token_ids)]
+    return CompletionLogprobs(
+        tokens=[_text(tokenizer, token_id) for token_id in token_ids],
+        token_logprobs=[None if lp is None else lp.logprob for lp in entries],
+        top_logprobs=[
+            None
+            if lp is None
+            else {_text(tokenizer, t): p for t, p in zip(lp.top_token_ids, lp.top_logprobs, strict=True)}
+            for lp in entries
+        ],
+        text_offset=_char_offsets(token_ids, tokenizer, special_tokens_shown),
+    )
+
+
+def _char_offsets(token_ids: Sequence[int], tokenizer: Tokenizer, special_tokens_shown: bool) -> list[int]:
+    """Where each token's first character starts in the text of ``token_ids``
+    (as ``TokenPlacer`` counts: bytes that are no UTF-8 count as U+FFFD)."""
+    decoder = codecs.getincrementaldecoder("utf-8")("replace")
+    special = tokenizer.all_special_ids
+    offsets, decoded = [], 0
+    for token_id in token_ids:
+        if token_id in special:
+            data = _text(tokenizer, token_id).encode() if special_tokens_shown else b""
+        else:
+            data = tokenizer.token_bytes(token_id)
+        pending = decoder.getstate()[0]
+        offsets.append(decoded + (1 if pending and data and not _continues(pending, data[:1]) else 0))
+        decoded += len(decoder.decode(data))
+    return offsets

@@ -22,8 +22,9 @@ from typing import Any, Literal, TypeGuard
 
 import msgspec
 
+from trioserve.checks import short_repr
 from trioserve.errors import InvalidRequestError
-from trioserve.messages import SampleLogprobs, SamplingParams, short_repr
+from trioserve.messages import SampleLogprobs, SamplingParams
 from trioserve.server.misfit import MAX_FIELD_NAME, find_misfit
 
 MAX_ID_LENGTH = 256
@@ -89,6 +90,7 @@ class Delta(msgspec.Struct, tag="delta", tag_field="type", omit_defaults=True):
     text: str
     token_ids: list[int]
     logprobs: list[SampleLogprobs] | None = None
+    prompt_logprobs: list[SampleLogprobs] | None = None  # in the first delta, when asked for
 
 
 class Done(msgspec.Struct, tag="done", tag_field="type"):
@@ -226,7 +228,7 @@ def _parse_params(raw: dict[str, Any], request_id: str) -> SamplingParams:
         raise _invalid(request_id, "params", f"must be an object, got {_json_type(params)}")
     _check_fields(params, _PARAM_FIELDS, "params.", request_id)
     try:
-        return msgspec.convert(params, SamplingParams)
+        return msgspec.convert(params, SamplingParams, str_keys=True)  # JSON's keys: logit_bias's token ids
     except msgspec.ValidationError as exc:
         raise _params_error(params, exc, request_id) from None
 

@@ -5,6 +5,10 @@
 OpenAI's objects (``openai_responses.py``): the whole response, and the
 stream's chunks (``text_completion`` / ``chat.completion.chunk``). Plain
 functions and state, no I/O.
+
+What the format needs of the prompt (its text to echo, its token ids for
+prompt logprobs, its length for a chunk's usage) is known once the request
+is entered: ``EventFormat.prompt`` is set then, before any response.
 """
 
 from __future__ import annotations
@@ -22,15 +26,24 @@ from trioserve.server import openai_responses as resp
 Event = resp.Completion | resp.ChatCompletionChunk  # one chunk of a stream
 
 
+@dataclass(frozen=True)
+class PromptInfo:
+    text: str  # as the client gave it, or decoded from its token ids
+    token_ids: list[int]
+    special_tokens_shown: bool = False  # the text shows its special tokens (decoded from token ids)
+
+
 @dataclass
 class Choice:
     text: str = ""
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[SampleLogprobs] | None = None
+    prompt_logprobs: list[SampleLogprobs] | None = None  # of prompt tokens 1, 2... (with the first output)
     finish_reason: str | None = None
     num_output_tokens: int = 0
     num_cached_tokens: int = 0  # prompt tokens the engine found in its prefix cache
     placer: resp.TokenPlacer | None = None  # a stream's: which tokens' logprobs went out
+    echoed: bool = False  # a stream's: the prompt went out before its text
 
 
 class Choices:
@@ -45,6 +58,8 @@ class Choices:
         choice.token_ids += out.token_ids
         if out.logprobs is not None:
             choice.logprobs = (choice.logprobs or []) + out.logprobs
+        if out.prompt_logprobs is not None:
+            choice.prompt_logprobs = out.prompt_logprobs
         choice.finish_reason = out.finish_reason
         choice.num_output_tokens = out.num_output_tokens
         choice.num_cached_tokens = out.num_cached_tokens or 0
@@ -65,11 +80,21 @@ class EventFormat(ABC):
 
     id_prefix = ""
 
-    def __init__(self, model: str, tokenizer: Tokenizer) -> None:
+    def __init__(
+        self, model: str, tokenizer: Tokenizer, *, continuous_usage: bool = False, prompt_logprobs: bool = False
+    ) -> None:
         self.model = model
         self.tokenizer = tokenizer  # for logprobs: each token's text and bytes
         self.id = resp.new_id(self.id_prefix)
         self.created = resp.now()
+        self.continuous_usage = continuous_usage  # every chunk carries the usage so far
+        self.prompt_logprobs = prompt_logprobs  # the response carries vLLM's ``prompt_logprobs``
+        self.prompt = PromptInfo("", [])  # set once the request is entered
+
+    def _prompt_logprobs(self, choice: Choice) -> resp.PromptLogprobsField | UnsetType:
+        if not self.prompt_logprobs:
+            return UNSET
+        return resp.prompt_logprobs_field(self.prompt.token_ids, choice.prompt_logprobs or [], self.tokenizer)
 
     def _placed(self, choice: Choice, placer: resp.TokenPlacer) -> resp.Placed | None:
         """``choice``'s tokens that ``placer`` has not taken yet and whose
@@ -95,9 +120,12 @@ class EventFormat(ABC):
     def _usage(choices: Choices, prompt_tokens: int) -> resp.Usage:
         return resp.usage(prompt_tokens, choices.completion_tokens, choices.cached_tokens)
 
-    @staticmethod
-    def _chunk_usage(include_usage: bool) -> resp.Usage | UnsetType | None:
-        """A content chunk's ``usage``: null when the last chunk brings it, else left out."""
+    def _chunk_usage(self, include_usage: bool, choice: Choice | None = None) -> resp.Usage | UnsetType | None:
+        """A content chunk's ``usage``: with ``continuous_usage``, the
+        prompt's and ``choice``'s tokens so far; else null when the last
+        chunk brings it, or left out."""
+        if include_usage and self.continuous_usage:
+            return resp.usage(len(self.prompt.token_ids), choice.num_output_tokens if choice is not None else 0)
         return None if include_usage else UNSET
 
     @abstractmethod
@@ -122,23 +150,51 @@ class CompletionFormat(EventFormat):
 
     id_prefix = "cmpl"
 
-    def _logprobs(self, placed: resp.Placed | None) -> resp.CompletionLogprobs | None:
-        return None if placed is None else resp.completion_logprobs(placed, self.tokenizer)
+    def __init__(self, model: str, tokenizer: Tokenizer, *, echo: bool = False, **options: bool) -> None:
+        super().__init__(model, tokenizer, **options)
+        self.echo = echo  # the prompt before each choice's text (and its logprobs before theirs)
+
+    def _logprobs(self, placed: resp.Placed | None, choice: Choice, echo: bool) -> resp.CompletionLogprobs | None:
+        """The logprobs of ``placed``; with ``echo``, the prompt's first and
+        the places counted in the echoed text."""
+        if placed is None:
+            return None
+        if not echo:
+            return resp.completion_logprobs(placed, self.tokenizer)
+        shift = len(self.prompt.text)
+        outputs = resp.completion_logprobs([(t, lp, before + shift) for t, lp, before in placed], self.tokenizer)
+        prompt = resp.echoed_prompt_logprobs(
+            self.prompt.token_ids,
+            choice.prompt_logprobs,
+            self.tokenizer,
+            special_tokens_shown=self.prompt.special_tokens_shown,
+        )
+        return resp.CompletionLogprobs(
+            tokens=prompt.tokens + outputs.tokens,
+            token_logprobs=prompt.token_logprobs + outputs.token_logprobs,
+            top_logprobs=prompt.top_logprobs + outputs.top_logprobs,
+            text_offset=prompt.text_offset + outputs.text_offset,
+        )
 
     def _body(self, choices: list[resp.CompletionChoice], usage: resp.Usage | UnsetType | None) -> resp.Completion:
         return resp.Completion(id=self.id, created=self.created, model=self.model, choices=choices, usage=usage)
 
     def response(self, choices: Choices, prompt_tokens: int) -> resp.Completion:
-        items = [
-            resp.CompletionChoice(index, self._logprobs(self._whole_placed(c)), _finish(c.finish_reason), c.text)
-            for index, c in enumerate(choices.items)
-        ]
+        items = []
+        for index, c in enumerate(choices.items):
+            logprobs = self._logprobs(self._whole_placed(c), c, self.echo)
+            text = self.prompt.text + c.text if self.echo else c.text
+            item = resp.CompletionChoice(index, logprobs, _finish(c.finish_reason), text, self._prompt_logprobs(c))
+            items.append(item)
         return self._body(items, self._usage(choices, prompt_tokens))
 
     def chunk(self, out: RequestOutput, choices: Choices, include_usage: bool) -> resp.Completion:
-        logprobs = self._logprobs(self._stream_placed(out, choices))
-        item = resp.CompletionChoice(out.index, logprobs, _finish(out.finish_reason), out.text)
-        return self._body([item], self._chunk_usage(include_usage))
+        choice = choices.items[out.index]
+        echo, choice.echoed = self.echo and not choice.echoed, choice.echoed or self.echo
+        logprobs = self._logprobs(self._stream_placed(out, choices), choice, echo)
+        text = self.prompt.text + out.text if echo else out.text
+        item = resp.CompletionChoice(out.index, logprobs, _finish(out.finish_reason), text)
+        return self._body([item], self._chunk_usage(include_usage, choice))
 
     def usage_chunk(self, choices: Choices, prompt_tokens: int) -> resp.Completion:
         return self._body([], self._usage(choices, prompt_tokens))
@@ -169,7 +225,10 @@ class ChatFormat(EventFormat):
             for index, c in enumerate(choices.items)
         ]
         usage = self._usage(choices, prompt_tokens)
-        return resp.ChatCompletion(id=self.id, created=self.created, model=self.model, choices=items, usage=usage)
+        return resp.ChatCompletion(
+            id=self.id, created=self.created, model=self.model, choices=items, usage=usage,
+            prompt_logprobs=self._prompt_logprobs(choices.items[0]),
+        )  # fmt: skip
 
     def opening(self, n: int, include_usage: bool) -> list[Event]:
         """Each choice's role, before any token."""
@@ -180,7 +239,7 @@ class ChatFormat(EventFormat):
     def chunk(self, out: RequestOutput, choices: Choices, include_usage: bool) -> resp.ChatCompletionChunk:
         logprobs = self._logprobs(self._stream_placed(out, choices))
         item = resp.ChatChunkChoice(out.index, logprobs, _finish(out.finish_reason), resp.ChatDelta(content=out.text))
-        return self._chunk([item], self._chunk_usage(include_usage))
+        return self._chunk([item], self._chunk_usage(include_usage, choices.items[out.index]))
 
     def usage_chunk(self, choices: Choices, prompt_tokens: int) -> resp.ChatCompletionChunk:
         return self._chunk([], self._usage(choices, prompt_tokens))
@@ -192,9 +251,11 @@ def _finish(reason: str | None) -> str | None:
     return reason
 
 
-def chat_format(model: str, tokenizer: Tokenizer) -> ChatFormat:
-    return ChatFormat(model, tokenizer)
+def chat_format(model: str, tokenizer: Tokenizer, **options: bool) -> ChatFormat:
+    """Options: ``continuous_usage``, ``prompt_logprobs`` (``EventFormat``)."""
+    return ChatFormat(model, tokenizer, **options)
 
 
-def completion_format(model: str, tokenizer: Tokenizer) -> CompletionFormat:
-    return CompletionFormat(model, tokenizer)
+def completion_format(model: str, tokenizer: Tokenizer, **options: bool) -> CompletionFormat:
+    """Options: ``echo`` and those of ``chat_format``."""
+    return CompletionFormat(model, tokenizer, **options)

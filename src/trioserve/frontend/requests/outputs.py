@@ -28,6 +28,8 @@ class RequestOutput:
     ``num_cached_tokens`` is how many prompt tokens the engine found in its
     prefix cache (and did not compute), known from the first token on; None
     before it (a request aborted before its first token never knows).
+    ``prompt_logprobs`` (when the params ask for them) come with the first
+    token: those of prompt tokens 1, 2... (the first prompt token has none).
     """
 
     request_id: str
@@ -41,6 +43,7 @@ class RequestOutput:
     logprobs: list[SampleLogprobs] | None = None
     index: int = 0  # which of a parent request's n samples (``Engine.stream_n``); 0 otherwise
     num_cached_tokens: int | None = None
+    prompt_logprobs: list[SampleLogprobs] | None = None
 
     @property
     def finished(self) -> bool:
@@ -57,6 +60,8 @@ class RequestOutput:
         self.num_cached_tokens = newer.num_cached_tokens
         if newer.logprobs is not None:
             self.logprobs = (self.logprobs or []) + newer.logprobs
+        if newer.prompt_logprobs is not None:
+            self.prompt_logprobs = newer.prompt_logprobs
 
 
 @dataclass(frozen=True)

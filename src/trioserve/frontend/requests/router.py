@@ -17,6 +17,7 @@ from trioserve.frontend.engines.group import EngineGroup
 from trioserve.frontend.requests.outputs import RequestMetrics
 from trioserve.frontend.requests.state import RequestState
 from trioserve.frontend.text.prompt import Prompt, PromptChecker
+from trioserve.frontend.text.sampling import prepare_params
 from trioserve.frontend.text.tokenizer import Tokenizer
 from trioserve.messages import SamplingParams
 
@@ -39,6 +40,11 @@ class RequestRouter:
         (``check_prompt``, when its stream is entered)."""
         return None if self.prompts.needs_thread(prompt) else self.prompts.check(prompt)
 
+    def prepare_params(self, params: SamplingParams) -> SamplingParams:
+        """``params`` checked against the model's vocabulary, with their
+        ``bad_words`` tokenized (``frontend/text/sampling.py``)."""
+        return prepare_params(params, self.tokenizer, self.prompts.vocab_size)
+
     async def check_prompt(self, prompt: Prompt) -> list[int]:
         """The prompt's token ids, checked (``InvalidRequestError`` otherwise),
         a long text tokenized in a worker thread. If cancelled, the thread's
@@ -54,6 +60,7 @@ class RequestRouter:
             token_ids,
             params,
             self.tokenizer,
+            eos_token_ids=self._group.info.eos_token_ids,
             client_id=client_id,
             index=index,
             on_end=self._request_ended if self.observers else None,

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 from trioserve.frontend.requests.outputs import OutputCollector, RequestMetrics, RequestOutput
 from trioserve.frontend.text.detokenizer import IncrementalDetokenizer
@@ -19,6 +19,7 @@ class RequestState:
         params: SamplingParams,
         tokenizer: Tokenizer,
         *,
+        eos_token_ids: Sequence[int] = (),
         client_id: str = "",
         index: int = 0,
         on_end: Callable[[RequestMetrics], None] | None = None,
@@ -28,7 +29,18 @@ class RequestState:
         self.client_id = client_id
         self.prompt_token_ids = prompt_token_ids
         self.params = params
-        self.detokenizer = IncrementalDetokenizer(tokenizer, prompt_token_ids, stop=params.stop)
+        self.detokenizer = IncrementalDetokenizer(
+            tokenizer,
+            prompt_token_ids,
+            stop=params.stop,
+            skip_special_tokens=params.skip_special_tokens,
+            include_stop_str_in_output=params.include_stop_str_in_output,
+            min_tokens=params.min_tokens,
+        )
+        # A stop token id or EOS that ends the request leaves its text out, unless asked for.
+        self._stop_token_ids = frozenset(params.stop_token_ids) | (
+            frozenset() if params.ignore_eos else frozenset(eos_token_ids)
+        )
         self.collector = OutputCollector()
         self.num_output_tokens = 0
         self.num_cached_tokens: int | None = None  # prompt tokens from the prefix cache, from the first token on
@@ -59,9 +71,17 @@ class RequestState:
             self.num_cached_tokens = output.num_cached_tokens
         if output.queued_s is not None:
             self.queued_s = output.queued_s
-        update = self.detokenizer.update(output.new_token_ids)
-        text = update.text_delta
         finish_reason = output.finish_reason
+        shown = output.new_token_ids
+        if (
+            finish_reason == "stop"
+            and shown
+            and shown[-1] in self._stop_token_ids
+            and not self.params.include_stop_str_in_output
+        ):
+            shown = shown[:-1]
+        update = self.detokenizer.update(shown)
+        text = update.text_delta
         stop_reason: str | int | None = None
         if update.stop_string is not None:
             finish_reason, stop_reason = "stop", update.stop_string
@@ -85,6 +105,7 @@ class RequestState:
                 finish_reason=finish_reason,
                 stop_reason=stop_reason,
                 logprobs=output.new_logprobs,
+                prompt_logprobs=output.prompt_logprobs,
                 index=self.index,
                 num_cached_tokens=self.num_cached_tokens,
             )

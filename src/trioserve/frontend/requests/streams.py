@@ -81,6 +81,11 @@ class RequestStream:
         return 0 if self._token_ids is None else len(self._token_ids)
 
     @property
+    def prompt_token_ids(self) -> list[int]:
+        """The prompt's token ids (known once the block is entered; empty before)."""
+        return [] if self._token_ids is None else list(self._token_ids)
+
+    @property
     def engine_index(self) -> int | None:
         """The engine core the samples went to (once the block is entered)."""
         return None if self._client is None else self._client.engine_index

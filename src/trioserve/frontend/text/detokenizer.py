@@ -22,10 +22,16 @@ output depends on the token before, such as SentencePiece's leading space)
 and the pending tokens after them. The first window reaches a few tokens into
 the prompt for the same reason.
 
+With ``include_stop_str_in_output`` the stop string ends the text instead
+of being cut off, and nothing is held back (what may begin a stop string
+may come out: so would the stop string). With ``min_tokens`` the text of
+the first ``min_tokens`` tokens is never searched: a stop string counts only
+in the text after it.
+
 Invariants: ``prefix_offset <= read_offset <= len(all token ids)``; until a
 stop string is found, the decoded text is the emitted text and then the
 held-back text, as long as the matcher's ``held_back``; the emitted text
-never contains a stop string; once a stop string is found no further text
+never contains a stop string (unless included, as its end); once a stop string is found no further text
 comes out; the deltas do not depend on how the token ids were split into
 updates. Without a stop string, the deltas and ``flush()`` together equal
 ``tokenizer.decode(token_ids)`` less any U+FFFD at its end, wherever more
@@ -85,10 +91,14 @@ class IncrementalDetokenizer:
         *,
         stop: Sequence[str] = (),
         skip_special_tokens: bool = True,
+        include_stop_str_in_output: bool = False,
+        min_tokens: int = 0,
     ) -> None:
         self._matcher = StopStringMatcher(stop)  # ValueError on an empty stop string
         self._tokenizer = tokenizer
         self._skip_special_tokens = skip_special_tokens
+        self._include_stop = include_stop_str_in_output
+        self._unsearched_tokens = min_tokens  # output tokens whose text no stop string may lie in
         context = list(prompt_token_ids[-PROMPT_CONTEXT_TOKENS:])
         self._ids: list[int] = context  # window context, then output ids
         self._num_context = len(context)
@@ -124,11 +134,16 @@ class IncrementalDetokenizer:
         # a whole run of byte tokens into U+FFFD while its last character is
         # unfinished (SentencePiece byte fallback) would otherwise hold back
         # everything when several tokens arrive at once.
-        settled = []
+        unsearched: list[str] = []
+        settled: list[str] = []
         for token_id in new_token_ids:
             self._ids.append(token_id)
-            settled.append(self._settled_text())
-        return self._emit("".join(settled), final=False)
+            text = self._settled_text()
+            (unsearched if len(self._ids) - self._num_context <= self._unsearched_tokens else settled).append(text)
+        head = "".join(unsearched)  # nothing is held back before it: it comes first
+        self._append(head, None)
+        update = self._emit("".join(settled), final=False)
+        return DetokenizerUpdate(head + update.text_delta, update.stop_string) if head else update
 
     def flush(self) -> str:
         """Releases what is held back, at the end of a request that finished
@@ -196,10 +211,10 @@ class IncrementalDetokenizer:
         self._held.push(new_text)
         if match is not None:
             self.stop_string = match.stop
-            delta = self._held.pop(match.start - held_start)
+            delta = self._held.pop((match.end if self._include_stop else match.start) - held_start)
             self._held = _HeldText()
             return self._append(delta, match.stop)
-        keep = 0 if final else self._matcher.held_back
+        keep = 0 if final or self._include_stop else self._matcher.held_back
         if final:
             self._matcher.reset()
         return self._append(self._held.pop(self._held.length - keep), None)

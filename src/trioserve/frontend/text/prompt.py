@@ -23,11 +23,12 @@ from collections.abc import Sequence
 
 import trio
 
+from trioserve.checks import is_plain_int, is_valid_text, short_repr
 from trioserve.errors import InvalidRequestError, PromptTooLongError
 from trioserve.frontend.text.chat_template import TemplatedText
 from trioserve.frontend.text.literal import MarkedText, encode_marked
 from trioserve.frontend.text.tokenizer import GIL_FREE_ENCODE_CHARS, Tokenizer
-from trioserve.messages import EngineInfo, is_plain_int, is_valid_text, short_repr
+from trioserve.messages import EngineInfo
 
 log = logging.getLogger("trioserve.prompt")
 
