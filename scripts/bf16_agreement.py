@@ -25,7 +25,7 @@ from trioserve import EngineConfig, open_engine
 from trioserve.bench.models import resolve_model
 from trioserve.gpu.cpu_kernels.attention import CPU_ATTENTION_ENV
 from trioserve.gpu.cpu_kernels.linear import PACKED_LINEAR_ENV
-from trioserve.messages import SamplingParams
+from trioserve.sampling_params import SamplingParams
 
 PROMPTS = [
     "The capital of France is", "Once upon a time, in a small village,", "def fibonacci(n):",

@@ -21,7 +21,8 @@ from trioserve.frontend.text.detokenizer import (
     IncrementalDetokenizer,
 )
 from trioserve.frontend.text.tokenizer import Tokenizer
-from trioserve.messages import SamplingParams, TokenOutput
+from trioserve.messages import TokenOutput
+from trioserve.sampling_params import SamplingParams
 
 R = "\ufffd"
 HEL = 257  # the byte-level merge "hel"

@@ -11,14 +11,8 @@ import pytest
 from helpers.reference import reference_greedy
 
 from trioserve.config import EngineConfig
-from trioserve.messages import (
-    CachedRequestData,
-    ModelInfo,
-    NewRequestData,
-    RunnerOutput,
-    SamplingParams,
-    SchedulerOutput,
-)
+from trioserve.messages import CachedRequestData, ModelInfo, NewRequestData, RunnerOutput, SchedulerOutput
+from trioserve.sampling_params import SamplingParams
 
 torch = pytest.importorskip("torch")
 

@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from trioserve.messages import SamplingParams
+from trioserve.sampling_params import SamplingParams
 
 torch = pytest.importorskip("torch")
 

@@ -30,6 +30,7 @@ RANKS = {
     "byte_level": 0,  # the byte-level vocabularies' alphabet (the front-end's tokenizer, the tiny models)
     "stdio": 0,  # a process's standard descriptors, and lines said on them
     "structured": 0,  # structured-output constraints, as SamplingParams carries them
+    "sampling_params": 0.7,  # SamplingParams and its bounds (uses checks, errors, structured)
     "messages": 1,
     "core": 2,
     "transport": 3,
@@ -58,6 +59,7 @@ THIRD_PARTY = {
     "stdio": set(),
     "structured": {"msgspec"},
     "rpc": {"msgspec"},
+    "sampling_params": {"msgspec"},
     "messages": {"msgspec"},
     "core": {"msgspec"},
     "transport": {"msgspec", "trio", "zmq"},

@@ -14,7 +14,8 @@ from hypothesis import strategies as st
 
 from trioserve.core.request import Request
 from trioserve.errors import InvalidRequestError
-from trioserve.messages import MAX_LOGIT_BIAS, SampleLogprobs, SamplingParams
+from trioserve.messages import SampleLogprobs
+from trioserve.sampling_params import MAX_LOGIT_BIAS, SamplingParams
 
 torch = pytest.importorskip("torch")
 

@@ -7,7 +7,7 @@ from typing import Any, Literal
 import msgspec
 import pytest
 
-from trioserve.messages import SamplingParams
+from trioserve.sampling_params import SamplingParams
 from trioserve.server.misfit import Misfit, find_misfit, unknown_fields
 from trioserve.server.openai_protocol import ChatCompletionRequest, CompletionRequest, OpenAIError, decode_body
 

@@ -12,14 +12,8 @@ from helpers.fakes import make_fake_config
 
 from trioserve.frontend.engines.client import TO_ENGINE_SIZE, EngineCoreClient
 from trioserve.frontend.engines.local import LocalProcessStrategy
-from trioserve.messages import (
-    AbortRequests,
-    AddRequest,
-    EngineInfo,
-    EngineRequest,
-    ModelInfo,
-    SamplingParams,
-)
+from trioserve.messages import AbortRequests, AddRequest, EngineInfo, EngineRequest, ModelInfo
+from trioserve.sampling_params import SamplingParams
 from trioserve.transport.outbox import Outbox
 
 

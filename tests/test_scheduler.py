@@ -9,13 +9,8 @@ from helpers.scheduling import EOS, make_request, make_scheduler
 from trioserve.core.request import Request, RequestStatus
 from trioserve.core.scheduler import Scheduler
 from trioserve.core.step import Step
-from trioserve.messages import (
-    RunnerOutput,
-    SampleLogprobs,
-    SamplingParams,
-    SchedulerOutput,
-    TokenOutput,
-)
+from trioserve.messages import RunnerOutput, SampleLogprobs, SchedulerOutput, TokenOutput
+from trioserve.sampling_params import SamplingParams
 
 
 @pytest.fixture(autouse=True)

@@ -6,7 +6,8 @@ import json
 
 import pytest
 
-from trioserve.messages import SampleLogprobs, SamplingParams
+from trioserve.messages import SampleLogprobs
+from trioserve.sampling_params import SamplingParams
 from trioserve.server import http, protocol
 from trioserve.server.openai_protocol import ChatCompletionRequest, CompletionRequest, OpenAIError, decode_body
 from trioserve.server.protocol import Cancel, Delta, Generate, ProtocolError

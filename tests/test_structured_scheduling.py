@@ -13,9 +13,10 @@ import trio
 from helpers.scheduling import make_request, make_scheduler
 
 from trioserve.core.request import RequestStatus
-from trioserve.messages import RunnerOutput, SamplingParams
+from trioserve.messages import RunnerOutput
 from trioserve.nurseries.engine_core.grammar import ConstraintError, GrammarMatcher, Tokenizer, check, compile_matcher
 from trioserve.nurseries.engine_core.structured_outputs import StructuredOutputs
+from trioserve.sampling_params import SamplingParams
 from trioserve.structured import (
     MAX_CHOICES,
     MAX_CONSTRAINT_BYTES,

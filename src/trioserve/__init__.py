@@ -33,8 +33,9 @@ if TYPE_CHECKING:
     )
     from trioserve.frontend.requests.outputs import RequestOutput
     from trioserve.frontend.requests.streams import RequestStream
-    from trioserve.messages import EngineInfo, EngineStats, SampleLogprobs, SamplingParams
+    from trioserve.messages import EngineInfo, EngineStats, SampleLogprobs
     from trioserve.rpc import DescribeShard, Echo, EchoReply, ShardInfo
+    from trioserve.sampling_params import SamplingParams
     from trioserve.structured import Choice, Grammar, JsonObject, JsonSchema, Regex
 
 __all__ = [

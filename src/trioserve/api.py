@@ -33,7 +33,7 @@ from trioserve.frontend.text.literal import mark_contents
 from trioserve.frontend.text.prompt import Prompt
 from trioserve.frontend.text.structured import CHECK_THREADS, check_constraint_compiles
 from trioserve.frontend.text.tokenizer import Tokenizer
-from trioserve.messages import EngineInfo, EngineStats, SamplingParams
+from trioserve.messages import EngineInfo, EngineStats
 from trioserve.rpc import (
     CollectiveCall,
     CollectiveRpc,
@@ -49,6 +49,7 @@ from trioserve.rpc import (
     WakeUp,
     WorkerResult,
 )
+from trioserve.sampling_params import SamplingParams
 from trioserve.structured import StructuredOutput
 
 # A call that runs on the workers (sleep, wake_up, collective_rpc) gets at least this long: past

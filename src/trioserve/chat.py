@@ -23,7 +23,7 @@ from trioserve.api import Engine, open_engine
 from trioserve.config import EngineConfig
 from trioserve.errors import EngineDeadError, InvalidRequestError, PromptTooLongError, RequestError
 from trioserve.frontend.text.chat_template import ChatTemplate
-from trioserve.messages import SamplingParams
+from trioserve.sampling_params import SamplingParams
 
 PROMPT = "> "
 HELP = "Type a message and press Enter. /reset starts over, /exit (or Ctrl-D) quits."

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from trioserve.core.request import Request
 from trioserve.core.scheduler import Scheduler
-from trioserve.messages import SamplingParams
+from trioserve.sampling_params import SamplingParams
 
 EOS = 2  # every test request's EOS token
 

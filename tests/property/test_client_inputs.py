@@ -54,12 +54,12 @@ from websockets.sync.client import ClientConnection
 import trioserve
 from trioserve import Engine, EngineConfig, RequestOutput, SamplingParams
 from trioserve.frontend.text.tokenizer import Tokenizer
-from trioserve.messages import (
+from trioserve.messages import MAX_INT32
+from trioserve.sampling_params import (
     MAX_ALLOWED_TOKEN_IDS,
     MAX_BAD_WORD_TOKENS,
     MAX_BAD_WORDS,
     MAX_BAD_WORDS_CHARS,
-    MAX_INT32,
     MAX_LOGIT_BIAS,
     MAX_LOGPROBS,
     MAX_STOP_CHARS,

@@ -40,7 +40,8 @@ from hypothesis.stateful import (
 from trioserve.core.request import Request
 from trioserve.core.scheduler import Scheduler
 from trioserve.core.step import Step
-from trioserve.messages import FinishReason, RunnerOutput, SamplingParams, SchedulerOutput
+from trioserve.messages import FinishReason, RunnerOutput, SchedulerOutput
+from trioserve.sampling_params import SamplingParams
 
 VOCAB = 16
 EOS = 0

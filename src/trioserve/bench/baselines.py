@@ -48,7 +48,7 @@ from trioserve.bench.workload import BenchRequest, WorkloadSpec, build_requests,
 from trioserve.config import EngineConfig, cpu_threads_per_worker
 from trioserve.core.request import Request
 from trioserve.core.scheduler import Scheduler
-from trioserve.messages import SamplingParams
+from trioserve.sampling_params import SamplingParams
 
 
 def _params(max_tokens: int) -> SamplingParams:

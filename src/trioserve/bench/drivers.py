@@ -24,7 +24,7 @@ from trio_websocket import WebSocketConnection, open_websocket_url
 from trioserve.api import Engine
 from trioserve.bench.stats import RequestRecord
 from trioserve.bench.workload import BenchRequest, WorkloadSpec
-from trioserve.messages import SamplingParams
+from trioserve.sampling_params import SamplingParams
 
 Send = Callable[[BenchRequest, RequestRecord], Awaitable[None]]
 REQUESTS_PER_CONNECTION = 32  # the server allows 64 in flight per connection by default

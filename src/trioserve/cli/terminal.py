@@ -19,8 +19,8 @@ from trioserve.cli.exits import EXIT_OK, EXIT_SIGNALLED_BASE
 from trioserve.config import EngineConfig
 from trioserve.engine_options import add_engine_options
 from trioserve.errors import EngineDeadError, RequestError
-from trioserve.messages import SamplingParams
 from trioserve.nurseries.supervision.oneshot import until_stop_signal
+from trioserve.sampling_params import SamplingParams
 from trioserve.stdio import say
 
 

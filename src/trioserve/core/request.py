@@ -38,7 +38,8 @@ from typing import Protocol
 
 from trioserve.core.block_hash import BlockHash
 from trioserve.core.block_manager import cdiv
-from trioserve.messages import FinishReason, SampleLogprobs, SamplingParams
+from trioserve.messages import FinishReason, SampleLogprobs
+from trioserve.sampling_params import SamplingParams
 
 
 class RequestStatus(enum.Enum):

@@ -31,7 +31,7 @@ from dataclasses import dataclass
 
 import torch
 
-from trioserve.messages import SamplingParams
+from trioserve.sampling_params import SamplingParams
 
 
 @dataclass(frozen=True, eq=False)

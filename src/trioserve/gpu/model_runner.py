@@ -53,13 +53,13 @@ from trioserve.messages import (
     ModelInfo,
     NewRequestData,
     RunnerOutput,
-    SamplingParams,
     SchedulerOutput,
     WorkerLoaded,
     is_dummy,
 )
 from trioserve.rpc import ShardInfo
 from trioserve.runners.steplog import STEP_LOG_ENV, StepRecord, format_step, step_log_path
+from trioserve.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel

@@ -35,7 +35,8 @@ from dataclasses import dataclass
 import torch
 
 from trioserve.gpu.logits_processing import RowProcessors, apply_logits_processors
-from trioserve.messages import SampleLogprobs, SamplingParams
+from trioserve.messages import SampleLogprobs
+from trioserve.sampling_params import SamplingParams
 
 _MASK64 = (1 << 64) - 1
 

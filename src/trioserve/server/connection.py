@@ -44,7 +44,7 @@ from trioserve.errors import (
     RequestError,
 )
 from trioserve.frontend.requests.streams import RequestStream
-from trioserve.messages import SamplingParams
+from trioserve.sampling_params import SamplingParams
 from trioserve.server import protocol
 from trioserve.server.config import ServerConfig
 from trioserve.server.protocol import Cancel, Delta, Generate, ProtocolError, ServerMessage

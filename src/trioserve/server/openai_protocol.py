@@ -25,7 +25,7 @@ from typing import Any, Literal
 import msgspec
 
 from trioserve.errors import InvalidRequestError, PromptTooLongError
-from trioserve.messages import MAX_ABS_LOGIT_BIAS, MAX_LOGIT_BIAS, SamplingParams
+from trioserve.sampling_params import MAX_ABS_LOGIT_BIAS, MAX_LOGIT_BIAS, SamplingParams
 from trioserve.server.misfit import Misfit, find_misfit, unknown_fields
 from trioserve.server.openai_responses import ErrorBody, ErrorObject
 from trioserve.server.openai_structured import StructuredError, StructuredFields, requested_constraint

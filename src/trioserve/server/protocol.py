@@ -24,7 +24,8 @@ import msgspec
 
 from trioserve.checks import short_repr
 from trioserve.errors import InvalidRequestError
-from trioserve.messages import SampleLogprobs, SamplingParams
+from trioserve.messages import SampleLogprobs
+from trioserve.sampling_params import SamplingParams
 from trioserve.server.misfit import MAX_FIELD_NAME, find_misfit
 
 MAX_ID_LENGTH = 256

@@ -12,7 +12,7 @@ from __future__ import annotations
 import msgspec
 
 from trioserve.errors import InvalidRequestError
-from trioserve.messages import SamplingParams
+from trioserve.sampling_params import SamplingParams
 
 MAX_N = 128  # samples of one prompt
 _SEED_RANGE = 2**63

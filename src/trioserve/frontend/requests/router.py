@@ -19,7 +19,7 @@ from trioserve.frontend.requests.state import RequestState
 from trioserve.frontend.text.prompt import Prompt, PromptChecker
 from trioserve.frontend.text.sampling import prepare_params
 from trioserve.frontend.text.tokenizer import Tokenizer
-from trioserve.messages import SamplingParams
+from trioserve.sampling_params import SamplingParams
 
 log = logging.getLogger("trioserve.api")  # the public face's: where its users look for it
 RequestObserver = Callable[[RequestMetrics], None]

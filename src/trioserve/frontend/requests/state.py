@@ -8,7 +8,8 @@ from collections.abc import Callable, Sequence
 from trioserve.frontend.requests.outputs import OutputCollector, RequestMetrics, RequestOutput
 from trioserve.frontend.text.detokenizer import IncrementalDetokenizer
 from trioserve.frontend.text.tokenizer import Tokenizer
-from trioserve.messages import AddRequest, SamplingParams, TokenOutput
+from trioserve.messages import AddRequest, TokenOutput
+from trioserve.sampling_params import SamplingParams
 
 
 class RequestState:

@@ -26,7 +26,7 @@ from trioserve.frontend.requests.parallel_sampling import child_params, child_re
 from trioserve.frontend.requests.router import RequestRouter
 from trioserve.frontend.requests.state import RequestState
 from trioserve.frontend.text.prompt import Prompt
-from trioserve.messages import SamplingParams
+from trioserve.sampling_params import SamplingParams
 
 
 class RequestStream:

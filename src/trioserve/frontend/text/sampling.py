@@ -22,7 +22,7 @@ import msgspec
 from trioserve.checks import short_repr
 from trioserve.errors import InvalidRequestError
 from trioserve.frontend.text.tokenizer import Tokenizer
-from trioserve.messages import MAX_BAD_WORD_TOKENS, SamplingParams
+from trioserve.sampling_params import MAX_BAD_WORD_TOKENS, SamplingParams
 
 
 def prepare_params(params: SamplingParams, tokenizer: Tokenizer, vocab_size: int) -> SamplingParams:
