@@ -34,11 +34,13 @@ GREEDY = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
 # --- the same tokens as one rank ------------------------------------------------
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
 async def test_two_ranks_give_the_greedy_tokens_of_one_also_with_preemption(tiny_model_dir, arch):
     """The tokens of one rank are transformers' own greedy generate() of the
     whole model, one prompt at a time: what the engine gives with one rank
-    (test_engine_models checks that, on these prompts)."""
+    (test_engine_models checks that, on these prompts). Qwen3 for its
+    per-head q/k norms; Qwen2 (Llama's layout with q, k, v biases, which
+    split as the weights' rows do) is left to the one-rank tests."""
     model_dir = tiny_model_dir(arch)
     # 80 blocks of 4 tokens hold the 8 prompts (3-47 tokens) with 12 output tokens each, not with 48.
     config = EngineConfig(
