@@ -194,6 +194,7 @@ class Engine:
         *,
         add_generation_prompt: bool = True,
         special_tokens_in_content: bool = False,
+        tools: Sequence[Mapping[str, object]] | None = None,
     ) -> TemplatedText:
         """The prompt for chat ``messages`` (mappings with ``role`` and
         ``content``), rendered with the model's chat template in a worker
@@ -208,7 +209,9 @@ class Engine:
         The text of a special token in a message's content (``<|im_end|>``)
         stays text (``frontend/text/literal.py``): a user cannot end their
         turn and write another role's. ``special_tokens_in_content`` lets it
-        become the token, as transformers' ``apply_chat_template`` does."""
+        become the token, as transformers' ``apply_chat_template`` does.
+        ``tools`` (OpenAI's ``tools``: ``{"type": "function", "function":
+        {...}}``) are given to the template as its ``tools``."""
         template = self.chat_template
         if template is None:
             raise InvalidRequestError(
@@ -218,7 +221,10 @@ class Engine:
 
         def render() -> TemplatedText:
             text = template.render(
-                messages, add_generation_prompt=add_generation_prompt, max_chars=self._router.prompts.max_chars
+                messages,
+                add_generation_prompt=add_generation_prompt,
+                max_chars=self._router.prompts.max_chars,
+                tools=tools,
             )
             return mark_contents(text, messages, specials) if specials else text
 

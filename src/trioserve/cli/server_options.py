@@ -9,6 +9,7 @@ from pathlib import Path
 
 from trioserve.cli.engine import DEFAULT_MODEL_SERVED_NAME, model_argument
 from trioserve.server import ServerConfig
+from trioserve.server.tool_calls import TOOL_CALL_PARSERS
 
 API_KEY_ENV = "TRIOSERVE_API_KEY"  # never passed on to a child process (nurseries.supervision.process.SECRET_ENV_NAMES)
 
@@ -147,6 +148,20 @@ def add_server_options(parser: argparse.ArgumentParser) -> None:
         help="refuse (400) a request field the API does not know; by default it is ignored, with a warning line "
         "per field name, as OpenAI-compatible servers do",
     )
+    tools = parser.add_argument_group("tool calling (vLLM's flags)")
+    tools.add_argument(
+        "--enable-auto-tool-choice",
+        action="store_true",
+        help='serve tool_choice "auto" (the default with tools): the model decides, and its calls are read from its '
+        'output by --tool-call-parser; "required" and a named function are served without it',
+    )
+    tools.add_argument(
+        "--tool-call-parser",
+        choices=sorted(TOOL_CALL_PARSERS),
+        default=None,
+        help="the model's format of call: hermes (<tool_call>{...}</tool_call>: Hermes, Qwen 2.5 and 3) or "
+        "llama3_json (JSON objects: Llama 3.1 to 3.3)",
+    )
     cors = parser.add_argument_group("CORS (vLLM's flags; off unless --allowed-origins is given)")
     cors.add_argument(
         "--allowed-origins",
@@ -185,6 +200,8 @@ def server_config(args: argparse.Namespace) -> ServerConfig:
         root_path=args.root_path.rstrip("/"),
         special_tokens_in_content=args.special_tokens_in_content,
         strict_fields=args.strict_fields,
+        enable_auto_tool_choice=args.enable_auto_tool_choice,
+        tool_call_parser=args.tool_call_parser,
         log_requests=args.log_requests,
         log_stats_interval_s=args.log_stats_interval if args.log_stats else None,
         allowed_origins=args.allowed_origins,

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from trioserve.config import check_types
+from trioserve.server.tool_calls import TOOL_CALL_PARSERS
 
 
 def _check(condition: bool, name: str, message: str) -> None:
@@ -44,6 +45,10 @@ class ServerConfig:
     # role's turn); off: it stays text (frontend/text/literal.py).
     special_tokens_in_content: bool = False
     strict_fields: bool = False  # a request field the API does not know is a 400 (else ignored, and logged)
+    # Tool calling (vLLM's flags): tool_choice "auto" is served only with enable_auto_tool_choice, the model's own
+    # calls read by tool_call_parser (server/tool_calls.py: "hermes", "llama3_json").
+    enable_auto_tool_choice: bool = False
+    tool_call_parser: str | None = None
     log_requests: bool = True  # an access-log line (logger trioserve.access, INFO) per HTTP request
     log_stats_interval_s: float | None = 10.0  # a stats line (logger trioserve.stats, INFO) this often (None: off)
     # CORS (vLLM's flags): none allowed by default; "*" allows any origin, method or header.
@@ -71,6 +76,16 @@ class ServerConfig:
         )
         _check(self.max_http_requests_per_connection >= 1, "max_http_requests_per_connection", "must be >= 1")
         _check(self.model_name is None or self.model_name.strip() != "", "model_name", "must not be empty")
+        _check(
+            self.tool_call_parser is None or self.tool_call_parser in TOOL_CALL_PARSERS,
+            "tool_call_parser",
+            f"must be one of {', '.join(sorted(TOOL_CALL_PARSERS))}",
+        )
+        _check(
+            not self.enable_auto_tool_choice or self.tool_call_parser is not None,
+            "enable_auto_tool_choice",
+            "needs tool_call_parser (--tool-call-parser) to read the model's calls",
+        )
         for name in (
             "slow_consumer_timeout_s",
             "handshake_timeout_s",

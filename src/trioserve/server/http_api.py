@@ -42,6 +42,7 @@ from trioserve.frontend.requests.streams import RequestStream
 from trioserve.frontend.text.tokenizer import Tokenizer
 from trioserve.server import openai_protocol as oai
 from trioserve.server import openai_responses as resp
+from trioserve.server.chat_tools import plan_tools
 from trioserve.server.config import ServerConfig
 from trioserve.server.http import METRICS_PATH, BadRequest, RequestHead, encode_json
 from trioserve.server.http_conn import HttpConnection
@@ -285,10 +286,12 @@ class HttpApi:
         try:
             if request.messages is not None:
                 chat = oai.ChatCompletionRequest(model="", messages=request.messages)
+                tools = plan_tools(request.tools, "none", parser=None)
                 text = await engine.render_chat(
                     oai.chat_messages(chat),
                     add_generation_prompt=request.add_generation_prompt,
                     special_tokens_in_content=self._config.special_tokens_in_content,
+                    tools=None if tools is None else tools.template_tools,
                 )
                 tokens = await engine.tokenize(text)
             elif request.prompt is not None:
@@ -375,11 +378,16 @@ class HttpApi:
             if endpoint == "chat":
                 chat = oai.decode_body(body, oai.ChatCompletionRequest, strict=self._config.strict_fields)
                 self._check_model(chat.model)
-                plan = oai.plan_chat(chat, engine.info.max_model_len)
+                auto_parser = self._config.tool_call_parser if self._config.enable_auto_tool_choice else None
+                plan = oai.plan_chat(chat, engine.info.max_model_len, tool_call_parser=auto_parser)
                 prompt: Any = await engine.render_chat(
-                    oai.chat_messages(chat), special_tokens_in_content=self._config.special_tokens_in_content
+                    oai.chat_messages(chat),
+                    special_tokens_in_content=self._config.special_tokens_in_content,
+                    tools=None if plan.tools is None else plan.tools.template_tools,
                 )
-                fmt: EventFormat = chat_format(self.model_name, engine.tokenizer, **_format_options(plan))
+                fmt: EventFormat = chat_format(
+                    self.model_name, engine.tokenizer, tools=plan.tools, **_format_options(plan)
+                )
             else:
                 completion = oai.decode_body(body, oai.CompletionRequest, strict=self._config.strict_fields)
                 self._check_model(completion.model)

@@ -26,6 +26,7 @@ import msgspec
 
 from trioserve.errors import InvalidRequestError, PromptTooLongError
 from trioserve.sampling_params import MAX_ABS_LOGIT_BIAS, MAX_LOGIT_BIAS, SamplingParams
+from trioserve.server.chat_tools import ToolPlan, plan_tools, template_messages
 from trioserve.server.misfit import Misfit, find_misfit, unknown_fields
 from trioserve.server.openai_responses import ErrorBody, ErrorObject
 from trioserve.server.openai_structured import StructuredError, StructuredFields, requested_constraint
@@ -126,11 +127,25 @@ class TextPart(msgspec.Struct, tag="text", tag_field="type"):
     text: str
 
 
+class CalledFunction(msgspec.Struct):
+    name: str
+    arguments: str  # a JSON text, as OpenAI sends it
+
+
+class CalledTool(msgspec.Struct):
+    """A call in an assistant message of the history (``tool_calls[i]``)."""
+
+    function: CalledFunction
+    id: str | None = None
+    type: Literal["function"] = "function"
+
+
 class ChatMessage(msgspec.Struct):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
-    tool_call_id: str | None = None
+    tool_call_id: str | None = None  # a tool message: the call it answers
+    tool_calls: list[CalledTool] | None = None  # an assistant message: the calls it made
 
     @property
     def text(self) -> str:
@@ -144,8 +159,8 @@ class ChatCompletionRequest(_Sampling, kw_only=True):
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
-    tools: list[Any] | None = None  # accepted only empty
-    tool_choice: Any = None  # accepted only "none" or absent
+    tools: list[Any] | None = None  # checked by chat_tools.plan_tools
+    tool_choice: Any = None  # "none", "auto", "required" or {"type": "function", "function": {"name": ...}}
     parallel_tool_calls: bool | None = None  # accepted, unused
 
 
@@ -155,6 +170,7 @@ class TokenizeRequest(msgspec.Struct, kw_only=True):
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
+    tools: list[Any] | None = None  # with messages: given to the chat template, as a chat request's
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
 
@@ -245,6 +261,7 @@ class Plan(msgspec.Struct, frozen=True):
     continuous_usage: bool = False  # the usage so far in every chunk (``stream_options.continuous_usage_stats``)
     echo: bool = False  # completions: the prompt before each choice's text
     prompt_logprobs: bool = False  # the response carries vLLM's ``prompt_logprobs`` (the client asked for them)
+    tools: ToolPlan | None = None  # chat: the request's tools (``chat_tools.py``)
 
 
 def plan_completion(request: CompletionRequest) -> Plan:
@@ -271,11 +288,17 @@ def completion_prompt(request: CompletionRequest) -> str | list[int]:
     return prompt  # type: ignore[no-any-return]  # the engine checks a list's items
 
 
-def plan_chat(request: ChatCompletionRequest, max_model_len: int) -> Plan:
-    if request.tools:
-        raise invalid("tools", "tool calls are not supported", code="unsupported")
-    if request.tool_choice not in (None, "none"):
-        raise invalid("tool_choice", "tool calls are not supported", code="unsupported")
+def plan_chat(request: ChatCompletionRequest, max_model_len: int, *, tool_call_parser: str | None = None) -> Plan:
+    """``tool_call_parser``: the server's, for ``tool_choice: "auto"`` (None: refused)."""
+    try:
+        tools = plan_tools(request.tools, request.tool_choice, parser=tool_call_parser)
+    except InvalidRequestError as exc:
+        raise OpenAIError.from_engine(exc, {}) from None
+    for i, message in enumerate(request.messages):
+        if message.tool_calls and message.role != "assistant":
+            raise invalid(
+                f"messages[{i}].tool_calls", f"only an assistant message makes calls (this one is {message.role!r})"
+            )
     if request.top_logprobs is not None and not request.logprobs:
         raise invalid("top_logprobs", "needs logprobs: true")
     if not request.messages:
@@ -285,7 +308,12 @@ def plan_chat(request: ChatCompletionRequest, max_model_len: int) -> Plan:
     logprobs = (request.top_logprobs or 0) if request.logprobs else None
     names = {"prompt": "messages", "max_tokens": given, "logprobs": "top_logprobs"}
     params = _sampling_params(request, names, max_tokens=max_tokens, logprobs=logprobs, default_max=max_model_len)
-    return _plan(request, params, names)
+    if tools is not None and (constraint := tools.constraint()) is not None:
+        if params.structured is not None:
+            raise invalid(names["structured"], "not with tool_choice 'required' or a named function (one constraint)")
+        names["structured"] = tools.param
+        params = msgspec.structs.replace(params, structured=constraint)
+    return _plan(request, params, names, tools=tools)
 
 
 def chat_messages(request: ChatCompletionRequest) -> list[dict[str, Any]]:
@@ -297,8 +325,17 @@ def chat_messages(request: ChatCompletionRequest) -> list[dict[str, Any]]:
             item["name"] = message.name
         if message.tool_call_id is not None:
             item["tool_call_id"] = message.tool_call_id
+        if message.tool_calls:
+            item["tool_calls"] = [
+                {
+                    "id": call.id,
+                    "type": "function",
+                    "function": {"name": call.function.name, "arguments": call.function.arguments},
+                }
+                for call in message.tool_calls
+            ]
         messages.append(item)
-    return messages
+    return template_messages(messages)
 
 
 def _logit_bias(given: dict[str, float] | None) -> dict[int, float]:
@@ -355,7 +392,14 @@ def _sampling_params(
         raise OpenAIError.from_engine(exc, names) from None
 
 
-def _plan(request: _Sampling, params: SamplingParams, names: dict[str, str], *, echo: bool = False) -> Plan:
+def _plan(
+    request: _Sampling,
+    params: SamplingParams,
+    names: dict[str, str],
+    *,
+    echo: bool = False,
+    tools: ToolPlan | None = None,
+) -> Plan:
     options = request.stream_options
     if options is not None and not request.stream:
         raise invalid("stream_options", "only with stream: true")
@@ -370,4 +414,5 @@ def _plan(request: _Sampling, params: SamplingParams, names: dict[str, str], *, 
         continuous_usage=options is not None and options.continuous_usage_stats,
         echo=echo,
         prompt_logprobs=request.prompt_logprobs is not None,
+        tools=tools,
     )

@@ -135,9 +135,21 @@ class Completion(msgspec.Struct, kw_only=True):
     usage: Usage | UnsetType | None = UNSET
 
 
+class FunctionCall(msgspec.Struct):
+    name: str
+    arguments: str  # a JSON text
+
+
+class ToolCallObject(msgspec.Struct):
+    id: str
+    function: FunctionCall
+    type: str = "function"
+
+
 class AssistantMessage(msgspec.Struct):
     role: str
-    content: str
+    content: str | None
+    tool_calls: list[ToolCallObject] | UnsetType = UNSET  # when it called tools
 
 
 class ChatChoice(msgspec.Struct):
@@ -157,9 +169,24 @@ class ChatCompletion(msgspec.Struct, kw_only=True):
     prompt_logprobs: PromptLogprobsField | UnsetType = UNSET  # when asked for
 
 
+class FunctionDelta(msgspec.Struct, omit_defaults=True):
+    arguments: str
+    name: str | UnsetType = UNSET  # in a call's first piece
+
+
+class ToolCallDelta(msgspec.Struct, omit_defaults=True):
+    """A piece of a call in a stream: a client joins the ``arguments`` of one ``index``."""
+
+    index: int
+    function: FunctionDelta
+    id: str | UnsetType = UNSET  # in a call's first piece
+    type: str | UnsetType = UNSET  # "function", in a call's first piece
+
+
 class ChatDelta(msgspec.Struct, kw_only=True):
     role: str | UnsetType = UNSET  # in a stream's opening chunks only
-    content: str
+    content: str | None = None
+    tool_calls: list[ToolCallDelta] | UnsetType = UNSET  # pieces of calls, when tools are read
 
 
 class ChatChunkChoice(msgspec.Struct):

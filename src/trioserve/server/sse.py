@@ -22,6 +22,7 @@ from trioserve.frontend.requests.outputs import RequestOutput
 from trioserve.frontend.text.tokenizer import Tokenizer
 from trioserve.messages import SampleLogprobs
 from trioserve.server import openai_responses as resp
+from trioserve.server.chat_tools import CallPiece, ToolOutput, ToolPlan, read_whole
 
 Event = resp.Completion | resp.ChatCompletionChunk  # one chunk of a stream
 
@@ -44,6 +45,7 @@ class Choice:
     num_cached_tokens: int = 0  # prompt tokens the engine found in its prefix cache
     placer: resp.TokenPlacer | None = None  # a stream's: which tokens' logprobs went out
     echoed: bool = False  # a stream's: the prompt went out before its text
+    tools: ToolOutput | None = None  # a stream's: its output read for tool calls
 
 
 class Choices:
@@ -214,16 +216,27 @@ class ChatFormat(EventFormat):
     ) -> resp.ChatCompletionChunk:
         return resp.ChatCompletionChunk(id=self.id, created=self.created, model=self.model, choices=items, usage=usage)
 
-    def response(self, choices: Choices, prompt_tokens: int) -> resp.ChatCompletion:
-        items = [
-            resp.ChatChoice(
-                index,
-                self._logprobs(self._whole_placed(c)),
-                _finish(c.finish_reason),
-                resp.AssistantMessage(role="assistant", content=c.text),
-            )
-            for index, c in enumerate(choices.items)
+    def __init__(self, model: str, tokenizer: Tokenizer, *, tools: ToolPlan | None = None, **options: bool) -> None:
+        super().__init__(model, tokenizer, **options)
+        self.tools = tools if tools is not None and tools.reads_calls else None  # the output read for calls
+
+    def _message(self, c: Choice) -> tuple[resp.AssistantMessage, str | None]:
+        if self.tools is None:
+            return resp.AssistantMessage(role="assistant", content=c.text), c.finish_reason
+        content, calls, reason = read_whole(self.tools, c.text, c.finish_reason)
+        if not calls:
+            return resp.AssistantMessage(role="assistant", content=content), reason
+        objects = [
+            resp.ToolCallObject(id=p.id or "", function=resp.FunctionCall(name=p.name or "", arguments=p.arguments))
+            for p in calls
         ]
+        return resp.AssistantMessage(role="assistant", content=content, tool_calls=objects), reason
+
+    def response(self, choices: Choices, prompt_tokens: int) -> resp.ChatCompletion:
+        items = []
+        for index, c in enumerate(choices.items):
+            message, reason = self._message(c)
+            items.append(resp.ChatChoice(index, self._logprobs(self._whole_placed(c)), _finish(reason), message))
         usage = self._usage(choices, prompt_tokens)
         return resp.ChatCompletion(
             id=self.id, created=self.created, model=self.model, choices=items, usage=usage,
@@ -238,22 +251,41 @@ class ChatFormat(EventFormat):
 
     def chunk(self, out: RequestOutput, choices: Choices, include_usage: bool) -> resp.ChatCompletionChunk:
         logprobs = self._logprobs(self._stream_placed(out, choices))
-        item = resp.ChatChunkChoice(out.index, logprobs, _finish(out.finish_reason), resp.ChatDelta(content=out.text))
-        return self._chunk([item], self._chunk_usage(include_usage, choices.items[out.index]))
+        choice = choices.items[out.index]
+        delta, reason = resp.ChatDelta(content=out.text), out.finish_reason
+        if self.tools is not None:
+            if choice.tools is None:
+                choice.tools = ToolOutput(self.tools)
+            content, pieces = choice.tools.feed(out.text, last=out.finished)
+            delta = resp.ChatDelta(content=content if content or not pieces else None)
+            if pieces:
+                delta.tool_calls = [_call_delta(p) for p in pieces]
+            reason = choice.tools.finish_reason(out.finish_reason)
+        item = resp.ChatChunkChoice(out.index, logprobs, _finish(reason), delta)
+        return self._chunk([item], self._chunk_usage(include_usage, choice))
 
     def usage_chunk(self, choices: Choices, prompt_tokens: int) -> resp.ChatCompletionChunk:
         return self._chunk([], self._usage(choices, prompt_tokens))
 
 
+def _call_delta(piece: CallPiece) -> resp.ToolCallDelta:
+    if piece.id is None:
+        return resp.ToolCallDelta(index=piece.index, function=resp.FunctionDelta(arguments=piece.arguments))
+    function = resp.FunctionDelta(arguments=piece.arguments, name=piece.name or "")
+    return resp.ToolCallDelta(index=piece.index, function=function, id=piece.id, type="function")
+
+
 def _finish(reason: str | None) -> str | None:
-    """OpenAI's finish reasons are ``stop`` and ``length`` (the server answers
-    an engine's abort with an error instead: ``http_api._check_not_aborted``)."""
+    """OpenAI's finish reasons are ``stop``, ``length`` and ``tool_calls``
+    (the server answers an engine's abort with an error instead:
+    ``http_api._check_not_aborted``)."""
     return reason
 
 
-def chat_format(model: str, tokenizer: Tokenizer, **options: bool) -> ChatFormat:
-    """Options: ``continuous_usage``, ``prompt_logprobs`` (``EventFormat``)."""
-    return ChatFormat(model, tokenizer, **options)
+def chat_format(model: str, tokenizer: Tokenizer, tools: ToolPlan | None = None, **options: bool) -> ChatFormat:
+    """Options: ``continuous_usage``, ``prompt_logprobs`` (``EventFormat``);
+    ``tools``: the request's, whose output is read for calls."""
+    return ChatFormat(model, tokenizer, tools=tools, **options)
 
 
 def completion_format(model: str, tokenizer: Tokenizer, **options: bool) -> CompletionFormat:

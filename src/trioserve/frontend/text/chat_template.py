@@ -108,10 +108,11 @@ class ChatTemplate:
         add_generation_prompt: bool = True,
         max_chars: int = MAX_VALUE_SIZE,
         timeout_s: float | None = None,
+        tools: Sequence[Mapping[str, Any]] | None = None,
     ) -> TemplatedText:
         """The prompt for ``messages`` (each a mapping with ``role`` and
         ``content``), ending with the assistant's turn opened when
-        ``add_generation_prompt``. Raises ``InvalidRequestError`` naming
+        ``add_generation_prompt``; ``tools`` are the template's ``tools``. Raises ``InvalidRequestError`` naming
         ``messages`` when the template refuses them, fails on them or takes
         longer than ``timeout_s`` (default ``RENDER_TIMEOUT_S``), and
         ``PromptTooLongError`` when its text grows beyond ``max_chars``.
@@ -121,9 +122,11 @@ class ChatTemplate:
         size = 0
         try:
             with _interrupted_after(timeout_s):
+                extra = {} if tools is None else {"tools": [dict(t) for t in tools]}
                 for piece in self._template.generate(
                     messages=[dict(m) for m in messages],
                     add_generation_prompt=add_generation_prompt,
+                    **extra,
                     **self._special_tokens,
                 ):
                     pieces.append(piece)
