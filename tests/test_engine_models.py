@@ -76,10 +76,12 @@ async def test_concurrent_greedy_requests_match_transformers_generate(tiny_model
             assert stats.prefix_cache_hits >= 100  # the 24-token base alone is 6 blocks, and most prompts hit it
         # A cache too small for all eight at once: requests are preempted and
         # recomputed (from what is still cached), and still produce the same tokens.
-        small = base.replace(num_kv_blocks=24, max_num_batched_tokens=64)
-        async with trioserve.open_engine(config=small) as engine:
-            assert await run_in_one_batch(engine, prompts, params) == expected
-            assert (await engine.stats()).num_preemptions > 0
+        # The scheduler's, whatever the model: once is enough.
+        if arch == ARCHITECTURES[0]:
+            small = base.replace(num_kv_blocks=24, max_num_batched_tokens=64)
+            async with trioserve.open_engine(config=small) as engine:
+                assert await run_in_one_batch(engine, prompts, params) == expected
+                assert (await engine.stats()).num_preemptions > 0
             assert await run_shared_prefix_prompts(engine, system, shared, params) == expected_shared
             stats = await engine.stats()
             assert stats.num_preemptions > 0 and stats.prefix_cache_hits > 0

@@ -85,7 +85,8 @@ _HOMES = {
     ),
     "trioserve.frontend.requests.outputs": ("RequestOutput",),
     "trioserve.frontend.requests.streams": ("RequestStream",),
-    "trioserve.messages": ("EngineInfo", "EngineStats", "SampleLogprobs", "SamplingParams"),
+    "trioserve.messages": ("EngineInfo", "EngineStats", "SampleLogprobs"),
+    "trioserve.sampling_params": ("SamplingParams",),
     "trioserve.rpc": ("DescribeShard", "Echo", "EchoReply", "ShardInfo"),
     "trioserve.structured": ("Choice", "Grammar", "JsonObject", "JsonSchema", "Regex"),
 }

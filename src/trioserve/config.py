@@ -186,6 +186,10 @@ class EngineConfig:
     # Requests in flight beyond max_num_seqs + this are refused at once with
     # EngineOverloadedError, so that a flood cannot queue without bound.
     max_waiting_requests: int = 1024
+    # What one request may make the front-end hold, in entries (an output token, or one of its logprob
+    # alternatives: frontend/requests/held.py), and what the requests in flight in one front-end may together.
+    max_request_entries: int = 2**20
+    max_held_entries: int = 2**22
     # Steps sent to the workers before the oldest one's tokens are back: with 2
     # the next step is planned and sent while the workers run the current one,
     # so they never wait on the engine core; 1 runs one step at a time.
@@ -298,6 +302,8 @@ class EngineConfig:
         _check(self.max_num_seqs >= 1, "max_num_seqs", "must be >= 1")
         _check(self.max_num_batched_tokens >= 1, "max_num_batched_tokens", "must be >= 1")
         _check(self.max_waiting_requests >= 0, "max_waiting_requests", "must be >= 0")
+        _check(self.max_request_entries >= 1, "max_request_entries", "must be >= 1")
+        _check(self.max_held_entries >= self.max_request_entries, "max_held_entries", "must be >= max_request_entries")
         _check(self.max_steps_in_flight in (1, 2), "max_steps_in_flight", "must be 1 or 2")
         _check(isinstance(self.enable_prefix_caching, bool), "enable_prefix_caching", "must be True or False")
         _check(self.max_model_len is None or self.max_model_len >= 2, "max_model_len", "must be >= 2")

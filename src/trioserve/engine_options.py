@@ -216,6 +216,22 @@ def _add_batching_options(group: argparse._ArgumentGroup, defaults: EngineConfig
         "(default: %(default)s)",
     )
     group.add_argument(
+        "--max-request-entries",
+        type=int,
+        default=defaults.max_request_entries,
+        metavar="N",
+        help="the most one request may make the front-end hold: n x (max_tokens x (1 + logprobs) + prompt tokens x "
+        "(1 + prompt_logprobs)); more is a 400 naming max_tokens (default: %(default)s)",
+    )
+    group.add_argument(
+        "--max-held-entries",
+        type=int,
+        default=defaults.max_held_entries,
+        metavar="N",
+        help="the most the requests in flight in one front-end may hold together, counted as --max-request-entries; "
+        "beyond it a request is refused as overloaded (default: %(default)s)",
+    )
+    group.add_argument(
         "--max-steps-in-flight",
         type=int,
         choices=[1, 2],
@@ -334,6 +350,8 @@ def engine_config(args: argparse.Namespace, model: str, **fields: Any) -> Engine
         max_num_batched_tokens=args.max_num_batched_tokens,
         max_model_len=args.max_model_len,
         max_waiting_requests=args.max_waiting_requests,
+        max_request_entries=args.max_request_entries,
+        max_held_entries=args.max_held_entries,
         max_steps_in_flight=args.max_steps_in_flight,
         enable_prefix_caching=args.enable_prefix_caching,
         compile=args.compile and not args.enforce_eager,

@@ -53,8 +53,8 @@ from websockets.sync.client import ClientConnection
 
 import trioserve
 from trioserve import Engine, EngineConfig, RequestOutput, SamplingParams
+from trioserve.checks import MAX_INT32
 from trioserve.frontend.text.tokenizer import Tokenizer
-from trioserve.messages import MAX_INT32
 from trioserve.sampling_params import (
     MAX_ALLOWED_TOKEN_IDS,
     MAX_BAD_WORD_TOKENS,
@@ -966,6 +966,9 @@ def fuzz_sampling_params(engine: Engine) -> None:
     def check(fields: dict[str, Any]) -> None:
         fields = materialize(fields)
         invalid = [name for name, value in fields.items() if not param_ok(name, value)]
+        max_tokens, min_tokens = fields.get("max_tokens", 16), fields.get("min_tokens", 0)
+        if not {"max_tokens", "min_tokens"} & set(invalid) and min_tokens > max_tokens:
+            invalid.append("min_tokens")  # each valid alone, not together
         try:
             params = SamplingParams(**fields)
         except ValueError as exc:

@@ -111,9 +111,11 @@ async def _serve_api_servers(servers: ApiServers) -> None:
             host = servers.server_config.host
             host = f"[{host}]" if ":" in host else host
             name = servers.server_config.model_name or model_name(servers.engine_config)
+            tls = servers.server_config.ssl_certfile is not None
+            ws, web = ("wss", "https") if tls else ("ws", "http")
             announce(
-                f"trioserve: serving on ws://{host}:{port} (health: http://{host}:{port}/health, "
-                f"OpenAI API: http://{host}:{port}/v1, model {name!r}; {servers.count} API servers, "
+                f"trioserve: serving on {ws}://{host}:{port} (health: {web}://{host}:{port}/health, "
+                f"OpenAI API: {web}://{host}:{port}/v1, model {name!r}; {servers.count} API servers, "
                 f"pids {', '.join(str(pid) for pid in servers.pids)})"
             )
             serving.set()

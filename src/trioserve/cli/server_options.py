@@ -9,6 +9,7 @@ from pathlib import Path
 
 from trioserve.cli.engine import DEFAULT_MODEL_SERVED_NAME, model_argument
 from trioserve.server import ServerConfig
+from trioserve.server.tls import server_context
 from trioserve.server.tool_calls import TOOL_CALL_PARSERS
 
 API_KEY_ENV = "TRIOSERVE_API_KEY"  # never passed on to a child process (nurseries.supervision.process.SECRET_ENV_NAMES)
@@ -162,6 +163,17 @@ def add_server_options(parser: argparse.ArgumentParser) -> None:
         help="the model's format of call: hermes (<tool_call>{...}</tool_call>: Hermes, Qwen 2.5 and 3) or "
         "llama3_json (JSON objects: Llama 3.1 to 3.3)",
     )
+    tls = parser.add_argument_group("TLS (vLLM's flags): with a certificate the port serves HTTPS and WSS only")
+    tls.add_argument("--ssl-certfile", metavar="FILE", help="the server's certificate chain (PEM)")
+    tls.add_argument("--ssl-keyfile", metavar="FILE", help="its private key (PEM; default: in --ssl-certfile)")
+    tls.add_argument("--ssl-ca-certs", metavar="FILE", help="certificate authorities to check client certificates with")
+    tls.add_argument(
+        "--ssl-cert-reqs",
+        type=int,
+        choices=(0, 1, 2),
+        default=0,
+        help="client certificates: 0 not asked for (default), 1 optional, 2 required (needs --ssl-ca-certs)",
+    )
     cors = parser.add_argument_group("CORS (vLLM's flags; off unless --allowed-origins is given)")
     cors.add_argument(
         "--allowed-origins",
@@ -182,8 +194,10 @@ def add_server_options(parser: argparse.ArgumentParser) -> None:
 
 
 def server_config(args: argparse.Namespace) -> ServerConfig:
+    """The server's config; ``ValueError`` naming the option that cannot be used (a TLS file is read here, so
+    that a bad one ends the command before anything starts)."""
     names = list(dict.fromkeys(args.served_model_name or []))
-    return ServerConfig(
+    config = ServerConfig(
         host=args.host,
         port=args.port,
         api_key=_api_key(args),
@@ -208,7 +222,14 @@ def server_config(args: argparse.Namespace) -> ServerConfig:
         allowed_methods=args.allowed_methods,
         allowed_headers=args.allowed_headers,
         allow_credentials=args.allow_credentials,
+        ssl_certfile=args.ssl_certfile,
+        ssl_keyfile=args.ssl_keyfile,
+        ssl_ca_certs=args.ssl_ca_certs,
+        ssl_cert_reqs=args.ssl_cert_reqs,
     )
+    if config.ssl_certfile is not None:
+        server_context(config.ssl_certfile, config.ssl_keyfile, ca_certs=config.ssl_ca_certs)
+    return config
 
 
 def _names_list(text: str) -> tuple[str, ...]:

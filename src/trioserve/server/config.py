@@ -49,6 +49,11 @@ class ServerConfig:
     # calls read by tool_call_parser (server/tool_calls.py: "hermes", "llama3_json").
     enable_auto_tool_choice: bool = False
     tool_call_parser: str | None = None
+    # TLS (vLLM's flags; server/tls.py): with a certificate, the port speaks only HTTPS and WSS.
+    ssl_certfile: str | None = None
+    ssl_keyfile: str | None = None  # None: the key is in ssl_certfile
+    ssl_ca_certs: str | None = None  # client certificates are checked against these
+    ssl_cert_reqs: int = 0  # 0: no client certificate asked for; 1: optional; 2: required
     log_requests: bool = True  # an access-log line (logger trioserve.access, INFO) per HTTP request
     log_stats_interval_s: float | None = 10.0  # a stats line (logger trioserve.stats, INFO) this often (None: off)
     # CORS (vLLM's flags): none allowed by default; "*" allows any origin, method or header.
@@ -76,6 +81,14 @@ class ServerConfig:
         )
         _check(self.max_http_requests_per_connection >= 1, "max_http_requests_per_connection", "must be >= 1")
         _check(self.model_name is None or self.model_name.strip() != "", "model_name", "must not be empty")
+        _check(self.ssl_cert_reqs in (0, 1, 2), "ssl_cert_reqs", "must be 0 (none), 1 (optional) or 2 (required)")
+        for name in ("ssl_keyfile", "ssl_ca_certs"):
+            _check(getattr(self, name) is None or self.ssl_certfile is not None, name, "needs ssl_certfile")
+        _check(
+            self.ssl_cert_reqs == 0 or self.ssl_ca_certs is not None,
+            "ssl_cert_reqs",
+            "needs ssl_ca_certs to check with",
+        )
         _check(
             self.tool_call_parser is None or self.tool_call_parser in TOOL_CALL_PARSERS,
             "tool_call_parser",

@@ -61,6 +61,7 @@ from trioserve.server.listener import accept_loop, fd_limit, fds_needed
 from trioserve.server.metrics import ServerMetrics
 from trioserve.server.state import ServerState, wait_any
 from trioserve.server.stats_log import log_stats
+from trioserve.server.tls import server_context
 
 log = logging.getLogger("trioserve.server")
 access_log = logging.getLogger("trioserve.access")
@@ -139,6 +140,14 @@ class Server:
             engine_config.data_parallel_size, name, reports_engine=attach is None or attach[0] == 0
         )
         self.api = HttpApi(self.state, self.config, self.metrics, name)
+        tls = self.config
+        self._tls = (
+            None
+            if tls.ssl_certfile is None
+            else server_context(
+                tls.ssl_certfile, tls.ssl_keyfile, ca_certs=tls.ssl_ca_certs, cert_reqs=tls.ssl_cert_reqs
+            )
+        )  # every connection is wrapped in it (server/tls.py)
 
     @property
     def engine(self) -> Engine | None:
@@ -151,11 +160,15 @@ class Server:
 
     @property
     def url(self) -> str:
-        return f"ws://{self._host_for_url()}:{self.port}"
+        return f"{'wss' if self._tls else 'ws'}://{self._host_for_url()}:{self.port}"
 
     @property
     def health_url(self) -> str:
-        return f"http://{self._host_for_url()}:{self.port}{http.HEALTH_PATH}"
+        return f"{self._http_scheme}://{self._host_for_url()}:{self.port}{http.HEALTH_PATH}"
+
+    @property
+    def _http_scheme(self) -> str:
+        return "https" if self._tls else "http"
 
     def _host_for_url(self) -> str:
         host = self.config.host
@@ -297,18 +310,31 @@ class Server:
         rejection, or a WebSocket; over the cap, ``/health`` or 503. If
         cancelled, the connection is closed at once, its requests are aborted
         in the engine, and its slot is given back."""
+        conn: trio.abc.Stream = stream
         try:
+            if slot is Slot.SERVE and self.config.socket_send_buffer_bytes is not None:
+                stream.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, self.config.socket_send_buffer_bytes)
+            if self._tls is not None:
+                if slot is Slot.DROP:
+                    return  # no 503 without a handshake: closed at once
+                deadline = self.config.handshake_timeout_s if slot is Slot.SERVE else OVER_CAP_TIMEOUT_S
+                conn = trio.SSLStream(stream, self._tls, server_side=True, https_compatible=True)
+                with trio.move_on_after(deadline) as handshake:
+                    await conn.do_handshake()
+                if handshake.cancelled_caught:
+                    log.debug("a client did not finish the TLS handshake in time: its connection was closed")
+                    return
             if slot is Slot.SERVE:
-                await self._serve_tcp(stream)
+                await self._serve_tcp(conn)
             elif slot is Slot.OVER_CAP:
-                await self._answer_over_cap(stream, trio.current_time() + OVER_CAP_TIMEOUT_S)
+                await self._answer_over_cap(conn, trio.current_time() + OVER_CAP_TIMEOUT_S)
             else:
                 with trio.move_on_after(DROP_WRITE_TIMEOUT_S):
                     reply = http.at_capacity(self.config.max_connections)
                     await stream.send_all(http.response(reply.status, reply.body, extra_headers=reply.headers))
         except Exception as exc:  # from the connection's tasks too: in a group
             if _only(exc, trio.BrokenResourceError, trio.ClosedResourceError):
-                log.debug("a client went away: its connection was closed")
+                log.debug("a client went away, or failed the TLS handshake: its connection was closed")
             elif _only(exc, trio.TooSlowError):
                 log.debug(
                     "a client read nothing for %gs: its connection was closed", self.config.slow_consumer_timeout_s
@@ -317,9 +343,9 @@ class Server:
                 log.exception("a connection failed")
         finally:
             self.admission.release(slot)
-            await trio.aclose_forcefully(stream)
+            await trio.aclose_forcefully(conn)
 
-    async def _serve_tcp(self, stream: trio.SocketStream) -> None:
+    async def _serve_tcp(self, stream: trio.abc.Stream) -> None:
         """Serve HTTP requests on one connection, keeping it alive between
         them, until it closes, a WebSocket takes it over, or a bound is
         reached: the first request head must arrive within
@@ -328,8 +354,6 @@ class Server:
         previous response, each body within ``handshake_timeout_s`` of its
         head, and at most ``max_http_requests_per_connection`` requests. If
         cancelled, the connection's requests are aborted in the engine."""
-        if self.config.socket_send_buffer_bytes is not None:
-            stream.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, self.config.socket_send_buffer_bytes)
         conn = HttpConnection(
             stream,
             max_body_bytes=self.config.max_message_bytes,
@@ -394,7 +418,7 @@ class Server:
                 if self.config.log_requests:
                     log_access(head, conn.status, time.monotonic() - started, conn.log_fields)
 
-    async def _answer_over_cap(self, stream: trio.SocketStream, deadline: float) -> None:
+    async def _answer_over_cap(self, stream: trio.abc.Stream, deadline: float) -> None:
         """Over the connection cap: read one request head by ``deadline``
         (else drop it) and answer ``/health`` as usual, anything else 503;
         then close. If cancelled, the connection is to be closed."""
@@ -419,7 +443,7 @@ class Server:
     @property
     def http_url(self) -> str:
         """The base URL of the OpenAI-compatible API (``.../v1``)."""
-        return f"http://{self._host_for_url()}:{self.port}/v1"
+        return f"{self._http_scheme}://{self._host_for_url()}:{self.port}/v1"
 
     async def _serve_websocket(self, stream: http.ReplayStream, handshake_deadline: float) -> None:
         """Finish the WebSocket handshake (by ``handshake_deadline``, else drop

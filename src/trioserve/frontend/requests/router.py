@@ -14,6 +14,7 @@ from collections.abc import Callable, Sequence
 
 from trioserve.frontend.engines.client import EngineCoreClient
 from trioserve.frontend.engines.group import EngineGroup
+from trioserve.frontend.requests.held import HeldEntries, request_entries
 from trioserve.frontend.requests.outputs import RequestMetrics
 from trioserve.frontend.requests.state import RequestState
 from trioserve.frontend.text.prompt import Prompt, PromptChecker
@@ -33,6 +34,8 @@ class RequestRouter:
         self.tokenizer = tokenizer
         self.prompts = PromptChecker(tokenizer, group.info)
         self.observers: list[RequestObserver] = []  # told each request's metrics when it ends
+        config = group.config
+        self.held = HeldEntries(config.max_request_entries, config.max_held_entries)  # counted by the streams
 
     def token_ids_now(self, prompt: Prompt) -> list[int] | None:
         """The prompt's token ids, checked here (``InvalidRequestError``
@@ -44,6 +47,10 @@ class RequestRouter:
         """``params`` checked against the model's vocabulary, with their
         ``bad_words`` tokenized (``frontend/text/sampling.py``)."""
         return prepare_params(params, self.tokenizer, self.prompts.vocab_size)
+
+    def entries(self, params: SamplingParams, n: int, num_prompt_tokens: int) -> int:
+        """The most entries a request can make this front-end hold (``held.py``)."""
+        return request_entries(params, n, num_prompt_tokens, self._group.info.max_model_len)
 
     async def check_prompt(self, prompt: Prompt) -> list[int]:
         """The prompt's token ids, checked (``InvalidRequestError`` otherwise),

@@ -70,6 +70,7 @@ class RequestStream:
         self._samples: list[RequestState] = []  # once submitted
         self._running: dict[int, RequestState] = {}  # by index: submitted and not over
         self._entering = False  # __aenter__ under way
+        self._held = 0  # entries counted in the router's HeldEntries while it is entered (held.py)
         self._cut_short = False  # its block exited while a sample was running: those were aborted
         self._wakeup = trio.Event()
         self._next = 0  # the sample to look at first, so that none starves the others
@@ -102,7 +103,14 @@ class RequestStream:
             if self._token_ids is None:
                 self._token_ids = await self._router.check_prompt(self._prompt)
             samples = [self._new_sample(self._token_ids, index) for index in range(self.n)]
-            self._client = await self._router.submit(samples, self._target)
+            entries = self._router.entries(self._params, self.n, len(self._token_ids))
+            self._router.held.take(entries)  # raises if it may hold too much, alone or beside the others
+            try:
+                self._client = await self._router.submit(samples, self._target)
+            except BaseException:
+                self._router.held.give(entries)
+                raise
+            self._held = entries
             self._samples = samples  # once submitted: a refused stream may be entered again
             self._running = dict(enumerate(samples))
         finally:
@@ -124,6 +132,8 @@ class RequestStream:
     ) -> None:
         self._cut_short = bool(self._running)
         self._abort_running()
+        self._router.held.give(self._held)
+        self._held = 0
 
     def _abort_running(self, finish_reason: str = "abort") -> None:
         """Abort every sample still running; the observers hear ``finish_reason``."""
