@@ -3,14 +3,14 @@
     PYTHONPATH=src python scripts/bench_held_memory.py [--clients 16] [--rounds 2]
 
 Starts ``trioserve serve`` on the fake runner (no model: tokens cost nothing, so the front-end is what is
-measured) over a tiny model's tokenizer and its 2,048-token context, and sends ``--clients`` concurrent
-non-streamed completions, each as large as ``--max-request-entries`` lets one be: 24 samples of the whole
-context with 20 logprob alternatives a token (24 x 2,043 x 21 = 1,029,672 entries, of 1,048,576), again and
-again for ``--rounds`` rounds. Polls the serving process's RSS (it is the front-end, with one API server)
-every 20 ms, and prints its peak over its idle RSS, with the answers' statuses: 200, or 503 when the
-requests in flight already hold ``--max-held-entries`` (the default lets four such requests run at once).
-Then the same flood with the shared bound lifted (``--max-held-entries`` = clients x one request), to show
-what it saves.
+measured; it makes up the logprob alternatives a request asks for) over a tiny model's tokenizer and its
+2,048-token context, and sends ``--clients`` concurrent non-streamed completions, each as large as
+``--max-request-entries`` lets one be: 24 samples of the whole context with 20 logprob alternatives a token
+(24 x 2,043 x 21 = 1,029,672 entries, of 1,048,576), ``--rounds`` times over. Polls the serving process's RSS
+(it is the front-end, with one API server) every 20 ms, and prints its peak over its idle RSS, with the
+answers' statuses: 200, or 503 when the requests in flight already hold ``--max-held-entries`` (the default
+lets eight such requests run at once). Then the same flood with the shared bound lifted
+(``--max-held-entries`` = clients x one request), to show what it saves.
 """
 
 from __future__ import annotations
@@ -52,6 +52,7 @@ def post(port: int, body: dict) -> int:
 def flood(model_dir: str, clients: int, rounds: int, held_entries: int) -> dict:
     argv = [sys.executable, "-m", "trioserve.cli", "serve", "--port", "0", "--model", model_dir, "--runner", "fake"]
     argv += ["--served-model-name", "m", "--max-held-entries", str(held_entries), "--disable-log-requests"]
+    argv += ["--fake-options", json.dumps({"logprobs": True})]  # made-up alternatives, as many as asked for
     proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
     try:
         assert proc.stdout is not None

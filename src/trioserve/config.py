@@ -132,6 +132,9 @@ class FakeRunnerConfig:
     hang_at_step: int = 0  # block forever at that step
     diverge_at_step: int = 0  # sample a different token than the other ranks at that step
     fault_rank: int = 0  # which worker rank the faults apply to
+    # Made-up logprobs for a request that asks for them (the sampled token first, then the next ids, logprob -i):
+    # what they cost the front-end shows without a model (scripts/bench_held_memory.py).
+    logprobs: bool = False
 
     def __post_init__(self) -> None:
         check_types(self, "fake.")
@@ -189,7 +192,7 @@ class EngineConfig:
     # What one request may make the front-end hold, in entries (an output token, or one of its logprob
     # alternatives: frontend/requests/held.py), and what the requests in flight in one front-end may together.
     max_request_entries: int = 2**20
-    max_held_entries: int = 2**22
+    max_held_entries: int = 2**23
     # Steps sent to the workers before the oldest one's tokens are back: with 2
     # the next step is planned and sent while the workers run the current one,
     # so they never wait on the engine core; 1 runs one step at a time.

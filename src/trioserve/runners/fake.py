@@ -21,7 +21,15 @@ from types import FrameType
 import trio
 
 from trioserve.config import EngineConfig
-from trioserve.messages import GrammarBitmask, ModelInfo, RunnerOutput, SchedulerOutput, WorkerLoaded, is_dummy
+from trioserve.messages import (
+    GrammarBitmask,
+    ModelInfo,
+    RunnerOutput,
+    SampleLogprobs,
+    SchedulerOutput,
+    WorkerLoaded,
+    is_dummy,
+)
 from trioserve.rpc import ShardInfo
 
 FAULT_SIGNAL = signal.SIGUSR1
@@ -57,6 +65,7 @@ class FakeRunner:
         self.sleep_level = 0
         self.vocab_size = self.fake.vocab_size or self._model_vocab_size()
         self._tokens: dict[str, list[int]] = {}
+        self._num_logprobs: dict[str, int] = {}  # with fake.logprobs: the alternatives each request asked for
         self._fault_requested = False  # set by SIGUSR1
         self._install_fault_signal()
 
@@ -153,8 +162,11 @@ class FakeRunner:
         self._inject_faults()
         for req_id in sched.finished_req_ids:
             self._tokens.pop(req_id, None)
+            self._num_logprobs.pop(req_id, None)
         for new in sched.new_requests:
             self._tokens[new.req_id] = list(new.token_ids)
+            if self.fake.logprobs and new.params.logprobs is not None:
+                self._num_logprobs[new.req_id] = new.params.logprobs
         num_computed = {r.req_id: r.num_computed_tokens for r in sched.new_requests}
         num_computed.update({r.req_id: r.num_computed_tokens for r in sched.cached_requests})
         allowed = _allowed_rows(sched, bitmask)
@@ -172,7 +184,17 @@ class FakeRunner:
                 tokens.append(sampled[-1])  # as a real runner does: the next step computes it
         if self.fake.step_delay_s:
             time.sleep(self.fake.step_delay_s)
-        return RunnerOutput(req_ids=req_ids, sampled_token_ids=sampled)
+        if not self._num_logprobs:
+            return RunnerOutput(req_ids=req_ids, sampled_token_ids=sampled)
+        logprobs = [self._made_up_logprobs(r, t) for r, t in zip(req_ids, sampled, strict=True)]
+        return RunnerOutput(req_ids=req_ids, sampled_token_ids=sampled, logprobs=logprobs)
+
+    def _made_up_logprobs(self, req_id: str, token: int) -> SampleLogprobs | None:
+        k = self._num_logprobs.get(req_id)
+        if k is None:
+            return None
+        top = [(token + i) % self.vocab_size for i in range(k)]
+        return SampleLogprobs(0.0, top, [-float(i) for i in range(k)], rank=1)
 
 
 def _allowed_rows(sched: SchedulerOutput, bitmask: Callable[[], GrammarBitmask] | None) -> dict[str, int]:
