@@ -55,6 +55,7 @@ from trioserve.structured import StructuredOutput
 # A call that runs on the workers (sleep, wake_up, collective_rpc) gets at least this long: past
 # its timeout the workers count as hung and are killed with their engine core.
 MIN_WORKER_CALL_TIMEOUT_S = 1.0
+MAX_BATCH_PROMPTS = 1024  # prompts in one stream_prompts batch (a completions request's list of prompts)
 
 
 @contextlib.asynccontextmanager
@@ -354,6 +355,47 @@ class Engine:
             client_id=client_id,
             engine_index=engine_index,
             n=n,
+        )
+
+    def stream_prompts(
+        self,
+        prompts: Sequence[Prompt],
+        params: SamplingParams | None = None,
+        n: int = 1,
+        *,
+        client_id: str = "",
+        engine_index: int | None = None,
+    ) -> RequestStream:
+        """A batch: ``n`` samples of each of ``prompts`` (1 to
+        ``MAX_BATCH_PROMPTS``), streamed together as ``stream_n`` streams one
+        prompt's; sample ``j`` of prompt ``p`` has ``index`` ``p * n + j``
+        (named ``{request_id}-{index}``, with ``seed + j`` when seeded), and
+        ``num_prompt_tokens`` counts every prompt. Checks as ``stream_n``,
+        each prompt as ``stream`` does; all the samples go to one engine, so
+        more than it takes at once is refused (``n`` names it)."""
+        params = self._check_request(SamplingParams() if params is None else params, client_id, engine_index)
+        n = check_n(n)
+        if not isinstance(prompts, Sequence) or isinstance(prompts, str) or not 1 <= len(prompts) <= MAX_BATCH_PROMPTS:
+            raise InvalidRequestError("prompt", f"a batch holds 1 to {MAX_BATCH_PROMPTS} prompts")
+        capacity = self.config.max_num_seqs + self.config.max_waiting_requests
+        if n * len(prompts) > capacity:
+            raise InvalidRequestError(
+                "n",
+                f"{len(prompts)} prompts x {n} samples go to one engine, which takes at most {capacity} requests "
+                "at once (max_num_seqs + max_waiting_requests)",
+            )
+        checked = [(prompt, self._router.token_ids_now(prompt)) for prompt in prompts]
+        (first, first_ids), *more = checked
+        return RequestStream(
+            self._router,
+            self._new_id(),
+            first,
+            first_ids,
+            params,
+            client_id=client_id,
+            engine_index=engine_index,
+            n=n,
+            more_prompts=more,
         )
 
     def _check_request(self, params: object, client_id: object, engine_index: object = None) -> SamplingParams:

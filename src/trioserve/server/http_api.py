@@ -388,15 +388,19 @@ class HttpApi:
                 fmt: EventFormat = chat_format(
                     self.model_name, engine.tokenizer, tools=plan.tools, **_format_options(plan)
                 )
+                prompts = [prompt]
             else:
                 completion = oai.decode_body(body, oai.CompletionRequest, strict=self._config.strict_fields)
                 self._check_model(completion.model)
                 plan = oai.plan_completion(completion)
-                prompt = oai.completion_prompt(completion)
+                prompts = oai.completion_prompts(completion)
+                prompt = prompts[0]
                 fmt = completion_format(self.model_name, engine.tokenizer, echo=plan.echo, **_format_options(plan))
             names = plan.names
             if plan.params.structured is not None:
                 await engine.check_structured(plan.params.structured)
+            if len(prompts) > 1:  # a batch: its prompts' samples are the choices, in order
+                return engine.stream_prompts(prompts, plan.params, plan.n, client_id=client_id), fmt, plan, prompt
             return engine.stream_n(prompt, plan.params, plan.n, client_id=client_id), fmt, plan, prompt
         except InvalidRequestError as exc:
             raise OpenAIError.from_engine(exc, names) from None

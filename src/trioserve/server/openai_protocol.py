@@ -278,14 +278,22 @@ def plan_completion(request: CompletionRequest) -> Plan:
     return _plan(request, params, names, echo=request.echo)
 
 
-def completion_prompt(request: CompletionRequest) -> str | list[int]:
-    """The one prompt of a completion request (a string or token ids)."""
+def completion_prompts(request: CompletionRequest) -> list[str | list[int]]:
+    """The prompts of a completion request: one (a string or token ids), or
+    a batch (a list of strings, or of token-id lists). A batch's samples are
+    the response's choices, prompt by prompt; ``echo`` and
+    ``prompt_logprobs`` are for one prompt."""
     prompt: Any = request.prompt
-    if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
-        if len(prompt) != 1:
-            raise invalid("prompt", "give one prompt per request (batches of prompts are not supported)", "unsupported")
-        prompt = prompt[0]
-    return prompt  # type: ignore[no-any-return]  # the engine checks a list's items
+    if not (isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list))):
+        return [prompt]  # the engine checks a list's items
+    if not all(isinstance(item, type(prompt[0])) for item in prompt):
+        raise invalid("prompt", "a batch is a list of strings or a list of token-id lists, not both")
+    if len(prompt) > 1:
+        if request.echo:
+            raise invalid("echo", "not with a batch of prompts (give one prompt per request)", code="unsupported")
+        if request.prompt_logprobs is not None:
+            raise invalid("prompt_logprobs", "not with a batch of prompts (give one prompt per request)", "unsupported")
+    return list(prompt)
 
 
 def plan_chat(request: ChatCompletionRequest, max_model_len: int, *, tool_call_parser: str | None = None) -> Plan:

@@ -56,14 +56,20 @@ class RequestStream:
         client_id: str = "",
         engine_index: int | None = None,
         n: int | None = None,
+        more_prompts: list[tuple[Prompt, list[int] | None]] | None = None,
     ) -> None:
+        """``more_prompts``: a batch (``Engine.stream_prompts``): the prompts
+        after the first, each with its token ids (None: still to check), each
+        sampled ``n`` times; sample ``j`` of prompt ``p`` is ``index p * n + j``."""
         self._router = router
         self.request_id = request_id
-        self.n = 1 if n is None else n
-        self._fanned_out = n is not None
+        self._per_prompt = 1 if n is None else n
+        self._fanned_out = n is not None or bool(more_prompts)
         self._target = engine_index
-        self._prompt = prompt
-        self._token_ids = token_ids  # None until a long text prompt is tokenized
+        self._prompts: list[Prompt] = [prompt, *(p for p, _ in more_prompts or [])]
+        # Each prompt's ids: None until a long text prompt is tokenized.
+        self._prompt_ids: list[list[int] | None] = [token_ids, *(ids for _, ids in more_prompts or [])]
+        self.n = self._per_prompt * len(self._prompts)
         self._params = params
         self._client_id = client_id
         self._client: EngineCoreClient | None = None
@@ -78,13 +84,14 @@ class RequestStream:
 
     @property
     def num_prompt_tokens(self) -> int:
-        """The prompt's length in tokens (known once the block is entered)."""
-        return 0 if self._token_ids is None else len(self._token_ids)
+        """The prompt's length in tokens (a batch's: all its prompts'; known once the block is entered)."""
+        return sum(len(ids) for ids in self._prompt_ids if ids is not None)
 
     @property
     def prompt_token_ids(self) -> list[int]:
-        """The prompt's token ids (known once the block is entered; empty before)."""
-        return [] if self._token_ids is None else list(self._token_ids)
+        """The (first) prompt's token ids (known once the block is entered; empty before)."""
+        first = self._prompt_ids[0]
+        return [] if first is None else list(first)
 
     @property
     def engine_index(self) -> int | None:
@@ -100,10 +107,16 @@ class RequestStream:
             raise RuntimeError(f"request {self.request_id!r}: a stream runs once; make a new one with engine.{maker}()")
         self._entering = True  # a second task entering meanwhile must not submit it again
         try:
-            if self._token_ids is None:
-                self._token_ids = await self._router.check_prompt(self._prompt)
-            samples = [self._new_sample(self._token_ids, index) for index in range(self.n)]
-            entries = self._router.entries(self._params, self.n, len(self._token_ids))
+            checked: list[list[int]] = []
+            for prompt, ids in zip(self._prompts, self._prompt_ids, strict=True):
+                checked.append(ids if ids is not None else await self._router.check_prompt(prompt))
+            self._prompt_ids = list(checked)
+            samples = [
+                self._new_sample(ids, p * self._per_prompt + j, j)
+                for p, ids in enumerate(checked)
+                for j in range(self._per_prompt)
+            ]
+            entries = sum(self._router.entries(self._params, self._per_prompt, len(ids)) for ids in checked)
             self._router.held.take(entries)  # raises if it may hold too much, alone or beside the others
             try:
                 self._client = await self._router.submit(samples, self._target)
@@ -117,9 +130,10 @@ class RequestStream:
             self._entering = False
         return self
 
-    def _new_sample(self, token_ids: list[int], index: int) -> RequestState:
+    def _new_sample(self, token_ids: list[int], index: int, sample: int) -> RequestState:
+        """Sample ``sample`` of its prompt, ``index`` in the stream."""
         request_id = child_request_id(self.request_id, index) if self._fanned_out else self.request_id
-        params = child_params(self._params, index)
+        params = child_params(self._params, sample)
         state = self._router.new_state(request_id, token_ids, params, self._client_id, index)
         state.collector.on_ready = self._wake
         return state
