@@ -29,7 +29,7 @@ from trioserve.bench import cli as bench_cli
 from trioserve.bench.drivers import Progress, connections_for
 from trioserve.bench.flops import ModelShape, utilisation, workload_flops
 from trioserve.bench.report import _flops_lines, build_result, flops_figures, flops_targets, format_table, write_json
-from trioserve.bench.run import run_against_server, run_in_process
+from trioserve.bench.run import run_against_openai, run_against_server, run_in_process
 from trioserve.bench.stats import RequestRecord, percentile, summarize
 from trioserve.bench.steps import in_run_figures, step_log_env
 from trioserve.bench.workload import MAX_NUM_REQUESTS, WorkloadSpec, build_requests, parse_range
@@ -122,6 +122,49 @@ async def test_websocket_driver_against_a_running_server(fake_config):
     result = build_result(summarize(outcome.records), outcome.peak_rss_bytes, {}, _meta(workload))
     check_figures(result, workload, outcome.records)
     assert no_children_left()
+
+
+async def test_openai_driver_against_a_running_server_streams_every_token(fake_config):
+    """The same workload over the OpenAI API (streamed completions), as a
+    vLLM server is measured; the figures are the WebSocket driver's."""
+    from trioserve.server import Server, ServerConfig
+
+    workload = spec(num_requests=8)
+    with trio.fail_after(30):
+        async with trio.open_nursery() as nursery:
+            server = Server(fake_config(), ServerConfig(port=0, shutdown_grace_s=0.5))
+            nursery.start_soon(server.run)
+            assert await server.wait_ready()
+            outcome = await run_against_openai(server.http_url, None, workload, Progress(8, enabled=False))
+            server.shutdown()
+    assert all(r.ok and r.finish_reason == "length" for r in outcome.records)
+    assert [r.num_output_tokens for r in outcome.records] == [r.max_tokens for r in build_requests(workload)]
+    assert {"bench client", "server", "engine-core-0", "worker-0"} <= set(outcome.peak_rss_bytes)
+    result = build_result(summarize(outcome.records), outcome.peak_rss_bytes, {}, _meta(workload))
+    check_figures(result, workload, outcome.records)
+    assert no_children_left()
+
+
+def test_the_plot_draws_every_system_of_the_run(tmp_path):
+    """Our latency distributions, each baseline's ITL p50 and every system's tokens/s, in one PNG."""
+    from trioserve.bench.report import plot_latencies
+
+    records = []
+    for i in range(6):
+        record = RequestRecord(i, 5, 4, sent_s=10.0 + i * 0.01)
+        for k in range(4):
+            record.deliver(10.1 + i * 0.01 + k * 0.02, 1)
+        record.finished_s, record.finish_reason = 10.2 + i * 0.01, "length"
+        records.append(record)
+    baselines = {
+        "model-only": {"output_tokens_per_s": 300.0, "itl_p50_s": 0.015},
+        "vllm": {"output_tokens_per_s": 250.0},
+        "generate": {"error": "it failed"},  # left out
+    }
+    path = tmp_path / "run.png"
+    plot_latencies(records, path, "a run", baselines, "trioserve at http://127.0.0.1:8000")
+    data = path.read_bytes()
+    assert data.startswith(b"\x89PNG\r\n\x1a\n") and len(data) > 10_000
 
 
 def test_the_table_shows_the_first_errors_of_a_run_that_had_some():
@@ -303,8 +346,9 @@ def test_workload_is_a_function_of_its_spec():
     [
         (["--json", "/nonexistent/dir/x.json"], "--json: cannot write /nonexistent/dir/x.json"),
         (["--plot", "/nonexistent/dir/x.png"], "--plot: cannot write /nonexistent/dir/x.png"),
-        (["--url", "http://x"], "--url: 'http://x' is not a WebSocket URL"),
-        (["--url", "ws://127.0.0.1:1"], "--url: cannot reach a trioserve server at ws://127.0.0.1:1: "),
+        (["--url", "ftp://x"], "--url: 'ftp://x' is neither a WebSocket URL"),
+        (["--url", "ws://127.0.0.1:1"], "--url: cannot reach a server at ws://127.0.0.1:1: "),
+        (["--url", "http://127.0.0.1:1"], "--url: cannot read the served model at http://127.0.0.1:1/v1/models: "),
     ],
 )
 def test_options_that_would_fail_only_after_the_run_fail_before_it_in_one_line(tiny_model_dir, options, message):

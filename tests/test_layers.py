@@ -75,7 +75,8 @@ THIRD_PARTY = {
     "api": {"msgspec", "trio"},
     # h11: HTTP/1.1 framing (server/http_conn.py); prometheus_client: /metrics (server/metrics.py).
     "server": {"msgspec", "trio", "trio_websocket", "h11", "prometheus_client"},
-    "bench": {"msgspec", "trio", "trio_websocket", "psutil", "matplotlib", "numpy"},
+    # h11: the OpenAI API's HTTP client (bench/openai_driver.py).
+    "bench": {"msgspec", "trio", "trio_websocket", "psutil", "matplotlib", "numpy", "h11"},
     "chat": {"trio"},
     "engine_options": set(),
     # huggingface_hub: a model given as a Hugging Face id, found in the local cache (cli/engine.py).

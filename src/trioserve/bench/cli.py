@@ -31,6 +31,7 @@ from trioserve.bench.report import (
 from trioserve.bench.run import (
     BASELINE_KINDS,
     OPTIONAL_BASELINE_KINDS,
+    run_against_openai,
     run_against_server,
     run_baseline,
     run_in_process,
@@ -58,7 +59,8 @@ DESCRIPTION = """\
 Measure trioserve's throughput and latency, and the same workload's baselines
 in the same run. Sends NUM_REQUESTS requests of random token-id prompts
 (greedy, EOS ignored, so every request produces exactly its output length)
-to an in-process engine, or with --url to a running `trioserve serve`; then
+to an in-process engine, or with --url to a running server (`trioserve serve` over WebSocket, or any
+OpenAI-compatible server, vLLM's too, over HTTP); then
 runs each baseline in its own process: the model-only bound (our model
 runner stepping the same batch shapes, no scheduling, IPC or
 detokenization), transformers' generate_batch (continuous batching) and
@@ -139,7 +141,10 @@ def _add_workload_options(parser: argparse.ArgumentParser) -> None:
 def _add_target_options(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("what to benchmark")
     group.add_argument(
-        "--url", help="drive a running `trioserve serve` at this ws:// URL instead of an in-process engine"
+        "--url",
+        help="drive a running server instead of an in-process engine: `trioserve serve` at its ws:// URL (the "
+        "WebSocket protocol), or any OpenAI-compatible server (trioserve's, `vllm serve`) at its http:// URL "
+        "(streamed /v1/completions)",
     )
     group.add_argument("--api-key", default=None, help="the server's API key, if it wants one")
     group.add_argument(
@@ -212,9 +217,9 @@ def _positions(config: EngineConfig, text_config: dict[str, Any]) -> tuple[int, 
 
 
 def _models_url(url: str) -> str:
-    """The OpenAI model list of the server whose WebSocket URL is ``url``."""
+    """The OpenAI model list of the server at ``url`` (its WebSocket URL, or its HTTP one)."""
     scheme, _, rest = url.partition("://")
-    return f"{'https' if scheme == 'wss' else 'http'}://{rest.split('/', 1)[0]}/v1/models"
+    return f"{'https' if scheme in ('wss', 'https') else 'http'}://{rest.split('/', 1)[0]}/v1/models"
 
 
 def server_context(url: str, api_key: str | None) -> int | None:
@@ -311,9 +316,10 @@ def _check_outputs(args: argparse.Namespace) -> None:
             _check_writable(option, path)
     if args.plot and importlib.util.find_spec("matplotlib") is None:
         raise ValueError("--plot needs matplotlib: pip install 'trioserve[bench]' (or matplotlib)")
-    if args.url and not args.url.startswith(("ws://", "wss://")):
+    if args.url and not args.url.startswith(("ws://", "wss://", "http://", "https://")):
         raise ValueError(
-            f"--url: {args.url!r:.80} is not a WebSocket URL (ws://HOST:PORT, as `trioserve serve` prints)"
+            f"--url: {args.url!r:.80} is neither a WebSocket URL (ws://HOST:PORT, as `trioserve serve` prints) nor "
+            "an OpenAI API's (http://HOST:PORT)"
         )
 
 
@@ -352,14 +358,15 @@ def cmd_bench(args: argparse.Namespace) -> int:
     peak = run_baseline("peak-gemm", config, spec, args.baseline_timeout) if config.runner == "hf" else None
     if args.url:
         try:
-            outcome = _stoppable(run_against_server, args.url, args.api_key, spec, progress)
+            drive = run_against_openai if args.url.startswith("http") else run_against_server
+            outcome = _stoppable(drive, args.url, args.api_key, spec, progress)
         except (OSError, HandshakeError, BaseExceptionGroup) as exc:
             cause = collapse(exc) if isinstance(exc, BaseExceptionGroup) else exc
             if not isinstance(cause, OSError | HandshakeError):
                 raise
             underlying = cause.__cause__ or cause.__context__ or cause  # a HandshakeError says nothing itself
             why = getattr(underlying, "strerror", None) or str(underlying) or type(underlying).__name__
-            raise ValueError(f"--url: cannot reach a trioserve server at {args.url}: {why}") from None
+            raise ValueError(f"--url: cannot reach a server at {args.url}: {why}") from None
     else:
         outcome = _stoppable(run_in_process, config, spec, progress)
     baselines = {}
@@ -389,7 +396,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
     if args.json:
         write_json(result, args.json)
     if args.plot:
-        plot_latencies(outcome.records, args.plot, f"trioserve bench: {_describe(spec)}")
+        ours = f"trioserve at {args.url}" if args.url else "trioserve (in-process engine)"
+        plot_latencies(outcome.records, args.plot, f"trioserve bench: {_describe(spec)}", baselines, ours)
     return 1 if result["results"]["num_errors"] else 0
 
 

@@ -277,9 +277,17 @@ def _nan_safe(value: Any) -> Any:
     return str(value)
 
 
-def plot_latencies(records: list[RequestRecord], path: str | Path, title: str) -> None:
-    """TTFT, ITL and E2E distributions (empirical CDFs) as a PNG. Needs
-    matplotlib (``pip install 'trioserve[bench]'``)."""
+def plot_latencies(
+    records: list[RequestRecord],
+    path: str | Path,
+    title: str,
+    baselines: dict[str, dict[str, Any]] | None = None,
+    ours: str = "ours",
+) -> None:
+    """Every system of the run on one chart: our requests' TTFT, ITL and E2E
+    distributions (empirical CDFs), each baseline's ITL p50 where it has one
+    (a line on the ITL panel), and every system's output tokens/s (bars).
+    Needs matplotlib (``pip install 'trioserve[bench]'``)."""
     try:
         import matplotlib
 
@@ -293,17 +301,37 @@ def plot_latencies(records: list[RequestRecord], path: str | Path, title: str) -
         "inter-token latency": [g for r in done for g in r.itls()],
         "end-to-end latency": [r.e2e for r in done],
     }
-    fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
-    for ax, (name, seconds) in zip(axes, series.items(), strict=True):
+    measured = {kind: b for kind, b in (baselines or {}).items() if "error" not in b}
+    fig, axes = plt.subplots(1, 4, figsize=(20, 4.4))
+    for ax, (name, seconds) in zip(axes, series.items(), strict=False):
         values = sorted(v * 1000 for v in seconds)
         ys = [(i + 1) / len(values) for i in range(len(values))]
-        ax.plot(values, ys, drawstyle="steps-post")
+        ax.plot(values, ys, drawstyle="steps-post", label=ours)
         for q in (0.5, 0.99):
             ax.axhline(q, color="grey", linewidth=0.6, linestyle=":")
+        if name == "inter-token latency":
+            for i, (kind, figures) in enumerate(measured.items()):
+                if figures.get("itl_p50_s") is not None:
+                    ax.axvline(figures["itl_p50_s"] * 1000, color=f"C{i + 1}", linestyle="--",
+                               label=f"{BASELINE_NAMES.get(kind, kind)}: p50")  # fmt: skip
+            ax.legend(fontsize=7, loc="lower right")
         ax.set_title(name)
         ax.set_xlabel("ms")
         ax.set_ylabel("fraction of samples <= x")
         ax.grid(alpha=0.3)
+    window = [r for r in done if r.deliveries]
+    if window:
+        span = max(r.finished_s for r in window) - min(r.sent_s for r in window)
+        rates = {ours: sum(r.num_output_tokens for r in window) / span if span > 0 else 0.0}
+    else:
+        rates = {ours: 0.0}
+    rates |= {BASELINE_NAMES.get(k, k): float(b.get("output_tokens_per_s") or 0.0) for k, b in measured.items()}
+    bars = axes[3]
+    bars.barh(list(rates), list(rates.values()), color=[f"C{i}" for i in range(len(rates))])
+    bars.invert_yaxis()
+    bars.set_title("output tokens/s, same workload")
+    bars.tick_params(axis="y", labelsize=7)
+    bars.grid(alpha=0.3, axis="x")
     fig.suptitle(title)
     fig.tight_layout()
     fig.savefig(path, dpi=100)

@@ -19,6 +19,7 @@ import trio
 from trioserve.api import Engine, open_engine
 from trioserve.bench.drivers import Progress, WebSocketPool, connections_for, drive, engine_sender
 from trioserve.bench.memory import PeakMemory, cpu_seconds, server_processes
+from trioserve.bench.openai_driver import OpenAIServer, served_model
 from trioserve.bench.stats import RequestRecord
 from trioserve.bench.steps import step_log_env
 from trioserve.bench.workload import BenchRequest, WorkloadSpec, build_requests, warmup_spec
@@ -89,6 +90,16 @@ async def run_against_server(url: str, api_key: str | None, spec: WorkloadSpec, 
         outcome = await _measure(requests, spec, pool.send, PeakMemory(pids), progress)
         nursery.cancel_scope.cancel()
     return outcome
+
+
+async def run_against_openai(url: str, api_key: str | None, spec: WorkloadSpec, progress: Progress) -> RunOutcome:
+    """Run the workload against a running OpenAI-compatible server (trioserve's or vLLM's) over HTTP
+    (``openai_driver.py``). Peak memory covers the server's processes when they run on this machine."""
+    requests = build_requests(spec)
+    model = await trio.to_thread.run_sync(served_model, url, api_key)
+    server = OpenAIServer(url, model, api_key)
+    pids = {"bench client": os.getpid(), **server_processes(server.port)}
+    return await _measure(requests, spec, server.sender(), PeakMemory(pids), progress)
 
 
 async def _measure(
