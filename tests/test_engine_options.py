@@ -77,6 +77,7 @@ def test_every_engine_option_reaches_its_field():
         "--max-logprobs", "5", "--gpu-memory-utilization", "0.5", "--torch-threads", "3", "--kv-cache-mib", "7",
         "--num-kv-blocks", "9", "--block-size", "32", "--no-prefix-caching", "--max-num-seqs", "5",
         "--max-num-batched-tokens", "77", "--max-model-len", "99", "--max-waiting-requests", "11",
+        "--max-request-entries", "1000", "--max-held-entries", "5000",
         "--max-steps-in-flight", "1", "--engine-seed", "13", "--compile", "--data-parallel-size", "2",
         "--tensor-parallel-size", "2", "--data-parallel-lockstep", "--runner", "fake",
         "--fake-options", '{"eos_every": 4}', "--max-restarts", "6", "--restart-window", "60",
