@@ -216,6 +216,13 @@ def _positions(config: EngineConfig, text_config: dict[str, Any]) -> tuple[int, 
     return None
 
 
+def _driver(url: str | None) -> str:
+    """How the run reached the engine, as the table and the JSON say it."""
+    if not url:
+        return "in-process engine"
+    return f"OpenAI API {url}" if url.startswith(("http://", "https://")) else f"WebSocket {url}"
+
+
 def _models_url(url: str) -> str:
     """The OpenAI model list of the server at ``url`` (its WebSocket URL, or its HTTP one)."""
     scheme, _, rest = url.partition("://")
@@ -374,7 +381,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         say(f"trioserve bench: baseline {kind} ...")
         baselines[kind] = _run_baseline(kind, args, config, spec)
     meta = {
-        "driver": f"WebSocket {args.url}" if args.url else "in-process engine",
+        "driver": _driver(args.url),
         "model": str(model_dir),
         "workload": spec.to_dict(),
         "workload_text": _describe(spec),
