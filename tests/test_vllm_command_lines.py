@@ -172,3 +172,11 @@ def test_a_gguf_file_is_converted_once_into_the_cache_and_again_when_it_changes(
     gguf.write_bytes(b"GGUF two, longer")
     second = default_model.gguf_model_dir(gguf, announce=False)
     assert second != first and len(builds) == 2 and default_model.is_complete(second)
+
+
+@pytest.mark.parametrize("argv", [["serve", ""], ["serve", "--model", "  "], ["generate", "--model", "", "hi"]])
+def test_an_empty_model_is_refused_by_name_not_taken_for_the_working_directory(argv, capsys):
+    assert main(argv) == EXIT_USAGE
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["trioserve: invalid input: MODEL: empty; give a model directory, a .gguf file or a Hugging Face id "
+                   "(or none)"]  # fmt: skip

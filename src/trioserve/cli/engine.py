@@ -36,11 +36,14 @@ def command_engine_config(args: argparse.Namespace, **fields: Any) -> EngineConf
 
 def model_argument(args: argparse.Namespace) -> str | None:
     """The model given: ``serve``'s positional MODEL (vLLM's) or ``--model``;
-    ``ValueError`` when both are given and differ."""
+    ``ValueError`` when both are given and differ, or it is empty."""
     positional = getattr(args, "model_tag", None)
     if positional is not None and args.model is not None and positional != args.model:
         raise ValueError(f"the model is given twice: {positional!r} and --model {args.model!r}")
-    return positional if positional is not None else args.model  # type: ignore[no-any-return]
+    name = positional if positional is not None else args.model
+    if name is not None and not name.strip():  # "" would be the working directory
+        raise ValueError("MODEL: empty; give a model directory, a .gguf file or a Hugging Face id (or none)")
+    return name  # type: ignore[no-any-return]
 
 
 def resolve_model(name: str, revision: str | None = None, download_dir: str | None = None) -> str:
