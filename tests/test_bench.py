@@ -107,7 +107,10 @@ async def test_request_rate_paces_the_requests(fake_config):
     assert no_children_left()
 
 
-async def test_websocket_driver_against_a_running_server(fake_config):
+@pytest.mark.parametrize("driver", ["websocket", "openai"])
+async def test_a_driver_against_a_running_server_gets_every_token(fake_config, driver):
+    """The same workload over the WebSocket protocol and over the OpenAI API
+    (streamed completions, as a vLLM server is measured): the same figures."""
     from trioserve.server import Server, ServerConfig
 
     workload = spec(num_requests=8)
@@ -116,26 +119,10 @@ async def test_websocket_driver_against_a_running_server(fake_config):
             server = Server(fake_config(), ServerConfig(port=0, shutdown_grace_s=0.5))
             nursery.start_soon(server.run)
             assert await server.wait_ready()
-            outcome = await run_against_server(server.url, None, workload, Progress(8, enabled=False))
-            server.shutdown()
-    assert {"bench client", "server", "engine-core-0", "worker-0"} <= set(outcome.peak_rss_bytes)
-    result = build_result(summarize(outcome.records), outcome.peak_rss_bytes, {}, _meta(workload))
-    check_figures(result, workload, outcome.records)
-    assert no_children_left()
-
-
-async def test_openai_driver_against_a_running_server_streams_every_token(fake_config):
-    """The same workload over the OpenAI API (streamed completions), as a
-    vLLM server is measured; the figures are the WebSocket driver's."""
-    from trioserve.server import Server, ServerConfig
-
-    workload = spec(num_requests=8)
-    with trio.fail_after(30):
-        async with trio.open_nursery() as nursery:
-            server = Server(fake_config(), ServerConfig(port=0, shutdown_grace_s=0.5))
-            nursery.start_soon(server.run)
-            assert await server.wait_ready()
-            outcome = await run_against_openai(server.http_url, None, workload, Progress(8, enabled=False))
+            run, url = (
+                (run_against_server, server.url) if driver == "websocket" else (run_against_openai, server.http_url)
+            )
+            outcome = await run(url, None, workload, Progress(8, enabled=False))
             server.shutdown()
     assert all(r.ok and r.finish_reason == "length" for r in outcome.records)
     assert [r.num_output_tokens for r in outcome.records] == [r.max_tokens for r in build_requests(workload)]

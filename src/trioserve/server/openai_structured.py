@@ -72,14 +72,7 @@ def requested_constraint(fields: StructuredFields) -> tuple[StructuredOutput | N
         found += _response_format(fields.response_format)
     if fields.structured_outputs is not None:
         found += _structured_outputs(fields.structured_outputs)
-    if fields.guided_json is not None:
-        found.append(("guided_json", _json_schema("guided_json", fields.guided_json)))
-    if fields.guided_regex is not None:
-        found.append(("guided_regex", Regex(pattern=fields.guided_regex)))
-    if fields.guided_choice is not None:
-        found.append(("guided_choice", Choice(choices=fields.guided_choice)))
-    if fields.guided_grammar is not None:
-        found.append(("guided_grammar", Grammar(grammar=fields.guided_grammar)))
+    found += _named("guided_", fields.guided_json, fields.guided_regex, fields.guided_choice, fields.guided_grammar)
     if len(found) > 1:
         names = " and ".join(name for name, _ in found)
         raise StructuredError(found[1][0], f"one structured-output constraint per request (got {names})")
@@ -87,6 +80,27 @@ def requested_constraint(fields: StructuredFields) -> tuple[StructuredOutput | N
         return None, "response_format"
     name, constraint = found[0]
     return constraint, name
+
+
+def _named(
+    prefix: str,
+    json_value: dict[str, Any] | bool | str | None,
+    regex: str | None,
+    choice: list[str] | None,
+    grammar: str | None,
+) -> list[tuple[str, StructuredOutput]]:
+    """The constraints given under vLLM's names: ``{prefix}json``, ``{prefix}regex``, ``{prefix}choice``,
+    ``{prefix}grammar`` (``guided_json``..., ``structured_outputs.json``...)."""
+    found: list[tuple[str, StructuredOutput]] = []
+    if json_value is not None:
+        found.append((f"{prefix}json", _json_schema(f"{prefix}json", json_value)))
+    if regex is not None:
+        found.append((f"{prefix}regex", Regex(pattern=regex)))
+    if choice is not None:
+        found.append((f"{prefix}choice", Choice(choices=choice)))
+    if grammar is not None:
+        found.append((f"{prefix}grammar", Grammar(grammar=grammar)))
+    return found
 
 
 def _response_format(fmt: ResponseFormat) -> list[tuple[str, StructuredOutput]]:
@@ -103,15 +117,7 @@ def _response_format(fmt: ResponseFormat) -> list[tuple[str, StructuredOutput]]:
 
 
 def _structured_outputs(params: StructuredOutputsParams) -> list[tuple[str, StructuredOutput]]:
-    found: list[tuple[str, StructuredOutput]] = []
-    if params.json is not None:
-        found.append(("structured_outputs.json", _json_schema("structured_outputs.json", params.json)))
-    if params.regex is not None:
-        found.append(("structured_outputs.regex", Regex(pattern=params.regex)))
-    if params.choice is not None:
-        found.append(("structured_outputs.choice", Choice(choices=params.choice)))
-    if params.grammar is not None:
-        found.append(("structured_outputs.grammar", Grammar(grammar=params.grammar)))
+    found = _named("structured_outputs.", params.json, params.regex, params.choice, params.grammar)
     if params.json_object:
         found.append(("structured_outputs.json_object", JsonObject()))
     if not found:
