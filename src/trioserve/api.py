@@ -20,10 +20,10 @@ import msgspec
 import trio
 
 from trioserve.config import EngineConfig
-from trioserve.errors import EngineDeadError, EngineStartupError, InvalidRequestError, collapse, leaves
+from trioserve.errors import EngineDeadError, InvalidRequestError, collapse, only_the_callers
 from trioserve.frontend.engines.group import EngineGroup
 from trioserve.frontend.engines.supervisor import Health
-from trioserve.frontend.model_dir import load_model_dir
+from trioserve.frontend.model_dir import load_text
 from trioserve.frontend.requests.outputs import RequestOutput
 from trioserve.frontend.requests.parallel_sampling import check_n
 from trioserve.frontend.requests.router import RequestObserver, RequestRouter
@@ -101,7 +101,7 @@ async def open_attached_engine(config: EngineConfig, api_server: int, directory:
 
 @contextlib.asynccontextmanager
 async def _open(config: EngineConfig, group: EngineGroup, id_prefix: str | None = None) -> AsyncIterator[Engine]:
-    tokenizer, chat_template = await trio.to_thread.run_sync(_load_tokenizer, config)
+    tokenizer, chat_template = await trio.to_thread.run_sync(load_text, config)
     own: BaseException | None = None  # what the caller's block raised
     try:
         async with trio.open_nursery() as nursery:
@@ -114,40 +114,14 @@ async def _open(config: EngineConfig, group: EngineGroup, id_prefix: str | None 
             finally:
                 nursery.cancel_scope.cancel()
     except BaseExceptionGroup as exc:
-        if own is not None and _only_the_callers(exc, own):
+        if own is not None and only_the_callers(exc, own):
             raise own from own.__cause__  # the caller's own exception (a group of theirs too) comes out as it was
         raise collapse(exc) from None
-
-
-def _only_the_callers(group: BaseExceptionGroup, own: BaseException) -> bool:
-    """True when ``group`` (the nursery's) holds nothing but ``own``, the
-    caller's exception, beside cancellations: itself, or, for a group of
-    the caller's, the copy Trio made of it (the same leaves)."""
-    others = [e for e in group.exceptions if not isinstance(e, trio.Cancelled)]
-    if len(others) != 1:
-        return False
-    return others[0] is own or (isinstance(own, BaseExceptionGroup) and leaves(others[0]) == leaves(own))
 
 
 def _check_mode(mode: object) -> None:
     if mode not in ("wait", "abort"):
         raise InvalidRequestError("mode", f"must be 'wait' or 'abort' (got {mode!r})")
-
-
-def _load_tokenizer(config: EngineConfig) -> tuple[Tokenizer, ChatTemplate | None]:
-    """The model directory's tokenizer and chat template, once the directory
-    is checked; a missing or broken one is a start-up error naming the path."""
-    try:
-        tokenizer = load_model_dir(config.model, needs_weights=config.runner == "hf")
-        text_dir = config.model
-        if config.tokenizer is not None:  # its own tokenizer (and chat template, unless one is given)
-            tokenizer = Tokenizer.from_dir(config.tokenizer)
-            text_dir = config.tokenizer
-        if config.chat_template is not None:
-            return tokenizer, ChatTemplate.from_source(config.chat_template, text_dir)
-        return tokenizer, ChatTemplate.from_dir(text_dir)
-    except (OSError, ValueError) as exc:  # each names the directory or the file
-        raise EngineStartupError(str(exc), stage="tokenizer") from None
 
 
 class Engine:
@@ -336,26 +310,7 @@ class Engine:
         what an engine takes at once (``max_num_seqs + max_waiting_requests``)
         is refused too: no retry could ever run it.
         """
-        params = self._check_request(SamplingParams() if params is None else params, client_id, engine_index)
-        n = check_n(n)
-        capacity = self.config.max_num_seqs + self.config.max_waiting_requests
-        if n > capacity:
-            raise InvalidRequestError(
-                "n",
-                f"{n} samples go to one engine, which takes at most {capacity} requests at once "
-                "(max_num_seqs + max_waiting_requests)",
-            )
-        token_ids = self._router.token_ids_now(prompt)
-        return RequestStream(
-            self._router,
-            self._new_id(),
-            prompt,
-            token_ids,
-            params,
-            client_id=client_id,
-            engine_index=engine_index,
-            n=n,
-        )
+        return self.stream_prompts([prompt], params, n, client_id=client_id, engine_index=engine_index)
 
     def stream_prompts(
         self,
@@ -379,10 +334,11 @@ class Engine:
             raise InvalidRequestError("prompt", f"a batch holds 1 to {MAX_BATCH_PROMPTS} prompts")
         capacity = self.config.max_num_seqs + self.config.max_waiting_requests
         if n * len(prompts) > capacity:
+            samples = f"{n} samples" if len(prompts) == 1 else f"{len(prompts)} prompts x {n} samples"
             raise InvalidRequestError(
                 "n",
-                f"{len(prompts)} prompts x {n} samples go to one engine, which takes at most {capacity} requests "
-                "at once (max_num_seqs + max_waiting_requests)",
+                f"{samples} go to one engine, which takes at most {capacity} requests at once "
+                "(max_num_seqs + max_waiting_requests)",
             )
         checked = [(prompt, self._router.token_ids_now(prompt)) for prompt in prompts]
         (first, first_ids), *more = checked

@@ -124,6 +124,18 @@ def sole_leaf(exc: BaseException, kind: type[_E]) -> _E | None:
     return None
 
 
+def only_the_callers(group: BaseExceptionGroup, own: BaseException) -> bool:
+    """True when ``group`` (a nursery's) holds nothing but ``own``, the
+    caller's exception, beside cancellations: itself, or, for a group of
+    the caller's, the copy Trio made of it (the same leaves)."""
+    import trio  # as in meaningful_leaves
+
+    others = [e for e in group.exceptions if not isinstance(e, trio.Cancelled)]
+    if len(others) != 1:
+        return False
+    return others[0] is own or (isinstance(own, BaseExceptionGroup) and leaves(others[0]) == leaves(own))
+
+
 def describe(exc: BaseException) -> str:
     """One line per meaningful leaf, joined with "; ": our own errors by their
     message (it names what failed), others as ``Type: message``."""

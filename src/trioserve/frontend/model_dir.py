@@ -12,6 +12,9 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from trioserve.config import EngineConfig
+from trioserve.errors import EngineStartupError
+from trioserve.frontend.text.chat_template import ChatTemplate
 from trioserve.frontend.text.tokenizer import Tokenizer
 
 WEIGHT_PATTERNS = ("*.safetensors", "pytorch_model*.bin")
@@ -39,3 +42,21 @@ def _check_config(path: Path) -> None:
         raise ValueError(f"{path}: not a readable JSON file: {exc}") from None
     if not isinstance(config, dict) or not isinstance(config.get("model_type"), str):
         raise ValueError(f"{path}: names no model_type (it is not a transformers model's config)")
+
+
+def load_text(config: EngineConfig) -> tuple[Tokenizer, ChatTemplate | None]:
+    """The engine's tokenizer and chat template: the model directory's, once
+    it is checked, or ``config.tokenizer``'s directory's, and
+    ``config.chat_template`` when given; a missing or broken one is a
+    start-up error naming the path."""
+    try:
+        tokenizer = load_model_dir(config.model, needs_weights=config.runner == "hf")
+        text_dir = config.model
+        if config.tokenizer is not None:  # its own tokenizer (and chat template, unless one is given)
+            tokenizer = Tokenizer.from_dir(config.tokenizer)
+            text_dir = config.tokenizer
+        if config.chat_template is not None:
+            return tokenizer, ChatTemplate.from_source(config.chat_template, text_dir)
+        return tokenizer, ChatTemplate.from_dir(text_dir)
+    except (OSError, ValueError) as exc:  # each names the directory or the file
+        raise EngineStartupError(str(exc), stage="tokenizer") from None

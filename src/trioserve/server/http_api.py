@@ -37,13 +37,13 @@ from trioserve.errors import (
     InvalidRequestError,
     RequestError,
 )
-from trioserve.frontend.requests.outputs import RequestOutput
 from trioserve.frontend.requests.streams import RequestStream
 from trioserve.frontend.text.tokenizer import Tokenizer
 from trioserve.server import openai_protocol as oai
 from trioserve.server import openai_responses as resp
 from trioserve.server.chat_tools import plan_tools
 from trioserve.server.config import ServerConfig
+from trioserve.server.grace import Grace, Stopped, check_not_aborted
 from trioserve.server.http import METRICS_PATH, BadRequest, RequestHead, encode_json
 from trioserve.server.http_conn import HttpConnection
 from trioserve.server.metrics import CONTENT_TYPE, ServerMetrics
@@ -199,7 +199,7 @@ class HttpApi:
             with trio.CancelScope() as scope:
                 async with trio.open_nursery() as nursery:
                     nursery.start_soon(conn.watch_disconnect, scope)
-                    grace = _Grace(self._state)
+                    grace = Grace(self._state)
                     nursery.start_soon(grace.watch)
                     try:
                         await self._generate(conn, endpoint, body, client_id, grace)
@@ -341,7 +341,7 @@ class HttpApi:
         return engine
 
     async def _generate(
-        self, conn: HttpConnection, endpoint: Endpoint, body: bytes, client_id: str, grace: _Grace
+        self, conn: HttpConnection, endpoint: Endpoint, body: bytes, client_id: str, grace: Grace
     ) -> None:
         """Run a completion or chat request and answer it (an error object
         if it fails before its first byte, or is still running when the
@@ -414,20 +414,20 @@ class HttpApi:
                 code="model_not_found",
             )
 
-    async def _send_whole(self, conn: HttpConnection, stream: RequestStream, fmt: EventFormat, grace: _Grace) -> None:
+    async def _send_whole(self, conn: HttpConnection, stream: RequestStream, fmt: EventFormat, grace: Grace) -> None:
         """Collect every sample to its end, then send one JSON response."""
         choices = Choices(stream.n)
         try:
             while (out := await grace.next_output(stream)) is not None:
-                _check_not_aborted(out)
+                check_not_aborted(out)
                 choices.add(out)
-        except _Stopped as stop:
+        except Stopped as stop:
             raise stop.error() from None
         conn.log_fields.update(prompt_tokens=stream.num_prompt_tokens, generated_tokens=choices.completion_tokens)
         await conn.send_json(200, fmt.response(choices, stream.num_prompt_tokens))
 
     async def _send_events(
-        self, conn: HttpConnection, stream: RequestStream, fmt: EventFormat, include_usage: bool, grace: _Grace
+        self, conn: HttpConnection, stream: RequestStream, fmt: EventFormat, include_usage: bool, grace: Grace
     ) -> None:
         """Send each delta as a server-sent event as it comes, then the usage
         (when asked for) and ``[DONE]``. An engine error after the first
@@ -439,13 +439,13 @@ class HttpApi:
             await self._send_event(conn, event)
         try:
             while (out := await grace.next_output(stream)) is not None:
-                _check_not_aborted(out)
+                check_not_aborted(out)
                 choices.add(out)
                 if out.text or out.finished or out.logprobs:  # else: bytes of a character still to come
                     await self._send_event(conn, fmt.chunk(out, choices, include_usage))
         except (RequestError, EngineDeadError) as exc:
             await self._send_event(conn, engine_error(exc, {}).body())
-        except _Stopped as stop:
+        except Stopped as stop:
             await self._send_event(conn, stop.error().body())
         else:
             conn.log_fields.update(prompt_tokens=stream.num_prompt_tokens, generated_tokens=choices.completion_tokens)
@@ -464,23 +464,6 @@ class HttpApi:
             await conn.send_data(data)
 
 
-class _Stopped(Exception):
-    """The server ended a running request: the shutdown grace ended (code
-    ``shutdown`` or ``engine_dead``), or the engine aborted it (``aborted``:
-    generation paused, or put to sleep, with ``mode=abort``)."""
-
-    def __init__(self, code: str) -> None:
-        super().__init__(code)
-        self.code = code
-
-    def error(self) -> OpenAIError:
-        why = {
-            "engine_dead": "the engine died",
-            "aborted": "the engine aborted it (generation was paused or put to sleep with mode=abort)",
-        }.get(self.code, "the server is shutting down")
-        return OpenAIError(503, f"{why}; the request was ended", type="server_error", code=self.code)
-
-
 def _format_options(plan: oai.Plan) -> dict[str, bool]:
     return {
         "continuous_usage": plan.include_usage and plan.continuous_usage,
@@ -494,47 +477,6 @@ def _prompt_info(prompt: object, token_ids: list[int], tokenizer: Tokenizer) -> 
     if type(prompt) is str:
         return PromptInfo(prompt, token_ids)
     return PromptInfo(tokenizer.decode(token_ids, skip_special_tokens=False), token_ids, special_tokens_shown=True)
-
-
-def _check_not_aborted(out: RequestOutput) -> None:
-    """OpenAI's finish reasons are ``stop`` and ``length``: a request the
-    engine aborted is an error for its client (retry once it resumes), never
-    a short answer that looks whole."""
-    if out.finish_reason == "abort":
-        raise _Stopped("aborted")
-
-
-class _Grace:
-    """Ends one request's wait for its next output once the shutdown grace
-    is over; never a write, so a response is never cut mid-event."""
-
-    def __init__(self, state: ServerState) -> None:
-        self._state = state
-        self._waiting: trio.CancelScope | None = None
-        self._over = False
-
-    async def watch(self) -> None:
-        """Run beside the request. Cancelling leaves nothing behind."""
-        await self._state.grace_over.wait()
-        self._over = True
-        if self._waiting is not None:
-            self._waiting.cancel()
-
-    async def next_output(self, stream: RequestStream) -> RequestOutput | None:
-        """``stream``'s next output (None at its end); raises ``_Stopped``
-        once the grace is over (the request is aborted when its block is
-        left). If cancelled, nothing is lost."""
-        with trio.CancelScope() as waiting:
-            if self._over:
-                waiting.cancel()
-            self._waiting = waiting
-            try:
-                return await stream.__anext__()
-            except StopAsyncIteration:
-                return None
-            finally:
-                self._waiting = None
-        raise _Stopped(self._state.stop_code)
 
 
 def new_client_id() -> str:

@@ -278,7 +278,7 @@ def _call_delta(piece: CallPiece) -> resp.ToolCallDelta:
 def _finish(reason: str | None) -> str | None:
     """OpenAI's finish reasons are ``stop``, ``length`` and ``tool_calls``
     (the server answers an engine's abort with an error instead:
-    ``http_api._check_not_aborted``)."""
+    ``grace.check_not_aborted``)."""
     return reason
 
 
