@@ -339,6 +339,21 @@ def _token_id(value: object) -> bool:
     return _is_int(value) and 0 <= value <= MAX_INT32  # type: ignore[operator]
 
 
+def _strings(value: object, max_count: int, max_chars: int) -> bool:
+    """A list of at most ``max_count`` non-empty, encodable strings of ``max_chars`` characters in all."""
+    return (
+        isinstance(value, list)
+        and len(value) <= max_count
+        and all(type(s) is str and s and _utf8(s) for s in value)
+        and sum(map(len, value)) <= max_chars
+    )
+
+
+def _min_above_max(params: dict[str, Any]) -> bool:
+    """``min_tokens`` above ``max_tokens``: each may be valid alone, not together."""
+    return bool(params.get("min_tokens", 0) > params.get("max_tokens", 16))
+
+
 def _token_ids(value: object, max_count: int, min_count: int = 0) -> bool:
     return isinstance(value, list) and min_count <= len(value) <= max_count and all(map(_token_id, value))
 
@@ -360,7 +375,7 @@ def engine_param_errors(params: dict[str, Any], tokenizer: Tokenizer) -> list[st
     against another (``min_tokens`` above ``max_tokens``), or a token id
     outside the vocabulary, or bad words too long or too many once tokenized."""
     errors = []
-    if params.get("min_tokens", 0) > params.get("max_tokens", 16):
+    if _min_above_max(params):
         errors.append("min_tokens")
     if any(int(t) >= VOCAB for t in params.get("logit_bias", {})):
         errors.append("logit_bias")
@@ -395,12 +410,7 @@ def param_ok(name: str, value: object, *, json_keys: bool = False) -> bool:
         "presence_penalty": lambda v: _in(v, -2, 2),
         "frequency_penalty": lambda v: _in(v, -2, 2),
         "repetition_penalty": lambda v: _in(v, 0, 10, low_open=True),
-        "stop": lambda v: (
-            isinstance(v, list)
-            and len(v) <= MAX_STOP_STRINGS
-            and all(type(s) is str and s and _utf8(s) for s in v)
-            and sum(map(len, v)) <= MAX_STOP_CHARS
-        ),
+        "stop": lambda v: _strings(v, MAX_STOP_STRINGS, MAX_STOP_CHARS),
         "stop_token_ids": lambda v: (
             isinstance(v, list) and len(v) <= MAX_STOP_TOKEN_IDS and all(_is_int(t) and 0 <= t <= MAX_INT32 for t in v)
         ),
@@ -413,12 +423,7 @@ def param_ok(name: str, value: object, *, json_keys: bool = False) -> bool:
         "prompt_logprobs": lambda v: v is None or (_is_int(v) and 0 <= v <= MAX_LOGPROBS),
         "logit_bias": lambda v: _logit_bias(v, json_keys),
         "allowed_token_ids": lambda v: v is None or _token_ids(v, MAX_ALLOWED_TOKEN_IDS, 1),
-        "bad_words": lambda v: (
-            isinstance(v, list)
-            and len(v) <= MAX_BAD_WORDS
-            and all(type(s) is str and s and _utf8(s) for s in v)
-            and sum(map(len, v)) <= MAX_BAD_WORDS_CHARS
-        ),
+        "bad_words": lambda v: _strings(v, MAX_BAD_WORDS, MAX_BAD_WORDS_CHARS),
         "bad_words_token_ids": lambda v: (
             isinstance(v, list)
             and len(v) <= 2 * MAX_BAD_WORDS
@@ -966,9 +971,8 @@ def fuzz_sampling_params(engine: Engine) -> None:
     def check(fields: dict[str, Any]) -> None:
         fields = materialize(fields)
         invalid = [name for name, value in fields.items() if not param_ok(name, value)]
-        max_tokens, min_tokens = fields.get("max_tokens", 16), fields.get("min_tokens", 0)
-        if not {"max_tokens", "min_tokens"} & set(invalid) and min_tokens > max_tokens:
-            invalid.append("min_tokens")  # each valid alone, not together
+        if not {"max_tokens", "min_tokens"} & set(invalid) and _min_above_max(fields):
+            invalid.append("min_tokens")
         try:
             params = SamplingParams(**fields)
         except ValueError as exc:
