@@ -8,7 +8,6 @@ import json
 import os
 import stat
 import sys
-import urllib.request
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any, TypeVar
@@ -18,6 +17,7 @@ from trio_websocket import HandshakeError
 
 from trioserve.bench.drivers import Progress
 from trioserve.bench.models import BENCH_MODELS, REAL_MODELS, resolve_model
+from trioserve.bench.openai_driver import first_model, models_url
 from trioserve.bench.report import (
     build_result,
     engine_baseline,
@@ -196,7 +196,7 @@ def _context(args: argparse.Namespace, config: EngineConfig, text_config: dict[s
     if args.url:
         served = server_context(args.url, args.api_key)
         if served is not None:
-            return served, f"max_model_len at {_models_url(args.url)}"
+            return served, f"max_model_len at {models_url(args.url)}"
         return _positions(config, text_config)
     if config.runner == "fake":
         own: tuple[int, str] | None = (config.fake.max_model_len, "the fake runner's max_model_len")
@@ -223,24 +223,13 @@ def _driver(url: str | None) -> str:
     return f"OpenAI API {url}" if url.startswith(("http://", "https://")) else f"WebSocket {url}"
 
 
-def _models_url(url: str) -> str:
-    """The OpenAI model list of the server at ``url`` (its WebSocket URL, or its HTTP one)."""
-    scheme, _, rest = url.partition("://")
-    return f"{'https' if scheme in ('wss', 'https') else 'http'}://{rest.split('/', 1)[0]}/v1/models"
-
-
 def server_context(url: str, api_key: str | None) -> int | None:
-    """The ``max_model_len`` the server at WebSocket ``url`` serves, from its
+    """The ``max_model_len`` the server at ``url`` serves, from its
     ``GET /v1/models``; None when it cannot be read (the run then says
     whether the server can be reached at all)."""
-    request = urllib.request.Request(_models_url(url))
-    if api_key:
-        request.add_header("Authorization", f"Bearer {api_key}")
     try:
-        with urllib.request.urlopen(request, timeout=5) as response:
-            body = json.loads(response.read(1 << 20))
-        value = body["data"][0]["max_model_len"]
-    except (OSError, ValueError, KeyError, IndexError, TypeError):
+        value = first_model(url, api_key, timeout_s=5)["max_model_len"]
+    except (ValueError, KeyError):
         return None
     return value if isinstance(value, int) and value > 0 else None
 

@@ -15,6 +15,8 @@ from __future__ import annotations
 import json
 import ssl
 import time
+import urllib.request
+from typing import Any
 from urllib.parse import urlsplit
 
 import h11
@@ -119,16 +121,33 @@ class OpenAIServer:
         return made
 
 
-def served_model(url: str, api_key: str | None, timeout_s: float = 10.0) -> str:
-    """The first model of the server's ``GET /v1/models``; ``ValueError`` when it cannot be read."""
-    import urllib.request
+def models_url(url: str) -> str:
+    """The OpenAI model list of the server at ``url`` (its WebSocket URL, or its HTTP one)."""
+    scheme, _, rest = url.partition("://")
+    return f"{'https' if scheme in ('wss', 'https') else 'http'}://{rest.split('/', 1)[0]}/v1/models"
 
-    parts = urlsplit(url)
-    request = urllib.request.Request(f"{parts.scheme}://{parts.netloc}/v1/models")
+
+def first_model(url: str, api_key: str | None, timeout_s: float) -> dict[str, Any]:
+    """The first entry of the server's ``GET /v1/models``; ``ValueError`` when it cannot be read."""
+    request = urllib.request.Request(models_url(url))
     if api_key:
         request.add_header("Authorization", f"Bearer {api_key}")
     try:
         with urllib.request.urlopen(request, timeout=timeout_s) as response:
-            return str(json.loads(response.read(1 << 20))["data"][0]["id"])
+            entry = json.loads(response.read(1 << 20))["data"][0]
     except (OSError, ValueError, KeyError, IndexError, TypeError) as exc:
-        raise ValueError(f"--url: cannot read the served model at {request.full_url}: {exc}") from None
+        raise ValueError(f"cannot read the served model at {request.full_url}: {exc}") from None
+    if not isinstance(entry, dict):
+        raise ValueError(f"cannot read the served model at {request.full_url}: {entry!r:.80} is no model")
+    return entry
+
+
+def served_model(url: str, api_key: str | None, timeout_s: float = 10.0) -> str:
+    """The id of the server's first model; ``ValueError`` naming ``--url`` when it cannot be read."""
+    try:
+        model = first_model(url, api_key, timeout_s).get("id")
+    except ValueError as exc:
+        raise ValueError(f"--url: {exc}") from None
+    if not isinstance(model, str):
+        raise ValueError(f"--url: the first model at {models_url(url)} has no id")
+    return model
