@@ -6,12 +6,10 @@ ends (finished, cut short, cancelled, refused), its entries are given back."""
 
 from __future__ import annotations
 
-import json
-
 import pytest
 import trio
 from helpers.fakes import SERVING
-from helpers.server import raw_request, serving
+from helpers.server import post_json, serving
 from helpers.waiting import in_thread
 
 import trioserve
@@ -80,19 +78,14 @@ async def test_the_request_of_the_issue_is_a_400_naming_max_tokens_and_a_request
     small = {"model": "m", "prompt": "hello", "max_tokens": 3}
     with trio.fail_after(60):
         async with serving(fake_config(), model_name="m") as server:
-
-            def post(body: dict) -> tuple[int, dict]:
-                status, _, answer = raw_request(server, "POST", "/v1/completions", json.dumps(body).encode())
-                return status, json.loads(answer)
-
             async with trio.open_nursery() as nursery:
                 beside: list[tuple[int, dict]] = []
 
                 async def request_beside() -> None:
-                    beside.append(await in_thread(post, small))
+                    beside.append(await in_thread(post_json, server, "/v1/completions", small))
 
                 nursery.start_soon(request_beside)
-                status, answer = await in_thread(post, huge)
+                status, answer = await in_thread(post_json, server, "/v1/completions", huge)
             assert status == 400 and answer["error"]["param"] == "max_tokens", answer
             assert "lower max_tokens, n or logprobs" in answer["error"]["message"]
             assert beside[0][0] == 200 and beside[0][1]["choices"][0]["finish_reason"] == "length"

@@ -6,24 +6,18 @@ the field, and a request beside it completes."""
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
 import openai
 import pytest
 import trio
 from helpers.fakes import SERVING
-from helpers.server import raw_request, serving, wait_blocks_free
+from helpers.server import post_json, serving, wait_blocks_free
 from helpers.waiting import in_thread
 
 pytestmark = pytest.mark.fake_config(**SERVING)
 
 MODEL = "m"
-
-
-def post(server, body: dict[str, Any]) -> tuple[int, dict[str, Any]]:
-    status, _, answer = raw_request(server, "POST", "/v1/completions", json.dumps(body).encode())
-    return status, json.loads(answer)
 
 
 async def test_each_prompts_samples_are_the_choices_in_order_whole_and_streamed(fake_config):
@@ -66,11 +60,17 @@ async def test_what_a_batch_cannot_have_is_a_400_naming_it_and_a_request_beside_
                 beside: list[tuple[int, dict[str, Any]]] = []
 
                 async def request_beside(beside: list[tuple[int, dict[str, Any]]] = beside) -> None:
-                    beside.append(await in_thread(post, server, {"model": MODEL, "prompt": "hi", "max_tokens": 3}))
+                    beside.append(
+                        await in_thread(
+                            post_json, server, "/v1/completions", {"model": MODEL, "prompt": "hi", "max_tokens": 3}
+                        )
+                    )
 
                 async with trio.open_nursery() as nursery:
                     nursery.start_soon(request_beside)
-                    status, answer = await in_thread(post, server, {"model": MODEL, "max_tokens": 3, **extra})
+                    status, answer = await in_thread(
+                        post_json, server, "/v1/completions", {"model": MODEL, "max_tokens": 3, **extra}
+                    )
                 assert status == 400 and answer["error"]["param"] == param, (extra, answer)
                 assert beside[0][0] == 200, beside
             await wait_blocks_free(server)

@@ -17,7 +17,7 @@ import openai
 import pytest
 import trio
 from helpers.fakes import SERVING
-from helpers.server import raw_request, serving, wait_blocks_free
+from helpers.server import post_json, serving, wait_blocks_free
 from helpers.waiting import in_thread
 from openai.types.chat import ChatCompletionChunk
 
@@ -47,11 +47,6 @@ TEMPLATE = (
     "{% if add_generation_prompt %}assistant: {% endif %}"
 )
 HERMES_CALL = r'<tool_call>\{"name": "get_time", "arguments": \{"zone": "utc"\}\}</tool_call>'
-
-
-def post(server, path: str, body: dict[str, Any]) -> tuple[int, dict[str, Any]]:
-    status, _, answer = raw_request(server, "POST", path, json.dumps(body).encode())
-    return status, json.loads(answer)
 
 
 def client(server) -> openai.OpenAI:
@@ -175,9 +170,9 @@ async def test_a_transcript_with_calls_and_results_is_replayed_through_a_templat
                     model=MODEL, messages=transcript, tools=TOOLS, tool_choice="none", max_tokens=4
                 )
             )
-            status, body = await in_thread(post, server, "/tokenize", {"messages": transcript, "tools": TOOLS})
+            status, body = await in_thread(post_json, server, "/tokenize", {"messages": transcript, "tools": TOOLS})
             assert status == 200, body
-            status, text = await in_thread(post, server, "/detokenize", {"tokens": body["tokens"]})
+            status, text = await in_thread(post_json, server, "/detokenize", {"tokens": body["tokens"]})
     assert reply.choices[0].finish_reason == "length" and reply.choices[0].message.tool_calls is None
     rendered = text["prompt"]
     assert rendered.startswith('TOOLS [{"type": "function", "function": {"name": "get_weather"')
@@ -233,11 +228,11 @@ async def test_each_bad_tool_input_is_a_400_naming_its_field_and_a_request_besid
 
                 async def request_beside(beside: list[Any] = beside) -> None:
                     small = {"model": MODEL, "messages": MESSAGES, "max_tokens": 3}
-                    beside.append(await in_thread(post, server, "/v1/chat/completions", small))
+                    beside.append(await in_thread(post_json, server, "/v1/chat/completions", small))
 
                 async with trio.open_nursery() as nursery:
                     nursery.start_soon(request_beside)
-                    status, answer = await in_thread(post, server, "/v1/chat/completions", body)
+                    status, answer = await in_thread(post_json, server, "/v1/chat/completions", body)
                 assert beside[0][0] == 200 and beside[0][1]["choices"][0]["finish_reason"] == "length", beside
                 assert status == 400, (extra, answer)
                 assert answer["error"]["param"] == param, (extra, answer)

@@ -162,6 +162,12 @@ def raw_request(
     return status, {k.lower(): v.strip() for k, _, v in (h.partition(":") for h in header_lines)}, payload
 
 
+def post_json(server: Server, path: str, body: dict[str, Any]) -> tuple[int, dict[str, Any]]:
+    """A POST of ``body`` as JSON to ``path`` (``raw_request``): its status and JSON answer."""
+    status, _, answer = raw_request(server, "POST", path, json.dumps(body).encode())
+    return status, json.loads(answer)
+
+
 def terminal_of(received: Received) -> dict:
     """The request's terminal message, which it must have."""
     assert received.terminal is not None
