@@ -20,7 +20,7 @@ from trioserve.frontend.text.detokenizer import (
     DetokenizerUpdate,
     IncrementalDetokenizer,
 )
-from trioserve.frontend.text.tokenizer import Tokenizer
+from trioserve.frontend.text.tokenizer import TextStreamError, Tokenizer
 from trioserve.messages import TokenOutput
 from trioserve.sampling_params import SamplingParams
 
@@ -118,6 +118,31 @@ def test_deltas_concatenate_to_the_full_decode_of_any_token_ids(
 
 
 @SETTINGS
+@given(prompt=texts, out=any_byte_level_ids, llama_text=texts, sizes=chunk_sizes, skip=st.booleans(), data=st.data())
+def test_the_stream_and_the_windows_decoded_here_give_the_same_deltas(
+    byte_tok: Tokenizer,
+    llama_tok: Tokenizer,
+    prompt: str,
+    out: list[int],
+    llama_text: str,
+    sizes: list[int],
+    skip: bool,
+    data: st.DataObject,
+) -> None:
+    tok = data.draw(st.sampled_from([byte_tok, llama_tok]))
+    ids = out if tok is byte_tok else [i % tok.vocab_size for i in out] + tok.encode(llama_text)[1:]
+    runs = []
+    for failing in (False, True):
+        detok = IncrementalDetokenizer(
+            CountingTokenizer(tok, failing_streams=failing),  # type: ignore[arg-type]
+            tok.encode(prompt),
+            skip_special_tokens=skip,
+        )
+        runs.append([*deltas(stream(detok, split(ids, sizes))), detok.flush()])
+    assert runs[0] == runs[1]
+
+
+@SETTINGS
 @given(prompt=texts, text=texts, sizes=chunk_sizes, data=st.data())
 def test_characters_cut_between_tokens_never_come_out_as_replacement_chars(
     byte_tok: Tokenizer, prompt: str, text: str, sizes: list[int], data: st.DataObject
@@ -188,24 +213,47 @@ def test_llama_style_first_delta_keeps_its_leading_space(llama_tok: Tokenizer) -
 
 
 class CountingTokenizer:
-    """Passes ``decode`` on, noting the longest list of ids it was given."""
+    """Passes ``decode`` and ``decode_stream`` on, noting the longest list of
+    ids either was given, and how many ids went to ``decode`` in all; with
+    ``failing_streams``, each stream raises at its first step."""
 
-    def __init__(self, tokenizer: Tokenizer) -> None:
+    def __init__(self, tokenizer: Tokenizer, *, failing_streams: bool = False) -> None:
         self.tokenizer = tokenizer
+        self.failing_streams = failing_streams
         self.longest = 0
+        self.decoded_ids = 0
+        self.streams = 0
 
     def decode(self, ids: Sequence[int], *, skip_special_tokens: bool = True) -> str:
         self.longest = max(self.longest, len(ids))
+        self.decoded_ids += len(ids)
         return self.tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
 
+    def decode_stream(self, context_ids: Sequence[int], *, skip_special_tokens: bool = True) -> object:
+        self.longest = max(self.longest, len(context_ids))
+        self.streams += 1
+        if self.failing_streams:
+            return FailingStream()
+        return self.tokenizer.decode_stream(context_ids, skip_special_tokens=skip_special_tokens)
 
-def test_each_update_decodes_a_bounded_window(byte_tok: Tokenizer) -> None:
-    spy = CountingTokenizer(byte_tok)
+
+class FailingStream:
+    def step(self, token_id: int) -> str | None:
+        raise TextStreamError(f"planted failure at token {token_id}")
+
+
+@pytest.mark.parametrize("failing_streams", [False, True], ids=["stream", "windows-decoded-here"])
+def test_each_update_decodes_a_bounded_window(byte_tok: Tokenizer, failing_streams: bool) -> None:
+    spy = CountingTokenizer(byte_tok, failing_streams=failing_streams)
     ids = utf8_ids("héllo wörld 🙂 東京 " * 200)
     detok = IncrementalDetokenizer(spy, byte_tok.encode("prompt " * 100))  # type: ignore[arg-type]
     stream(detok, one_by_one(ids))
     assert detok.text == byte_tok.decode(ids)
     assert spy.longest <= PROMPT_CONTEXT_TOKENS + 4
+    if failing_streams:  # one stream, and after its failure no other
+        assert spy.streams == 1
+    else:  # the stream decodes every token: here only the prompt's context was
+        assert spy.decoded_ids == PROMPT_CONTEXT_TOKENS
 
 
 def test_a_long_run_of_invalid_utf8_is_released(byte_tok: Tokenizer) -> None:

@@ -16,11 +16,16 @@ Two things are held back from a delta until they are settled:
   shorter than the longest stop string and is kept as the pieces it came in,
   so releasing it costs what comes out.
 
-Each update decodes a bounded window, not the whole output: the tokens of the
-previous delta (``prefix_offset:read_offset``, context for decoders whose
-output depends on the token before, such as SentencePiece's leading space)
-and the pending tokens after them. The first window reaches a few tokens into
-the prompt for the same reason.
+Each token is decoded in a bounded window, not with the whole output: the
+tokens of the previous delta (``prefix_offset:read_offset``, context for
+decoders whose output depends on the token before, such as SentencePiece's
+leading space) and the pending tokens after them. The first window reaches a
+few tokens into the prompt for the same reason. The tokenizer's
+``TextStream`` (the ``tokenizers`` library's own, in native code) keeps that
+window; this module keeps the same offsets beside it, to cut a long run of
+invalid UTF-8 (which the stream would hold forever) and to decode the window
+itself should the stream fail (a decoder whose text for the window does not
+begin with the text already out).
 
 With ``include_stop_str_in_output`` the stop string ends the text instead
 of being cut off, and nothing is held back (what may begin a stop string
@@ -47,7 +52,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from trioserve.frontend.text.stop_strings import StopStringMatcher
-from trioserve.frontend.text.tokenizer import Tokenizer
+from trioserve.frontend.text.tokenizer import TextStream, TextStreamError, Tokenizer
 
 # Prompt tokens decoded as context before the first output token.
 PROMPT_CONTEXT_TOKENS = 5
@@ -104,6 +109,10 @@ class IncrementalDetokenizer:
         self._num_context = len(context)
         self._prefix_offset = 0
         self._read_offset = len(context)
+        # None while the windows are decoded here (see _start_stream)
+        self._stream: TextStream | None = None
+        self._stream_failed = False
+        self._start_stream()
         self._held = _HeldText()  # decoded text that may begin a stop string
         self._chunks: list[str] = []  # emitted text, joined lazily by ``text``
         self.stop_string: str | None = None
@@ -159,20 +168,61 @@ class IncrementalDetokenizer:
     # --- incomplete UTF-8 ----------------------------------------------------
 
     def _settled_text(self) -> str:
-        """The text of the pending tokens, once there is some and it does not
-        end with an unfinished character; ``""`` until then. Moves the offsets
-        when it returns text."""
+        """The text of the pending tokens (the last one just added), once
+        there is some and it does not end with an unfinished character; ``""``
+        until then. Moves the offsets when it returns text."""
         end = len(self._ids)
-        new_text = self._decode_new(end)
+        new_text = self._step_stream(self._ids[-1])
         # No text yet (a skipped special token) also waits: moving the offsets
         # past it would leave the next token without its context.
-        if not new_text or new_text.endswith(_REPLACEMENT):
+        if new_text is None:
             if end - self._read_offset <= MAX_PENDING_TOKENS:
                 return ""
-            end = self._garbage_cut()
-            new_text = self._decode_new(end)
+            return self._release_garbage()
         self._prefix_offset, self._read_offset = self._read_offset, end
+        if self._stream is None:
+            self._start_stream()
         return new_text
+
+    def _start_stream(self) -> None:
+        """Starts a stream on the context ``ids[prefix_offset:read_offset]``,
+        unless one failed or the context's text ends with U+FFFD (a stream
+        would return that text again: the windows are decoded here until the
+        next delta)."""
+        if self._stream_failed:
+            return
+        if self._decode(self._prefix_offset, self._read_offset).endswith(_REPLACEMENT):
+            return
+        context = self._ids[self._prefix_offset : self._read_offset]
+        self._stream = self._tokenizer.decode_stream(context, skip_special_tokens=self._skip_special_tokens)
+
+    def _step_stream(self, token_id: int) -> str | None:
+        """The stream's text for the token just added, or ``None`` while it
+        settles none. Without a stream, the window decoded here."""
+        if self._stream is not None:
+            try:
+                return self._stream.step(token_id)
+            except TextStreamError:
+                self._stream, self._stream_failed = None, True
+        new_text = self._decode_new(len(self._ids))
+        return None if not new_text or new_text.endswith(_REPLACEMENT) else new_text
+
+    def _release_garbage(self) -> str:
+        """Releases a long run of pending invalid UTF-8 up to a cut that
+        later tokens cannot change, and steps the tokens after the cut into a
+        new stream (their text, if they settle some, comes out too)."""
+        cut = self._garbage_cut()
+        released = self._decode_new(cut)
+        self._prefix_offset, self._read_offset = self._read_offset, cut
+        after = self._ids[cut:]
+        del self._ids[cut:]
+        self._stream = None
+        self._start_stream()
+        texts = [released]
+        for token_id in after:
+            self._ids.append(token_id)
+            texts.append(self._settled_text())
+        return "".join(texts)
 
     def _decode_new(self, end: int) -> str:
         """The text that ``ids[read_offset:end]`` adds after the context

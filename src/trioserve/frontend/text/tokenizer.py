@@ -155,6 +155,11 @@ class Tokenizer:
         ids = ids if isinstance(ids, list) else list(ids)
         return self._backend.decode(ids, skip_special_tokens=skip_special_tokens)
 
+    def decode_stream(self, context_ids: Sequence[int], *, skip_special_tokens: bool = True) -> TextStream:
+        """A ``TextStream`` that decodes the ids stepped into it after
+        ``context_ids`` (whose own text it never returns)."""
+        return TextStream(self._backend, context_ids, skip_special_tokens)
+
     def id_to_token(self, token_id: int) -> str | None:
         """The vocabulary entry of ``token_id`` (not its text), or ``None``."""
         return self._backend.id_to_token(token_id)
@@ -181,6 +186,34 @@ class Tokenizer:
             f"Tokenizer(vocab_size={self.vocab_size}, bos_token_id={self.bos_token_id}, "
             f"eos_token_ids={self.eos_token_ids})"
         )
+
+
+class TextStream:
+    """One request's text, decoded a token at a time by the ``tokenizers``
+    library's ``DecodeStream`` (native code: about a quarter of the time of
+    decoding a window of ids from Python each step).
+
+    ``step`` returns the text a token settles, or ``None`` while there is
+    none: a skipped special token, or a character that later tokens finish
+    (the text would end in U+FFFD). Held tokens come out with the token that
+    settles them. Raises ``TextStreamError`` when the decoder's text for the
+    window no longer begins with the text already returned (a decoder that
+    rewrites earlier text); the stream is then spent.
+    """
+
+    def __init__(self, backend: tokenizers.Tokenizer, context_ids: Sequence[int], skip_special_tokens: bool) -> None:
+        self._backend = backend
+        self._stream = tokenizers.decoders.DecodeStream(ids=list(context_ids), skip_special_tokens=skip_special_tokens)
+
+    def step(self, token_id: int) -> str | None:
+        try:
+            return self._stream.step(self._backend, token_id)
+        except Exception as exc:  # the Rust side raises plain Exception
+            raise TextStreamError(str(exc)) from exc
+
+
+class TextStreamError(Exception):
+    """A ``TextStream`` could not extend its text (see ``TextStream``)."""
 
 
 def _load_backend(path: Path) -> tokenizers.Tokenizer:
