@@ -117,6 +117,35 @@ def test_a_template_is_stopped_at_its_deadline_and_its_thread_runs_on_unharmed()
     assert interrupted == [], f"{interrupted[0]!r} reached the thread after its rendering had ended"
 
 
+def test_renders_in_several_threads_each_stop_at_their_own_deadline_and_the_fast_ones_are_untouched():
+    """One watchdog thread serves every render: a deadline armed after a later
+    one, and earlier than it, still fires on time; renders that end in time
+    are never interrupted."""
+    import concurrent.futures
+
+    slow = ChatTemplate("{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}x")
+    fast = ChatTemplate("{{ messages[0].content }}")
+
+    def timed(template: ChatTemplate, timeout_s: float) -> tuple[str, float]:
+        started = time.monotonic()
+        try:
+            return template.render(USER, timeout_s=timeout_s), time.monotonic() - started
+        except InvalidRequestError as exc:
+            return str(exc), time.monotonic() - started
+
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+        late = pool.submit(timed, slow, 3.0)
+        time.sleep(0.1)  # armed after the late one, with an earlier deadline
+        early = pool.submit(timed, slow, 0.3)
+        fasts = [pool.submit(lambda: [timed(fast, 0.05) for _ in range(200)]) for _ in range(2)]
+        early_text, early_s = early.result(timeout=10)
+        late_text, late_s = late.result(timeout=10)
+        fast_texts = {text for f in fasts for text, _ in f.result(timeout=10)}
+    assert "took longer than 0.3 s" in early_text and 0.3 <= early_s < 2.0
+    assert "took longer than 3 s" in late_text and 3.0 <= late_s < 6.0
+    assert fast_texts == {"x"}
+
+
 def test_a_template_whose_text_outgrows_the_context_is_stopped_there_and_one_rendering_nothing_says_so():
     from trioserve.errors import PromptTooLongError
 
