@@ -62,7 +62,10 @@ Answer a call as <tool_call>{"name": ..., "arguments": ...}</tool_call>.<|im_end
 {%- if add_generation_prompt %}<|im_start|>assistant
 {% endif %}"""
 
-UNBOUNDED = "{% set ns = namespace(s=messages[0].content) %}{% for i in range(40) %}{% set ns.s = ns.s + ns.s %}{% endfor %}{{ ns.s }}"
+UNBOUNDED = (
+    "{% set ns = namespace(s=messages[0].content) %}"
+    "{% for i in range(40) %}{% set ns.s = ns.s + ns.s %}{% endfor %}{{ ns.s }}"
+)
 
 WEATHER = {
     "type": "function",
@@ -103,7 +106,8 @@ def conversations() -> dict[str, tuple[list[dict[str, Any]], list[dict[str, Any]
 def import_cost(module: str) -> tuple[float, float]:
     """Seconds and MiB of resident memory that importing ``module`` adds to a fresh interpreter."""
     rss = "int(open('/proc/self/statm').read().split()[1]) * 4096 / 2**20"
-    code = f"import time; r0 = {rss}; t = time.perf_counter(); import {module}; print(time.perf_counter() - t, {rss} - r0)"
+    code = f"import time; r0 = {rss}; t = time.perf_counter(); import {module}; "
+    code += f"print(time.perf_counter() - t, {rss} - r0)"
     runs = [subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True) for _ in range(5)]
     seconds, mib = zip(*(map(float, run.stdout.split()) for run in runs), strict=True)
     return statistics.median(seconds), statistics.median(mib)
@@ -188,7 +192,11 @@ def main() -> None:
     start = time.perf_counter()
     try:
         run = subprocess.run(
-            [sys.executable, "-c", child, json.dumps(UNBOUNDED)], capture_output=True, text=True, timeout=10
+            [sys.executable, "-c", child, json.dumps(UNBOUNDED)],
+            check=False,
+            capture_output=True,
+            text=True,
+            timeout=10,
         )
         last = (run.stdout.strip() or run.stderr.strip().splitlines()[-1])[:120]
         outcome = f"exit {run.returncode}: {last}"
