@@ -190,6 +190,10 @@ class _Watchdog:
     a dict; the thread is woken only when a new deadline is the earliest."""
 
     def __init__(self) -> None:
+        self.reset()
+
+    def reset(self) -> None:
+        """Forgets every deadline and the thread (in a forked child, which has no such thread)."""
         self._cond = threading.Condition()
         self._keys = itertools.count()
         self._armed: dict[int, _Deadline] = {}
@@ -238,7 +242,7 @@ class _Deadline:
 
 
 _WATCHDOG = _Watchdog()
-os.register_at_fork(after_in_child=_WATCHDOG.__init__)  # a forked child has no watchdog thread: it starts its own
+os.register_at_fork(after_in_child=_WATCHDOG.reset)
 
 
 class _BoundedEnvironment(jinja2.sandbox.ImmutableSandboxedEnvironment):
