@@ -168,8 +168,11 @@ class Engine:
         messages: Sequence[Mapping[str, object]],
         *,
         add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
         special_tokens_in_content: bool = False,
         tools: Sequence[Mapping[str, object]] | None = None,
+        documents: Sequence[Mapping[str, object]] | None = None,
+        variables: Mapping[str, object] | None = None,
     ) -> TemplatedText:
         """The prompt for chat ``messages`` (mappings with ``role`` and
         ``content``), rendered with the model's chat template in a worker
@@ -185,8 +188,9 @@ class Engine:
         stays text (``frontend/text/literal.py``): a user cannot end their
         turn and write another role's. ``special_tokens_in_content`` lets it
         become the token, as transformers' ``apply_chat_template`` does.
-        ``tools`` (OpenAI's ``tools``: ``{"type": "function", "function":
-        {...}}``) are given to the template as its ``tools``."""
+        ``tools`` (OpenAI's: ``{"type": "function", "function": {...}}``),
+        ``documents``, ``variables`` (``enable_thinking``) and
+        ``continue_final_message``: see ``ChatTemplate.render``."""
         template = self.chat_template
         if template is None:
             raise InvalidRequestError(
@@ -198,8 +202,11 @@ class Engine:
             text = template.render(
                 messages,
                 add_generation_prompt=add_generation_prompt,
+                continue_final_message=continue_final_message,
                 max_chars=self._router.prompts.max_chars,
                 tools=tools,
+                documents=documents,
+                variables=variables,
             )
             return mark_contents(text, messages, specials) if specials else text
 
@@ -366,12 +373,6 @@ class Engine:
             not isinstance(engine_index, int) or isinstance(engine_index, bool) or not 0 <= engine_index < num_engines
         ):
             raise InvalidRequestError("engine_index", f"must be an engine index in [0, {num_engines}) or None")
-        for name in ("logprobs", "prompt_logprobs"):
-            wanted = getattr(params, name)
-            if wanted is not None and wanted > self.config.max_logprobs:
-                raise InvalidRequestError(
-                    name, f"at most {self.config.max_logprobs} on this server (--max-logprobs; got {wanted})"
-                )
         return self._router.prepare_params(params)
 
     def _new_id(self) -> str:

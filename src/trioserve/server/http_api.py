@@ -290,6 +290,8 @@ class HttpApi:
                 text = await engine.render_chat(
                     oai.chat_messages(chat),
                     add_generation_prompt=request.add_generation_prompt,
+                    continue_final_message=request.continue_final_message,
+                    variables=request.chat_template_kwargs,
                     special_tokens_in_content=self._config.special_tokens_in_content,
                     tools=None if tools is None else tools.template_tools,
                 )
@@ -382,8 +384,12 @@ class HttpApi:
                 plan = oai.plan_chat(chat, engine.info.max_model_len, tool_call_parser=auto_parser)
                 prompt: Any = await engine.render_chat(
                     oai.chat_messages(chat),
+                    add_generation_prompt=chat.add_generation_prompt,
+                    continue_final_message=chat.continue_final_message,
                     special_tokens_in_content=self._config.special_tokens_in_content,
                     tools=None if plan.tools is None else plan.tools.template_tools,
+                    documents=chat.documents,
+                    variables=chat.chat_template_kwargs,
                 )
                 fmt: EventFormat = chat_format(
                     self.model_name, engine.tokenizer, tools=plan.tools, **_format_options(plan)

@@ -162,6 +162,11 @@ class ChatCompletionRequest(_Sampling, kw_only=True):
     tools: list[Any] | None = None  # checked by chat_tools.plan_tools
     tool_choice: Any = None  # "none", "auto", "required" or {"type": "function", "function": {"name": ...}}
     parallel_tool_calls: bool | None = None  # accepted, unused
+    # vLLM's chat-template fields (ChatTemplate.render):
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
+    documents: list[dict[str, Any]] | None = None
 
 
 class TokenizeRequest(msgspec.Struct, kw_only=True):
@@ -173,6 +178,8 @@ class TokenizeRequest(msgspec.Struct, kw_only=True):
     tools: list[Any] | None = None  # with messages: given to the chat template, as a chat request's
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
 
 
 class DetokenizeRequest(msgspec.Struct, kw_only=True):

@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Sequence
 
+from trioserve.errors import InvalidRequestError
 from trioserve.frontend.engines.client import EngineCoreClient
 from trioserve.frontend.engines.group import EngineGroup
 from trioserve.frontend.requests.held import HeldEntries, request_entries
@@ -44,8 +45,14 @@ class RequestRouter:
         return None if self.prompts.needs_thread(prompt) else self.prompts.check(prompt)
 
     def prepare_params(self, params: SamplingParams) -> SamplingParams:
-        """``params`` checked against the model's vocabulary, with their
-        ``bad_words`` tokenized (``frontend/text/sampling.py``)."""
+        """``params`` checked against the model's vocabulary and the
+        server's ``max_logprobs``, with their ``bad_words`` tokenized
+        (``frontend/text/sampling.py``)."""
+        max_logprobs = self._group.config.max_logprobs
+        for name in ("logprobs", "prompt_logprobs"):
+            wanted = getattr(params, name)
+            if wanted is not None and wanted > max_logprobs:
+                raise InvalidRequestError(name, f"at most {max_logprobs} on this server (--max-logprobs; got {wanted})")
         return prepare_params(params, self.tokenizer, self.prompts.vocab_size)
 
     def entries(self, params: SamplingParams, n: int, num_prompt_tokens: int) -> int:

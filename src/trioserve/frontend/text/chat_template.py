@@ -10,8 +10,9 @@ with ``trim_blocks`` and ``lstrip_blocks``, loop controls, the
 filter that keeps non-ASCII text (with transformers' ``indent``,
 ``separators`` and ``sort_keys``), and the globals ``raise_exception`` and
 ``strftime_now``; the variables are ``messages``, ``add_generation_prompt``,
-``bos_token``, ``eos_token`` (and the other special tokens named in
-tokenizer_config.json). No transformers, so no torch.
+``tools`` and ``documents`` when given, ``bos_token``, ``eos_token`` (and the
+other special tokens named in tokenizer_config.json), and a request's own
+(``chat_template_kwargs``). No transformers, so no torch.
 
 A template is the model's code, run on a client's messages, so a render is
 bounded: it is stopped after ``RENDER_TIMEOUT_S`` (an exception raised in
@@ -58,6 +59,10 @@ from trioserve.errors import InvalidRequestError, PromptTooLongError
 TEMPLATE_FILE = "chat_template.jinja"
 TOKENIZER_CONFIG_FILE = "tokenizer_config.json"
 _SPECIAL_TOKENS = ("bos_token", "eos_token", "pad_token", "unk_token")
+# Variables a request's chat_template_kwargs may not set: the render's own, and the special tokens'.
+_RESERVED = frozenset({"messages", "add_generation_prompt", "continue_final_message", "tools", "documents"}).union(
+    _SPECIAL_TOKENS
+)
 
 RENDER_THREADS = 2  # rendering threads per engine at once
 RENDER_TIMEOUT_S = 5.0  # a render of the largest request a server takes is well under 1 s
@@ -115,29 +120,51 @@ class ChatTemplate:
         messages: Sequence[Mapping[str, Any]],
         *,
         add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
         max_chars: int = MAX_VALUE_SIZE,
         timeout_s: float | None = None,
         tools: Sequence[Mapping[str, Any]] | None = None,
+        documents: Sequence[Mapping[str, Any]] | None = None,
+        variables: Mapping[str, Any] | None = None,
     ) -> TemplatedText:
         """The prompt for ``messages`` (each a mapping with ``role`` and
         ``content``), ending with the assistant's turn opened when
-        ``add_generation_prompt``; ``tools`` are the template's ``tools``. Raises ``InvalidRequestError`` naming
-        ``messages`` when the template refuses them, fails on them or takes
-        longer than ``timeout_s`` (default ``RENDER_TIMEOUT_S``), and
-        ``PromptTooLongError`` when its text grows beyond ``max_chars``.
-        Runs in the calling thread."""
+        ``add_generation_prompt``, or with the last message's text left open
+        for the model to continue when ``continue_final_message`` (the text
+        is cut after that message's content, as transformers cuts it).
+        ``tools`` and ``documents`` are the template's ``tools`` and
+        ``documents``; ``variables`` (a request's ``chat_template_kwargs``,
+        such as ``enable_thinking``) are more of its variables.
+
+        Raises ``InvalidRequestError`` naming ``messages`` when the template
+        refuses them, fails on them or takes longer than ``timeout_s``
+        (default ``RENDER_TIMEOUT_S``), naming ``chat_template_kwargs`` for a
+        variable the engine sets itself, and naming ``continue_final_message``
+        when it is set with ``add_generation_prompt`` or the last message's
+        text is not in the prompt as it stands; ``PromptTooLongError`` when
+        the text grows beyond ``max_chars``. Runs in the calling thread."""
+        if continue_final_message and add_generation_prompt:
+            raise InvalidRequestError(
+                "continue_final_message", "cannot be set with add_generation_prompt (a new turn, not the last one)"
+            )
+        names = {"messages": [dict(m) for m in messages], "add_generation_prompt": add_generation_prompt}
+        if tools is not None:
+            names["tools"] = [dict(t) for t in tools]
+        if documents is not None:
+            names["documents"] = [dict(d) for d in documents]
+        for name in variables or {}:
+            if name in _RESERVED or name in self._special_tokens:
+                raise InvalidRequestError("chat_template_kwargs", f"{name!r} is set by the server, not by a request")
+        text = self._generate({**(variables or {}), **names, **self._special_tokens}, max_chars, timeout_s)
+        return TemplatedText(_open_final_message(text, messages) if continue_final_message else text)
+
+    def _generate(self, names: dict[str, Any], max_chars: int, timeout_s: float | None) -> str:
         timeout_s = RENDER_TIMEOUT_S if timeout_s is None else timeout_s
         pieces: list[str] = []
         size = 0
         try:
             with _interrupted_after(timeout_s):
-                extra = {} if tools is None else {"tools": [dict(t) for t in tools]}
-                for piece in self._template.generate(
-                    messages=[dict(m) for m in messages],
-                    add_generation_prompt=add_generation_prompt,
-                    **extra,
-                    **self._special_tokens,
-                ):
+                for piece in self._template.generate(names):
                     pieces.append(piece)
                     size += len(piece)
                     if size > max_chars:
@@ -157,7 +184,21 @@ class ChatTemplate:
             raise InvalidRequestError("messages", f"the model's chat template failed on them: {reason}") from None
         if size == 0:
             raise InvalidRequestError("messages", "the model's chat template renders nothing for them")
-        return TemplatedText("".join(pieces))
+        return "".join(pieces)
+
+
+def _open_final_message(text: str, messages: Sequence[Mapping[str, Any]]) -> str:
+    """``text`` cut right after the last message's content (or that content
+    stripped, for templates that strip it), so that the model continues it."""
+    final = messages[-1].get("content") if messages else None
+    if not isinstance(final, str) or not final.strip():
+        raise InvalidRequestError("continue_final_message", "the last message has no text to continue")
+    for content in (final, final.strip()):
+        if (at := text.rfind(content)) >= 0:
+            return text[: at + len(content)]
+    raise InvalidRequestError(
+        "continue_final_message", "the model's chat template does not write the last message's text as it stands"
+    )
 
 
 class _RenderTimeout(Exception):
