@@ -31,7 +31,8 @@ DASHBOARD = {
 MORE = {
     "vllm:inter_token_latency_seconds_count", "vllm:kv_cache_usage_perc", "vllm:num_preemptions_total",
     "vllm:prefix_cache_queries_total", "vllm:prefix_cache_hits_total", "vllm:request_inference_time_seconds_sum",
-    "vllm:cache_config_info", "vllm:request_params_max_tokens_sum",
+    "vllm:cache_config_info", "vllm:request_params_max_tokens_sum", "vllm:iteration_tokens_total_bucket",
+    "vllm:iteration_tokens_total_sum", "vllm:iteration_tokens_total_count",
 }  # fmt: skip
 NUM_REQUESTS = 12
 
@@ -70,3 +71,41 @@ async def test_the_dashboards_metrics_are_served_and_count_every_request_across_
         assert sum(s.value for s in samples["vllm:generation_tokens_total"]) == 4 * NUM_REQUESTS
         assert sum(s.value for s in samples["vllm:e2e_request_latency_seconds_count"]) == NUM_REQUESTS
         assert sum(s.value for s in samples["vllm:request_queue_time_seconds_count"]) == NUM_REQUESTS
+        # Each request computes its 3 prompt tokens and 3 of its 4 outputs (the last is sampled, not computed).
+        assert sum(s.value for s in samples["vllm:iteration_tokens_total_sum"]) == 6 * NUM_REQUESTS
+        steps = sum(s.value for s in samples["vllm:iteration_tokens_total_count"])
+        assert NUM_REQUESTS * 4 / 2 <= steps <= NUM_REQUESTS * 4  # at least one token a step, at most two requests
+
+
+def test_iteration_tokens_take_each_steps_count_and_count_a_restarted_engines_steps_again():
+    from prometheus_client.exposition import generate_latest
+
+    from trioserve.messages import ITERATION_TOKEN_BUCKETS, EngineStats
+    from trioserve.server.metrics import ServerMetrics
+
+    metrics = ServerMetrics(model_name="m")
+    buckets = len(ITERATION_TOKEN_BUCKETS) + 1
+
+    def scrape(num_restarts: int, steps: dict[int, int], tokens: int) -> dict[str, float]:
+        counts = [0] * buckets
+        for bucket, n in steps.items():
+            counts[bucket] = n
+        metrics.update_restarts([num_restarts])
+        metrics.update_from_stats(EngineStats(0, 0, 8, 8, 0, 50, num_scheduled_tokens=tokens, iteration_tokens=counts))
+        histogram = {}
+        for family in text_string_to_metric_families(generate_latest(metrics.registry).decode()):
+            for sample in family.samples:
+                if sample.name.startswith("vllm:iteration_tokens_total"):
+                    histogram[sample.name.removeprefix("vllm:iteration_tokens_total") + sample.labels.get("le", "")] = (
+                        sample.value
+                    )
+        return histogram
+
+    # 3 steps of one token, 2 of 9 to 16 tokens (le 16.0), one of 20,000 (only in +Inf): 3 + 25 + 20,000 tokens.
+    first = scrape(0, {0: 3, 2: 2, buckets - 1: 1}, 20028)
+    assert (first["_bucket1.0"], first["_bucket8.0"], first["_bucket16.0"], first["_bucket16384.0"]) == (3, 3, 5, 5)
+    assert (first["_bucket+Inf"], first["_count"], first["_sum"]) == (6, 6, 20028)
+    again = scrape(0, {0: 4, 2: 2, buckets - 1: 1}, 20029)  # one more step of one token
+    assert (again["_bucket1.0"], again["_count"], again["_sum"]) == (4, 7, 20029)
+    restarted = scrape(1, {0: 2}, 2)  # a new life: its own two steps are added
+    assert (restarted["_bucket1.0"], restarted["_count"], restarted["_sum"]) == (6, 9, 20031)

@@ -64,6 +64,9 @@ class EngineInfo(msgspec.Struct, frozen=True):
         return self.model.eos_token_ids
 
 
+ITERATION_TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)  # vLLM's
+
+
 class EngineStats(msgspec.Struct, frozen=True):
     """The engine core's counters. ``num_free_blocks`` counts the blocks a new
     request can take: empty ones and those that only hold a cached prefix
@@ -84,6 +87,9 @@ class EngineStats(msgspec.Struct, frozen=True):
     num_cached_blocks: int = 0
     prefix_cache_queries: int = 0  # since start
     prefix_cache_hits: int = 0
+    # Steps since start by the tokens each computed: how many fall in each bucket of ITERATION_TOKEN_BUCKETS
+    # (at most that bound, above the one before; the last, above them all). Their sum: num_scheduled_tokens.
+    iteration_tokens: list[int] = msgspec.field(default_factory=list)
     # With several engines (data parallel), the totals above are their sums and
     # this holds each engine's own figures, by engine index; empty otherwise.
     engines: list[EngineStats] = msgspec.field(default_factory=list)

@@ -89,6 +89,7 @@ always finishes.
 
 from __future__ import annotations
 
+import bisect
 import time
 from collections.abc import Iterable
 
@@ -98,7 +99,7 @@ from trioserve.core.invariants import SchedulerState, check_scheduler
 from trioserve.core.prefix_cache import PrefixCache
 from trioserve.core.request import Request, RequestStatus, TokenConstraint
 from trioserve.core.step import Step, StepPlan, sampled_tokens
-from trioserve.messages import EngineStats, FinishReason, RunnerOutput, TokenOutput
+from trioserve.messages import ITERATION_TOKEN_BUCKETS, EngineStats, FinishReason, RunnerOutput, TokenOutput
 
 
 class Scheduler:
@@ -138,6 +139,7 @@ class Scheduler:
         self.num_fairness_preemptions = 0
         self.num_steps = 0  # steps made by schedule(); the last one's number
         self.num_scheduled_tokens = 0  # tokens computed by every step made so far
+        self.iteration_tokens = [0] * (len(ITERATION_TOKEN_BUCKETS) + 1)  # steps by their tokens (EngineStats)
         self.num_requests = 0  # requests taken by add()
 
     # --- requests in and out -------------------------------------------------
@@ -235,6 +237,7 @@ class Scheduler:
             num_fairness_preemptions=self.num_fairness_preemptions,
             num_requests=self.num_requests,
             num_scheduled_tokens=self.num_scheduled_tokens,
+            iteration_tokens=list(self.iteration_tokens),
             **self.prefix_cache.stats(),
         )
 
@@ -273,6 +276,8 @@ class Scheduler:
             self.prefix_cache.register(req)
         self.num_steps += 1
         self.num_scheduled_tokens += output.total_num_scheduled_tokens
+        if output.total_num_scheduled_tokens:
+            self.iteration_tokens[bisect.bisect_left(ITERATION_TOKEN_BUCKETS, output.total_num_scheduled_tokens)] += 1
         return Step(self.num_steps, output, tuple(samplers))
 
     def postprocess(self, step: Step, runner_output: RunnerOutput) -> list[TokenOutput]:

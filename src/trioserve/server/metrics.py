@@ -36,7 +36,7 @@ from prometheus_client.multiprocess import MultiProcessCollector
 
 from trioserve.api import Engine
 from trioserve.frontend.requests.outputs import RequestMetrics
-from trioserve.messages import EngineStats
+from trioserve.messages import ITERATION_TOKEN_BUCKETS, EngineStats
 
 log = logging.getLogger("trioserve.server")
 CONTENT_TYPE = CONTENT_TYPE_LATEST
@@ -123,6 +123,9 @@ class ServerMetrics:
         self.request_max_tokens = histogram(
             f"{VLLM}request_params_max_tokens", "max_tokens asked for, per ended request.", _TOKEN_BUCKETS
         )
+        self.iteration_tokens = histogram(
+            f"{VLLM}iteration_tokens_total", "Tokens computed by each engine step.", ITERATION_TOKEN_BUCKETS
+        )
         self.running = gauge(f"{VLLM}num_requests_running", "Requests in the engine's running batch.")
         self.waiting = gauge(f"{VLLM}num_requests_waiting", "Requests waiting for the engine.")
         self.kv_usage = gauge(f"{VLLM}kv_cache_usage_perc", "Fraction of KV-cache blocks in use (0 to 1).")
@@ -152,8 +155,9 @@ class ServerMetrics:
             ProcessCollector(registry=self.registry)  # process_cpu_seconds_total, memory, open fds of this process
         self.total_generation_tokens = 0  # of ended requests, for the stats line (server/stats_log.py)
         self._last: dict[str, list[int]] = {
-            name: [0] * num_engines for name in ("preemptions", "queries", "hits")
+            name: [0] * num_engines for name in ("preemptions", "queries", "hits", "tokens")
         }  # the engine cores' counts last seen
+        self._last_steps = [[0] * (len(ITERATION_TOKEN_BUCKETS) + 1) for _ in range(num_engines)]  # by bucket
         self._life = [0] * num_engines  # the restart count of the lives those counts are from
         self._last_restarts = [0] * num_engines
         self._configured = False
@@ -162,7 +166,7 @@ class ServerMetrics:
                 self.prompt_tokens, self.generation_tokens, self.ttft, self.itl, self.tpot, self.e2e, self.queue,
                 self.prefill, self.decode, self.inference, self.request_prompt_tokens,
                 self.request_generation_tokens, self.request_max_generation_tokens, self.request_max_tokens,
-                self.preemptions, self.prefix_queries, self.prefix_hits, self.restarts,
+                self.preemptions, self.prefix_queries, self.prefix_hits, self.restarts, self.iteration_tokens,
             ):  # fmt: skip
                 metric.labels(model_name, label)  # present from the start, at zero
             for gauge_ in (self.running, self.waiting, self.kv_usage, self.gpu_cache_usage):
@@ -216,6 +220,7 @@ class ServerMetrics:
                 self._life[index] = self._last_restarts[index]
                 for counts in self._last.values():
                     counts[index] = 0
+                self._last_steps[index] = [0] * len(self._last_steps[index])
             for name, metric, count in (
                 ("preemptions", self.preemptions, own.num_preemptions),
                 ("queries", self.prefix_queries, own.prefix_cache_queries),
@@ -224,6 +229,24 @@ class ServerMetrics:
                 grown = count - self._last[name][index]
                 metric.labels(*labels).inc(grown if grown >= 0 else count)
                 self._last[name][index] = count
+            self._add_steps(index, own)
+
+    def _add_steps(self, index: int, own: EngineStats) -> None:
+        """Add the engine's steps since last seen to ``iteration_tokens``: its
+        buckets' counts, and the tokens (the histogram's sum) they computed."""
+        if len(own.iteration_tokens) != len(self._last_steps[index]):
+            return  # an engine restarting reports none
+        last, self._last_steps[index] = self._last_steps[index], own.iteration_tokens
+        tokens_grown = own.num_scheduled_tokens - self._last["tokens"][index]
+        self._last["tokens"][index] = own.num_scheduled_tokens
+        if any(now < before for now, before in zip(own.iteration_tokens, last, strict=True)) or tokens_grown < 0:
+            last, tokens_grown = [0] * len(last), own.num_scheduled_tokens  # a new life, not yet told
+        # prometheus_client observes one value at a time: its own parts (the buckets' counts, not
+        # cumulative, and the sum) take the engine's counts at once.
+        child = self.iteration_tokens.labels(self.model_name, str(index))
+        for bucket, now, before in zip(child._buckets, own.iteration_tokens, last, strict=True):
+            bucket.inc(now - before)
+        child._sum.inc(tokens_grown)
 
     def update_restarts(self, num_restarts: list[int]) -> None:
         """Each engine's restart count, by engine index."""

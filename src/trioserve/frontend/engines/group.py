@@ -41,6 +41,7 @@ generation's collective.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Awaitable, Callable
 
 import trio
@@ -406,10 +407,13 @@ _ZERO = EngineStats(num_running=0, num_waiting=0, num_free_blocks=0, num_total_b
 
 
 def _total(engines: list[EngineStats]) -> EngineStats:
-    fields = [f for f in EngineStats.__struct_fields__ if f not in ("engines", "workers", "prefix_caching")]
+    lists = ("engines", "workers", "iteration_tokens")
+    fields = [f for f in EngineStats.__struct_fields__ if f not in (*lists, "prefix_caching")]
     sums = {f: sum(getattr(e, f) for e in engines) for f in fields}
     return EngineStats(
         **sums,
+        # an engine restarting has none (_ZERO)
+        iteration_tokens=[sum(c) for c in itertools.zip_longest(*(e.iteration_tokens for e in engines), fillvalue=0)],
         prefix_caching=any(e.prefix_caching for e in engines),
         engines=engines,
         workers=[w for e in engines for w in e.workers],
