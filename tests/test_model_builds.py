@@ -18,8 +18,7 @@ import pytest
 import trio
 from helpers.serving import running, serve_argv, spawned
 
-from trioserve import default_model
-from trioserve.cli import engine as cli_engine
+from trioserve import default_model, model_source
 from trioserve.default_model import build_model_dir
 from trioserve.errors import EngineStartupError
 from trioserve.nurseries.supervision.oneshot import ONESHOT_GRACE_S, Finished, run_oneshot
@@ -215,7 +214,7 @@ def test_a_converter_killed_by_a_signal_is_named_not_an_error_above(monkeypatch)
 
     monkeypatch.setattr(default_model, "default_model_dir", killed)
     with pytest.raises(EngineStartupError, match=r"failed \(exit code -9; the converter was killed by SIGKILL\)$"):
-        cli_engine._default_model()
+        model_source.default_model()
 
 
 def test_a_program_past_its_time_limit_is_stopped_and_reported_as_timed_out(tmp_path):

@@ -152,6 +152,21 @@ def test_a_hub_id_not_in_the_cache_offline_is_a_startup_error_naming_it_and_the_
     assert "'no-org/no-model' is not in the Hugging Face cache" in err and str(tmp_path / "hub") in err
 
 
+def test_bench_takes_a_hub_id_from_the_local_cache_as_serve_does(tiny_model_dir, tmp_path, monkeypatch):
+    import huggingface_hub.constants
+
+    from trioserve.bench.models import resolve_model
+
+    snapshot = hub_cache(tmp_path / "hub", "tiny-org/tiny-llama", tiny_model_dir("llama"))
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    assert resolve_model("tiny-org/tiny-llama") == snapshot
+    with pytest.raises(ValueError, match=r"^model: 'no-org/no-model' is not in the Hugging Face cache"):
+        resolve_model("no-org/no-model")
+    with pytest.raises(ValueError, match=r"^model: 'missing\.gguf' is neither a directory, a \.gguf file"):
+        resolve_model("missing.gguf")
+
+
 def test_a_gguf_file_is_converted_once_into_the_cache_and_again_when_it_changes(tmp_path, monkeypatch):
     monkeypatch.setenv("TRIOSERVE_CACHE_DIR", str(tmp_path / "cache"))
     builds: list[list[str]] = []

@@ -96,9 +96,10 @@ def add_bench_parser(subparsers: Any) -> argparse.ArgumentParser:
     add_engine_options(
         parser,
         model_default=DEFAULT_MODEL,
-        model_metavar="NAME|DIR",
-        model_help="a model directory, or a named benchmark model built on first use: "
-        f"{', '.join([*BENCH_MODELS, *REAL_MODELS])} (default: %(default)s). With --url, the model the server "
+        model_metavar="NAME|DIR|GGUF|HF-ID",
+        model_help="a model directory, a .gguf file, a Hugging Face id (as serve takes them), or a named "
+        f"benchmark model built on first use: {', '.join([*BENCH_MODELS, *REAL_MODELS])} (default: "
+        "%(default)s). With --url, the model the server "
         "runs (for the prompts' vocabulary and the baselines)",
         threads_help="torch threads of the engine's worker and of every baseline (default: as serve's)",
     )

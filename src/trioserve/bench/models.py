@@ -21,6 +21,9 @@ from typing import Any
 
 from trioserve.config import cache_dir
 from trioserve.default_model import build_model_dir, default_model_dir, is_complete
+from trioserve.errors import EngineStartupError
+from trioserve.model_source import HUB_ID
+from trioserve.model_source import resolve_model as resolve_source
 from trioserve.nurseries.supervision.process import describe_exit
 from trioserve.stdio import say
 
@@ -48,8 +51,9 @@ BENCH_MODELS: dict[str, tuple[str, int, dict[str, Any]]] = {
 
 
 def resolve_model(name_or_dir: str) -> Path:
-    """A model directory: ``name_or_dir`` itself, or the named benchmark model
-    (built on first use, a few seconds). ``ValueError`` naming the model when
+    """A model directory: ``name_or_dir`` itself, the named benchmark model
+    (built on first use, a few seconds), or a ``.gguf`` file or Hugging Face
+    id as ``serve`` takes them (``model_source.py``). ``ValueError`` naming the model when
     it is neither, when its path cannot be looked at (too long, say), when
     the cache directory it is built in cannot be used, or when its build
     fails."""
@@ -65,10 +69,19 @@ def resolve_model(name_or_dir: str) -> Path:
     except subprocess.CalledProcessError as exc:
         why = "its error is above" if exc.returncode > 0 else f"the builder {describe_exit(exc.returncode)}"
         raise ValueError(f"model: building {name_or_dir!r} failed (exit code {exc.returncode}; {why})") from None
-    if not is_dir:
-        names = sorted([*BENCH_MODELS, *REAL_MODELS])
-        raise ValueError(f"model: {name_or_dir!r} is neither a directory nor one of {names}")
-    return path
+    if is_dir:
+        return path
+    if path.suffix == ".gguf" or HUB_ID.fullmatch(name_or_dir):  # a file to convert, or a Hugging Face id
+        try:
+            resolved = Path(resolve_source(name_or_dir))
+        except EngineStartupError as exc:
+            raise ValueError(f"model: {exc}") from None
+        if resolved.is_dir():
+            return resolved
+    names = sorted([*BENCH_MODELS, *REAL_MODELS])
+    raise ValueError(
+        f"model: {name_or_dir!r} is neither a directory, a .gguf file, a Hugging Face id nor one of {names}"
+    )
 
 
 def bench_model_dir(name: str) -> Path:
