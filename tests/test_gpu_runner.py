@@ -297,7 +297,7 @@ def test_load_reports_memory_budget_eos_and_context(tiny_model_dir):
     loaded = ModelRunner(config).load()
     per_block = 2 * 2 * 2 * 16 * 16 * 4  # K and V, layers, KV heads, head dim, block size, float32
     assert loaded.max_num_kv_blocks == 10 * 2**20 // per_block
-    assert loaded.model == ModelInfo(vocab_size=259, max_model_len=512, eos_token_ids=[2])
+    assert loaded.model == ModelInfo(vocab_size=259, max_model_len=512, eos_token_ids=[2], hidden_size=64)
     assert ModelRunner(config.replace(max_model_len=100, num_kv_blocks=7)).load().max_num_kv_blocks == 7
 
 

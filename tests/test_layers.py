@@ -30,6 +30,7 @@ RANKS = {
     "byte_level": 0,  # the byte-level vocabularies' alphabet (the front-end's tokenizer, the tiny models)
     "stdio": 0,  # a process's standard descriptors, and lines said on them
     "structured": 0,  # structured-output constraints, as SamplingParams carries them
+    "pooling": 0.6,  # an embedding request's pooling, as SamplingParams carries it (uses checks, errors)
     "sampling_params": 0.7,  # SamplingParams and its bounds (uses checks, errors, structured)
     "messages": 1,
     "core": 2,
@@ -59,6 +60,7 @@ THIRD_PARTY = {
     "byte_level": set(),
     "stdio": set(),
     "structured": {"msgspec"},
+    "pooling": {"msgspec"},
     "rpc": {"msgspec"},
     "sampling_params": {"msgspec"},
     "messages": {"msgspec"},

@@ -21,11 +21,12 @@ import trio
 
 from trioserve.config import EngineConfig
 from trioserve.errors import EngineDeadError, InvalidRequestError, collapse, only_the_callers
+from trioserve.frontend.embeddings import EncodeCalls
 from trioserve.frontend.engines.group import EngineGroup
 from trioserve.frontend.engines.supervisor import Health
 from trioserve.frontend.model_dir import load_text
 from trioserve.frontend.requests.outputs import RequestOutput
-from trioserve.frontend.requests.parallel_sampling import check_n
+from trioserve.frontend.requests.parallel_sampling import check_batch, check_n
 from trioserve.frontend.requests.router import RequestObserver, RequestRouter
 from trioserve.frontend.requests.streams import RequestStream
 from trioserve.frontend.text.chat_template import RENDER_THREADS, ChatTemplate, TemplatedText
@@ -124,7 +125,7 @@ def _check_mode(mode: object) -> None:
         raise InvalidRequestError("mode", f"must be 'wait' or 'abort' (got {mode!r})")
 
 
-class Engine:
+class Engine(EncodeCalls):
     """A running engine. Get one from ``open_engine``. Its public names are
     the ones docs/embedding.md lists (a test checks they agree)."""
 
@@ -339,14 +340,7 @@ class Engine:
         n = check_n(n)
         if not isinstance(prompts, Sequence) or isinstance(prompts, str) or not 1 <= len(prompts) <= MAX_BATCH_PROMPTS:
             raise InvalidRequestError("prompt", f"a batch holds 1 to {MAX_BATCH_PROMPTS} prompts")
-        capacity = self.config.max_num_seqs + self.config.max_waiting_requests
-        if n * len(prompts) > capacity:
-            samples = f"{n} samples" if len(prompts) == 1 else f"{len(prompts)} prompts x {n} samples"
-            raise InvalidRequestError(
-                "n",
-                f"{samples} go to one engine, which takes at most {capacity} requests at once "
-                "(max_num_seqs + max_waiting_requests)",
-            )
+        check_batch(len(prompts), n, self.config.max_num_seqs + self.config.max_waiting_requests)
         checked = [(prompt, self._router.token_ids_now(prompt)) for prompt in prompts]
         (first, first_ids), *more = checked
         return RequestStream(

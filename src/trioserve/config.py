@@ -271,6 +271,12 @@ class EngineConfig:
     chat_template: str | None = None
     # A request may ask for at most this many logprobs alternatives per token (vLLM's --max-logprobs).
     max_logprobs: int = 20
+    # What the engine serves: "generate" (text), "embed" (embeddings: trioserve.pooling), or "auto" (embed when
+    # the model is an embedding model: sentence-transformers' files, or no generative architecture). The pooling
+    # and normalisation of its vectors, where the model's files do not say (None: theirs, else last and true).
+    task: Literal["auto", "generate", "embed"] = "auto"
+    pooling_type: Literal["last", "mean", "cls"] | None = None
+    normalize: bool | None = None
     # On CUDA, the share of the device's memory the worker may fill, its KV cache taking what the model leaves
     # (vLLM's --gpu-memory-utilization); None: kv_cache_memory_bytes. Refused on the CPU.
     gpu_memory_utilization: float | None = None
@@ -290,6 +296,8 @@ class EngineConfig:
         _check(self.block_size in (1, 2, 4, 8, 16, 32, 64, 128), "block_size", "must be a power of two <= 128")
         _check(self.kv_cache_memory_bytes > 0, "kv_cache_memory_bytes", "must be > 0")
         _check(0 <= self.max_logprobs <= 20, "max_logprobs", "must be in [0, 20]")
+        _check(self.task in ("auto", "generate", "embed"), "task", "must be 'auto', 'generate' or 'embed'")
+        _check(self.pooling_type in (None, "last", "mean", "cls"), "pooling_type", "must be 'last', 'mean' or 'cls'")
         _check(
             self.gpu_memory_utilization is None or 0 < self.gpu_memory_utilization <= 1,
             "gpu_memory_utilization",

@@ -35,12 +35,12 @@ FinishReason = Literal["stop", "length", "abort", "error"]
 
 
 class ModelInfo(msgspec.Struct, frozen=True):
-    """What a worker learns about its model when it loads it: the one type
-    these facts travel in (``WorkerLoaded``, then ``EngineInfo``)."""
+    """What a worker learns about its model when it loads it (``WorkerLoaded``, then ``EngineInfo``)."""
 
     vocab_size: int
     max_model_len: int  # the model's context length (capped by the config)
     eos_token_ids: list[int]
+    hidden_size: int = 0  # of its last layer: an embedding's components (0: not known)
 
 
 class EngineInfo(msgspec.Struct, frozen=True):
@@ -87,8 +87,8 @@ class EngineStats(msgspec.Struct, frozen=True):
     num_cached_blocks: int = 0
     prefix_cache_queries: int = 0  # since start
     prefix_cache_hits: int = 0
-    # Steps since start by the tokens each computed: how many fall in each bucket of ITERATION_TOKEN_BUCKETS
-    # (at most that bound, above the one before; the last, above them all). Their sum: num_scheduled_tokens.
+    # Steps since start by the tokens each computed, per bucket of ITERATION_TOKEN_BUCKETS (at most that bound,
+    # above the one before; the last, above them all). Their tokens' sum: num_scheduled_tokens.
     iteration_tokens: list[int] = msgspec.field(default_factory=list)
     # With several engines (data parallel), the totals above are their sums and
     # this holds each engine's own figures, by engine index; empty otherwise.
@@ -282,6 +282,7 @@ class TokenOutput(msgspec.Struct, array_like=True):
     queued_s: float | None = None  # with its first token: how long it waited in the engine core to be scheduled
     # With its first token, when asked for: the logprobs of prompt tokens 1, 2... (the first has none).
     prompt_logprobs: list[SampleLogprobs] | None = None
+    embedding: bytes | None = None  # an embedding request's vector (float32, little-endian), with its end
 
 
 class EngineOutputs(msgspec.Struct, tag=True):
@@ -456,14 +457,15 @@ class PromptLogprobs(msgspec.Struct, array_like=True):
 
 
 class RunnerOutput(msgspec.Struct, tag=True):
-    """One sampled token for each request whose scheduled range reached the
-    end, and the prompt logprobs of the step's slices that asked for them."""
+    """One sampled token (an embedding request: its vector) for each request whose scheduled range
+    reached the end, and the prompt logprobs of the step's slices that asked for them."""
 
     req_ids: list[str]
     sampled_token_ids: list[int]
     logprobs: list[SampleLogprobs | None] | None = None
     dp_any_unfinished: bool | None = None  # lockstep: the collective's result (from the output rank)
     prompt_logprobs: list[PromptLogprobs] | None = None
+    pooled: dict[str, bytes] | None = None  # embedding requests' vectors (float32, little-endian), not in req_ids
 
 
 WorkerStage = Literal["model-load", "kv-cache", "step"]

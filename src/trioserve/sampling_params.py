@@ -21,6 +21,7 @@ from trioserve.checks import (
     check_token_sequences,
 )
 from trioserve.errors import InvalidRequestError
+from trioserve.pooling import PoolingParams
 from trioserve.structured import StructuredOutput, check_constraint
 
 # Bounds on what a request may ask for: each keeps a value inside what the
@@ -105,6 +106,7 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True, frozen=Tr
     bad_words_token_ids: list[list[int]] = msgspec.field(default_factory=list)
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
+    pooling: PoolingParams | None = None  # an embedding request (Engine.encode sets it; trioserve.pooling)
 
     def __post_init__(self) -> None:
         check_int("max_tokens", self.max_tokens, 1, MAX_INT32)
@@ -141,6 +143,8 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True, frozen=Tr
         check_token_sequences(
             "bad_words_token_ids", self.bad_words_token_ids, max_count=2 * MAX_BAD_WORDS, max_length=MAX_BAD_WORD_TOKENS
         )
+        if self.pooling is not None and not isinstance(self.pooling, PoolingParams):
+            raise bad("pooling", "must be a PoolingParams or None", self.pooling)
         if self.structured is not None and (problem := check_constraint(self.structured)) is not None:
             raise InvalidRequestError("structured", problem)
 

@@ -252,7 +252,7 @@ def run_peak_gemm(config: EngineConfig, spec: WorkloadSpec) -> dict[str, Any]:
 
     from trioserve.bench.flops import ModelShape
     from trioserve.gpu.cpu_kernels.linear import PackedLinear, PanelLinear, onednn_packs, packing_supported
-    from trioserve.gpu.model_runner import resolve_device, resolve_dtype
+    from trioserve.gpu.device import resolve_device, resolve_dtype
 
     shape = ModelShape.from_config(json.loads((Path(config.model) / "config.json").read_text()))
     device = resolve_device(config.device)

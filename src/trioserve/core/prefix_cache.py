@@ -53,7 +53,8 @@ class PrefixCache:
 
     def longest_hit(self, req: Request) -> list[int]:
         """The cached blocks that ``req``, about to be admitted, starts with."""
-        if not self.enabled or req.params.prompt_logprobs is not None:
+        pooling = req.params.pooling
+        if not self.enabled or req.params.prompt_logprobs is not None or (pooling and pooling.reads_every_token):
             return []
         bm = self.block_manager
         max_blocks = (req.num_tokens - 1) // bm.block_size

@@ -130,7 +130,9 @@ class Request:
             raise ValueError("prompt: must not be empty")
         if any(not isinstance(t, int) or t < 0 for t in self.prompt_token_ids):
             raise ValueError("prompt: token ids must be non-negative integers")
-        if num_prompt >= max_model_len:
+        if self.params.pooling is not None and num_prompt > max_model_len:
+            raise ValueError(f"prompt: {num_prompt} tokens are more than max_model_len={max_model_len}")
+        if self.params.pooling is None and num_prompt >= max_model_len:
             raise ValueError(
                 f"prompt: {num_prompt} tokens leave no room to generate within max_model_len={max_model_len}"
             )

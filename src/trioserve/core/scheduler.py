@@ -5,21 +5,22 @@ There is no separate prefill phase. Every request has ``num_computed_tokens``,
 and each step hands it a slice of the tokens it has not computed yet: all of
 the rest if the token budget allows, else a chunk (a long prompt is prefilled
 over several steps). A decode is a slice of one token. A request samples a
-token in a step exactly when its slice reaches the end of its tokens.
+token in a step exactly when its slice reaches the end of its tokens; an
+embedding request (``params.pooling``) ends there instead, with its vector.
 
 Steps may be planned ahead: ``schedule()`` can be called again before the
-previous step's ``postprocess()`` (the engine core keeps the workers busy
-with the next step while it handles the last one's output). Each
-``schedule()`` returns a ``Step`` (``core/step.py``), the one record of that
-step; the caller keeps the steps in flight and hands each back to
-``postprocess()``, in the order they were made. A token still
-being sampled counts as one of the request's tokens (``num_pending``): the
-next step computes it, and the workers fill it in, since they append every
-token they sample to their copy of the request. Outputs must then be
-postprocessed in the order their steps were scheduled. A request planned
-into a step after its last token (it stops on EOS or a stop token at the
-step before) has that extra token dropped; one that will stop on a length
-limit is not planned further. With one step at a time, none of this shows.
+previous step's ``postprocess()`` (the engine core keeps the workers busy with
+the next step while it handles the last one's output). Each ``schedule()``
+returns a ``Step`` (``core/step.py``), the one record of that step; the caller
+keeps the steps in flight and hands each back to ``postprocess()``, in the
+order they were made. A token still being sampled counts as one of the
+request's tokens (``num_pending``): the next step computes it, and the workers
+fill it in, since they append every token they sample to their copy of the
+request. Outputs must then be postprocessed in the order their steps were
+scheduled. A request planned into a step after its last token (it stops on EOS
+or a stop token at the step before) has that extra token dropped; one that will
+stop on a length limit is not planned further. With one step at a time, none of
+this shows.
 
 Running requests are kept in fair order, waiting requests in one queue per
 client (``core/fairness.py``): a running request's rank is the number of running
@@ -32,21 +33,18 @@ Each ``schedule()``:
    (its blocks freed, ``num_computed_tokens`` reset to 0, back to the front of
    its client's queue); if that was the request being scheduled, this phase
    stops (no request after it is left);
-2. prefills: the other running requests, in running order, get slices of what
-   is left of the budget, preempting in the same way (a request preempted
-   after it got a slice in this step loses it). Waiting requests are admitted
-   at the place they will take in that order, before the first running request
-   they outrank, else at the end: a starved client's request does not wait for
-   other clients' long prefills. One request per turn (``ClientQueues.next``:
-   the client with the fewest running requests, in rotation among equals);
-   admission stops for the step at the first request that does not fit or that
-   still has a token in flight (preempted while a step samples for it), with
-   no skipping ahead, and once any request was preempted for blocks. With
-   prefix caching on, an admitted request starts from its longest cached
-   prefix of whole blocks (``core/prefix_cache.py``: never all of its tokens),
-   and the budget counts only the tokens it computes. A request
-   that lacks a sequence slot or blocks first preempts running requests that it
-   outranks, last first, if that makes it fit (a fairness preemption).
+2. prefills: the other running requests, in running order, get slices of what is left of the budget,
+   preempting in the same way (a request preempted after it got a slice in this step loses it).
+   Waiting requests are admitted at the place they will take in that order, before the first running
+   request they outrank, else at the end: a starved client's request does not wait for other
+   clients' long prefills. One request per turn (``ClientQueues.next``: the client with the fewest
+   running requests, in rotation among equals); admission stops for the step at the first request
+   that does not fit or that still has a token in flight (preempted while a step samples for it),
+   with no skipping ahead, and once any request was preempted for blocks. With prefix caching on, an
+   admitted request starts from its longest cached prefix of whole blocks (``core/prefix_cache.py``:
+   never all of its tokens), and the budget counts only the tokens it computes. A request that lacks
+   a sequence slot or blocks first preempts running requests that it outranks, last first, if that
+   makes it fit (a fairness preemption).
 So a client with waiting requests is served before every client that holds
 more running requests, and takes a slot (and blocks) from any client holding
 at least two more (``core/fairness.py``: why this cannot go back and forth).
@@ -301,6 +299,11 @@ class Scheduler:
             req_id = req.request_id
             if self._requests.get(req_id) is not req:
                 continue  # finished since it was scheduled (its id may even be in use again)
+            if req.params.pooling is not None:
+                if req.status is RequestStatus.RUNNING:
+                    finished_running.append(req)
+                outputs.append(self._pooled(req, step, runner_output.pooled or {}))
+                continue
             if req_id not in sampled:
                 raise RuntimeError(f"the runner sampled no token for request {req_id!r} in step {step.number}")
             req.num_pending -= 1
@@ -335,6 +338,18 @@ class Scheduler:
             )
         self.running.remove(finished_running)
         return outputs
+
+    def _pooled(self, req: Request, step: Step, pooled: dict[str, bytes]) -> TokenOutput:
+        """An embedding request whose prompt ``step`` computed: its end, with its vector."""
+        if req.request_id not in pooled:
+            raise RuntimeError(f"the runner pooled no vector for request {req.request_id!r} in step {step.number}")
+        req.num_pending -= 1
+        if req.status is RequestStatus.WAITING:
+            self.waiting.remove(req)  # preempted while this step ran: its vector is whole all the same
+        self._finish(req, "stop")
+        cached = max(0, req.num_cached_tokens) if self.prefix_cache.enabled else None
+        vector, queued = pooled[req.request_id], req.queued_s
+        return TokenOutput(req.request_id, [], "stop", num_cached_tokens=cached, queued_s=queued, embedding=vector)
 
     # --- internals -------------------------------------------------------------
 

@@ -43,8 +43,10 @@ from trioserve.gpu.cpu_kernels.host_memory import (
     resident_bytes,
 )
 from trioserve.gpu.cpu_kernels.linear import pack_linears, packing_supported
+from trioserve.gpu.device import resolve_device, resolve_dtype
 from trioserve.gpu.grammar_bitmask import apply_grammar_bitmask
 from trioserve.gpu.logits_processing import RowProcessors
+from trioserve.gpu.pooler import Pooler, PoolingPlan, hidden_forward
 from trioserve.gpu.prompt_logprobs import PromptLogprobsPlan
 from trioserve.gpu.sampler import SamplingBatch, sample
 from trioserve.messages import (
@@ -57,6 +59,7 @@ from trioserve.messages import (
     WorkerLoaded,
     is_dummy,
 )
+from trioserve.pooling import engine_pooling
 from trioserve.rpc import ShardInfo
 from trioserve.runners.steplog import STEP_LOG_ENV, StepRecord, format_step, step_log_path
 from trioserve.sampling_params import SamplingParams
@@ -65,22 +68,6 @@ if TYPE_CHECKING:
     from transformers import PreTrainedModel
 
 log = logging.getLogger(__name__)
-
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-def resolve_device(name: str, rank: int | None = None) -> torch.device:
-    """``"auto"`` is CUDA when there is one, else the CPU. With tensor
-    parallelism (``rank`` given), rank r uses CUDA device r."""
-    if name == "auto":
-        name = "cuda" if torch.cuda.is_available() else "cpu"
-    if name == "cuda" and not torch.cuda.is_available():
-        raise ValueError("device: 'cuda' was asked for but torch sees no CUDA device")
-    if name == "cuda" and rank is not None:
-        torch.cuda.set_device(rank)
-        return torch.device("cuda", rank)
-    return torch.device(name)
-
 
 KV_MEMORY_SHARE = 0.9  # the most of the memory available at allocation that the KV cache may take
 
@@ -92,13 +79,6 @@ def available_memory(device: torch.device) -> int:
         free, _total = torch.cuda.mem_get_info(device)
         return int(free)
     return available_bytes()
-
-
-def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
-    """``"auto"`` is bfloat16 on CUDA and float32 on the CPU."""
-    if name == "auto":
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
-    return _DTYPES[name]
 
 
 @dataclass
@@ -125,6 +105,7 @@ class _Step:
     sample_rows: list[int]  # packed index of the last token of each sampling request
     sample_req_ids: list[str]
     prompt_logprobs: PromptLogprobsPlan = field(default_factory=PromptLogprobsPlan)
+    pooling: PoolingPlan = field(default_factory=PoolingPlan)
 
 
 class ModelRunner:
@@ -165,6 +146,7 @@ class ModelRunner:
         self.kv_caches: KVCache = []
         self.num_blocks = 0
         self.requests: dict[str, _Request] = {}
+        self.pooler = Pooler() if engine_pooling(config) is not None else None  # an embedding engine
         self.eos_token_ids: list[int] = []  # the model's, once loaded
         if self.device.type == "cpu":
             torch.set_num_threads(cpu_threads_per_worker(config))
@@ -216,7 +198,7 @@ class ModelRunner:
             )
         max_model_len = self.config.max_model_len or model_len
         self.eos_token_ids = _eos_token_ids(model)
-        info = ModelInfo(vocab_size=self.vocab_size, max_model_len=max_model_len, eos_token_ids=self.eos_token_ids)
+        info = ModelInfo(self.vocab_size, max_model_len, self.eos_token_ids, hidden_size=text.hidden_size)
         return WorkerLoaded(
             model=info, max_num_kv_blocks=self.config.num_kv_blocks or self._blocks_for_budget(max_model_len)
         )
@@ -224,14 +206,18 @@ class ModelRunner:
     def _load_model(self) -> PreTrainedModel:
         """Load the weights (this rank's shard) onto the device: ``self.model``."""
         torch.manual_seed(self.config.seed)
+        base = self.pooler is not None  # an embedding model: hidden states, no head
         model = sharding.load_model(
-            self.config.model, self.world_size, attn_implementation=ATTENTION_NAME, dtype=self.dtype
+            self.config.model, self.world_size, base=base, attn_implementation=ATTENTION_NAME, dtype=self.dtype
         )
         self.model = torch.nn.Module.to(model, self.device).eval().requires_grad_(False)
         self._decode_kernel = load_decode_kernel(self.device, self.dtype)  # gpu/cpu_kernels/attention.py
         if self.world_size == 1 and packing_supported(self.device, self.dtype):
             pack_linears(model)  # oneDNN's blocked weights: gpu/cpu_kernels/linear.py
-        self._forward = compiled_forward(model) if self.compiled else eager_forward(model)
+        if base:
+            self._forward = hidden_forward(model)  # eager (--compile covers generation)
+        else:
+            self._forward = compiled_forward(model) if self.compiled else eager_forward(model)
         return model
 
     def _blocks_for_budget(self, max_model_len: int) -> int:
@@ -388,12 +374,14 @@ class ModelRunner:
         meta = self.metadata(step.query_lens, step.context_lens, step.block_tables)
         input_ids = torch.tensor(step.input_ids, dtype=torch.long, device=self.device)  # [T]
         keep = torch.tensor(
-            step.sample_rows + step.prompt_logprobs.rows, dtype=torch.long, device=self.device
-        )  # [S + P]
+            step.sample_rows + step.prompt_logprobs.rows + step.pooling.rows, dtype=torch.long, device=self.device
+        )  # [S + P], or the pooled rows [R]
         with step_metadata(meta):
             logits = self._forward(input_ids[None], meta.positions[None], keep)  # [1, T], [1, T], [S + P] -> [S + P, V]
         for req_id, n in sched.num_scheduled_tokens.items():
             self.requests[req_id].num_computed_tokens += n
+        if self.pooler is not None:  # an embedding engine: the rows are hidden states, [R, H]
+            return RunnerOutput(req_ids=[], sampled_token_ids=[], pooled=self.pooler.pool(step.pooling, logits))
         num_sampled = len(step.sample_rows)
         prompt_logprobs = step.prompt_logprobs.compute(logits[num_sampled:])
         logits = logits[:num_sampled]  # [S, V]
@@ -424,6 +412,8 @@ class ModelRunner:
     def _update_requests(self, sched: SchedulerOutput) -> None:
         for req_id in sched.finished_req_ids:
             self.requests.pop(req_id, None)
+            if self.pooler is not None:
+                self.pooler.forget(req_id)
         for new in sched.new_requests:
             self._add_request(new)
         for cached in sched.cached_requests:
@@ -433,6 +423,11 @@ class ModelRunner:
         _check_range(f"token_ids of {new.req_id!r}", new.token_ids, self.vocab_size)
         _check_range(f"block_ids of {new.req_id!r}", new.block_ids, self.num_blocks)
         params = new.params
+        if (params.pooling is not None) != (self.pooler is not None):
+            task = "an embedding" if params.pooling is not None else "a generation"
+            raise ValueError(f"new_requests: {new.req_id!r} is {task} request, which this model does not serve")
+        if self.pooler is not None:
+            self.pooler.forget(new.req_id)  # preempted: its prompt is computed again
         self.requests[new.req_id] = _Request(
             params=params,
             token_ids=list(new.token_ids),
@@ -468,6 +463,9 @@ class ModelRunner:
             step.query_lens.append(n)
             step.context_lens.append(end)
             step.block_tables.append(req.block_ids)
+            if req.params.pooling is not None:
+                step.pooling.add(req_id, req.params.pooling, start, end, req.num_prompt_tokens, len(step.input_ids) - n)
+                continue
             if req.wants_prompt_logprobs:
                 top_n, packed_at = req.params.prompt_logprobs or 0, len(step.input_ids) - n
                 step.prompt_logprobs.add(req_id, req.token_ids, req.num_prompt_tokens, top_n, start, end, packed_at)

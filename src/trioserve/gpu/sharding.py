@@ -112,19 +112,21 @@ def init_process_group(rank: int, world_size: int, init_file: str, device: torch
 MISSING_NAMED = 5  # missing weights named in the error (then a count of the rest)
 
 
-def load_model(model_dir: str, world_size: int, **kwargs: Any) -> PreTrainedModel:
+def load_model(model_dir: str, world_size: int, *, base: bool = False, **kwargs: Any) -> PreTrainedModel:
     """``from_pretrained``: the whole model, or with ``world_size`` > 1 (in a
-    process group) this rank's shard of it. Raises ``ValueError`` naming the
-    weights the model needs that the checkpoint lacks (transformers would
-    fill them with random values and only log it); weights the model does
-    not use are logged."""
-    from transformers import AutoModelForCausalLM
+    process group) this rank's shard of it; with ``base``, the model without
+    its language-model head (``AutoModel``: an embedding model's hidden
+    states). Raises ``ValueError`` naming the weights the model needs that
+    the checkpoint lacks (transformers would fill them with random values
+    and only log it); weights the model does not use are logged."""
+    from transformers import AutoModel, AutoModelForCausalLM
 
     if world_size > 1:
         from transformers.distributed.configuration_utils import DistributedConfig
 
         kwargs["distributed_config"] = DistributedConfig(tp_size=world_size)
-    loaded: Any = AutoModelForCausalLM.from_pretrained(model_dir, output_loading_info=True, **kwargs)
+    auto: Any = AutoModel if base else AutoModelForCausalLM
+    loaded: Any = auto.from_pretrained(model_dir, output_loading_info=True, **kwargs)
     model: PreTrainedModel = loaded[0]
     loading: dict[str, Any] = loaded[1]
     missing = sorted(loading.get("missing_keys") or ())

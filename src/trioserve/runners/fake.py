@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import struct
 import threading
 import time
 from collections.abc import Callable
@@ -30,6 +31,7 @@ from trioserve.messages import (
     WorkerLoaded,
     is_dummy,
 )
+from trioserve.pooling import FAKE_HIDDEN_SIZE, PoolingParams, fake_vector
 from trioserve.rpc import ShardInfo
 
 FAULT_SIGNAL = signal.SIGUSR1
@@ -66,6 +68,7 @@ class FakeRunner:
         self.vocab_size = self.fake.vocab_size or self._model_vocab_size()
         self._tokens: dict[str, list[int]] = {}
         self._num_logprobs: dict[str, int] = {}  # with fake.logprobs: the alternatives each request asked for
+        self._pooling: dict[str, PoolingParams] = {}  # embedding requests
         self._fault_requested = False  # set by SIGUSR1
         self._install_fault_signal()
 
@@ -103,9 +106,7 @@ class FakeRunner:
         max_model_len = self.fake.max_model_len
         if self.config.max_model_len is not None:
             max_model_len = min(max_model_len, self.config.max_model_len)
-        model = ModelInfo(
-            vocab_size=self.vocab_size, max_model_len=max_model_len, eos_token_ids=[self.fake.eos_token_id]
-        )
+        model = ModelInfo(self.vocab_size, max_model_len, [self.fake.eos_token_id], hidden_size=FAKE_HIDDEN_SIZE)
         return WorkerLoaded(model=model, max_num_kv_blocks=self.config.num_kv_blocks or self.fake.num_kv_blocks)
 
     def init_kv_cache(self, num_blocks: int) -> None:
@@ -163,17 +164,23 @@ class FakeRunner:
         for req_id in sched.finished_req_ids:
             self._tokens.pop(req_id, None)
             self._num_logprobs.pop(req_id, None)
+            self._pooling.pop(req_id, None)
         for new in sched.new_requests:
             self._tokens[new.req_id] = list(new.token_ids)
+            if new.params.pooling is not None:
+                self._pooling[new.req_id] = new.params.pooling
             if self.fake.logprobs and new.params.logprobs is not None:
                 self._num_logprobs[new.req_id] = new.params.logprobs
         num_computed = {r.req_id: r.num_computed_tokens for r in sched.new_requests}
         num_computed.update({r.req_id: r.num_computed_tokens for r in sched.cached_requests})
         allowed = _allowed_rows(sched, bitmask)
-        req_ids, sampled = [], []
+        req_ids, sampled, pooled = [], [], {}
         for req_id, n in sched.num_scheduled_tokens.items():
             tokens = self._tokens[req_id]
-            if num_computed[req_id] + n == len(tokens):
+            if num_computed[req_id] + n == len(tokens) and req_id in self._pooling:  # an embedding request
+                vector = fake_vector(tokens, self._pooling[req_id])
+                pooled[req_id] = struct.pack(f"<{len(vector)}f", *vector)
+            elif num_computed[req_id] + n == len(tokens):
                 req_ids.append(req_id)
                 token = self.next_token(tokens)
                 if req_id in allowed:  # the first allowed token from the deterministic one on, cyclically
@@ -185,9 +192,9 @@ class FakeRunner:
         if self.fake.step_delay_s:
             time.sleep(self.fake.step_delay_s)
         if not self._num_logprobs:
-            return RunnerOutput(req_ids=req_ids, sampled_token_ids=sampled)
+            return RunnerOutput(req_ids=req_ids, sampled_token_ids=sampled, pooled=pooled or None)
         logprobs = [self._made_up_logprobs(r, t) for r, t in zip(req_ids, sampled, strict=True)]
-        return RunnerOutput(req_ids=req_ids, sampled_token_ids=sampled, logprobs=logprobs)
+        return RunnerOutput(req_ids=req_ids, sampled_token_ids=sampled, logprobs=logprobs, pooled=pooled or None)
 
     def _made_up_logprobs(self, req_id: str, token: int) -> SampleLogprobs | None:
         k = self._num_logprobs.get(req_id)

@@ -44,6 +44,7 @@ class RequestOutput:
     index: int = 0  # which of a parent request's n samples (``Engine.stream_n``); 0 otherwise
     num_cached_tokens: int | None = None
     prompt_logprobs: list[SampleLogprobs] | None = None
+    embedding: list[float] | None = None  # an embedding request's vector, with its last output
 
     @property
     def finished(self) -> bool:
@@ -62,6 +63,8 @@ class RequestOutput:
             self.logprobs = (self.logprobs or []) + newer.logprobs
         if newer.prompt_logprobs is not None:
             self.prompt_logprobs = newer.prompt_logprobs
+        if newer.embedding is not None:
+            self.embedding = newer.embedding
 
 
 @dataclass(frozen=True)

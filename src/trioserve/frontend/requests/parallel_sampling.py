@@ -25,6 +25,18 @@ def check_n(n: object) -> int:
     return n
 
 
+def check_batch(num_prompts: int, n: int, capacity: int) -> None:
+    """Refuse (naming ``n``) ``n`` samples of ``num_prompts`` prompts beyond
+    what one engine takes at once: no retry could ever run them."""
+    if n * num_prompts > capacity:
+        samples = f"{n} samples" if num_prompts == 1 else f"{num_prompts} prompts x {n} samples"
+        raise InvalidRequestError(
+            "n",
+            f"{samples} go to one engine, which takes at most {capacity} requests at once "
+            "(max_num_seqs + max_waiting_requests)",
+        )
+
+
 def child_request_id(parent_id: str, index: int) -> str:
     return f"{parent_id}-{index}"
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Sequence
 
+from trioserve.config import EngineConfig
 from trioserve.errors import InvalidRequestError
 from trioserve.frontend.engines.client import EngineCoreClient
 from trioserve.frontend.engines.group import EngineGroup
@@ -21,8 +22,13 @@ from trioserve.frontend.requests.state import RequestState
 from trioserve.frontend.text.prompt import Prompt, PromptChecker
 from trioserve.frontend.text.sampling import prepare_params
 from trioserve.frontend.text.tokenizer import Tokenizer
+from trioserve.pooling import engine_pooling
 from trioserve.sampling_params import SamplingParams
 
+TASK_REFUSALS = {  # by whether the engine embeds
+    True: "this model serves embeddings (Engine.encode, /v1/embeddings), not text generation",
+    False: "this model serves text generation, not embeddings (serve an embedding model, or give --task embed)",
+}
 log = logging.getLogger("trioserve.api")  # the public face's: where its users look for it
 RequestObserver = Callable[[RequestMetrics], None]
 
@@ -37,6 +43,11 @@ class RequestRouter:
         self.observers: list[RequestObserver] = []  # told each request's metrics when it ends
         config = group.config
         self.held = HeldEntries(config.max_request_entries, config.max_held_entries)  # counted by the streams
+        self.pooling = engine_pooling(config)  # None: the engine generates text; else how it embeds
+
+    @property
+    def config(self) -> EngineConfig:
+        return self._group.config
 
     def token_ids_now(self, prompt: Prompt) -> list[int] | None:
         """The prompt's token ids, checked here (``InvalidRequestError``
@@ -53,6 +64,13 @@ class RequestRouter:
             wanted = getattr(params, name)
             if wanted is not None and wanted > max_logprobs:
                 raise InvalidRequestError(name, f"at most {max_logprobs} on this server (--max-logprobs; got {wanted})")
+        if (params.pooling is not None) != (self.pooling is not None):
+            raise InvalidRequestError("task", TASK_REFUSALS[self.pooling is not None])
+        hidden = self._group.info.model.hidden_size
+        if params.pooling is not None and hidden and (params.pooling.dimensions or 0) > hidden:
+            raise InvalidRequestError(
+                "dimensions", f"at most the model's {hidden} components (got {params.pooling.dimensions})"
+            )
         return prepare_params(params, self.tokenizer, self.prompts.vocab_size)
 
     def entries(self, params: SamplingParams, n: int, num_prompt_tokens: int) -> int:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import struct
 import time
 from collections.abc import Callable, Sequence
 
@@ -107,6 +108,7 @@ class RequestState:
                 stop_reason=stop_reason,
                 logprobs=output.new_logprobs,
                 prompt_logprobs=output.prompt_logprobs,
+                embedding=None if output.embedding is None else _floats(output.embedding),
                 index=self.index,
                 num_cached_tokens=self.num_cached_tokens,
             )
@@ -150,3 +152,8 @@ class RequestState:
                 max_tokens=self.params.max_tokens,
             )
         )
+
+
+def _floats(data: bytes) -> list[float]:
+    """A vector as the engine core sends it: float32, little-endian."""
+    return list(struct.unpack(f"<{len(data) // 4}f", data))

@@ -1,0 +1,125 @@
+"""``Engine.encode`` and ``Engine.encode_batch``: embeddings, on an engine
+that serves an embedding model (``trioserve.pooling``).
+
+An embedding request is a request like any other in the engine (admitted,
+batched, preempted and aborted as generation requests are) whose prompt is
+its whole work: it ends when the prompt is computed, with its vector. The
+prompt is checked as a generation prompt is (so it holds at most
+``max_model_len - 1`` tokens).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import trio
+
+from trioserve.errors import InvalidRequestError, RequestError
+from trioserve.frontend.requests.router import TASK_REFUSALS, RequestRouter
+from trioserve.frontend.requests.streams import RequestStream
+from trioserve.frontend.text.prompt import Prompt
+from trioserve.pooling import PoolingParams
+from trioserve.sampling_params import SamplingParams
+
+MAX_BATCH_INPUTS = 2048  # prompts in one encode_batch
+
+
+@dataclass
+class EmbeddingOutput:
+    """One prompt's vector: ``embedding`` (float32 values), pooled as the
+    model says (or the engine's config), cut to ``dimensions`` when asked and
+    then normalised when asked. ``num_cached_tokens``: its prompt tokens
+    found in the prefix cache (None without prefix caching)."""
+
+    request_id: str
+    embedding: list[float]
+    num_prompt_tokens: int
+    num_cached_tokens: int | None = None
+
+
+class EncodeCalls:
+    """``Engine``'s embedding calls (``Engine`` supplies ``stream`` and its router)."""
+
+    _router: RequestRouter
+
+    def stream(
+        self,
+        prompt: Prompt,
+        params: SamplingParams | None = None,
+        *,
+        client_id: str = "",
+        engine_index: int | None = None,
+    ) -> RequestStream:
+        raise NotImplementedError
+
+    async def encode(
+        self,
+        prompt: Prompt,
+        *,
+        dimensions: int | None = None,
+        normalize: bool | None = None,
+        client_id: str = "",
+        engine_index: int | None = None,
+    ) -> EmbeddingOutput:
+        """The vector of ``prompt`` (text or token ids). ``dimensions`` keeps
+        its first components (Matryoshka models), at most the model's hidden
+        size; ``normalize`` overrides the model's own choice. Checks and
+        routing as ``Engine.stream``; ``InvalidRequestError`` naming ``task``
+        on an engine that generates text. If cancelled, the request is
+        aborted in the engine."""
+        params = self._embedding_params(dimensions, normalize)
+        async with self.stream(prompt, params, client_id=client_id, engine_index=engine_index) as stream:
+            async for output in stream:
+                if output.embedding is not None:
+                    return EmbeddingOutput(
+                        stream.request_id, output.embedding, output.num_prompt_tokens, output.num_cached_tokens
+                    )
+                if output.finished:
+                    raise RequestError(f"request {stream.request_id}: ended ({output.finish_reason}) with no vector")
+        raise RequestError(f"request {stream.request_id}: ended with no vector")
+
+    async def encode_batch(
+        self,
+        prompts: Sequence[Prompt],
+        *,
+        dimensions: int | None = None,
+        normalize: bool | None = None,
+        client_id: str = "",
+    ) -> list[EmbeddingOutput]:
+        """The vectors of ``prompts`` (1 to ``MAX_BATCH_INPUTS``), in order:
+        submitted together, so that the engine batches them, with at most
+        ``max_num_seqs + max_waiting_requests`` of them in the engine at once.
+        Every prompt is checked before any is submitted; the first failure
+        aborts the others."""
+        if not isinstance(prompts, Sequence) or isinstance(prompts, str) or not 1 <= len(prompts) <= MAX_BATCH_INPUTS:
+            raise InvalidRequestError("input", f"a batch holds 1 to {MAX_BATCH_INPUTS} inputs")
+        params = self._embedding_params(dimensions, normalize)
+        for prompt in prompts:  # every prompt checked before any runs (a long text is checked when submitted)
+            self._router.token_ids_now(prompt)
+        config = self._router.config
+        limiter = trio.CapacityLimiter(config.max_num_seqs + config.max_waiting_requests)
+        results: list[EmbeddingOutput | None] = [None] * len(prompts)
+
+        async def one(index: int, prompt: Prompt) -> None:
+            async with limiter:
+                pooling = params.pooling
+                assert pooling is not None
+                results[index] = await self.encode(
+                    prompt, dimensions=pooling.dimensions, normalize=pooling.normalize, client_id=client_id
+                )
+
+        async with trio.open_nursery() as nursery:
+            for index, prompt in enumerate(prompts):
+                nursery.start_soon(one, index, prompt)
+        return [r for r in results if r is not None]
+
+    def _embedding_params(self, dimensions: int | None, normalize: bool | None) -> SamplingParams:
+        """An embedding request's params on this engine (``InvalidRequestError``
+        naming ``task`` where it generates text, or the field at fault)."""
+        pooling = self._router.pooling
+        if pooling is None:
+            raise InvalidRequestError("task", TASK_REFUSALS[False])
+        chosen = pooling.normalize if normalize is None else normalize
+        pooled = PoolingParams(type=pooling.type, normalize=chosen, dimensions=dimensions)
+        return SamplingParams(max_tokens=1, pooling=pooled)
