@@ -6,6 +6,8 @@ refused naming the task."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import trio
 
@@ -46,3 +48,111 @@ async def test_a_generation_engine_refuses_an_embedding_naming_the_task(fake_con
             with pytest.raises(InvalidRequestError, match=r"^task: this model serves text generation"):
                 await engine.encode([5, 6])
             assert (await engine.generate([5, 6], SamplingParams(max_tokens=2))).num_output_tokens == 2
+
+
+# --- POST /v1/embeddings ------------------------------------------------------
+
+MODEL = "tiny-embed"
+
+
+async def test_the_openai_clients_embeddings_with_every_input_form_and_both_encodings(fake_config):
+    import base64
+    import struct
+
+    import openai
+    from helpers.server import post_json, serving
+    from helpers.waiting import in_thread
+
+    with trio.fail_after(60):
+        async with serving(fake_config(task="embed", pooling_type="mean"), model_name=MODEL) as server:
+
+            def calls() -> None:
+                client = openai.OpenAI(base_url=server.http_url, api_key="unused", max_retries=0, timeout=20)
+                tokenize = server.engine.tokenizer.encode  # type: ignore[union-attr]
+                mean = PoolingParams(type="mean")
+                forms = {
+                    "a string": ("Hello there", [tokenize("Hello there")]),
+                    "strings": (["one", "two words", "three"], [tokenize(t) for t in ("one", "two words", "three")]),
+                    "token ids": ([5, 6, 7], [[5, 6, 7]]),
+                    "lists of token ids": ([[5, 6], [7, 8, 9, 10]], [[5, 6], [7, 8, 9, 10]]),
+                }
+                for name, (given, prompts) in forms.items():
+                    # Not told, the client asks for base64 and decodes it; told, it gives what came.
+                    for encoding in (None, "float", "base64"):
+                        options = {} if encoding is None else {"encoding_format": encoding}
+                        answer = client.embeddings.create(model=MODEL, input=given, **options)  # type: ignore[arg-type]
+                        assert [d.index for d in answer.data] == list(range(len(prompts))), name
+                        for data, prompt in zip(answer.data, prompts, strict=True):
+                            got: Any = data.embedding
+                            if encoding == "base64":
+                                got = struct.unpack(f"<{FAKE_HIDDEN_SIZE}f", base64.b64decode(got))
+                            assert list(got) == pytest.approx(fake_vector(prompt, mean), abs=1e-6), name
+                        assert answer.usage.prompt_tokens == sum(map(len, prompts)) == answer.usage.total_tokens
+                status, raw = post_json(server, "/v1/embeddings", {"model": MODEL, "input": [5, 6, 7], "dimensions": 4})
+                assert status == 200 and len(raw["data"][0]["embedding"]) == 4
+                status, b64 = post_json(
+                    server, "/v1/embeddings", {"model": MODEL, "input": [5, 6, 7], "encoding_format": "base64"}
+                )
+                vector = struct.unpack(f"<{FAKE_HIDDEN_SIZE}f", base64.b64decode(b64["data"][0]["embedding"]))
+                assert list(vector) == pytest.approx(fake_vector([5, 6, 7], mean), abs=1e-6)
+                status, cut = post_json(
+                    server, "/v1/embeddings", {"model": MODEL, "input": [[5, 6, 7, 8, 9]], "truncate_prompt_tokens": 2}
+                )
+                assert status == 200 and cut["usage"]["prompt_tokens"] == 2
+                assert cut["data"][0]["embedding"] == pytest.approx(fake_vector([5, 6], mean), abs=1e-6)
+                models = client.models.list().data
+                assert [getattr(m, "task", None) for m in models] == ["embed"]
+
+            await in_thread(calls)
+
+
+@pytest.mark.parametrize(
+    ("body", "param", "says"),
+    [
+        ({"input": []}, "input", "give 1 to 2048 inputs"),
+        ({"input": ["ok", ""]}, "input", "an input is empty"),
+        ({"input": [5, 6], "dimensions": FAKE_HIDDEN_SIZE + 1}, "dimensions", "at most the model's 32"),
+        ({"input": [5, 6], "dimensions": 0}, "dimensions", "must be an integer"),
+        ({"input": [5, 6], "truncate_prompt_tokens": 0}, "truncate_prompt_tokens", "must be -1 or in [1,"),
+        ({"input": [[5, 999999]]}, "input", "token"),
+        ({"input": [5] * 600}, "input", "do not fit the context"),
+        ({"input": "x", "encoding_format": "hex"}, "encoding_format", "invalid enum value 'hex'"),
+    ],
+)
+async def test_each_bad_embedding_request_is_a_400_naming_it_while_another_completes(fake_config, body, param, says):
+    from helpers.server import post_json, serving
+    from helpers.waiting import in_thread
+
+    with trio.fail_after(60):
+        async with serving(fake_config(task="embed"), model_name=MODEL) as server:
+            async with trio.open_nursery() as nursery:
+                good: list[int] = []
+
+                async def beside() -> None:
+                    status, _ = await in_thread(post_json, server, "/v1/embeddings", {"model": MODEL, "input": "fine"})
+                    good.append(status)
+
+                nursery.start_soon(beside)
+                status, answer = await in_thread(post_json, server, "/v1/embeddings", {"model": MODEL, **body})
+            assert status == 400 and answer["error"]["param"] == param, answer
+            assert says in answer["error"]["message"], answer
+            assert good == [200]
+            stats = await server.engine.stats()  # type: ignore[union-attr]
+            assert stats.num_free_blocks == stats.num_total_blocks
+
+
+async def test_each_task_refuses_the_others_endpoint_naming_the_task(fake_config):
+    from helpers.server import post_json, serving
+    from helpers.waiting import in_thread
+
+    with trio.fail_after(60):
+        async with serving(fake_config(task="embed"), model_name=MODEL) as server:
+            status, answer = await in_thread(
+                post_json, server, "/v1/completions", {"model": MODEL, "prompt": "hi", "max_tokens": 2}
+            )
+            assert status == 400 and answer["error"]["param"] == "task", answer
+            assert "serves embeddings" in answer["error"]["message"]
+        async with serving(fake_config(), model_name=MODEL) as server:
+            status, answer = await in_thread(post_json, server, "/v1/embeddings", {"model": MODEL, "input": "hi"})
+            assert status == 400 and answer["error"]["param"] == "task", answer
+            assert "serves text generation" in answer["error"]["message"]

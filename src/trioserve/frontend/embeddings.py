@@ -53,6 +53,12 @@ class EncodeCalls:
     ) -> RequestStream:
         raise NotImplementedError
 
+    @property
+    def supported_tasks(self) -> tuple[str, ...]:
+        """What the engine serves: ``("generate",)`` (text: ``stream`` and the
+        calls on it) or ``("embed",)`` (``encode``, ``encode_batch``)."""
+        return ("generate",) if self._router.pooling is None else ("embed",)
+
     async def encode(
         self,
         prompt: Prompt,
@@ -95,24 +101,30 @@ class EncodeCalls:
         if not isinstance(prompts, Sequence) or isinstance(prompts, str) or not 1 <= len(prompts) <= MAX_BATCH_INPUTS:
             raise InvalidRequestError("input", f"a batch holds 1 to {MAX_BATCH_INPUTS} inputs")
         params = self._embedding_params(dimensions, normalize)
+        self._router.prepare_params(params)  # its fields checked once, before any request runs
         for prompt in prompts:  # every prompt checked before any runs (a long text is checked when submitted)
             self._router.token_ids_now(prompt)
         config = self._router.config
         limiter = trio.CapacityLimiter(config.max_num_seqs + config.max_waiting_requests)
-        results: list[EmbeddingOutput | None] = [None] * len(prompts)
+        results: dict[int, EmbeddingOutput] = {}
+        failed: list[Exception] = []  # the first failure, raised as it is (not in a group)
 
-        async def one(index: int, prompt: Prompt) -> None:
+        async def one(index: int, prompt: Prompt, scope: trio.CancelScope) -> None:
             async with limiter:
-                pooling = params.pooling
-                assert pooling is not None
-                results[index] = await self.encode(
-                    prompt, dimensions=pooling.dimensions, normalize=pooling.normalize, client_id=client_id
-                )
+                try:
+                    results[index] = await self.encode(
+                        prompt, dimensions=dimensions, normalize=normalize, client_id=client_id
+                    )
+                except Exception as exc:
+                    failed.append(exc)
+                    scope.cancel()  # the others are aborted
 
         async with trio.open_nursery() as nursery:
             for index, prompt in enumerate(prompts):
-                nursery.start_soon(one, index, prompt)
-        return [r for r in results if r is not None]
+                nursery.start_soon(one, index, prompt, nursery.cancel_scope)
+        if failed:
+            raise failed[0]
+        return [results[index] for index in range(len(prompts))]
 
     def _embedding_params(self, dimensions: int | None, normalize: bool | None) -> SamplingParams:
         """An embedding request's params on this engine (``InvalidRequestError``

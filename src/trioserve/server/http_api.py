@@ -39,6 +39,7 @@ from trioserve.errors import (
 )
 from trioserve.frontend.requests.streams import RequestStream
 from trioserve.frontend.text.tokenizer import Tokenizer
+from trioserve.server import embeddings_api as embed
 from trioserve.server import openai_protocol as oai
 from trioserve.server import openai_responses as resp
 from trioserve.server.chat_tools import plan_tools
@@ -53,8 +54,9 @@ from trioserve.server.state import ServerState
 
 log = logging.getLogger("trioserve.server")
 Endpoint = Literal[
-    "metrics", "models", "model", "completions", "chat", "control", "tokenize", "detokenize", "version", "ping"
-]
+    "metrics", "models", "model", "completions", "chat", "embeddings", "control", "tokenize", "detokenize",
+    "version", "ping",
+]  # fmt: skip
 _CONTROL_PREFIX = "/v1/engine/"
 _MODEL_PREFIX = "/v1/models/"  # then a model's id (URL-encoded)
 _CONTROL_CALLS = ("pause", "resume", "sleep", "wake_up")
@@ -63,6 +65,7 @@ _ENDPOINTS: dict[str, tuple[Endpoint, str]] = {
     "/v1/models": ("models", "GET"),
     "/v1/completions": ("completions", "POST"),
     "/v1/chat/completions": ("chat", "POST"),
+    "/v1/embeddings": ("embeddings", "POST"),
     "/tokenize": ("tokenize", "POST"),
     "/detokenize": ("detokenize", "POST"),
     "/version": ("version", "GET"),
@@ -145,10 +148,9 @@ class HttpApi:
     async def handle(self, conn: HttpConnection, head: RequestHead, client_id: str, body_deadline: float) -> None:
         """Answer one request on ``conn``. Raises ``BadRequest`` when its
         body cannot be read; leaves the response unsent (so the connection
-        closes) when it has not arrived by ``body_deadline`` (then a 408). If the client disconnects, or this is
-        cancelled,
-        the request is aborted in the engine (its blocks freed) and the
-        response may be cut short: the connection is to be closed."""
+        closes) when it has not arrived by ``body_deadline`` (then a 408). If the client disconnects, or this
+        is cancelled, the request is aborted in the engine (its blocks freed) and the response may be cut
+        short: the connection is to be closed."""
         origin = head.headers.get("origin")
         if origin is not None and self._origin_allowed(origin):
             conn.response_headers = self._cors_headers(origin)
@@ -181,18 +183,16 @@ class HttpApi:
         elif endpoint == "models":
             engine = self._engine()
             names = [self.model_name, *self._config.model_aliases]
-            models = resp.models_list(names, engine.info.max_model_len, self._started)
+            models = resp.models_list(names, engine, self._started)
             await conn.send_json(200, models, head_only=head.method == "HEAD")
         elif endpoint == "model":
+            asked = unquote(head.path.rstrip("/").removeprefix(_MODEL_PREFIX))
             try:
-                self._check_model(unquote(head.path.rstrip("/").removeprefix(_MODEL_PREFIX)))
+                self._check_model(asked)  # the served name, or one of its aliases
             except OpenAIError as error:
                 await conn.send_json(error.status, error.body(), head_only=head.method == "HEAD")
                 return
-            max_model_len = self._engine().info.max_model_len
-            entry = resp.Model(id=self.model_name, created=self._started, max_model_len=max_model_len)
-            if (asked := unquote(head.path.rstrip("/").removeprefix(_MODEL_PREFIX))) in self._config.model_aliases:
-                entry = resp.Model(id=asked, created=self._started, max_model_len=max_model_len)
+            entry = resp.models_list([asked], self._engine(), self._started).data[0]
             await conn.send_json(200, entry, head_only=head.method == "HEAD")
         else:
             body = await self._read_body(conn, body_deadline)
@@ -348,8 +348,13 @@ class HttpApi:
         """Run a completion or chat request and answer it (an error object
         if it fails before its first byte, or is still running when the
         shutdown grace is over). If cancelled, it is aborted."""
-        names: dict[str, str] = {}
+        names: dict[str, str] = embed.NAMES if endpoint == "embeddings" else {}
         try:
+            if endpoint == "embeddings":
+                request = oai.decode_body(body, embed.EmbeddingRequest, strict=self._config.strict_fields)
+                self._check_model(request.model)
+                await conn.send_json(200, await embed.embeddings(self._engine(), request, self.model_name, client_id))
+                return
             stream, fmt, plan, prompt = await self._start(endpoint, body, client_id)
             names = plan.names
             conn.log_fields["request_id"] = stream.request_id

@@ -14,12 +14,16 @@ import codecs
 import secrets
 import time
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import msgspec
 from msgspec import UNSET, UnsetType
 
 from trioserve.frontend.text.tokenizer import Tokenizer
 from trioserve.messages import SampleLogprobs
+
+if TYPE_CHECKING:
+    from trioserve.api import Engine
 
 
 def new_id(prefix: str) -> str:
@@ -218,6 +222,7 @@ class Model(msgspec.Struct, kw_only=True):
     created: int
     owned_by: str = "trioserve"
     max_model_len: int
+    task: str = "generate"  # or "embed": what the model serves (/v1/completions and chat, or /v1/embeddings)
 
 
 class ModelList(msgspec.Struct, kw_only=True):
@@ -225,9 +230,10 @@ class ModelList(msgspec.Struct, kw_only=True):
     data: list[Model]
 
 
-def models_list(names: list[str], max_model_len: int, created: int) -> ModelList:
-    """The one model served, under each of its ``names``."""
-    return ModelList(data=[Model(id=name, created=created, max_model_len=max_model_len) for name in names])
+def models_list(names: list[str], engine: Engine, created: int) -> ModelList:
+    """The one model ``engine`` serves, under each of its ``names``."""
+    max_model_len, task = engine.info.max_model_len, engine.supported_tasks[0]
+    return ModelList(data=[Model(id=name, created=created, max_model_len=max_model_len, task=task) for name in names])
 
 
 class EngineHealth(msgspec.Struct):
