@@ -82,9 +82,11 @@ def test_every_engine_option_reaches_its_field():
         "--tensor-parallel-size", "2", "--data-parallel-lockstep", "--runner", "fake",
         "--fake-options", '{"eos_every": 4}', "--max-restarts", "6", "--restart-window", "60",
         "--startup-timeout", "8", "--model-load-timeout", "40", "--step-timeout", "0", "--step-hang-min", "2",
-        "--heartbeat-interval", "0.5", "--heartbeat-timeout", "3",
+        "--heartbeat-interval", "0.5", "--heartbeat-timeout", "3", "--task", "embed", "--pooling-type", "MEAN",
+        "--no-normalize",
     ]  # fmt: skip
     config = engine_config(build_parser().parse_args(argv), "m")
+    assert (config.task, config.pooling_type, config.normalize) == ("embed", "mean", False)
     changed = {f.name for f in dataclasses.fields(EngineConfig) if getattr(config, f.name) != f.default}
     unset = {f.name for f in dataclasses.fields(EngineConfig)} - changed
     # The hosts are serve's own options; the rest is set through the Python API only (engine_options.py says).
@@ -95,3 +97,12 @@ def test_every_engine_option_reaches_its_field():
     }  # fmt: skip
     assert config.step_timeout_s is None  # 0: no fixed limit
     assert config.kv_cache_memory_bytes == 7 * 2**20 and config.fake.eos_every == 4
+
+
+def test_vllms_task_and_runner_names_choose_the_task():
+    for argv, task in (
+        (["--task", "embedding"], "embed"), (["--runner", "pooling"], "embed"), (["--runner", "generate"], "generate"),
+        (["--task", "generate"], "generate"), ([], "auto"),
+    ):  # fmt: skip
+        config = engine_config(build_parser().parse_args(["serve", *argv]), "m")
+        assert (config.task, config.runner) == (task, "hf"), argv

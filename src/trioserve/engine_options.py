@@ -23,7 +23,7 @@ from __future__ import annotations
 import argparse
 import os
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from trioserve.config import EngineConfig, FakeRunnerConfig
 from trioserve.stdio import LOG_FORMATS
@@ -43,6 +43,19 @@ THREADS_HELP = (
     "torch intra-op threads in each worker on the CPU (default: OMP_NUM_THREADS if set, else the cores this "
     "process may use shared out among the workers on this host)"
 )
+
+# vLLM's --runner, and its --task embedding, as a task
+RUNNER_TASKS: dict[str, Literal["auto", "generate", "embed"]] = {
+    "generate": "generate",
+    "pooling": "embed",
+    "auto": "auto",
+}
+TASKS: dict[str, Literal["auto", "generate", "embed"]] = {
+    "auto": "auto",
+    "generate": "generate",
+    "embed": "embed",
+    "embedding": "embed",
+}
 
 
 def add_engine_options(
@@ -124,7 +137,32 @@ def add_engine_options(
         "cache in ~/.cache/trioserve/inductor (default: %(default)s)",
     )
     _add_parallel_options(group, defaults)
-    group.add_argument("--runner", choices=["hf", "fake"], default=defaults.runner, help=argparse.SUPPRESS)
+    group.add_argument(
+        "--task",
+        choices=list(TASKS),
+        default=defaults.task,
+        help="what the model serves: generate (text: /v1/completions, /v1/chat/completions), embed (vectors: "
+        "/v1/embeddings), or auto: embed when the model is an embedding model (sentence-transformers' "
+        "modules.json, or no generative architecture) (default: %(default)s)",
+    )
+    group.add_argument(
+        "--pooling-type",
+        choices=["last", "mean", "cls"],
+        type=str.lower,
+        default=defaults.pooling_type,
+        help="with --task embed: how a prompt's hidden states become its vector (default: as the model's "
+        "sentence-transformers files say, else last)",
+    )
+    group.add_argument(
+        "--normalize",
+        action=argparse.BooleanOptionalAction,
+        default=defaults.normalize,
+        help="with --task embed: scale each vector to unit length (default: as the model's files say, else yes)",
+    )
+    # hf and fake: the runner (hidden); vLLM's --runner generate|pooling|auto name the task.
+    group.add_argument(
+        "--runner", choices=["hf", "fake", *RUNNER_TASKS], default=defaults.runner, help=argparse.SUPPRESS
+    )
     # FakeRunnerConfig fields as a JSON object (tests drive faults through real servers; bench, a fixed step time).
     group.add_argument("--fake-options", default="{}", help=argparse.SUPPRESS)
     group.add_argument(
@@ -335,7 +373,10 @@ def engine_config(args: argparse.Namespace, model: str, **fields: Any) -> Engine
     ``ValueError`` naming the field when a value is out of range."""
     return EngineConfig(
         model=model,
-        runner=args.runner,
+        runner=args.runner if args.runner in ("hf", "fake") else "hf",
+        task=RUNNER_TASKS.get(args.runner, TASKS[args.task]),
+        pooling_type=args.pooling_type,
+        normalize=args.normalize,
         device=args.device,
         dtype=DTYPE_ALIASES.get(args.dtype, args.dtype),
         tokenizer=None if args.tokenizer is None else os.path.abspath(args.tokenizer),

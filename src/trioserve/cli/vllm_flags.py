@@ -24,7 +24,6 @@ UNSUPPORTED: dict[str, str] = {
     "--reasoning-parser": f"reasoning parsers are {_NOT_YET}",
     "--structured-outputs-config": "structured outputs are served by llguidance, which takes no configuration",
     "--guided-decoding-backend": "structured outputs are served by llguidance, the one grammar engine here",
-    "--task": "only text generation is served here",
     "--distributed-executor-backend": "processes are trioserve's own (multiprocessing); Ray is not supported",
     "--swap-space": "preempted requests are recomputed, never swapped to the CPU",
     "--cpu-offload-gb": "weights are not offloaded",
