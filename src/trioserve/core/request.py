@@ -118,10 +118,11 @@ class Request:
     def is_finished(self) -> bool:
         return self.status is RequestStatus.FINISHED
 
-    def check_can_run(self, max_model_len: int, num_blocks: int, block_size: int) -> None:
+    def check_can_run(self, max_model_len: int, num_blocks: int, block_size: int, step_tokens: int) -> None:
         """Raise ``ValueError`` naming the field if this new request could never
         run: it has run already, or its prompt is empty, holds a bad token id,
-        leaves no room to generate, or needs more than the whole KV cache."""
+        leaves no room to generate, needs more than the whole KV cache, or
+        (an encoder's, computed whole) more than a step's ``step_tokens``."""
         fresh = (RequestStatus.WAITING, RequestStatus.WAITING_FOR_GRAMMAR)
         if self.status not in fresh or self.output_token_ids:
             raise ValueError(f"request: {self.request_id!r} has already run")
@@ -132,6 +133,11 @@ class Request:
             raise ValueError("prompt: token ids must be non-negative integers")
         if self.params.pooling is not None and num_prompt > max_model_len:
             raise ValueError(f"prompt: {num_prompt} tokens are more than max_model_len={max_model_len}")
+        if self.params.pooling is not None and self.params.pooling.whole and num_prompt > step_tokens:
+            raise ValueError(
+                f"prompt: {num_prompt} tokens are more than a step computes (max_num_batched_tokens={step_tokens}), "
+                "and an encoder's prompt is computed in one step"
+            )
         if self.params.pooling is None and num_prompt >= max_model_len:
             raise ValueError(
                 f"prompt: {num_prompt} tokens leave no room to generate within max_model_len={max_model_len}"

@@ -1,12 +1,11 @@
 """Continuous batching: chunked prefill, decode, preemption by recompute,
 fair admission, prefix caching.
 
-There is no separate prefill phase. Every request has ``num_computed_tokens``,
-and each step hands it a slice of the tokens it has not computed yet: all of
-the rest if the token budget allows, else a chunk (a long prompt is prefilled
-over several steps). A decode is a slice of one token. A request samples a
-token in a step exactly when its slice reaches the end of its tokens; an
-embedding request (``params.pooling``) ends there instead, with its vector.
+There is no separate prefill phase. Every request has ``num_computed_tokens``, and each step hands
+it a slice of the tokens it has not computed yet: all of the rest if the token budget allows, else a
+chunk (a long prompt is prefilled over several steps). A decode is a slice of one token. A request
+samples a token in a step exactly when its slice reaches the end of its tokens; an embedding request
+(``params.pooling``) ends there instead, with its vector.
 
 Steps may be planned ahead: ``schedule()`` can be called again before the
 previous step's ``postprocess()`` (the engine core keeps the workers busy with
@@ -147,7 +146,7 @@ class Scheduler:
         if request.request_id in self._requests:
             raise ValueError(f"request_id: {request.request_id!r} is already in use")
         bm = self.block_manager
-        request.check_can_run(self.max_model_len, bm.num_blocks, bm.block_size)
+        request.check_can_run(self.max_model_len, bm.num_blocks, bm.block_size, self.max_num_batched_tokens)
         self._requests[request.request_id] = request
         if request.status is RequestStatus.WAITING_FOR_GRAMMAR:
             self._awaiting_grammar[request.request_id] = request
@@ -427,7 +426,10 @@ class Scheduler:
         hit = self.prefix_cache.longest_hit(req)
         num_computed = len(hit) * self.block_manager.block_size
         num_new = min(req.num_tokens - num_computed, plan.budget)
-        if not self._make_room_for_newcomer(req, num_computed + num_new, hit, plan):
+        whole = req.params.pooling is not None and req.params.pooling.whole  # an encoder's: in one step, or later
+        if (whole and num_new < req.num_tokens) or not self._make_room_for_newcomer(
+            req, num_computed + num_new, hit, plan
+        ):
             plan.admitting = False  # no skipping ahead
             return False
         self.waiting.take(req)
@@ -488,13 +490,7 @@ class Scheduler:
         """Raise ``RuntimeError`` naming the first broken invariant.
         ``steps_in_flight``: the steps made and not yet postprocessed."""
         state = SchedulerState(
-            block_manager=self.block_manager,
-            prefix_cache=self.prefix_cache,
-            running=self.running,
-            waiting=self.waiting,
-            requests=self._requests,
-            awaiting_grammar=self._awaiting_grammar,
-            on_workers=self._on_workers,
-            max_num_seqs=self.max_num_seqs,
-        )
+            self.block_manager, self.prefix_cache, self.running, self.waiting, self._requests,
+            self._awaiting_grammar, self._on_workers, self.max_num_seqs,
+        )  # fmt: skip
         check_scheduler(state, steps_in_flight)

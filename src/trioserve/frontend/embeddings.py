@@ -133,5 +133,5 @@ class EncodeCalls:
         if pooling is None:
             raise InvalidRequestError("task", TASK_REFUSALS[False])
         chosen = pooling.normalize if normalize is None else normalize
-        pooled = PoolingParams(type=pooling.type, normalize=chosen, dimensions=dimensions)
+        pooled = PoolingParams(type=pooling.type, normalize=chosen, dimensions=dimensions, whole=pooling.encoder)
         return SamplingParams(max_tokens=1, pooling=pooled)

@@ -46,7 +46,7 @@ from trioserve.gpu.cpu_kernels.linear import pack_linears, packing_supported
 from trioserve.gpu.device import resolve_device, resolve_dtype
 from trioserve.gpu.grammar_bitmask import apply_grammar_bitmask
 from trioserve.gpu.logits_processing import RowProcessors
-from trioserve.gpu.pooler import Pooler, PoolingPlan, hidden_forward
+from trioserve.gpu.pooler import Pooler, PoolingPlan, encoder_hidden, hidden_forward
 from trioserve.gpu.prompt_logprobs import PromptLogprobsPlan
 from trioserve.gpu.sampler import SamplingBatch, sample
 from trioserve.messages import (
@@ -146,7 +146,9 @@ class ModelRunner:
         self.kv_caches: KVCache = []
         self.num_blocks = 0
         self.requests: dict[str, _Request] = {}
-        self.pooler = Pooler() if engine_pooling(config) is not None else None  # an embedding engine
+        pooling = engine_pooling(config)
+        self.pooler = None if pooling is None else Pooler()  # an embedding engine
+        self._encoder = pooling is not None and pooling.encoder
         self.eos_token_ids: list[int] = []  # the model's, once loaded
         if self.device.type == "cpu":
             torch.set_num_threads(cpu_threads_per_worker(config))
@@ -207,8 +209,9 @@ class ModelRunner:
         """Load the weights (this rank's shard) onto the device: ``self.model``."""
         torch.manual_seed(self.config.seed)
         base = self.pooler is not None  # an embedding model: hidden states, no head
+        attention = "sdpa" if self._encoder else ATTENTION_NAME  # an encoder attends both ways, without the cache
         model = sharding.load_model(
-            self.config.model, self.world_size, base=base, attn_implementation=ATTENTION_NAME, dtype=self.dtype
+            self.config.model, self.world_size, base=base, attn_implementation=attention, dtype=self.dtype
         )
         self.model = torch.nn.Module.to(model, self.device).eval().requires_grad_(False)
         self._decode_kernel = load_decode_kernel(self.device, self.dtype)  # gpu/cpu_kernels/attention.py
@@ -371,6 +374,10 @@ class ModelRunner:
         if not sched.num_scheduled_tokens:
             return RunnerOutput(req_ids=[], sampled_token_ids=[])
         step = self._plan(sched)
+        if self._encoder and self.pooler is not None:  # whole prompts, both ways, no KV cache
+            hidden = encoder_hidden(self.model, step.input_ids, step.query_lens)  # type: ignore[arg-type]
+            rows = torch.tensor(step.pooling.rows, dtype=torch.long, device=self.device)
+            return RunnerOutput(req_ids=[], sampled_token_ids=[], pooled=self.pooler.pool(step.pooling, hidden[rows]))
         meta = self.metadata(step.query_lens, step.context_lens, step.block_tables)
         input_ids = torch.tensor(step.input_ids, dtype=torch.long, device=self.device)  # [T]
         keep = torch.tensor(

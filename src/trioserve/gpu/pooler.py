@@ -2,7 +2,8 @@
 each pools, and its vector once its prompt is computed (``trioserve.pooling``).
 
 An embedding engine loads the model without its language-model head
-(``AutoModel``) and keeps, of each step's hidden states, only the rows its
+(``AutoModel``; an encoder of BERT's family with transformers' own attention,
+run on whole prompts in a padded batch: ``encoder_hidden``) and keeps, of each step's hidden states, only the rows its
 requests pool: a ``"last"`` request its last prompt token's row, in the step
 that completes its prompt; ``"cls"`` its first token's, in the step that
 computes it; ``"mean"`` every row of every slice, summed across the slices of
@@ -14,12 +15,29 @@ asked, in float32 little-endian bytes.
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass, field
 
 import torch
 
 from trioserve.gpu.compiled import Forward
 from trioserve.pooling import PoolingParams
+
+
+def encoder_hidden(model: torch.nn.Module, input_ids: list[int], lengths: list[int]) -> torch.Tensor:
+    """An encoder's last hidden states of whole prompts packed one after
+    another (``lengths`` each), run as a padded batch with its attention
+    mask (both ways, no KV cache): ``[sum(lengths), H]``, packed alike."""
+    device = next(model.parameters()).device
+    longest = max(lengths)
+    ids = torch.zeros(len(lengths), longest, dtype=torch.long, device=device)
+    mask = torch.zeros(len(lengths), longest, dtype=torch.long, device=device)
+    packed = torch.tensor(input_ids, dtype=torch.long, device=device)
+    for row, (start, length) in enumerate(zip(itertools.accumulate([0, *lengths]), lengths, strict=False)):
+        ids[row, :length] = packed[start : start + length]
+        mask[row, :length] = 1
+    hidden = model(input_ids=ids, attention_mask=mask).last_hidden_state  # [B, L, H]
+    return hidden[mask.bool()]
 
 
 def hidden_forward(model: torch.nn.Module) -> Forward:
@@ -51,6 +69,8 @@ class PoolingPlan:
 
     def add(self, req_id: str, params: PoolingParams, start: int, end: int, num_prompt: int, packed_at: int) -> None:
         """Request ``req_id`` computes prompt tokens ``[start, end)``, packed from ``packed_at``."""
+        if params.whole and (start, end) != (0, num_prompt):
+            raise ValueError(f"num_scheduled_tokens[{req_id!r}]: an encoder's prompt must be computed whole")
         first = len(self.rows)
         if params.type == "mean":
             self.rows.extend(range(packed_at, packed_at + end - start))

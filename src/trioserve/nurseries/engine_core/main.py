@@ -63,6 +63,7 @@ from trioserve.nurseries.engine_core.sockets import input_socket_actor, output_s
 from trioserve.nurseries.engine_core.startup import handshake, listen_for_api_servers, ready, start_executor
 from trioserve.nurseries.engine_core.step_loop import EngineCore
 from trioserve.nurseries.supervision.child_main import ChildExit, ChildFailed, remove_if_parent_dies
+from trioserve.pooling import step_budget
 from trioserve.transport.zmq_trio import TrioZmqSocket
 
 INBOX_SIZE = 1024  # requests and aborts waiting for the step loop
@@ -161,7 +162,7 @@ async def _serve(
             num_blocks=info.num_kv_blocks,
             block_size=info.block_size,
             max_num_seqs=config.max_num_seqs,
-            max_num_batched_tokens=config.max_num_batched_tokens,
+            max_num_batched_tokens=step_budget(config, info.max_model_len),
             max_model_len=info.max_model_len,
             enable_prefix_caching=config.enable_prefix_caching,
         )
