@@ -156,3 +156,78 @@ async def test_each_task_refuses_the_others_endpoint_naming_the_task(fake_config
             status, answer = await in_thread(post_json, server, "/v1/embeddings", {"model": MODEL, "input": "hi"})
             assert status == 400 and answer["error"]["param"] == "task", answer
             assert "serves text generation" in answer["error"]["message"]
+
+
+async def test_the_websockets_embed_message(fake_config):
+    import json
+
+    from helpers.server import open_ws, serving
+    from helpers.waiting import in_thread
+
+    with trio.fail_after(60):
+        async with serving(fake_config(task="embed"), model_name=MODEL) as server:
+
+            def talk() -> list[dict[str, Any]]:
+                with open_ws(server.url) as ws:
+                    for message in (
+                        {"type": "embed", "id": "a", "prompt_token_ids": [5, 6, 7]},
+                        {
+                            "type": "embed",
+                            "id": "b",
+                            "prompt_token_ids": [5, 6, 7],
+                            "dimensions": 3,
+                            "normalize": False,
+                        },
+                        {"type": "embed", "id": "c", "prompt": "x", "dimensions": 999},
+                        {"type": "embed", "id": "d", "prompt": "x", "dimensions": "3"},
+                        {"type": "generate", "id": "e", "prompt": "x"},
+                    ):
+                        ws.send(json.dumps(message))
+                    replies = [json.loads(ws.recv(timeout=20)) for _ in range(5)]
+                return sorted(replies, key=lambda reply: reply["id"])
+
+            a, b, c, d, e = await in_thread(talk)
+    assert a["type"] == "embedding" and a["usage"] == {"prompt_tokens": 3, "completion_tokens": 0, "cached_tokens": 0}
+    assert a["embedding"] == pytest.approx(fake_vector([5, 6, 7], PoolingParams()), abs=1e-6)
+    assert b["embedding"] == pytest.approx(
+        fake_vector([5, 6, 7], PoolingParams(normalize=False, dimensions=3)), abs=1e-6
+    )
+    assert (c["type"], c["field"]) == ("error", "dimensions") and "at most the model's 32" in c["message"]
+    assert (d["type"], d["field"]) == ("error", "dimensions") and "must be an integer" in d["message"]
+    assert (e["type"], e["field"]) == ("error", "task") and "serves embeddings" in e["message"]
+
+
+async def test_kill_9_of_the_worker_under_embeddings_ends_every_request_and_the_engine_serves_again(fake_config):
+    import os
+    import signal
+
+    from helpers.fakes import children, wait_no_children
+
+    from trioserve.errors import EngineDeadError
+
+    with trio.fail_after(60):
+        config = fake_config(task="embed", step_delay_s=0.02, max_num_batched_tokens=32, restart_backoff_s=0.05)
+        async with trioserve.open_engine(config=config) as engine:
+            old = engine.info
+            failed: list[BaseException] = []
+
+            async def many() -> None:
+                try:
+                    await engine.encode_batch([[3 + i % 200, 4, 5, 6, 7, 8, 9, 10] for i in range(400)])
+                except EngineDeadError as exc:
+                    failed.append(exc)
+
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(many)
+                while engine.num_requests_in_flight() < 8:
+                    await trio.sleep(0.01)
+                os.kill(old.worker_pids[0], signal.SIGKILL)
+            assert len(failed) == 1 and engine.num_requests_in_flight() == 0
+            await engine.wait_ready()
+            out = await engine.encode([5, 6, 7])
+            assert out.embedding == pytest.approx(fake_vector([5, 6, 7], PoolingParams()), abs=1e-6)
+            assert engine.num_restarts == 1
+            assert {p.pid for p in children()} == {engine.info.engine_pid, *engine.info.worker_pids}
+            stats = await engine.stats()
+            assert stats.num_free_blocks == stats.num_total_blocks and stats.num_running == stats.num_waiting == 0
+        assert await wait_no_children() == []

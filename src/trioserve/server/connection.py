@@ -47,7 +47,7 @@ from trioserve.frontend.requests.streams import RequestStream
 from trioserve.sampling_params import SamplingParams
 from trioserve.server import protocol
 from trioserve.server.config import ServerConfig
-from trioserve.server.protocol import Cancel, Delta, Generate, ProtocolError, ServerMessage
+from trioserve.server.protocol import Cancel, Delta, Embed, Embedding, Generate, ProtocolError, ServerMessage, Usage
 from trioserve.server.state import ServerState, wait_any
 
 log = logging.getLogger("trioserve.server")
@@ -66,7 +66,7 @@ class _Close:
 class _Flight:
     """A request in flight on this connection."""
 
-    request: Generate
+    request: Generate | Embed
     scope: trio.CancelScope = field(default_factory=trio.CancelScope)
     end_code: str | None = None  # set when the server ends it early; None: the client cancelled
     prompt_tokens: int = 0
@@ -140,7 +140,7 @@ class Connection:
             return None
         return self._start(message, nursery)
 
-    def _start(self, request: Generate, nursery: trio.Nursery) -> ServerMessage | None:
+    def _start(self, request: Generate | Embed, nursery: trio.Nursery) -> ServerMessage | None:
         if self._state.stopping.is_set():
             why = "the engine died" if self._state.stop_code == protocol.ENGINE_DEAD else "the server is shutting down"
             return protocol.error(request.id, self._state.stop_code, f"not started: {why}")
@@ -274,6 +274,13 @@ class Connection:
         terminal message. If cancelled, the request is aborted in the engine."""
         request = flight.request
         try:
+            if isinstance(request, Embed):
+                out = await self._engine.encode(
+                    request.the_prompt, dimensions=request.dimensions, normalize=request.normalize,
+                    client_id=self._client_id,
+                )  # fmt: skip
+                usage = Usage(out.num_prompt_tokens, 0, out.num_cached_tokens or 0)
+                return Embedding(id=request.id, embedding=out.embedding, usage=usage)
             if request.params.structured is not None:
                 await self._engine.check_structured(request.params.structured)
             stream = self._engine.stream(request.the_prompt, request.params, client_id=self._client_id)
@@ -335,7 +342,7 @@ class Connection:
         return False
 
 
-def _invalid_request(request: Generate, exc: InvalidRequestError) -> ProtocolError:
+def _invalid_request(request: Generate | Embed, exc: InvalidRequestError) -> ProtocolError:
     """The protocol's error for the engine's: the engine names the field
     ``prompt`` whichever way it was given, and a sampling parameter without
     its ``params.``; the client gets its own name."""

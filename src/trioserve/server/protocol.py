@@ -1,12 +1,13 @@
 """The WebSocket protocol as plain functions: client JSON in, typed messages
 out; server messages built and encoded. No I/O, no trio.
 
-Client messages: ``generate`` and ``cancel``. Server messages: ``delta``,
-``done``, ``error`` (docs/websocket-protocol.md). Invariants: every parse
-failure becomes one ``ProtocolError`` whose ``message`` starts with the name
-of the offending field (when there is one); every request ends with exactly
-one terminal message (``done`` or ``error``), the server's side of which is
-kept by ``server/connection.py``.
+Client messages: ``generate``, ``embed`` and ``cancel``. Server messages:
+``delta``, ``done``, ``embedding``, ``error`` (docs/websocket-protocol.md).
+Invariants: every parse failure becomes one ``ProtocolError`` whose
+``message`` starts with the name of the offending field (when there is
+one); every request ends with exactly one terminal message (``done`` or
+``error``; an ``embed`` request, ``embedding`` or ``error``), the server's
+side of which is kept by ``server/connection.py``.
 
 This layer checks the shape of the JSON only: which fields exist and their
 JSON types. What the values mean (a prompt that fits the context, token ids
@@ -47,19 +48,19 @@ INTERNAL = "internal"
 _PARAM_FIELDS = frozenset(SamplingParams.__struct_fields__)
 _GENERATE_FIELDS = frozenset({"type", "id", "prompt", "prompt_token_ids", "params"})
 _CANCEL_FIELDS = frozenset({"type", "id"})
+_EMBED_FIELDS = frozenset({"type", "id", "prompt", "prompt_token_ids", "dimensions", "normalize"})
 
 
 # --- client -> server -------------------------------------------------------
 
 
-class Generate(msgspec.Struct, frozen=True):
-    """Start a request. Exactly one of ``prompt`` (a string) and
+class _Prompted(msgspec.Struct, frozen=True):
+    """A request's id and prompt: exactly one of ``prompt`` (a string) and
     ``prompt_token_ids`` (an array, whose items the engine checks) is set."""
 
     id: str
     prompt: str | None
     prompt_token_ids: list[Any] | None
-    params: SamplingParams
 
     @property
     def prompt_field(self) -> str:
@@ -71,6 +72,19 @@ class Generate(msgspec.Struct, frozen=True):
             return self.prompt
         assert self.prompt_token_ids is not None  # exactly one is set
         return self.prompt_token_ids
+
+
+class Generate(_Prompted, frozen=True):
+    """Start a generation request."""
+
+    params: SamplingParams
+
+
+class Embed(_Prompted, frozen=True):
+    """Ask for the prompt's vector (``Engine.encode``: an embedding model)."""
+
+    dimensions: int | None = None
+    normalize: bool | None = None
 
 
 class Cancel(msgspec.Struct, frozen=True):
@@ -108,7 +122,13 @@ class Error(msgspec.Struct, tag="error", tag_field="type", omit_defaults=True):
     field: str | None = None
 
 
-ServerMessage = Delta | Done | Error
+class Embedding(msgspec.Struct, tag="embedding", tag_field="type"):
+    id: str
+    embedding: list[float]
+    usage: Usage
+
+
+ServerMessage = Delta | Done | Embedding | Error
 
 
 class ProtocolError(Exception):
@@ -134,9 +154,9 @@ def encode(message: ServerMessage) -> str:
     return _encoder.encode(message).decode()
 
 
-def parse_client_message(frame: str | bytes) -> Generate | Cancel:
+def parse_client_message(frame: str | bytes) -> Generate | Embed | Cancel:
     """Parse one client frame. Raises ``ProtocolError`` for anything that is
-    not a valid ``generate`` or ``cancel`` message."""
+    not a valid ``generate``, ``embed`` or ``cancel`` message."""
     if isinstance(frame, bytes):
         raise ProtocolError(INVALID_JSON, "messages are JSON text frames; got a binary frame")
     raw = _decode_json(frame)
@@ -146,14 +166,15 @@ def parse_client_message(frame: str | bytes) -> Generate | Cancel:
     kind = raw.get("type")
     if kind == "generate":
         return _parse_generate(raw)
+    if kind == "embed":
+        return _parse_embed(raw)
     if kind == "cancel":
         _check_fields(raw, _CANCEL_FIELDS, "", request_id)
         return Cancel(id=_parse_id(raw))
     if "type" not in raw:
         raise ProtocolError(INVALID_FIELD, "type: missing", id=request_id, field="type")
-    raise ProtocolError(
-        UNKNOWN_TYPE, f"type: unknown message type {short_repr(kind)} (expected 'generate' or 'cancel')", id=request_id
-    )
+    expected = "expected 'generate', 'embed' or 'cancel'"
+    raise ProtocolError(UNKNOWN_TYPE, f"type: unknown message type {short_repr(kind)} ({expected})", id=request_id)
 
 
 def _decode_json(frame: str) -> Any:
@@ -194,6 +215,23 @@ def _is_valid_json_with_a_lone_surrogate(text: str | bytes) -> bool:
 def _parse_generate(raw: dict[str, Any]) -> Generate:
     request_id = _parse_id(raw)
     _check_fields(raw, _GENERATE_FIELDS, "", request_id)
+    prompt, token_ids = _parse_prompt(raw, request_id)
+    return Generate(id=request_id, prompt=prompt, prompt_token_ids=token_ids, params=_parse_params(raw, request_id))
+
+
+def _parse_embed(raw: dict[str, Any]) -> Embed:
+    request_id = _parse_id(raw)
+    _check_fields(raw, _EMBED_FIELDS, "", request_id)
+    prompt, token_ids = _parse_prompt(raw, request_id)
+    dimensions, normalize = raw.get("dimensions"), raw.get("normalize")
+    if dimensions is not None and (not isinstance(dimensions, int) or isinstance(dimensions, bool)):
+        raise _invalid(request_id, "dimensions", f"must be an integer, got {_json_type(dimensions)}")
+    if normalize is not None and not isinstance(normalize, bool):
+        raise _invalid(request_id, "normalize", f"must be a boolean, got {_json_type(normalize)}")
+    return Embed(id=request_id, prompt=prompt, prompt_token_ids=token_ids, dimensions=dimensions, normalize=normalize)
+
+
+def _parse_prompt(raw: dict[str, Any], request_id: str) -> tuple[str | None, list[Any] | None]:
     prompt, token_ids = raw.get("prompt"), raw.get("prompt_token_ids")
     if (prompt is None) == (token_ids is None):
         raise ProtocolError(
@@ -203,7 +241,7 @@ def _parse_generate(raw: dict[str, Any]) -> Generate:
         raise _invalid(request_id, "prompt", f"must be a string, got {_json_type(prompt)}")
     if token_ids is not None and not isinstance(token_ids, list):
         raise _invalid(request_id, "prompt_token_ids", f"must be an array of token ids, got {_json_type(token_ids)}")
-    return Generate(id=request_id, prompt=prompt, prompt_token_ids=token_ids, params=_parse_params(raw, request_id))
+    return prompt, token_ids
 
 
 def _is_valid_id(value: object) -> TypeGuard[str]:
