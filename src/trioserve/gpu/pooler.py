@@ -23,21 +23,49 @@ import torch
 from trioserve.gpu.compiled import Forward
 from trioserve.pooling import PoolingParams
 
+PADDING_SLACK = 1.25  # a padded batch of an encoder's prompts computes at most this many times their tokens
+
 
 def encoder_hidden(model: torch.nn.Module, input_ids: list[int], lengths: list[int]) -> torch.Tensor:
     """An encoder's last hidden states of whole prompts packed one after
-    another (``lengths`` each), run as a padded batch with its attention
-    mask (both ways, no KV cache): ``[sum(lengths), H]``, packed alike."""
+    another (``lengths`` each), run as padded batches with their attention
+    masks (both ways, no KV cache): ``[sum(lengths), H]``, packed alike. The
+    prompts are grouped by length, so that padding costs at most
+    ``PADDING_SLACK`` times the tokens (a step's prompts come in any order)."""
     device = next(model.parameters()).device
-    longest = max(lengths)
-    ids = torch.zeros(len(lengths), longest, dtype=torch.long, device=device)
-    mask = torch.zeros(len(lengths), longest, dtype=torch.long, device=device)
     packed = torch.tensor(input_ids, dtype=torch.long, device=device)
-    for row, (start, length) in enumerate(zip(itertools.accumulate([0, *lengths]), lengths, strict=False)):
-        ids[row, :length] = packed[start : start + length]
-        mask[row, :length] = 1
-    hidden = model(input_ids=ids, attention_mask=mask).last_hidden_state  # [B, L, H]
-    return hidden[mask.bool()]
+    starts = list(itertools.accumulate([0, *lengths]))[:-1]
+    out: torch.Tensor | None = None
+    for group in _by_length(lengths):
+        longest = max(lengths[i] for i in group)
+        ids = torch.zeros(len(group), longest, dtype=torch.long, device=device)
+        mask = torch.zeros(len(group), longest, dtype=torch.long, device=device)
+        for row, i in enumerate(group):
+            ids[row, : lengths[i]] = packed[starts[i] : starts[i] + lengths[i]]
+            mask[row, : lengths[i]] = 1
+        hidden = model(input_ids=ids, attention_mask=mask).last_hidden_state  # [B, L, H]
+        if out is None:
+            out = hidden.new_empty(len(input_ids), hidden.shape[-1])
+        for row, i in enumerate(group):
+            out[starts[i] : starts[i] + lengths[i]] = hidden[row, : lengths[i]]
+    assert out is not None  # a step has at least one prompt
+    return out
+
+
+def _by_length(lengths: list[int]) -> list[list[int]]:
+    """The prompts' indices in groups of similar length (shortest first):
+    each group padded to its longest computes at most ``PADDING_SLACK`` times
+    its tokens."""
+    groups: list[list[int]] = []
+    total = 0
+    for i in sorted(range(len(lengths)), key=lengths.__getitem__):
+        if groups and lengths[i] * (len(groups[-1]) + 1) <= PADDING_SLACK * (total + lengths[i]):
+            groups[-1].append(i)
+            total += lengths[i]
+        else:
+            groups.append([i])
+            total = lengths[i]
+    return groups
 
 
 def hidden_forward(model: torch.nn.Module) -> Forward:
