@@ -12,7 +12,7 @@ import urllib.request
 
 import trio
 from helpers.serving import serve_argv, spawned, wait_for_url
-from helpers.waiting import in_thread
+from helpers.waiting import in_thread, wait_until
 from prometheus_client.parser import text_string_to_metric_families
 
 # The series vLLM's dashboard queries (histograms by their _bucket, _sum and _count series).
@@ -47,6 +47,10 @@ def scrape(base: str) -> dict[str, list]:
     return samples
 
 
+def iteration_tokens(samples: dict[str, list]) -> float:
+    return sum(s.value for s in samples.get("vllm:iteration_tokens_total_sum", []))
+
+
 def complete(base: str, i: int) -> None:
     body = json.dumps({"model": "m", "prompt": [5, 6, 7 + i], "max_tokens": 4, "ignore_eos": True}).encode()
     request = urllib.request.Request(f"{base}/v1/completions", body, {"Content-Type": "application/json"})
@@ -60,6 +64,12 @@ async def test_the_dashboards_metrics_are_served_and_count_every_request_across_
         base = (await in_thread(wait_for_url, proc, 60)).replace("ws://", "http://")
         for i in range(NUM_REQUESTS):
             await in_thread(complete, base, i)
+
+        # The engine cores' counters reach the shared metrics at API server 0's next refresh (every 2 s).
+        async def counted() -> bool:
+            return iteration_tokens(await in_thread(scrape, base)) == 6 * NUM_REQUESTS
+
+        await wait_until(counted, 15, "the engine's steps in the metrics", interval=0.5)
         scrapes = [await in_thread(scrape, base) for _ in range(6)]  # answered by either API server
         proc.send_signal(signal.SIGTERM)
         assert await in_thread(proc.wait, 30) == 0
@@ -72,7 +82,7 @@ async def test_the_dashboards_metrics_are_served_and_count_every_request_across_
         assert sum(s.value for s in samples["vllm:e2e_request_latency_seconds_count"]) == NUM_REQUESTS
         assert sum(s.value for s in samples["vllm:request_queue_time_seconds_count"]) == NUM_REQUESTS
         # Each request computes its 3 prompt tokens and 3 of its 4 outputs (the last is sampled, not computed).
-        assert sum(s.value for s in samples["vllm:iteration_tokens_total_sum"]) == 6 * NUM_REQUESTS
+        assert iteration_tokens(samples) == 6 * NUM_REQUESTS
         steps = sum(s.value for s in samples["vllm:iteration_tokens_total_count"])
         assert NUM_REQUESTS * 4 / 2 <= steps <= NUM_REQUESTS * 4  # at least one token a step, at most two requests
 

@@ -418,6 +418,8 @@ def param_ok(name: str, value: object, *, json_keys: bool = False) -> bool:
         "logprobs": lambda v: v is None or (_is_int(v) and 0 <= v <= MAX_LOGPROBS),
         # Constraints change the tokens (tests/test_structured_*.py): here, only that nothing else is one.
         "structured": lambda v: v is None,
+        # An embedding request's (tests/test_embeddings.py): here, only that a generation request has none.
+        "pooling": lambda v: v is None,
         "min_tokens": lambda v: _is_int(v) and 0 <= v <= MAX_INT32,
         "include_stop_str_in_output": lambda v: isinstance(v, bool),
         "prompt_logprobs": lambda v: v is None or (_is_int(v) and 0 <= v <= MAX_LOGPROBS),
@@ -491,6 +493,7 @@ VALID_PARAMS: dict[str, st.SearchStrategy[Any]] = {
     "ignore_eos": st.booleans(),
     "logprobs": st.none() | st.integers(0, MAX_LOGPROBS),
     "structured": st.none(),
+    "pooling": st.none(),
     "min_tokens": st.integers(0, 20),
     "include_stop_str_in_output": st.booleans(),
     "prompt_logprobs": st.none() | st.integers(0, MAX_LOGPROBS),
