@@ -31,9 +31,11 @@ if TYPE_CHECKING:
         RequestError,
         TrioserveError,
     )
+    from trioserve.frontend.embeddings import EmbeddingOutput
     from trioserve.frontend.requests.outputs import RequestOutput
     from trioserve.frontend.requests.streams import RequestStream
     from trioserve.messages import EngineInfo, EngineStats, SampleLogprobs
+    from trioserve.pooling import PoolingParams
     from trioserve.rpc import DescribeShard, Echo, EchoReply, ShardInfo
     from trioserve.sampling_params import SamplingParams
     from trioserve.structured import Choice, Grammar, JsonObject, JsonSchema, Regex
@@ -44,6 +46,7 @@ __all__ = [
     "DescribeShard",
     "Echo",
     "EchoReply",
+    "EmbeddingOutput",
     "Engine",
     "EngineConfig",
     "EngineDeadError",
@@ -56,6 +59,7 @@ __all__ = [
     "InvalidRequestError",
     "JsonObject",
     "JsonSchema",
+    "PoolingParams",
     "PromptTooLongError",
     "Regex",
     "RequestError",
@@ -83,9 +87,11 @@ _HOMES = {
         "RequestError",
         "TrioserveError",
     ),
+    "trioserve.frontend.embeddings": ("EmbeddingOutput",),
     "trioserve.frontend.requests.outputs": ("RequestOutput",),
     "trioserve.frontend.requests.streams": ("RequestStream",),
     "trioserve.messages": ("EngineInfo", "EngineStats", "SampleLogprobs"),
+    "trioserve.pooling": ("PoolingParams",),
     "trioserve.sampling_params": ("SamplingParams",),
     "trioserve.rpc": ("DescribeShard", "Echo", "EchoReply", "ShardInfo"),
     "trioserve.structured": ("Choice", "Grammar", "JsonObject", "JsonSchema", "Regex"),
