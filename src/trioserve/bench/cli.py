@@ -350,6 +350,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
     config = engine_config(args, str(model_dir))
     text_config = _text_config(model_dir)
     if engine_pooling(config) is not None:  # an embedding model: inputs per second (bench/embed.py)
+        if args.url:
+            raise ValueError("--url: an embedding model is measured in-process only (bench/embed.py)")
         context = min(config.max_model_len or 1 << 30, int(text_config.get("max_position_embeddings", 512)))
         return run_embed_bench(args, config, model_dir, context)
     spec = _workload(args, text_config)
