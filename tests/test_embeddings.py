@@ -231,3 +231,26 @@ async def test_kill_9_of_the_worker_under_embeddings_ends_every_request_and_the_
             stats = await engine.stats()
             assert stats.num_free_blocks == stats.num_total_blocks and stats.num_running == stats.num_waiting == 0
         assert await wait_no_children() == []
+
+
+def test_the_embedding_benchmarks_texts_are_seeded_and_fit_the_context(tiny_model_dir):
+    from trioserve.bench.embed import embed_texts
+    from trioserve.frontend.text.tokenizer import Tokenizer
+
+    tokenizer = Tokenizer.from_dir(tiny_model_dir("llama"))
+    texts = embed_texts(tokenizer, 50, (16, 64), seed=3, limit=70)
+    assert (
+        texts == embed_texts(tokenizer, 50, (16, 64), seed=3, limit=70) != embed_texts(tokenizer, 50, (16, 64), 4, 70)
+    )
+    lengths = [len(tokenizer.encode(text)) for text in texts]
+    assert len(texts) == 50 and max(lengths) <= 70 and min(lengths) >= 16 and "\ufffd" not in "".join(texts)
+    with pytest.raises(ValueError, match=r"^--prompt-len: texts of 64 tokens tokenize to more than 20"):
+        embed_texts(tokenizer, 5, (60, 64), seed=3, limit=20)
+
+
+def test_bench_refuses_url_for_an_embedding_model(tiny_model_dir, capsys):
+    from trioserve.cli import main
+
+    argv = ["bench", "--model", str(tiny_model_dir("llama")), "--task", "embed", "--runner", "fake"]
+    assert main([*argv, "--url", "http://127.0.0.1:9"]) == 2
+    assert "--url: an embedding model is measured in-process only" in capsys.readouterr().err
