@@ -34,6 +34,11 @@ async def test_encode_gives_each_prompts_vector_pooled_cut_and_normalised_as_ask
             outs = await engine.encode_batch(prompts)
             for prompt, got in zip(prompts, outs, strict=True):
                 assert got.embedding == pytest.approx(fake_vector(prompt, PoolingParams(type="mean")), abs=1e-6)
+            # A prompt may fill the whole context: nothing is generated after it.
+            whole = [3 + i % 250 for i in range(engine.info.max_model_len)]
+            assert (await engine.encode(whole)).num_prompt_tokens == engine.info.max_model_len
+            with pytest.raises(InvalidRequestError, match=r"tokens \(max_model_len\)$"):
+                await engine.encode([*whole, 5])
             stats = await engine.stats()
             assert stats.num_running == stats.num_waiting == 0 and stats.num_free_blocks == stats.num_total_blocks
             with pytest.raises(InvalidRequestError, match=r"^dimensions: at most the model's 32 components"):

@@ -101,7 +101,7 @@ def run_embed_bench(args: argparse.Namespace, config: EngineConfig, model_dir: P
     """Run the embedding benchmark (see the module's docstring); print its table. Exit code 0, or 1 on an error."""
     tokenizer = Tokenizer.from_dir(config.tokenizer or model_dir)
     lengths = parse_range(args.prompt_len, "--prompt-len")
-    texts = embed_texts(tokenizer, args.num_requests, lengths, args.seed, max_model_len - 1)
+    texts = embed_texts(tokenizer, args.num_requests, lengths, args.seed, max_model_len)
     batch = args.concurrency or 32
     threads = config.torch_threads or cpu_threads_per_worker(config)
     say(f"trioserve bench: {len(texts)} texts of {lengths[0]}-{lengths[1]} tokens, batch {batch}, {threads} threads")

@@ -4,8 +4,8 @@ that serves an embedding model (``trioserve.pooling``).
 An embedding request is a request like any other in the engine (admitted,
 batched, preempted and aborted as generation requests are) whose prompt is
 its whole work: it ends when the prompt is computed, with its vector. The
-prompt is checked as a generation prompt is (so it holds at most
-``max_model_len - 1`` tokens).
+prompt is checked as a generation prompt is, but may fill the whole
+context (``max_model_len`` tokens): nothing is generated after it.
 """
 
 from __future__ import annotations

@@ -83,7 +83,7 @@ async def truncated(engine: Engine, prompts: list[str | list[int]], keep: int | 
     takes); texts are tokenized in a worker thread."""
     if keep is None:
         return prompts
-    longest = engine.info.max_model_len - 1
+    longest = engine.info.max_model_len
     if keep == -1:
         keep = longest
     if not 1 <= keep <= longest:

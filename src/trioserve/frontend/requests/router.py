@@ -39,11 +39,11 @@ class RequestRouter:
     def __init__(self, group: EngineGroup, tokenizer: Tokenizer) -> None:
         self._group = group
         self.tokenizer = tokenizer
-        self.prompts = PromptChecker(tokenizer, group.info)
         self.observers: list[RequestObserver] = []  # told each request's metrics when it ends
         config = group.config
         self.held = HeldEntries(config.max_request_entries, config.max_held_entries)  # counted by the streams
         self.pooling = engine_pooling(config)  # None: the engine generates text; else how it embeds
+        self.prompts = PromptChecker(tokenizer, group.info, output_room=0 if self.pooling else 1)
 
     @property
     def config(self) -> EngineConfig:

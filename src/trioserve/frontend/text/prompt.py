@@ -40,10 +40,15 @@ TOKENIZE_THREADS = 2  # tokenizing threads per engine at once
 
 
 class PromptChecker:
-    """Checks prompts against one engine's tokenizer and context."""
+    """Checks prompts against one engine's tokenizer and context, which
+    must also hold ``output_room`` tokens after the prompt (one to generate;
+    none for an embedding engine's prompts, whose whole work they are)."""
 
-    def __init__(self, tokenizer: Tokenizer, info: EngineInfo) -> None:
+    def __init__(self, tokenizer: Tokenizer, info: EngineInfo, *, output_room: int = 1) -> None:
         self.tokenizer = tokenizer
+        self.output_room = output_room
+        # (What the KV cache holds bounds a prompt too: max_model_len is capped one above it, for generation.)
+        self.max_prompt_len = min(info.max_model_len - output_room, info.num_kv_blocks * info.block_size)
         self.vocab_size = info.vocab_size
         self.max_model_len = info.max_model_len
         # No prompt of more characters can fit the context: each token stands
@@ -135,12 +140,10 @@ class PromptChecker:
     def _fit(self, token_ids: list[int]) -> list[int]:
         if not token_ids:
             raise InvalidRequestError("prompt", "must not be empty (it encodes to no tokens)")
-        if len(token_ids) >= self.max_model_len:
+        if len(token_ids) > self.max_prompt_len:
             raise PromptTooLongError("prompt", self._too_long(len(token_ids)))
         return token_ids
 
     def _too_long(self, num_tokens: int | str) -> str:
-        return (
-            f"{num_tokens} tokens do not fit the context of {self.max_model_len} tokens "
-            "(max_model_len), which must also hold at least one output token"
-        )
+        room = ", which must also hold at least one output token" if self.output_room else ""
+        return f"{num_tokens} tokens do not fit the context of {self.max_model_len} tokens (max_model_len){room}"
