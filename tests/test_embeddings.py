@@ -111,37 +111,37 @@ async def test_the_openai_clients_embeddings_with_every_input_form_and_both_enco
             await in_thread(calls)
 
 
-@pytest.mark.parametrize(
-    ("body", "param", "says"),
-    [
-        ({"input": []}, "input", "give 1 to 2048 inputs"),
-        ({"input": ["ok", ""]}, "input", "an input is empty"),
-        ({"input": [5, 6], "dimensions": FAKE_HIDDEN_SIZE + 1}, "dimensions", "at most the model's 32"),
-        ({"input": [5, 6], "dimensions": 0}, "dimensions", "must be an integer"),
-        ({"input": [5, 6], "truncate_prompt_tokens": 0}, "truncate_prompt_tokens", "must be -1 or in [1,"),
-        ({"input": [[5, 999999]]}, "input", "token"),
-        ({"input": [5] * 600}, "input", "do not fit the context"),
-        ({"input": "x", "encoding_format": "hex"}, "encoding_format", "invalid enum value 'hex'"),
-    ],
-)
-async def test_each_bad_embedding_request_is_a_400_naming_it_while_another_completes(fake_config, body, param, says):
+BAD_EMBEDDINGS = [  # (the request's fields, the field its 400 names, what its message says)
+    ({"input": []}, "input", "give 1 to 2048 inputs"),
+    ({"input": ["ok", ""]}, "input", "an input is empty"),
+    ({"input": [5, 6], "dimensions": FAKE_HIDDEN_SIZE + 1}, "dimensions", "at most the model's 32"),
+    ({"input": [5, 6], "dimensions": 0}, "dimensions", "must be an integer"),
+    ({"input": [5, 6], "truncate_prompt_tokens": 0}, "truncate_prompt_tokens", "must be -1 or in [1,"),
+    ({"input": [[5, 999999]]}, "input", "token"),
+    ({"input": [5] * 600}, "input", "do not fit the context"),
+    ({"input": "x", "encoding_format": "hex"}, "encoding_format", "invalid enum value 'hex'"),
+]
+
+
+async def test_each_bad_embedding_request_is_a_400_naming_it_while_another_completes(fake_config):
     from helpers.server import post_json, serving
     from helpers.waiting import in_thread
 
     with trio.fail_after(60):
-        async with serving(fake_config(task="embed"), model_name=MODEL) as server:
-            async with trio.open_nursery() as nursery:
+        async with serving(fake_config(task="embed"), model_name=MODEL) as server:  # one server for every case
+
+            async def beside(good: list[int]) -> None:
+                status, _ = await in_thread(post_json, server, "/v1/embeddings", {"model": MODEL, "input": "fine"})
+                good.append(status)
+
+            for body, param, says in BAD_EMBEDDINGS:
                 good: list[int] = []
-
-                async def beside() -> None:
-                    status, _ = await in_thread(post_json, server, "/v1/embeddings", {"model": MODEL, "input": "fine"})
-                    good.append(status)
-
-                nursery.start_soon(beside)
-                status, answer = await in_thread(post_json, server, "/v1/embeddings", {"model": MODEL, **body})
-            assert status == 400 and answer["error"]["param"] == param, answer
-            assert says in answer["error"]["message"], answer
-            assert good == [200]
+                async with trio.open_nursery() as nursery:
+                    nursery.start_soon(beside, good)
+                    status, answer = await in_thread(post_json, server, "/v1/embeddings", {"model": MODEL, **body})
+                assert status == 400 and answer["error"]["param"] == param, (body, answer)
+                assert says in answer["error"]["message"], (body, answer)
+                assert good == [200], body
             stats = await server.engine.stats()  # type: ignore[union-attr]
             assert stats.num_free_blocks == stats.num_total_blocks
 
