@@ -55,6 +55,7 @@ class PoolingParams(msgspec.Struct, kw_only=True, omit_defaults=True, frozen=Tru
         if self.type not in POOLING_TYPES:
             raise InvalidRequestError("pooling.type", f"must be one of {', '.join(POOLING_TYPES)} (got {self.type!r})")
         check_bool("pooling.normalize", self.normalize)
+        check_bool("pooling.whole", self.whole)
         if self.dimensions is not None:
             check_int("dimensions", self.dimensions, 1, MAX_DIMENSIONS)
 

@@ -12,6 +12,8 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Sequence
 
+import msgspec
+
 from trioserve.config import EngineConfig
 from trioserve.errors import InvalidRequestError
 from trioserve.frontend.engines.client import EngineCoreClient
@@ -66,6 +68,9 @@ class RequestRouter:
                 raise InvalidRequestError(name, f"at most {max_logprobs} on this server (--max-logprobs; got {wanted})")
         if (params.pooling is not None) != (self.pooling is not None):
             raise InvalidRequestError("task", TASK_REFUSALS[self.pooling is not None])
+        if params.pooling is not None and self.pooling is not None and params.pooling.whole != self.pooling.encoder:
+            whole = msgspec.structs.replace(params.pooling, whole=self.pooling.encoder)  # as the model computes
+            params = msgspec.structs.replace(params, pooling=whole)
         hidden = self._group.info.model.hidden_size
         if params.pooling is not None and hidden and (params.pooling.dimensions or 0) > hidden:
             raise InvalidRequestError(
