@@ -19,7 +19,6 @@ One engine each: the other poolings are asked for request by request
 
 from __future__ import annotations
 
-import json
 import random
 import shutil
 
@@ -29,6 +28,7 @@ import trio
 
 import trioserve
 from trioserve import EngineConfig, SamplingParams
+from trioserve.bench.models import write_sentence_transformers_files
 from trioserve.pooling import PoolingParams
 
 MIN_COSINE = 0.99999
@@ -37,14 +37,7 @@ MIN_COSINE = 0.99999
 def sentence_transformers_dir(model_dir, out, mode: str):
     """``model_dir`` copied to ``out`` with sentence-transformers' module files (normalised)."""
     shutil.copytree(model_dir, out)
-    kinds = ("Transformer", "Pooling", "Normalize")
-    modules = [
-        {"idx": i, "name": str(i), "path": path, "type": f"sentence_transformers.models.{kind}"}
-        for i, (kind, path) in enumerate(zip(kinds, ("", "1_Pooling", "2_Normalize"), strict=True))
-    ]
-    (out / "modules.json").write_text(json.dumps(modules))
-    (out / "1_Pooling").mkdir()
-    (out / "1_Pooling" / "config.json").write_text(json.dumps({"word_embedding_dimension": 64, mode: True}))
+    write_sentence_transformers_files(out, 64, mode)
     return out
 
 

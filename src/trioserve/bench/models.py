@@ -117,9 +117,12 @@ def bench_model_dir(name: str) -> Path:
     return target
 
 
-def write_sentence_transformers_files(model_dir: str | Path, hidden_size: int) -> None:
-    """``modules.json`` and ``1_Pooling/config.json`` for last-token pooling
-    and normalisation, as sentence-transformers saves a model."""
+def write_sentence_transformers_files(
+    model_dir: str | Path, hidden_size: int, mode: str = "pooling_mode_lasttoken"
+) -> None:
+    """``modules.json`` and ``1_Pooling/config.json`` for the pooling ``mode``
+    (sentence-transformers' key: last-token by default) and normalisation, as
+    sentence-transformers saves a model."""
     kinds = ("Transformer", "Pooling", "Normalize")
     paths = ("", "1_Pooling", "2_Normalize")
     modules = [
@@ -129,7 +132,7 @@ def write_sentence_transformers_files(model_dir: str | Path, hidden_size: int) -
     directory = Path(model_dir)
     (directory / "modules.json").write_text(json.dumps(modules, indent=2))
     (directory / "1_Pooling").mkdir(exist_ok=True)
-    pooling = {"word_embedding_dimension": hidden_size, "pooling_mode_lasttoken": True, "include_prompt": True}
+    pooling = {"word_embedding_dimension": hidden_size, mode: True, "include_prompt": True}
     (directory / "1_Pooling" / "config.json").write_text(json.dumps(pooling, indent=2))
 
 

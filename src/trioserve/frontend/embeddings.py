@@ -102,8 +102,9 @@ class EncodeCalls:
             raise InvalidRequestError("input", f"a batch holds 1 to {MAX_BATCH_INPUTS} inputs")
         params = self._embedding_params(dimensions, normalize)
         self._router.prepare_params(params)  # its fields checked once, before any request runs
-        for prompt in prompts:  # every prompt checked before any runs (a long text is checked when submitted)
-            self._router.token_ids_now(prompt)
+        # Every prompt checked (and tokenized) once, before any runs; a long text is checked when submitted.
+        checked = [self._router.token_ids_now(prompt) for prompt in prompts]
+        prompts = [prompt if ids is None else ids for prompt, ids in zip(prompts, checked, strict=True)]
         config = self._router.config
         limiter = trio.CapacityLimiter(config.max_num_seqs + config.max_waiting_requests)
         results: dict[int, EmbeddingOutput] = {}
