@@ -83,17 +83,20 @@ def test_every_engine_option_reaches_its_field():
         "--fake-options", '{"eos_every": 4}', "--max-restarts", "6", "--restart-window", "60",
         "--startup-timeout", "8", "--model-load-timeout", "40", "--step-timeout", "0", "--step-hang-min", "2",
         "--heartbeat-interval", "0.5", "--heartbeat-timeout", "3", "--task", "embed", "--pooling-type", "MEAN",
-        "--no-normalize",
+        "--no-normalize", "--max-loras", "2", "--max-lora-rank", "8", "--max-cpu-loras", "3",
     ]  # fmt: skip
     config = engine_config(build_parser().parse_args(argv), "m")
     assert (config.task, config.pooling_type, config.normalize) == ("embed", "mean", False)
+    assert (config.max_loras, config.max_lora_rank, config.max_cpu_loras) == (2, 8, 3)
+    lora = engine_config(build_parser().parse_args(["serve", "--enable-lora", "--lora-modules", "a=/x", "b=/y"]), "m")
+    assert lora.enable_lora and lora.lora_modules == ("a=/x", "b=/y")
     changed = {f.name for f in dataclasses.fields(EngineConfig) if getattr(config, f.name) != f.default}
     unset = {f.name for f in dataclasses.fields(EngineConfig)} - changed
     # The hosts are serve's own options; the rest is set through the Python API only (engine_options.py says).
     assert unset == {
         "data_parallel_size_local", "data_parallel_address", "data_parallel_rpc_port", "curve_keys_dir",
         "insecure_tcp", "shutdown_grace_s", "step_hang_factor", "restart_backoff_s", "restart_backoff_max_s",
-        "restart_wait_s", "control_timeout_s", "while_asleep",
+        "restart_wait_s", "control_timeout_s", "while_asleep", "enable_lora", "lora_modules",
     }  # fmt: skip
     assert config.step_timeout_s is None  # 0: no fixed limit
     assert config.kv_cache_memory_bytes == 7 * 2**20 and config.fake.eos_every == 4

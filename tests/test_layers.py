@@ -25,7 +25,8 @@ SRC = Path(trioserve.__file__).parent
 RANKS = {
     "errors": 0,
     "checks": 0.5,  # a request's values checked, naming the field (SamplingParams' building blocks; uses errors)
-    "config": 0,
+    "config": 0.2,  # the engine's config (uses lora, to read --lora-modules)
+    "lora": 0,  # LoRA adapters' names and configs (PEFT's format), without torch
     "rpc": 0,  # the control calls: a closed union that messages carries
     "byte_level": 0,  # the byte-level vocabularies' alphabet (the front-end's tokenizer, the tiny models)
     "stdio": 0,  # a process's standard descriptors, and lines said on them
@@ -57,6 +58,7 @@ THIRD_PARTY = {
     "errors": {"trio"},  # lazily: to tell a cancellation from a failure
     "checks": set(),
     "config": set(),
+    "lora": set(),
     "byte_level": set(),
     "stdio": set(),
     "structured": {"msgspec"},

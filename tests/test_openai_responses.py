@@ -137,6 +137,14 @@ def test_errors_and_models_are_exactly_this_json():
     assert http.encode_json(http.BadRequest("too big", 413).body()) == wire(
         {"error": {"message": "too big", "type": "invalid_request_error", "param": None, "code": "request_too_large"}}
     )
-    model = {"id": "m", "object": "model", "created": 7, "owned_by": "trioserve", "max_model_len": 64, "task": "embed"}
+    model = {
+        "id": "m",
+        "object": "model",
+        "created": 7,
+        "owned_by": "trioserve",
+        "max_model_len": 64,
+        "task": "embed",
+        "parent": None,
+    }
     assert http.encode_json(resp.Model(id="m", created=7, max_model_len=64, task="embed")) == wire(model)
     assert http.encode_json(resp.EngineHealth(health="ready")) == wire({"health": "ready"})

@@ -86,7 +86,7 @@ def test_a_vllm_serve_command_line_is_a_trioserve_serve_command_line(line, tiny_
         (["--kv-cache-dtype", "fp8"], "--kv-cache-dtype is vLLM's flag"),
         (["--quantization=awq"], "--quantization is vLLM's flag"),
         (["-pp", "2"], "pipeline parallelism is not supported"),
-        (["--enable-lora"], "LoRA adapters"),
+        (["--speculative-config", "{}"], "speculative decoding"),
     ],
 )
 def test_a_vllm_flag_trioserve_does_not_take_is_named_in_one_line(flag, said, tiny_model_dir, capsys):

@@ -36,7 +36,7 @@ if TYPE_CHECKING:
     from trioserve.frontend.requests.streams import RequestStream
     from trioserve.messages import EngineInfo, EngineStats, SampleLogprobs
     from trioserve.pooling import PoolingParams
-    from trioserve.rpc import DescribeShard, Echo, EchoReply, ShardInfo
+    from trioserve.rpc import DescribeShard, Echo, EchoReply, LoraInfo, ShardInfo
     from trioserve.sampling_params import SamplingParams
     from trioserve.structured import Choice, Grammar, JsonObject, JsonSchema, Regex
 
@@ -59,6 +59,7 @@ __all__ = [
     "InvalidRequestError",
     "JsonObject",
     "JsonSchema",
+    "LoraInfo",
     "PoolingParams",
     "PromptTooLongError",
     "Regex",
@@ -93,7 +94,7 @@ _HOMES = {
     "trioserve.messages": ("EngineInfo", "EngineStats", "SampleLogprobs"),
     "trioserve.pooling": ("PoolingParams",),
     "trioserve.sampling_params": ("SamplingParams",),
-    "trioserve.rpc": ("DescribeShard", "Echo", "EchoReply", "ShardInfo"),
+    "trioserve.rpc": ("DescribeShard", "Echo", "EchoReply", "LoraInfo", "ShardInfo"),
     "trioserve.structured": ("Choice", "Grammar", "JsonObject", "JsonSchema", "Regex"),
 }
 _HOME_OF = {name: module for module, names in _HOMES.items() for name in names}

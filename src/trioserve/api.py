@@ -24,6 +24,7 @@ from trioserve.errors import EngineDeadError, InvalidRequestError, collapse, onl
 from trioserve.frontend.embeddings import EncodeCalls
 from trioserve.frontend.engines.group import EngineGroup
 from trioserve.frontend.engines.supervisor import Health
+from trioserve.frontend.lora_calls import LoraCalls
 from trioserve.frontend.model_dir import load_text
 from trioserve.frontend.requests.outputs import RequestOutput
 from trioserve.frontend.requests.parallel_sampling import check_batch, check_n
@@ -125,7 +126,7 @@ def _check_mode(mode: object) -> None:
         raise InvalidRequestError("mode", f"must be 'wait' or 'abort' (got {mode!r})")
 
 
-class Engine(EncodeCalls):
+class Engine(EncodeCalls, LoraCalls):
     """A running engine. Get one from ``open_engine``. Its public names are
     the ones docs/embedding.md lists (a test checks they agree)."""
 
@@ -148,6 +149,7 @@ class Engine(EncodeCalls):
         self._ids = itertools.count()
         own = secrets.token_hex(3)
         self._id_prefix = own if id_prefix is None else f"{id_prefix}-{own}"
+        self._init_loras()
 
     @property
     def tokenizer(self) -> Tokenizer:

@@ -14,6 +14,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
+from trioserve.lora import parse_lora_module
+
 
 def cache_dir() -> Path:
     """Where trioserve keeps what it builds once (converted models, compiled
@@ -66,6 +68,8 @@ def _check(condition: bool, name: str, message: str) -> None:
 _MAX_INT = 2**63 - 1  # what a message can carry to a child process
 MAX_SECONDS = 1e9  # any time setting: finite, and within what threads and timers take
 MAX_TORCH_THREADS = 4096
+MAX_LORAS = 64  # adapters in one step (each with its slots in every layer)
+MAX_LORA_RANK = 512
 _TYPE_NAMES = {"int": "an integer", "float": "a number", "bool": "True or False", "str": "a string"}
 
 
@@ -277,6 +281,14 @@ class EngineConfig:
     task: Literal["auto", "generate", "embed"] = "auto"
     pooling_type: Literal["last", "mean", "cls"] | None = None
     normalize: bool | None = None
+    # LoRA adapters (trioserve.lora; vLLM's --enable-lora and its options): adapters served from the start, each
+    # "NAME=PATH"; at most max_loras of them in one step (each with its slots in the worker), of rank at most
+    # max_lora_rank; at most max_cpu_loras kept in the worker's memory (None: every loaded one).
+    enable_lora: bool = False
+    lora_modules: tuple[str, ...] = ()
+    max_loras: int = 1
+    max_lora_rank: int = 16
+    max_cpu_loras: int | None = None
     # On CUDA, the share of the device's memory the worker may fill, its KV cache taking what the model leaves
     # (vLLM's --gpu-memory-utilization); None: kv_cache_memory_bytes. Refused on the CPU.
     gpu_memory_utilization: float | None = None
@@ -309,6 +321,24 @@ class EngineConfig:
             "sizes the KV cache from an accelerator's free memory, and the CPU has none to share: "
             "size it with --kv-cache-mib (kv_cache_memory_bytes)",
         )
+        _check(isinstance(self.enable_lora, bool), "enable_lora", "must be True or False")
+        _check(1 <= self.max_loras <= MAX_LORAS, "max_loras", f"must be in [1, {MAX_LORAS}]")
+        _check(1 <= self.max_lora_rank <= MAX_LORA_RANK, "max_lora_rank", f"must be in [1, {MAX_LORA_RANK}]")
+        _check(
+            self.max_cpu_loras is None or self.max_cpu_loras >= self.max_loras,
+            "max_cpu_loras",
+            "must be at least max_loras (or None)",
+        )
+        _check(self.enable_lora or not self.lora_modules, "lora_modules", "needs enable_lora (--enable-lora)")
+        names = [parse_lora_module(spec)[0] for spec in self.lora_modules]  # ValueError naming a bad one
+        _check(len(set(names)) == len(names), "lora_modules", "names an adapter twice")
+        if self.enable_lora:
+            _check(not self.compile, "compile", "does not run with LoRA adapters yet (enable_lora)")
+            _check(
+                self.tensor_parallel_size == 1,
+                "tensor_parallel_size",
+                "LoRA adapters run with one worker per engine yet (enable_lora)",
+            )
         _check(self.num_kv_blocks is None or self.num_kv_blocks >= 1, "num_kv_blocks", "must be >= 1")
         _check(self.max_num_seqs >= 1, "max_num_seqs", "must be >= 1")
         _check(self.max_num_batched_tokens >= 1, "max_num_batched_tokens", "must be >= 1")

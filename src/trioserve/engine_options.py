@@ -159,6 +159,41 @@ def add_engine_options(
         default=defaults.normalize,
         help="with --task embed: scale each vector to unit length (default: as the model's files say, else yes)",
     )
+    group.add_argument(
+        "--enable-lora",
+        action="store_true",
+        default=defaults.enable_lora,
+        help="serve LoRA adapters (PEFT's format): a request names one as its model (OpenAI) or in "
+        "SamplingParams.lora; added at start with --lora-modules or later with POST /v1/load_lora_adapter",
+    )
+    group.add_argument(
+        "--lora-modules",
+        nargs="+",
+        default=list(defaults.lora_modules),
+        metavar="NAME=PATH",
+        help="adapters to serve from the start, each NAME=PATH (a directory with adapter_config.json and "
+        'adapter_model.safetensors) or {"name": ..., "path": ...} (needs --enable-lora)',
+    )
+    group.add_argument(
+        "--max-loras",
+        type=int,
+        default=defaults.max_loras,
+        help="the most distinct adapters in one step (each has its slots in the worker's memory) "
+        "(default: %(default)s)",
+    )
+    group.add_argument(
+        "--max-lora-rank",
+        type=int,
+        default=defaults.max_lora_rank,
+        help="the highest rank an adapter may have (default: %(default)s)",
+    )
+    group.add_argument(
+        "--max-cpu-loras",
+        type=int,
+        default=defaults.max_cpu_loras,
+        help="the most adapters kept in the worker's memory, the least recently used dropped (read again "
+        "from its directory when needed) (default: every one loaded)",
+    )
     # hf and fake: the runner (hidden); vLLM's --runner generate|pooling|auto name the task.
     group.add_argument(
         "--runner", choices=["hf", "fake", *RUNNER_TASKS], default=defaults.runner, help=argparse.SUPPRESS
@@ -377,6 +412,11 @@ def engine_config(args: argparse.Namespace, model: str, **fields: Any) -> Engine
         task=RUNNER_TASKS.get(args.runner, TASKS[args.task]),
         pooling_type=args.pooling_type,
         normalize=args.normalize,
+        enable_lora=args.enable_lora,
+        lora_modules=tuple(args.lora_modules),
+        max_loras=args.max_loras,
+        max_lora_rank=args.max_lora_rank,
+        max_cpu_loras=args.max_cpu_loras,
         device=args.device,
         dtype=DTYPE_ALIASES.get(args.dtype, args.dtype),
         tokenizer=None if args.tokenizer is None else os.path.abspath(args.tokenizer),

@@ -55,7 +55,27 @@ class Echo(msgspec.Struct, tag=True, frozen=True):
     fail_on_rank: int | None = None
 
 
-WorkerCall = DescribeShard | SleepShard | WakeShard | Echo
+class LoadAdapter(msgspec.Struct, tag=True, frozen=True):
+    """Read and check the LoRA adapter at ``path`` (a directory on the
+    worker's host), known from now on as ``name``; answered with its ``LoraInfo``."""
+
+    name: str
+    path: str
+
+
+class DropAdapter(msgspec.Struct, tag=True, frozen=True):
+    """Forget the adapter ``name`` (no request runs with it any more)."""
+
+    name: str
+
+
+class PinAdapter(msgspec.Struct, tag=True, frozen=True):
+    """Keep adapter ``name`` in memory whatever ``max_cpu_loras`` says."""
+
+    name: str
+
+
+WorkerCall = DescribeShard | SleepShard | WakeShard | Echo | LoadAdapter | DropAdapter | PinAdapter
 # What ``collective_rpc`` may run: sleeping and waking go through ``Sleep``
 # and ``WakeUp``, which the engine core must know about.
 CollectiveCall = DescribeShard | Echo
@@ -88,7 +108,17 @@ class EchoReply(msgspec.Struct, tag=True, frozen=True):
     text: str
 
 
-WorkerResult = ShardInfo | EchoReply
+class LoraInfo(msgspec.Struct, tag=True, frozen=True):
+    """A LoRA adapter an engine serves: its name, directory and rank, and
+    whether it is pinned (never dropped from the workers' memory)."""
+
+    name: str
+    path: str
+    rank: int
+    pinned: bool = False
+
+
+WorkerResult = ShardInfo | EchoReply | LoraInfo
 
 
 # --- control calls (front-end -> engine core) -------------------------------
@@ -125,7 +155,34 @@ class CollectiveRpc(msgspec.Struct, tag=True, frozen=True):
     call: CollectiveCall
 
 
-ControlCall = Pause | Resume | Sleep | WakeUp | CollectiveRpc
+class AddLora(msgspec.Struct, tag=True, frozen=True):
+    """Load the adapter at ``path`` on every worker as ``name`` (refused if
+    that name is taken); answered with its ``LoraInfo`` from each rank."""
+
+    name: str
+    path: str
+
+
+class RemoveLora(msgspec.Struct, tag=True, frozen=True):
+    """Stop serving adapter ``name``: requests naming it from now on fail;
+    answered once those already running with it have finished, and it is
+    dropped."""
+
+    name: str
+
+
+class PinLora(msgspec.Struct, tag=True, frozen=True):
+    """Keep adapter ``name`` in the workers' memory whatever ``max_cpu_loras`` says."""
+
+    name: str
+
+
+class ListLoras(msgspec.Struct, tag=True, frozen=True):
+    """Every adapter the engine serves, as ``LoraInfo``s."""
+
+
+LoraCall = AddLora | RemoveLora | PinLora | ListLoras
+ControlCall = Pause | Resume | Sleep | WakeUp | CollectiveRpc | AddLora | RemoveLora | PinLora | ListLoras
 
 
 class ControlRequest(msgspec.Struct, tag=True):

@@ -21,6 +21,7 @@ from trioserve.checks import (
     check_token_sequences,
 )
 from trioserve.errors import InvalidRequestError
+from trioserve.lora import check_lora_name
 from trioserve.pooling import PoolingParams
 from trioserve.structured import StructuredOutput, check_constraint
 
@@ -107,6 +108,7 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True, frozen=Tr
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     pooling: PoolingParams | None = None  # an embedding request (Engine.encode sets it; trioserve.pooling)
+    lora: str | None = None  # the name of the LoRA adapter to run with (None: the base model; trioserve.lora)
 
     def __post_init__(self) -> None:
         check_int("max_tokens", self.max_tokens, 1, MAX_INT32)
@@ -145,6 +147,11 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True, frozen=Tr
         )
         if self.pooling is not None and not isinstance(self.pooling, PoolingParams):
             raise bad("pooling", "must be a PoolingParams or None", self.pooling)
+        if self.lora is not None:
+            try:
+                check_lora_name(self.lora)
+            except ValueError as exc:
+                raise InvalidRequestError("lora", str(exc)) from None
         if self.structured is not None and (problem := check_constraint(self.structured)) is not None:
             raise InvalidRequestError("structured", problem)
 

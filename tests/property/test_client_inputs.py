@@ -420,6 +420,8 @@ def param_ok(name: str, value: object, *, json_keys: bool = False) -> bool:
         "structured": lambda v: v is None,
         # An embedding request's (tests/test_embeddings.py): here, only that a generation request has none.
         "pooling": lambda v: v is None,
+        # An adapter's name (tests/test_lora*.py): here, on an engine without adapters, none.
+        "lora": lambda v: v is None,
         "min_tokens": lambda v: _is_int(v) and 0 <= v <= MAX_INT32,
         "include_stop_str_in_output": lambda v: isinstance(v, bool),
         "prompt_logprobs": lambda v: v is None or (_is_int(v) and 0 <= v <= MAX_LOGPROBS),
@@ -494,6 +496,7 @@ VALID_PARAMS: dict[str, st.SearchStrategy[Any]] = {
     "logprobs": st.none() | st.integers(0, MAX_LOGPROBS),
     "structured": st.none(),
     "pooling": st.none(),
+    "lora": st.none(),
     "min_tokens": st.integers(0, 20),
     "include_stop_str_in_output": st.booleans(),
     "prompt_logprobs": st.none() | st.integers(0, MAX_LOGPROBS),

@@ -8,8 +8,8 @@ positions: exactly when their keys and values are the same (for one model, in
 one engine: the cache never outlives the engine core).
 
 ``extra_key`` holds anything else that changes the keys and values of a
-block; it is empty today (no LoRA adapters, no multimodal inputs). A
-future one goes in there (an adapter's name, a hash of an image).
+block: the request's LoRA adapter's key (``core/lora.py``), empty for the
+base model.
 
 SHA-256, not Python's ``hash``: prompts come from clients, and a client that
 could make two different prefixes collide could read another client's

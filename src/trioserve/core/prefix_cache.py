@@ -59,7 +59,7 @@ class PrefixCache:
         bm = self.block_manager
         max_blocks = (req.num_tokens - 1) // bm.block_size
         tokens = req.all_token_ids
-        extend_block_hashes(req.block_hashes, tokens, bm.block_size, max_blocks)
+        extend_block_hashes(req.block_hashes, tokens, bm.block_size, max_blocks, req.lora_key)
         return bm.find_cached(req.block_hashes, tokens, max_blocks)
 
     def admitted(self, req: Request, hit: Sequence[int]) -> None:
@@ -79,7 +79,7 @@ class PrefixCache:
         if num_full <= bm.num_registered(req.request_id):
             return
         tokens = req.all_token_ids
-        extend_block_hashes(req.block_hashes, tokens, bm.block_size, num_full)
+        extend_block_hashes(req.block_hashes, tokens, bm.block_size, num_full, req.lora_key)
         bm.register_full_blocks(req.request_id, req.block_hashes, tokens, num_full)
 
     def reported(self, req: Request) -> int | None:

@@ -85,6 +85,7 @@ class Request:
         self.status = RequestStatus.WAITING_FOR_GRAMMAR if params.structured is not None else RequestStatus.WAITING
         self.finish_reason: FinishReason | None = None
         self.block_hashes: list[BlockHash] = []  # of its full blocks of known tokens, when caching
+        self.lora_key = b""  # its LoRA adapter's (core/lora.py), in its blocks' hashes; empty: the base model
         self.num_cached_tokens = -1  # prompt tokens served from the prefix cache at its first admission
         self.arrived_at = time.monotonic()
         self.queued_s: float | None = None  # from its arrival to its first admission

@@ -93,6 +93,7 @@ from collections.abc import Iterable
 from trioserve.core.block_manager import BlockManager
 from trioserve.core.fairness import ClientQueues, RunningOrder
 from trioserve.core.invariants import SchedulerState, check_scheduler
+from trioserve.core.lora import Adapters
 from trioserve.core.prefix_cache import PrefixCache
 from trioserve.core.request import Request, RequestStatus, TokenConstraint
 from trioserve.core.step import Step, StepPlan, sampled_tokens
@@ -111,6 +112,7 @@ class Scheduler:
         max_num_batched_tokens: int,
         max_model_len: int,
         enable_prefix_caching: bool = False,
+        max_loras: int = 1,
     ) -> None:
         for name, value, least in (
             ("max_num_seqs", max_num_seqs, 1),
@@ -121,6 +123,7 @@ class Scheduler:
                 raise ValueError(f"{name}: must be >= {least} (got {value!r})")
         self.block_manager = BlockManager(num_blocks, block_size, enable_caching=enable_prefix_caching)
         self.prefix_cache = PrefixCache(self.block_manager)
+        self.adapters = Adapters(max_loras)  # LoRA adapters served: at most max_loras among the running
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
@@ -420,8 +423,8 @@ class Scheduler:
         req = self.waiting.next(self.running.num_running)
         if req is None or (before is not None and not self.running.outranks(req, before)):
             return False
-        if req.num_pending:
-            plan.admitting = False  # a token in flight: resume it with that token
+        if req.num_pending or not self.adapters.fits(req, self.running):
+            plan.admitting = False  # a token in flight (resume it with that token), or no slot for its adapter
             return False
         hit = self.prefix_cache.longest_hit(req)
         num_computed = len(hit) * self.block_manager.block_size

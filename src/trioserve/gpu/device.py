@@ -1,8 +1,10 @@
-"""The device and dtype a worker runs on, from the config's names."""
+"""The device and dtype a worker runs on, from the config's names; the memory it has free."""
 
 from __future__ import annotations
 
 import torch
+
+from trioserve.gpu.cpu_kernels.host_memory import available_bytes
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -25,3 +27,12 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     if name == "auto":
         return torch.bfloat16 if device.type == "cuda" else torch.float32
     return _DTYPES[name]
+
+
+def available_memory(device: torch.device) -> int:
+    """Bytes of memory available for new allocations on ``device`` now (on
+    the CPU, the host's: what it can give without swapping)."""
+    if device.type == "cuda":
+        free, _total = torch.cuda.mem_get_info(device)
+        return int(free)
+    return available_bytes()

@@ -37,15 +37,15 @@ from trioserve.gpu.attention import (
 from trioserve.gpu.compiled import Forward, compiled_forward, eager_forward, inductor_cache_dir
 from trioserve.gpu.cpu_kernels.attention import load_decode_kernel
 from trioserve.gpu.cpu_kernels.host_memory import (
-    available_bytes,
     keep_freed_memory,
     release_freed_memory,
     resident_bytes,
 )
 from trioserve.gpu.cpu_kernels.linear import pack_linears, packing_supported
-from trioserve.gpu.device import resolve_device, resolve_dtype
+from trioserve.gpu.device import available_memory, resolve_device, resolve_dtype
 from trioserve.gpu.grammar_bitmask import apply_grammar_bitmask
 from trioserve.gpu.logits_processing import RowProcessors
+from trioserve.gpu.lora import LoraLayers, attach_lora
 from trioserve.gpu.pooler import Pooler, PoolingPlan, encoder_hidden, hidden_forward
 from trioserve.gpu.prompt_logprobs import PromptLogprobsPlan
 from trioserve.gpu.sampler import SamplingBatch, sample
@@ -70,15 +70,6 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 KV_MEMORY_SHARE = 0.9  # the most of the memory available at allocation that the KV cache may take
-
-
-def available_memory(device: torch.device) -> int:
-    """Bytes of memory available for new allocations on ``device`` now (on
-    the CPU, the host's: what it can give without swapping)."""
-    if device.type == "cuda":
-        free, _total = torch.cuda.mem_get_info(device)
-        return int(free)
-    return available_bytes()
 
 
 @dataclass
@@ -146,6 +137,7 @@ class ModelRunner:
         self.kv_caches: KVCache = []
         self.num_blocks = 0
         self.requests: dict[str, _Request] = {}
+        self.lora: LoraLayers | None = None  # LoRA adapters' slots (gpu/lora.py), with enable_lora
         pooling = engine_pooling(config)
         self.pooler = None if pooling is None else Pooler()  # an embedding engine
         self._encoder = pooling is not None and pooling.encoder
@@ -199,7 +191,7 @@ class ModelRunner:
                 f"{model_len} tokens (max_position_embeddings in {self.config.model}/config.json)"
             )
         max_model_len = self.config.max_model_len or model_len
-        self.eos_token_ids = _eos_token_ids(model)
+        self.eos_token_ids = sharding.eos_token_ids(model)
         info = ModelInfo(self.vocab_size, max_model_len, self.eos_token_ids, hidden_size=text.hidden_size)
         return WorkerLoaded(
             model=info, max_num_kv_blocks=self.config.num_kv_blocks or self._blocks_for_budget(max_model_len)
@@ -218,6 +210,9 @@ class ModelRunner:
         # oneDNN's blocked weights (gpu/cpu_kernels/linear.py), for decodes: not for embeddings (all prefill: slower)
         if self.world_size == 1 and packing_supported(self.device, self.dtype) and not base:
             pack_linears(model)
+        if base and self.config.enable_lora:
+            raise ValueError("enable_lora: LoRA adapters serve text generation, and this model serves embeddings")
+        self.lora = attach_lora(model, self.config, self.device, self.dtype, self.lora)  # after packing: its hooks
         if base:
             self._forward = hidden_forward(model)  # eager (--compile covers generation)
         else:
@@ -330,6 +325,20 @@ class ModelRunner:
             self.init_kv_cache(self.num_blocks)
         self.sleep_level = 0
 
+    def load_adapter(self, name: str, path: str) -> int:
+        return self._adapters().load(name, path)
+
+    def drop_adapter(self, name: str) -> None:
+        self._adapters().drop(name)
+
+    def pin_adapter(self, name: str) -> None:
+        self._adapters().pin(name)
+
+    def _adapters(self) -> LoraLayers:
+        if self.lora is None:
+            raise ValueError("LoRA adapters: this engine was started without enable_lora (--enable-lora)")
+        return self.lora
+
     def describe(self) -> ShardInfo:
         """This rank's share of the weights and the KV cache, and its memory."""
         num_params, param_bytes = sharding.local_parameters(self.model) if self.model is not None else (0, 0)
@@ -375,6 +384,8 @@ class ModelRunner:
         if not sched.num_scheduled_tokens:
             return RunnerOutput(req_ids=[], sampled_token_ids=[])
         step = self._plan(sched)
+        if self.lora is not None:  # the step's adapters in their slots, and each one's rows
+            self.lora.prepare([(self.requests[r].params.lora, n) for r, n in sched.num_scheduled_tokens.items()])
         if self._encoder and self.pooler is not None:  # whole prompts, both ways, no KV cache
             hidden = encoder_hidden(self.model, step.input_ids, step.query_lens)  # type: ignore[arg-type]
             rows = torch.tensor(step.pooling.rows, dtype=torch.long, device=self.device)
@@ -487,14 +498,3 @@ def _check_range(what: str, ids: list[int], upper: int) -> None:
     """Out-of-range ids would crash the device (CUDA asserts): refuse them here."""
     if ids and not 0 <= min(ids) <= max(ids) < upper:
         raise ValueError(f"{what}: must be in [0, {upper})")
-
-
-def _eos_token_ids(model: PreTrainedModel) -> list[int]:
-    """EOS ids from the generation config, then the model config (int or list)."""
-    ids: list[int] = []
-    for source in (getattr(model, "generation_config", None), model.config.get_text_config()):
-        value = getattr(source, "eos_token_id", None)
-        for token in value if isinstance(value, (list, tuple)) else [value]:
-            if isinstance(token, int) and token not in ids:
-                ids.append(token)
-    return ids

@@ -165,3 +165,14 @@ def local_parameters(model: torch.nn.Module) -> tuple[int, int]:
         sum(t.numel() for t in tensors) + packed_numel,
         sum(t.numel() * t.element_size() for t in tensors) + packed_bytes,
     )
+
+
+def eos_token_ids(model: PreTrainedModel) -> list[int]:
+    """EOS ids from the generation config, then the model config (int or list)."""
+    ids: list[int] = []
+    for source in (getattr(model, "generation_config", None), model.config.get_text_config()):
+        value = getattr(source, "eos_token_id", None)
+        for token in value if isinstance(value, (list, tuple)) else [value]:
+            if isinstance(token, int) and token not in ids:
+                ids.append(token)
+    return ids

@@ -19,7 +19,8 @@ class Runner(Protocol):
 
     Called in this order, from one thread: ``load()`` once, then
     ``init_kv_cache(n)`` once, then ``execute(step)`` once per scheduler step,
-    and between steps the control calls (``describe``, ``sleep``, ``wake_up``).
+    and between steps the control calls (``describe``, ``sleep``, ``wake_up``,
+    ``load_adapter``, ``drop_adapter``, ``pin_adapter``).
     A runner keeps each request's token list and appends every token it
     samples, so a step can be planned before the previous one's tokens are
     back in the engine core. Errors raise; the worker reports them.
@@ -50,4 +51,17 @@ class Runner(Protocol):
 
     def wake_up(self) -> None:
         """Restore what ``sleep`` freed; a no-op when awake."""
+        ...
+
+    def load_adapter(self, name: str, path: str) -> int:
+        """Read and check the LoRA adapter at ``path`` as ``name``; its rank
+        (``trioserve.lora.AdapterError`` naming the file and the problem)."""
+        ...
+
+    def drop_adapter(self, name: str) -> None:
+        """Forget adapter ``name``."""
+        ...
+
+    def pin_adapter(self, name: str) -> None:
+        """Keep adapter ``name`` in memory (``ValueError`` if unknown)."""
         ...

@@ -22,6 +22,7 @@ from types import FrameType
 import trio
 
 from trioserve.config import EngineConfig
+from trioserve.lora import parse_lora_module, read_adapter_config
 from trioserve.messages import (
     GrammarBitmask,
     ModelInfo,
@@ -69,6 +70,8 @@ class FakeRunner:
         self._tokens: dict[str, list[int]] = {}
         self._num_logprobs: dict[str, int] = {}  # with fake.logprobs: the alternatives each request asked for
         self._pooling: dict[str, PoolingParams] = {}  # embedding requests
+        self.adapters: dict[str, int] = {}  # LoRA adapters' ranks: a request with one has its tokens shifted by it
+        self._lora: dict[str, str] = {}  # requests with an adapter
         self._fault_requested = False  # set by SIGUSR1
         self._install_fault_signal()
 
@@ -107,6 +110,8 @@ class FakeRunner:
         if self.config.max_model_len is not None:
             max_model_len = min(max_model_len, self.config.max_model_len)
         model = ModelInfo(self.vocab_size, max_model_len, [self.fake.eos_token_id], hidden_size=FAKE_HIDDEN_SIZE)
+        for name, path in map(parse_lora_module, self.config.lora_modules):
+            self.load_adapter(name, path)
         return WorkerLoaded(model=model, max_num_kv_blocks=self.config.num_kv_blocks or self.fake.num_kv_blocks)
 
     def init_kv_cache(self, num_blocks: int) -> None:
@@ -126,6 +131,19 @@ class FakeRunner:
 
     def wake_up(self) -> None:
         self.sleep_level = 0
+
+    def load_adapter(self, name: str, path: str) -> int:
+        """Its config checked (no weights: the fake model has no layers); its rank."""
+        config = read_adapter_config(path, self.config.max_lora_rank)
+        self.adapters[name] = config.r
+        return config.r
+
+    def drop_adapter(self, name: str) -> None:
+        self.adapters.pop(name, None)
+
+    def pin_adapter(self, name: str) -> None:
+        if name not in self.adapters:
+            raise ValueError(f"no adapter named {name!r} is loaded")
 
     def next_token(self, tokens: list[int]) -> int:
         """The deterministic token that follows ``tokens``."""
@@ -165,8 +183,13 @@ class FakeRunner:
             self._tokens.pop(req_id, None)
             self._num_logprobs.pop(req_id, None)
             self._pooling.pop(req_id, None)
+            self._lora.pop(req_id, None)
         for new in sched.new_requests:
             self._tokens[new.req_id] = list(new.token_ids)
+            if new.params.lora is not None:
+                if new.params.lora not in self.adapters:
+                    raise ValueError(f"new_requests: {new.req_id!r} names adapter {new.params.lora!r}, not loaded")
+                self._lora[new.req_id] = new.params.lora
             if new.params.pooling is not None:
                 self._pooling[new.req_id] = new.params.pooling
             if self.fake.logprobs and new.params.logprobs is not None:
@@ -174,6 +197,9 @@ class FakeRunner:
         num_computed = {r.req_id: r.num_computed_tokens for r in sched.new_requests}
         num_computed.update({r.req_id: r.num_computed_tokens for r in sched.cached_requests})
         allowed = _allowed_rows(sched, bitmask)
+        in_step = {self._lora[r] for r in sched.num_scheduled_tokens if r in self._lora}
+        if len(in_step) > self.config.max_loras:
+            raise ValueError(f"a step of {len(in_step)} adapters, and {self.config.max_loras} slots (max_loras)")
         req_ids, sampled, pooled = [], [], {}
         for req_id, n in sched.num_scheduled_tokens.items():
             tokens = self._tokens[req_id]
@@ -183,6 +209,8 @@ class FakeRunner:
             elif num_computed[req_id] + n == len(tokens):
                 req_ids.append(req_id)
                 token = self.next_token(tokens)
+                if req_id in self._lora and token != self.fake.eos_token_id:
+                    token = (token + self.adapters[self._lora[req_id]]) % self.vocab_size
                 if req_id in allowed:  # the first allowed token from the deterministic one on, cyclically
                     token = _first_allowed(allowed[req_id], token)
                 sampled.append(token)

@@ -40,6 +40,7 @@ from trioserve.errors import (
 from trioserve.frontend.requests.streams import RequestStream
 from trioserve.frontend.text.tokenizer import Tokenizer
 from trioserve.server import embeddings_api as embed
+from trioserve.server import lora_api
 from trioserve.server import openai_protocol as oai
 from trioserve.server import openai_responses as resp
 from trioserve.server.chat_tools import plan_tools
@@ -55,7 +56,7 @@ from trioserve.server.state import ServerState
 log = logging.getLogger("trioserve.server")
 Endpoint = Literal[
     "metrics", "models", "model", "completions", "chat", "embeddings", "control", "tokenize", "detokenize",
-    "version", "ping",
+    "version", "ping", "lora",
 ]  # fmt: skip
 _CONTROL_PREFIX = "/v1/engine/"
 _MODEL_PREFIX = "/v1/models/"  # then a model's id (URL-encoded)
@@ -71,6 +72,7 @@ _ENDPOINTS: dict[str, tuple[Endpoint, str]] = {
     "/version": ("version", "GET"),
     "/ping": ("ping", "GET"),
     **{_CONTROL_PREFIX + call: ("control", "POST") for call in _CONTROL_CALLS},
+    **{path: ("lora", "POST") for path in lora_api.LORA_PATHS},
 }
 RETRY_AFTER_S = 5  # for a 503 while the engine is busy, starting or restarting
 _OPEN = ("metrics", "version", "ping")  # answered without the API key, as /health is
@@ -180,10 +182,14 @@ class HttpApi:
             await conn.send_body(200, payload, CONTENT_TYPE, head_only=head.method == "HEAD")
         elif endpoint == "control":
             await self._control(conn, head)
+        elif endpoint == "lora":
+            body = await self._read_body(conn, body_deadline)
+            await lora_api.answer(conn, self._engine(), head.path.rstrip("/"), body)
         elif endpoint == "models":
             engine = self._engine()
             names = [self.model_name, *self._config.model_aliases]
             models = resp.models_list(names, engine, self._started)
+            models.data += lora_api.adapter_models(engine, self.model_name, self._started)
             await conn.send_json(200, models, head_only=head.method == "HEAD")
         elif endpoint == "model":
             asked = unquote(head.path.rstrip("/").removeprefix(_MODEL_PREFIX))
@@ -384,9 +390,10 @@ class HttpApi:
         try:
             if endpoint == "chat":
                 chat = oai.decode_body(body, oai.ChatCompletionRequest, strict=self._config.strict_fields)
-                self._check_model(chat.model)
+                lora = self._check_model(chat.model)
                 auto_parser = self._config.tool_call_parser if self._config.enable_auto_tool_choice else None
                 plan = oai.plan_chat(chat, engine.info.max_model_len, tool_call_parser=auto_parser)
+                plan = lora_api.with_adapter(plan, lora)
                 prompt: Any = await engine.render_chat(
                     oai.chat_messages(chat),
                     add_generation_prompt=chat.add_generation_prompt,
@@ -402,8 +409,7 @@ class HttpApi:
                 prompts = [prompt]
             else:
                 completion = oai.decode_body(body, oai.CompletionRequest, strict=self._config.strict_fields)
-                self._check_model(completion.model)
-                plan = oai.plan_completion(completion)
+                plan = lora_api.with_adapter(oai.plan_completion(completion), self._check_model(completion.model))
                 prompts = oai.completion_prompts(completion)
                 prompt = prompts[0]
                 fmt = completion_format(self.model_name, engine.tokenizer, echo=plan.echo, **_format_options(plan))
@@ -416,14 +422,9 @@ class HttpApi:
         except InvalidRequestError as exc:
             raise OpenAIError.from_engine(exc, names) from None
 
-    def _check_model(self, model: str) -> None:
-        if model != self.model_name and model not in self._config.model_aliases:
-            raise OpenAIError(
-                404,
-                f"model: {model[:100]!r} is not served here; this server serves {self.model_name!r}",
-                param="model",
-                code="model_not_found",
-            )
+    def _check_model(self, model: str) -> str | None:
+        """The LoRA adapter ``model`` names (None: the served model), or a 404."""
+        return lora_api.adapter_for(model, self.model_name, self._config.model_aliases, self._state.engine)
 
     async def _send_whole(self, conn: HttpConnection, stream: RequestStream, fmt: EventFormat, grace: Grace) -> None:
         """Collect every sample to its end, then send one JSON response."""

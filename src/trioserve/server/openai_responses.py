@@ -223,6 +223,7 @@ class Model(msgspec.Struct, kw_only=True):
     owned_by: str = "trioserve"
     max_model_len: int
     task: str = "generate"  # or "embed": what the model serves (/v1/completions and chat, or /v1/embeddings)
+    parent: str | None = None  # a LoRA adapter's base model (server/lora_api.py)
 
 
 class ModelList(msgspec.Struct, kw_only=True):

@@ -54,7 +54,7 @@ from trioserve.errors import (
 from trioserve.frontend.engines.client import EngineCoreClient
 from trioserve.frontend.engines.local import LocalProcessStrategy
 from trioserve.messages import EngineInfo, LoadReport, ModelInfo
-from trioserve.rpc import ControlCall, Pause, Resume, Sleep, SleepLevel, WakeUp
+from trioserve.rpc import AddLora, ControlCall, Pause, Resume, Sleep, SleepLevel, WakeUp
 
 Health = Literal["starting", "ready", "stalled", "paused", "sleeping", "restarting", "failed", "stopped"]
 # Makes the client of one engine-core life: (config, engine index, on_dead).
@@ -94,6 +94,9 @@ class EngineSupervisor:
         self.config = config
         self.remote = remote  # an engine core on another host: it joins, it is not started here
         self.reapplies = reapplies  # puts a new life in the state the last one was in
+        self.loras: dict[
+            str, AddLora
+        ] = {}  # LoRA adapters added while serving (Engine.add_lora): every life loads them
         self._client_factory = client_factory
         self._on_load = on_load
         self._on_new_client = on_new_client  # a new engine core's client, before it starts
@@ -301,9 +304,17 @@ class EngineSupervisor:
         self._changed = trio.Event()
 
     async def _reapply(self, client: EngineCoreClient) -> None:
-        """Pause (or put to sleep) a new engine core as the last one was, or
+        """Load the LoRA adapters added while the last one served, and pause
+        (or put to sleep) a new engine core as the last one was, or
         as asked meanwhile, before any request reaches it. A failure is
         logged: it serves then. From now on its own word is the state."""
+        for added in list(self.loras.values()):  # the adapters loaded while it served, loaded again first
+            try:
+                await client.control(added, self.config.control_timeout_s)
+            except EngineDeadError:
+                return  # the next life loads them
+            except ControlCallError as exc:
+                log.error("%s: could not load LoRA adapter %r again: %s", self.name, added.name, exc)
         while self._wanted and client.dead is None:  # (calls asked meanwhile are remembered: sent too)
             wanted, self._wanted = list(self._wanted.values()), {}
             for call in wanted:

@@ -66,6 +66,8 @@ class RequestRouter:
             wanted = getattr(params, name)
             if wanted is not None and wanted > max_logprobs:
                 raise InvalidRequestError(name, f"at most {max_logprobs} on this server (--max-logprobs; got {wanted})")
+        if params.lora is not None and not self._group.config.enable_lora:
+            raise InvalidRequestError("lora", "this engine serves no LoRA adapters (started without --enable-lora)")
         if (params.pooling is not None) != (self.pooling is not None):
             raise InvalidRequestError("task", TASK_REFUSALS[self.pooling is not None])
         if params.pooling is not None and self.pooling is not None and params.pooling.whole != self.pooling.encoder:

@@ -47,12 +47,20 @@ from trioserve.messages import (
 )
 from trioserve.nurseries.engine_core.executor.executor import Executor
 from trioserve.rpc import (
+    AddLora,
     CollectiveRpc,
     ControlReply,
     ControlRequest,
     DescribeShard,
+    DropAdapter,
     GenerationState,
+    ListLoras,
+    LoadAdapter,
+    LoraInfo,
     Pause,
+    PinAdapter,
+    PinLora,
+    RemoveLora,
     Resume,
     ShardInfo,
     Sleep,
@@ -132,8 +140,27 @@ class Controller:
         elif isinstance(call, WakeUp) and self._going_to_sleep is not None:
             self._going_to_sleep = None
             replies += self._answer_waiting(Sleep, "woken up before the requests had ended: not asleep")
+        elif isinstance(call, AddLora | RemoveLora | PinLora) and (error := self._lora_refusal(call)):
+            return self._reply(msg, error=error)
         self._pending.append(msg)
         return replies
+
+    def _lora_refusal(self, call: AddLora | RemoveLora | PinLora) -> str:
+        """Why an adapter call cannot run (``""`` if it can); a ``RemoveLora``
+        stops the adapter taking new requests now."""
+        adapters = self.scheduler.adapters
+        if not self.executor.config.enable_lora:
+            return "LoRA adapters: this engine was started without enable_lora (--enable-lora)"
+        try:
+            if isinstance(call, AddLora):
+                adapters.check_new(call.name)
+            elif adapters.get(call.name).removing:
+                return f"lora_name: adapter {call.name!r} is being removed"
+            elif isinstance(call, RemoveLora):
+                adapters.get(call.name).removing = True
+        except ValueError as exc:
+            return str(exc)
+        return ""
 
     def _abort_all(self) -> list[EngineResponse]:
         aborted = self.scheduler.abort(self.scheduler.request_ids())
@@ -156,6 +183,9 @@ class Controller:
     def _ready(self, msg: Call) -> bool:
         if isinstance(msg, ControlRequest) and isinstance(msg.call, Pause | Sleep):
             return not self.scheduler.has_unfinished()
+        if isinstance(msg, ControlRequest) and isinstance(msg.call, RemoveLora):  # once no request runs with it
+            requests = (self.scheduler.get_request(r) for r in self.scheduler.request_ids())
+            return not self.scheduler.adapters.in_use(msg.call.name, (r for r in requests if r is not None))
         return True
 
     async def run_ready(self) -> list[EngineResponse]:
@@ -210,7 +240,36 @@ class Controller:
             results, error = await self._on_workers(WakeShard(), msg.timeout_s)
             if not error:
                 self.sleep_level = 0
+        elif isinstance(call, AddLora | RemoveLora | PinLora | ListLoras):
+            results, error = await self._run_lora(call, msg.timeout_s)
         return self._reply(msg, results, error)
+
+    async def _run_lora(
+        self, call: AddLora | RemoveLora | PinLora | ListLoras, timeout_s: float
+    ) -> tuple[list[WorkerResult], str]:
+        """An adapter call on the workers, then in the scheduler's list: the
+        adapters' ``LoraInfo``s (``ListLoras``) or the one named."""
+        adapters = self.scheduler.adapters
+        if isinstance(call, ListLoras):
+            return list(adapters.infos()), ""
+        if isinstance(call, AddLora):
+            results, error = await self._on_workers(LoadAdapter(call.name, call.path), timeout_s)
+            if error:  # the ranks that loaded it forget it again
+                await self._on_workers(DropAdapter(call.name), timeout_s)
+                return [], error
+            ranks = [r.rank for r in results if isinstance(r, LoraInfo)]
+            served = adapters.add(call.name, call.path, max(ranks, default=0))
+            log.info("%s: LoRA adapter %r loaded from %s (rank %d)", self.name, call.name, call.path, served.rank)
+            return [served.info], ""
+        served = adapters.get(call.name)
+        if isinstance(call, RemoveLora):
+            _, error = await self._on_workers(DropAdapter(call.name), timeout_s)
+            del adapters.served[call.name]
+            log.info("%s: LoRA adapter %r removed", self.name, call.name)
+            return [served.info], error
+        _, error = await self._on_workers(PinAdapter(call.name), timeout_s)
+        served.pinned = not error
+        return [served.info], error
 
     async def _on_workers(self, call: WorkerCall, timeout_s: float) -> tuple[list[WorkerResult], str]:
         """Every rank's result, and an error naming each rank that raised."""

@@ -53,6 +53,7 @@ import zmq
 from trioserve.core.scheduler import Scheduler
 from trioserve.core.waves import EngineWaves
 from trioserve.errors import describe, meaningful_leaves, sole_leaf
+from trioserve.lora import parse_lora_module, read_adapter_config
 from trioserve.messages import EngineRequest, EngineResponse, HandshakeInit
 from trioserve.nurseries.engine_core.api_servers import ApiServers
 from trioserve.nurseries.engine_core.death import DeathReport, flush
@@ -165,7 +166,10 @@ async def _serve(
             max_num_batched_tokens=step_budget(config, info.max_model_len),
             max_model_len=info.max_model_len,
             enable_prefix_caching=config.enable_prefix_caching,
+            max_loras=config.max_loras,
         )
+        for name, path in map(parse_lora_module, config.lora_modules):  # the workers loaded them
+            scheduler.adapters.add(name, path, read_adapter_config(path, config.max_lora_rank).r)
         inbox_send, inbox_receive = trio.open_memory_channel[EngineRequest](INBOX_SIZE)
         watch = FrontEndWatch(config.heartbeat_timeout_s) if address.startswith("tcp://") else None
         if watch is not None:

@@ -272,6 +272,7 @@ class EngineCore:
     def _add(self, msg: AddRequest) -> None:
         try:
             request = Request(msg.request_id, msg.prompt_token_ids, msg.params, self.info.eos_token_ids, msg.client_id)
+            request.lora_key = self.scheduler.adapters.key_of(msg.params.lora)
             self.scheduler.add(request)
         except ValueError as exc:
             # The front-end validates first; this guards against any other sender.

@@ -49,7 +49,19 @@ from trioserve.messages import (
     WorkerStage,
 )
 from trioserve.nurseries.supervision.child_main import ChildFailed
-from trioserve.rpc import DescribeShard, Echo, EchoReply, SleepShard, WakeShard, WorkerCall, WorkerResult
+from trioserve.rpc import (
+    DescribeShard,
+    DropAdapter,
+    Echo,
+    EchoReply,
+    LoadAdapter,
+    LoraInfo,
+    PinAdapter,
+    SleepShard,
+    WakeShard,
+    WorkerCall,
+    WorkerResult,
+)
 from trioserve.runners import Runner
 from trioserve.transport.framing import BlockingFrames, socket_from_fd
 
@@ -93,6 +105,14 @@ def run_call(runner: Runner, call: WorkerCall, rank: int) -> WorkerResult:
             if fail_on_rank == rank:
                 raise EchoFailure(f"echo: rank {rank} fails, as asked (fail_on_rank={fail_on_rank})")
             return EchoReply(rank=rank, pid=os.getpid(), text=text)
+        case LoadAdapter(name=name, path=path):
+            return LoraInfo(name=name, path=path, rank=runner.load_adapter(name, path))
+        case DropAdapter(name=name):
+            runner.drop_adapter(name)
+            return LoraInfo(name=name, path="", rank=0)
+        case PinAdapter(name=name):
+            runner.pin_adapter(name)
+            return LoraInfo(name=name, path="", rank=0, pinned=True)
 
 
 def answer_call(runner: Runner, request: RpcRequest, rank: int) -> RpcReply:
