@@ -35,19 +35,29 @@ GREEDY = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
-async def test_two_ranks_give_the_greedy_tokens_of_one_also_with_preemption(tiny_model_dir, arch):
+async def test_two_ranks_give_the_greedy_tokens_of_one_also_with_preemption(tiny_model_dir, tmp_path, arch):
     """The tokens of one rank are transformers' own greedy generate() of the
     whole model, one prompt at a time: what the engine gives with one rank
     (test_engine_models checks that, on these prompts). Qwen3 for its
     per-head q/k norms; Qwen2 (Llama's layout with q, k, v biases, which
-    split as the weights' rows do) is left to the one-rank tests."""
+    split as the weights' rows do) is left to the one-rank tests. With LoRA
+    adapters (on attention; on attention and MLP), each request's tokens are
+    those of its adapter merged into the model, as with one rank
+    (test_lora_models)."""
+    from helpers.lora import ATTENTION, ATTENTION_AND_MLP, merged_model, write_adapter
+
     model_dir = tiny_model_dir(arch)
+    adapters = {
+        "attn": write_adapter(model_dir, tmp_path / "attn", r=8, targets=ATTENTION, seed=3),
+        "all": write_adapter(model_dir, tmp_path / "all", r=16, targets=ATTENTION_AND_MLP, seed=4),
+    }
     # 80 blocks of 4 tokens hold the 8 prompts (3-47 tokens) with 12 output tokens each, not with 48.
     config = EngineConfig(
         model=str(model_dir), tensor_parallel_size=2, block_size=4, num_kv_blocks=80, torch_threads=1,
-        shutdown_grace_s=3.0,
+        shutdown_grace_s=3.0, enable_lora=True, max_loras=2,
+        lora_modules=tuple(f"{name}={path}" for name, path in adapters.items()),
     )  # fmt: skip
-    with trio.fail_after(120):
+    with trio.fail_after(150):
         async with trioserve.open_engine(config=config) as engine:
             prompts = make_prompts(engine.info.vocab_size)
             expected = await trio.to_thread.run_sync(reference_greedy, model_dir, prompts, 48)
@@ -57,6 +67,24 @@ async def test_two_ranks_give_the_greedy_tokens_of_one_also_with_preemption(tiny
             long = SamplingParams(max_tokens=48, temperature=0, ignore_eos=True)
             assert await run_in_one_batch(engine, prompts, long) == expected
             assert (await engine.stats()).num_preemptions > 0
+            # The base and both adapters in one batch.
+            jobs = [(prompt, lora) for prompt in prompts[:4] for lora in (None, *adapters)]
+            want = {None: [e[:12] for e in expected[:4]]}
+            for name, path in adapters.items():
+                merged = await trio.to_thread.run_sync(merged_model, model_dir, path, tmp_path / f"{name}-merged")
+                want[name] = await trio.to_thread.run_sync(reference_greedy, merged, prompts[:4], 12)
+
+            async def one(i: int, got: dict[int, list[int]]) -> None:
+                prompt, lora = jobs[i]
+                params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, lora=lora)
+                got[i] = (await engine.generate(prompt, params)).token_ids
+
+            got: dict[int, list[int]] = {}
+            async with trio.open_nursery() as nursery:
+                for i in range(len(jobs)):
+                    nursery.start_soon(one, i, got)
+            for i, (prompt, lora) in enumerate(jobs):
+                assert got[i] == want[lora][prompts.index(prompt)], (lora, i)
 
 
 def write_tiny_gpt2(path):

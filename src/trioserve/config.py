@@ -334,11 +334,6 @@ class EngineConfig:
         _check(len(set(names)) == len(names), "lora_modules", "names an adapter twice")
         if self.enable_lora:
             _check(not self.compile, "compile", "does not run with LoRA adapters yet (enable_lora)")
-            _check(
-                self.tensor_parallel_size == 1,
-                "tensor_parallel_size",
-                "LoRA adapters run with one worker per engine yet (enable_lora)",
-            )
         _check(self.num_kv_blocks is None or self.num_kv_blocks >= 1, "num_kv_blocks", "must be >= 1")
         _check(self.max_num_seqs >= 1, "max_num_seqs", "must be >= 1")
         _check(self.max_num_batched_tokens >= 1, "max_num_batched_tokens", "must be >= 1")

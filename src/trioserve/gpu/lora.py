@@ -5,9 +5,16 @@ LM head) and gives each ``max_loras`` slots of ``A`` (``[r, in]``) and
 ``B`` (``[out, r]``, the adapter's scale folded in), allocated once at load
 so that a step allocates none. A forward hook on each layer adds, for the
 rows of each adapter in the step, ``x[rows] @ A.T @ B.T`` to the layer's
-output (rows gathered and added back with ``index_add_``; the whole output
-at once when every row has the same adapter). A layer an adapter does not
-target has rank 0 in its slot and is skipped.
+output: the whole output at once when every row has the same adapter; for
+a step of a few rows (``MASKED_MAX_ROWS``: decodes), one product over the
+slots in use with each row's ``[rows, slots x r]`` middle masked to its own
+slot's columns (a few operations, whatever the number of adapters); else
+rows gathered per adapter and added back with ``index_add_``. A layer an adapter does not
+target has rank 0 in its slot and is skipped. With tensor parallelism each
+rank holds its share, cut as the layer is: a column-parallel layer's ``B``
+rows of its outputs, a row-parallel layer's ``A`` columns of its inputs,
+whose ``[rows, r]`` products are summed across the ranks (one all-reduce of
+``rows x r`` values, after the layer's own) before ``B``.
 
 Adapters are read (``load``) when the engine core adds them: checked
 against the model (every weight names a linear layer of it, with the
@@ -24,7 +31,7 @@ from __future__ import annotations
 
 import re
 from collections import OrderedDict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -33,16 +40,31 @@ from trioserve.lora import WEIGHTS_FILE, AdapterConfig, AdapterError, parse_lora
 
 _KEY = re.compile(r"base_model\.model\.(?P<module>.+)\.lora_(?P<which>[AB])(?:\.[A-Za-z0-9_-]+)?\.weight")
 _FILE_SLACK_BYTES = 1 << 20  # a safetensors header beyond the weights themselves
+# A step of at most this many rows with several adapters runs one masked product over the slots in use (a few
+# large operations, whatever the number of adapters: decodes); a larger one, a product per adapter on its rows.
+MASKED_MAX_ROWS = 256
 
 
 @dataclass
 class _Layer:
     module: torch.nn.Module
-    in_features: int
+    in_features: int  # the whole layer's (with tensor parallelism, this rank holds a share)
     out_features: int
-    a: torch.Tensor  # [max_loras, max_rank, in]
-    b: torch.Tensor  # [max_loras, out, max_rank], scaled
+    a: torch.Tensor  # [max_loras, max_rank, in (this rank's)]
+    b: torch.Tensor  # [out (this rank's), max_loras, max_rank], scaled (a slot's columns side by side)
     ranks: list[int]  # per slot: the rank of its adapter here, 0 where it has none
+    # With tensor parallelism: "col" (this rank computes outputs out_share of the layer), "row" (it reads inputs
+    # in_share and its partial product is summed across ranks), or "" (whole).
+    split: str = ""
+    share: slice = field(default_factory=lambda: slice(None))
+
+    def local(self, a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """This rank's part of an adapter's ``A`` and ``B`` for this layer."""
+        if self.split == "col":
+            return a, b[self.share]
+        if self.split == "row":
+            return a[:, self.share], b
+        return a, b
 
 
 @dataclass
@@ -75,13 +97,18 @@ class LoraLayers:
             if name.split(".")[-1] == "lm_head" or not _is_linear(module):
                 continue
             n_in, n_out = int(module.in_features), int(module.out_features)
+            split, share = _split_of(module)
+            local_in = len(range(n_in)[share]) if split == "row" else n_in
+            local_out = len(range(n_out)[share]) if split == "col" else n_out
             layer = _Layer(
                 module,
                 n_in,
                 n_out,
-                torch.zeros(max_loras, max_rank, n_in, dtype=dtype, device=device),
-                torch.zeros(max_loras, n_out, max_rank, dtype=dtype, device=device),
+                torch.zeros(max_loras, max_rank, local_in, dtype=dtype, device=device),
+                torch.zeros(local_out, max_loras, max_rank, dtype=dtype, device=device),
                 [0] * max_loras,
+                split,
+                share,
             )
             self.layers[name] = layer
             module.register_forward_hook(self._hook(layer))
@@ -90,6 +117,7 @@ class LoraLayers:
         self.slots: list[str | None] = [None] * max_loras
         self._slot_order: list[int] = list(range(max_loras))  # least recently used slot first
         self._segments: list[tuple[int, torch.Tensor | None]] = []  # this step's (slot, rows)
+        self._mask: torch.Tensor | None = None  # [rows, slots x max_rank]: each row's own slot's columns (a few rows)
 
     @property
     def slot_bytes(self) -> int:
@@ -209,14 +237,26 @@ class LoraLayers:
             start += n
         if len(spans) > self.max_loras:
             raise ValueError(f"a step of {len(spans)} adapters, and {self.max_loras} slots (max_loras)")
-        self._segments = []
+        self._segments, self._mask = [], None
+        if not spans:
+            return
+        slots = {name: self._slot_for(name, needed=set(spans)) for name in spans}
+        if len(spans) == 1 and next(iter(spans.values())) == [(0, start)]:
+            self._segments.append((slots[next(iter(spans))], None))  # every row
+            return
+        if start <= MASKED_MAX_ROWS:  # one product over the slots in use, each row masked to its own slot's
+            width = (max(slots.values()) + 1) * self.max_rank
+            mask = torch.zeros(start, width, dtype=self.dtype)
+            for name, ranges in spans.items():
+                columns = slice(slots[name] * self.max_rank, (slots[name] + 1) * self.max_rank)
+                for a, b in ranges:
+                    mask[a:b, columns] = 1
+            self._mask = mask.to(self.device)
+            self._segments = [(slot, None) for slot in slots.values()]
+            return
         for name, ranges in spans.items():
-            slot = self._slot_for(name, needed=set(spans))
-            if len(ranges) == 1 and ranges[0] == (0, start):
-                self._segments.append((slot, None))  # every row
-                continue
             rows_of = torch.cat([torch.arange(a, b) for a, b in ranges]).to(self.device)
-            self._segments.append((slot, rows_of))
+            self._segments.append((slots[name], rows_of))
 
     def _slot_for(self, name: str, needed: set[str]) -> int:
         if name in self.slots:
@@ -238,15 +278,18 @@ class LoraLayers:
         self.adapters.move_to_end(adapter.name)
         self._keep_within_memory()
         self._clear_slot(slot)
-        for module, (a, b) in adapter.weights.items():
-            layer, r = self.layers[module], a.shape[0]
+        for module, whole in adapter.weights.items():
+            layer, r = self.layers[module], whole[0].shape[0]
+            a, b = layer.local(*whole)
             layer.a[slot, :r].copy_(a)
-            layer.b[slot, :, :r].copy_(b)
+            layer.b[:, slot, :r].copy_(b)
             layer.ranks[slot] = r
         self.slots[slot] = adapter.name
 
     def _clear_slot(self, slot: int) -> None:
-        for layer in self.layers.values():
+        for layer in self.layers.values():  # zeros: the masked product reads a slot's whole max_rank columns
+            layer.a[slot].zero_()
+            layer.b[:, slot].zero_()
             layer.ranks[slot] = 0
         self.slots[slot] = None
 
@@ -254,19 +297,48 @@ class LoraLayers:
         def add_adapters(_module: torch.nn.Module, args: tuple[torch.Tensor, ...], output: torch.Tensor) -> None:
             if not self._segments:
                 return
-            x = args[0].reshape(-1, layer.in_features)
-            out = output.view(-1, layer.out_features)
+            x = args[0].reshape(-1, layer.a.shape[-1])
+            out = output.view(-1, layer.b.shape[0])
+            if self._mask is not None:
+                if not any(layer.ranks[slot] for slot, _ in self._segments):
+                    return
+                width = self._mask.shape[1]
+                low = x @ layer.a.view(-1, layer.a.shape[-1])[:width].T  # [rows, width]
+                low.mul_(self._mask)
+                if layer.split == "row":
+                    torch.distributed.all_reduce(low)
+                out.addmm_(low, layer.b.view(layer.b.shape[0], -1)[:, :width].T)
+                return
             for slot, rows in self._segments:
                 r = layer.ranks[slot]
                 if not r:
                     continue
-                a, b = layer.a[slot, :r], layer.b[slot, :, :r]
+                a, b = layer.a[slot, :r], layer.b[:, slot, :r]
+                low = (x if rows is None else x.index_select(0, rows)) @ a.T
+                if layer.split == "row":  # each rank read its share of the inputs: their sum (after the layer's own)
+                    torch.distributed.all_reduce(low)
                 if rows is None:
-                    out.addmm_(x @ a.T, b.T)
+                    out.addmm_(low, b.T)
                 else:
-                    out.index_add_(0, rows, (x.index_select(0, rows) @ a.T) @ b.T)
+                    out.index_add_(0, rows, low @ b.T)
 
         return add_adapters
+
+
+def _split_of(module: torch.nn.Module) -> tuple[str, slice]:
+    """How tensor parallelism split a layer (its weight a sharded ``DTensor``):
+    ``("col", this rank's outputs)``, ``("row", this rank's inputs)``, or
+    ``("", all)``. Shares as ``torch.chunk`` cuts them (the last may be shorter)."""
+    weight = getattr(module, "weight", None)
+    placements = getattr(weight, "placements", None)
+    if weight is None or not placements or not placements[0].is_shard():
+        return "", slice(None)
+    dim = placements[0].dim % 2  # Shard(0): the output features; Shard(1) or Shard(-1): the inputs
+    mesh = weight.device_mesh
+    rank, size = mesh.get_local_rank(), mesh.size()
+    chunks = torch.arange(weight.shape[dim]).chunk(size)
+    start = sum(len(c) for c in chunks[:rank])
+    return ("col" if dim == 0 else "row"), slice(start, start + len(chunks[rank]))
 
 
 def _is_linear(module: torch.nn.Module) -> bool:

@@ -1,0 +1,47 @@
+"""The worker's adapter slots (``gpu/lora.py``) on a tiny model, in this
+process: a batch whose rows belong to two adapters and the base model gives
+each row the logits of its adapter merged into the model by PEFT, by each
+of the three ways a step runs (one adapter on every row, one masked product
+over the slots for a few rows, a product per adapter for many)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from helpers.lora import ATTENTION, ATTENTION_AND_MLP, merged_model, write_adapter
+
+from trioserve.gpu import lora
+
+pytestmark = pytest.mark.model
+
+
+@pytest.mark.parametrize("masked_max_rows", [lora.MASKED_MAX_ROWS, 0])
+def test_each_row_gets_its_adapters_logits_whichever_way_the_step_runs(
+    tiny_model_dir, tmp_path, monkeypatch, masked_max_rows
+):
+    from transformers import AutoModelForCausalLM
+
+    monkeypatch.setattr(lora, "MASKED_MAX_ROWS", masked_max_rows)
+    base_dir = tiny_model_dir("llama")
+    paths = {
+        "a": write_adapter(base_dir, tmp_path / "a", r=8, targets=ATTENTION, seed=1),
+        "b": write_adapter(base_dir, tmp_path / "b", r=4, targets=ATTENTION_AND_MLP, seed=2, use_rslora=True),
+    }
+    ids = torch.tensor([[5, 6, 7, 8, 9, 10, 11, 12], [40, 41, 42, 43, 44, 45, 46, 47], [9, 8, 7, 6, 5, 4, 3, 2]])
+    with torch.no_grad():
+        want = {None: AutoModelForCausalLM.from_pretrained(base_dir)(ids).logits}
+        for name, path in paths.items():
+            merged = AutoModelForCausalLM.from_pretrained(merged_model(base_dir, path, tmp_path / f"{name}-m"))
+            want[name] = merged(ids).logits
+        model = AutoModelForCausalLM.from_pretrained(base_dir).eval()
+        layers = lora.LoraLayers(
+            model, max_loras=2, max_rank=16, max_cpu_loras=None, device=torch.device("cpu"), dtype=torch.float32
+        )
+        assert [layers.load(name, str(path)) for name, path in paths.items()] == [8, 4]
+        for order in (["a", None, "b"], ["b", "a", None], [None, None, "a"]):
+            layers.prepare([(name, ids.shape[1]) for name in order])
+            got = model(ids).logits
+            for row, name in enumerate(order):
+                assert torch.allclose(got[row], want[name][row], atol=1e-4), (order, row)
+        layers.prepare([("b", 3 * ids.shape[1])])  # one adapter on every row
+        assert torch.allclose(model(ids).logits, want["b"], atol=1e-4)
