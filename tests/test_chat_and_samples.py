@@ -117,6 +117,32 @@ def test_a_template_is_stopped_at_its_deadline_and_its_thread_runs_on_unharmed()
     assert interrupted == [], f"{interrupted[0]!r} reached the thread after its rendering had ended"
 
 
+def test_renders_ending_as_their_deadlines_pass_leave_no_lock_taken_and_no_exception_behind():
+    """Deadlines about as long as the renders, in several threads: each
+    render either ends or times out, and nothing else happens (before the
+    watchdog's rendering threads took no lock, one interrupted just after
+    taking it left every later render, and the watchdog, waiting for ever)."""
+    import concurrent.futures
+
+    template = ChatTemplate("{% for i in range(3000) %}{{ messages[0].content }}{% endfor %}")
+
+    def renders(timeout_s: float) -> tuple[int, int]:
+        ended = timed_out = 0
+        for _ in range(60):
+            try:
+                template.render(USER, timeout_s=timeout_s)
+                ended += 1
+            except InvalidRequestError as exc:
+                assert "took longer than" in str(exc)
+                timed_out += 1
+        return ended, timed_out
+
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+        counts = [f.result(timeout=60) for f in [pool.submit(renders, t) for t in (0.005, 0.01, 0.02, 0.04)]]
+    assert all(ended + timed_out == 60 for ended, timed_out in counts)
+    assert sum(timed_out for _, timed_out in counts) > 0  # the race was run
+
+
 def test_renders_in_several_threads_each_stop_at_their_own_deadline_and_the_fast_ones_are_untouched():
     """One watchdog thread serves every render: a deadline armed after a later
     one, and earlier than it, still fires on time; renders that end in time

@@ -38,7 +38,6 @@ import contextlib
 import ctypes
 import dataclasses
 import datetime
-import itertools
 import json
 import math
 import os
@@ -212,23 +211,53 @@ def _interrupted_after(seconds: float) -> Iterator[None]:
     runs no long C call of its own; the size limits keep those short).
     Once the block has ended, no exception can arrive, however close the
     race: a pending one is cleared."""
-    key = _WATCHDOG.arm(seconds)
+    deadline = _WATCHDOG.arm(seconds)
     try:
         yield
     finally:
         while True:  # an exception that arrives during this cleanup is caught, and the cleanup done again
             try:
-                _WATCHDOG.disarm(key)
+                deadline.disarm()
                 break
             except _RenderTimeout:
                 continue
 
 
+@dataclasses.dataclass(slots=True)
+class _Deadline:
+    """One render's deadline. Its ``claim`` lock is taken once, by whichever
+    comes first: the rendering thread, done in time (then the watchdog never
+    fires it), or the watchdog, firing it. A lock's non-blocking acquire is
+    one atomic step, so the rendering thread, which an exception from the
+    watchdog may interrupt between any two Python instructions, never holds a
+    lock across them (a ``with`` on a lock, interrupted just after taking it,
+    would leave it taken: every later render and the watchdog would wait
+    for ever)."""
+
+    at: float  # time.monotonic()
+    thread_id: int
+    claim: threading.Lock = dataclasses.field(default_factory=threading.Lock)
+    done: bool = False  # the rendering thread took the claim: never to fire
+    sent: bool = False  # the watchdog took it, and has raised the exception in the thread
+
+    def disarm(self) -> None:
+        """After this no exception from this deadline reaches its thread: one
+        raised already, or pending, is cleared. Run by the rendering thread."""
+        if self.claim.acquire(False):
+            self.done = True
+            return
+        while not self.sent:  # the watchdog is firing it: wait until it has, then clear what is pending
+            time.sleep(0)
+        ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(self.thread_id), None)
+
+
 class _Watchdog:
     """One thread for the process that raises ``_RenderTimeout`` in each
     rendering thread whose deadline passes (a thread per render cost more
-    than most renders: 0.3 ms). Arming and disarming take a lock and touch
-    a dict; the thread is woken only when a new deadline is the earliest."""
+    than most renders: 0.3 ms). Arming takes a lock (no deadline of the
+    arming thread is live then); disarming takes none (``_Deadline``); the
+    thread is woken only when a new deadline is the earliest, and forgets
+    the deadlines done in time when it wakes."""
 
     def __init__(self) -> None:
         self.reset()
@@ -236,50 +265,38 @@ class _Watchdog:
     def reset(self) -> None:
         """Forgets every deadline and the thread (in a forked child, which has no such thread)."""
         self._cond = threading.Condition()
-        self._keys = itertools.count()
-        self._armed: dict[int, _Deadline] = {}
+        self._armed: list[_Deadline] = []
         self._earliest = math.inf  # what the thread is waiting for
         self._thread: threading.Thread | None = None
 
-    def arm(self, seconds: float) -> int:
+    def arm(self, seconds: float) -> _Deadline:
         deadline = _Deadline(time.monotonic() + seconds, threading.get_ident())
         with self._cond:
-            key = next(self._keys)
-            self._armed[key] = deadline
+            self._armed.append(deadline)
             if self._thread is None:
                 self._thread = threading.Thread(target=self._run, name="chat-template-watchdog", daemon=True)
                 self._thread.start()
             elif deadline.at < self._earliest:
                 self._cond.notify()
-        return key
-
-    def disarm(self, key: int) -> None:
-        """After this no exception reaches the thread that armed ``key``: one
-        raised already, or pending, is cleared."""
-        with self._cond:
-            deadline = self._armed.pop(key)
-            if deadline.fired:
-                ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(deadline.thread_id), None)
+        return deadline
 
     def _run(self) -> None:
         with self._cond:
             while True:
                 now = time.monotonic()
-                for deadline in self._armed.values():
-                    if deadline.at <= now and not deadline.fired:
-                        deadline.fired = True
+                live = []
+                for deadline in self._armed:
+                    if deadline.done:
+                        continue
+                    if deadline.at > now:
+                        live.append(deadline)
+                    elif deadline.claim.acquire(False):  # not done in time: fire it
                         exc = ctypes.py_object(_RenderTimeout)
                         ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(deadline.thread_id), exc)
-                waiting = [d.at for d in self._armed.values() if not d.fired]
-                self._earliest = min(waiting, default=math.inf)
-                self._cond.wait(None if not waiting else self._earliest - now)
-
-
-@dataclasses.dataclass(slots=True)
-class _Deadline:
-    at: float  # time.monotonic()
-    thread_id: int
-    fired: bool = False
+                        deadline.sent = True
+                self._armed = live
+                self._earliest = min((d.at for d in live), default=math.inf)
+                self._cond.wait(None if not live else self._earliest - now)
 
 
 _WATCHDOG = _Watchdog()
