@@ -180,6 +180,8 @@ async def test_the_openai_surface_serves_adapters_by_model_name(fake_config, tmp
                     return server.engine.tokenizer.encode(out.choices[0].text)  # type: ignore[union-attr]
 
                 assert complete("sql") != complete(MODEL)
+                answer = client.completions.create(model="sql", prompt=PROMPT, max_tokens=2)
+                assert answer.model == "sql"  # the adapter's name, as vLLM answers
                 with pytest.raises(openai.NotFoundError, match="adapters 'sql'"):
                     complete("nope")
 

@@ -404,15 +404,18 @@ class HttpApi:
                     variables=chat.chat_template_kwargs,
                 )
                 fmt: EventFormat = chat_format(
-                    self.model_name, engine.tokenizer, tools=plan.tools, **_format_options(plan)
+                    lora or self.model_name, engine.tokenizer, tools=plan.tools, **_format_options(plan)
                 )
                 prompts = [prompt]
             else:
                 completion = oai.decode_body(body, oai.CompletionRequest, strict=self._config.strict_fields)
-                plan = lora_api.with_adapter(oai.plan_completion(completion), self._check_model(completion.model))
+                lora = self._check_model(completion.model)
+                plan = lora_api.with_adapter(oai.plan_completion(completion), lora)
                 prompts = oai.completion_prompts(completion)
                 prompt = prompts[0]
-                fmt = completion_format(self.model_name, engine.tokenizer, echo=plan.echo, **_format_options(plan))
+                fmt = completion_format(
+                    lora or self.model_name, engine.tokenizer, echo=plan.echo, **_format_options(plan)
+                )
             names = plan.names
             if plan.params.structured is not None:
                 await engine.check_structured(plan.params.structured)
