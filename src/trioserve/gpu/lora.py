@@ -29,6 +29,7 @@ more than ``max_loras`` adapters in one step.
 
 from __future__ import annotations
 
+import logging
 import re
 from collections import OrderedDict
 from dataclasses import dataclass, field
@@ -37,6 +38,8 @@ import torch
 
 from trioserve.config import EngineConfig
 from trioserve.lora import WEIGHTS_FILE, AdapterConfig, AdapterError, parse_lora_module, read_adapter_config
+
+log = logging.getLogger("trioserve.gpu.lora")
 
 _KEY = re.compile(r"base_model\.model\.(?P<module>.+)\.lora_(?P<which>[AB])(?:\.[A-Za-z0-9_-]+)?\.weight")
 _FILE_SLACK_BYTES = 1 << 20  # a safetensors header beyond the weights themselves
@@ -373,6 +376,10 @@ def attach_lora(
         if before is not None
         else [parse_lora_module(spec) for spec in config.lora_modules]
     )
+    log.info(
+        "LoRA: %d layers, %d slots of rank %d: %.1f MiB",
+        len(layers.layers), config.max_loras, config.max_lora_rank, layers.slot_bytes / 2**20,
+    )  # fmt: skip
     for name, path in known:
         layers.load(name, path)
     return layers
