@@ -81,6 +81,31 @@ async def test_adapters_added_used_pinned_and_removed_while_requests_run(fake_co
             assert stats.num_free_blocks == stats.num_total_blocks
 
 
+async def test_two_adds_of_one_name_taken_during_one_step_load_it_once_and_refuse_the_other(fake_config, tmp_path):
+    """Both calls arrive while a (0.3 s) step runs, so both are taken before either runs: the second is refused
+    when it runs, and the engine serves on."""
+    path = write_adapter(tmp_path / "c", r=2)
+    with trio.fail_after(60):
+        async with trioserve.open_engine(config=fake_config(enable_lora=True, step_delay_s=0.3)) as engine:
+            outcomes: list[str] = []
+
+            async def add_c() -> None:
+                try:
+                    outcomes.append((await engine.add_lora("c", path)).name)
+                except ControlCallError as exc:
+                    outcomes.append(str(exc))
+
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(engine.generate, PROMPT, SamplingParams(max_tokens=4, ignore_eos=True))
+                while (await engine.stats()).num_running == 0:
+                    await trio.sleep(0.01)
+                nursery.start_soon(add_c)
+                nursery.start_soon(add_c)
+            assert sorted(outcomes)[0] == "c" and "'c' is served already" in sorted(outcomes)[1], outcomes
+            assert (await engine.generate(PROMPT, with_lora("c"))).token_ids
+            assert engine.num_restarts == 0
+
+
 BAD_ADAPTERS = [
     (lambda d: str(d / "missing"), "not a directory"),
     (lambda d: write_adapter(d / "no-targets", target_modules=[]), "target_modules: must be a list"),

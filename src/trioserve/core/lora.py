@@ -48,8 +48,7 @@ class Adapters:
 
     def add(self, name: str, path: str, rank: int) -> Served:
         """Serve a loaded adapter; ``ValueError`` if the name is taken."""
-        if name in self.served:
-            raise ValueError(f"lora_name: an adapter named {name!r} is served already (remove it first)")
+        self.check_new(name)
         self._loads += 1
         served = Served(name, path, rank, f"lora:{self._loads}:{name}".encode())
         self.served[name] = served

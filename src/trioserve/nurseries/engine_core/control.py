@@ -252,6 +252,13 @@ class Controller:
         adapters = self.scheduler.adapters
         if isinstance(call, ListLoras):
             return list(adapters.infos()), ""
+        try:  # checked again: a call of the same name may have run since this one was taken
+            if isinstance(call, AddLora):
+                adapters.check_new(call.name)
+            else:
+                served = adapters.get(call.name)
+        except ValueError as exc:
+            return [], str(exc)
         if isinstance(call, AddLora):
             results, error = await self._on_workers(LoadAdapter(call.name, call.path), timeout_s)
             if error:  # the ranks that loaded it forget it again
@@ -261,7 +268,6 @@ class Controller:
             served = adapters.add(call.name, call.path, max(ranks, default=0))
             log.info("%s: LoRA adapter %r loaded from %s (rank %d)", self.name, call.name, call.path, served.rank)
             return [served.info], ""
-        served = adapters.get(call.name)
         if isinstance(call, RemoveLora):
             _, error = await self._on_workers(DropAdapter(call.name), timeout_s)
             del adapters.served[call.name]
