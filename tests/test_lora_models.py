@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import pytest
 import trio
+from helpers.concurrent import run_in_one_batch
 from helpers.lora import ATTENTION, ATTENTION_AND_MLP, merged_model, write_adapter
 from helpers.reference import make_prompts, reference_greedy
 
@@ -39,25 +40,6 @@ def adapters_for(base_dir, tmp_path) -> tuple[dict[str, str], dict[str | None, o
     return paths, models
 
 
-async def run_mixed(engine, jobs: list[tuple[list[int], str | None]]) -> list[list[int]]:
-    """Every (prompt, adapter) at once, reaching the scheduler together (generation paused meanwhile)."""
-    results: dict[int, list[int]] = {}
-
-    async def one(i: int) -> None:
-        prompt, lora = jobs[i]
-        params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True, lora=lora)
-        results[i] = (await engine.generate(prompt, params)).token_ids
-
-    await engine.pause()
-    async with trio.open_nursery() as nursery:
-        for i in range(len(jobs)):
-            nursery.start_soon(one, i)
-            while (await engine.stats()).num_waiting < i + 1:
-                await trio.sleep(0.01)
-        await engine.resume()
-    return [results[i] for i in range(len(jobs))]
-
-
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
 async def test_a_mixed_batch_of_adapters_gives_each_merged_models_tokens(tiny_model_dir, tmp_path, arch):
     base_dir = tiny_model_dir(arch)
@@ -78,7 +60,8 @@ async def test_a_mixed_batch_of_adapters_gives_each_merged_models_tokens(tiny_mo
     )
     with trio.fail_after(180):
         async with trioserve.open_engine(config=config) as engine:
-            got = await run_mixed(engine, jobs)
+            params = [SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True, lora=n) for _, n in jobs]
+            got = await run_in_one_batch(engine, [prompt for prompt, _ in jobs], params)
             stats = await engine.stats()
             if arch == "llama":
                 # A new prompt under the base and two adapters: three outputs, no block shared.

@@ -74,15 +74,8 @@ async def test_two_ranks_give_the_greedy_tokens_of_one_also_with_preemption(tiny
                 merged = await trio.to_thread.run_sync(merged_model, model_dir, path, tmp_path / f"{name}-merged")
                 want[name] = await trio.to_thread.run_sync(reference_greedy, merged, prompts[:4], 12)
 
-            async def one(i: int, got: dict[int, list[int]]) -> None:
-                prompt, lora = jobs[i]
-                params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, lora=lora)
-                got[i] = (await engine.generate(prompt, params)).token_ids
-
-            got: dict[int, list[int]] = {}
-            async with trio.open_nursery() as nursery:
-                for i in range(len(jobs)):
-                    nursery.start_soon(one, i, got)
+            params = [SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, lora=lora) for _, lora in jobs]
+            got = await run_concurrently(engine, [prompt for prompt, _ in jobs], params)
             for i, (prompt, lora) in enumerate(jobs):
                 assert got[i] == want[lora][prompts.index(prompt)], (lora, i)
 

@@ -12,13 +12,15 @@ from trioserve.errors import EngineDeadError
 
 
 async def run_concurrently(
-    engine: trioserve.Engine, prompts: list[list[int]], params: SamplingParams
+    engine: trioserve.Engine, prompts: list[list[int]], params: SamplingParams | list[SamplingParams]
 ) -> list[list[int]]:
     """Every prompt submitted at once; each one's tokens, in the prompts' order."""
     results: dict[int, list[int]] = {}
 
     async def one(i: int) -> None:
-        results[i] = (await engine.generate(prompts[i], params)).token_ids
+        results[i] = (
+            await engine.generate(prompts[i], params if isinstance(params, SamplingParams) else params[i])
+        ).token_ids
 
     async with trio.open_nursery() as nursery:
         for i in range(len(prompts)):
@@ -27,7 +29,7 @@ async def run_concurrently(
 
 
 async def run_in_one_batch(
-    engine: trioserve.Engine, prompts: list[list[int]], params: SamplingParams
+    engine: trioserve.Engine, prompts: list[list[int]], params: SamplingParams | list[SamplingParams]
 ) -> list[list[int]]:
     """As ``run_concurrently``, but every prompt reaches the scheduler in one
     go, in their order: generation is paused while they are submitted one by
@@ -35,11 +37,13 @@ async def run_in_one_batch(
     test that counts on the requests meeting (preemptions in a small cache)
     then depends neither on how fast they arrive on a busy machine nor on the
     order Trio happens to run the submitting tasks in (found: in some orders
-    the eight requests of a test fit without a preemption)."""
+    the eight requests of a test fit without a preemption). ``params``: for
+    every prompt, or a list, one per prompt."""
     results: dict[int, list[int]] = {}
+    each = [params] * len(prompts) if isinstance(params, SamplingParams) else params
 
     async def one(i: int) -> None:
-        results[i] = (await engine.generate(prompts[i], params)).token_ids
+        results[i] = (await engine.generate(prompts[i], each[i])).token_ids
 
     await engine.pause()
     async with trio.open_nursery() as nursery:
