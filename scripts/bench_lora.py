@@ -2,21 +2,26 @@
 spread over 0, 1, 4 and 8 adapters, against the base model alone on an
 engine without adapters, in one run (the figures are ratios to that).
 
-    .venv/bin/python scripts/bench_lora.py [--model DIR] [--requests 32] [--max-tokens 64] [--rank 16]
+    .venv/bin/python scripts/bench_lora.py [--model DIR] [--requests 32] [--max-tokens 64] [--rank 16] [--rounds 5]
 
 The model is the built-in default (SmolLM2-135M) unless ``--model`` names
 a directory. Adapters are random (PEFT's ``init_lora_weights=False``, B
 scaled down so that the outputs stay text), of rank ``--rank`` on the
 attention and MLP projections, built with PEFT into a temporary directory.
-Each configuration runs its batch once uncounted (a warm-up), then
-``--repeats`` times; the figure is the best of those. Requests ignore EOS,
-so every configuration computes the same number of tokens.
+Both engines (one without adapters, one with ``--max-loras 8``) are open
+at once. Each case runs its batch once uncounted (a warm-up), then once in
+each of ``--rounds`` rounds, the cases of a round one after another in an
+order turned by one each round. A case's ratio is the median over the
+rounds of its rate over the baseline's rate in the same round (so a slow
+minute of this shared machine touches both). Requests ignore EOS, so every
+case computes the same number of tokens.
 """
 
 from __future__ import annotations
 
 import argparse
 import random
+import statistics
 import tempfile
 import time
 from pathlib import Path
@@ -48,20 +53,30 @@ def build_adapters(model_dir: Path, out: Path, count: int, rank: int) -> list[st
     return paths
 
 
-async def measure(config: EngineConfig, prompts: list[list[int]], loras: list[str | None], args) -> float:
-    """The best output tokens per second of the batch (request i with adapter ``loras[i]``)."""
-    best = 0.0
-    async with trioserve.open_engine(config=config) as engine:
-        for attempt in range(args.repeats + 1):
-            started = time.perf_counter()
-            async with trio.open_nursery() as nursery:
-                for prompt, lora in zip(prompts, loras, strict=True):
-                    params = SamplingParams(max_tokens=args.max_tokens, temperature=0, ignore_eos=True, lora=lora)
-                    nursery.start_soon(engine.generate, prompt, params)
-            rate = len(prompts) * args.max_tokens / (time.perf_counter() - started)
-            if attempt:  # the first is the warm-up
-                best = max(best, rate)
-    return best
+async def run_batch(engine, prompts: list[list[int]], loras: list[str | None], max_tokens: int) -> float:
+    """Output tokens per second of one batch (request i with adapter ``loras[i]``)."""
+    started = time.perf_counter()
+    async with trio.open_nursery() as nursery:
+        for prompt, lora in zip(prompts, loras, strict=True):
+            params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True, lora=lora)
+            nursery.start_soon(engine.generate, prompt, params)
+    return len(prompts) * max_tokens / (time.perf_counter() - started)
+
+
+async def measure(plain: EngineConfig, with_lora: EngineConfig, cases, prompts, args) -> dict[str, list[float]]:
+    """Each case's rate in every round; both engines open at once, the
+    cases of a round run one after another, in an order turned by one each
+    round, so that neither the order nor a slow minute favours a case."""
+    rates: dict[str, list[float]] = {label: [] for label, _, _ in cases}
+    async with trioserve.open_engine(config=plain) as base, trioserve.open_engine(config=with_lora) as lora:
+        engines = {"plain": base, "lora": lora}
+        for _, which, loras in cases:  # warm-up, uncounted
+            await run_batch(engines[which], prompts, loras, args.max_tokens)
+        for round_ in range(args.rounds):
+            turn = round_ % len(cases)
+            for label, which, loras in cases[turn:] + cases[:turn]:
+                rates[label].append(await run_batch(engines[which], prompts, loras, args.max_tokens))
+    return rates
 
 
 def main() -> None:
@@ -71,7 +86,7 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--prompt-len", type=int, default=64)
     parser.add_argument("--rank", type=int, default=16)
-    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--rounds", type=int, default=5)
     args = parser.parse_args()
     from trioserve.default_model import default_model_dir
 
@@ -82,20 +97,22 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="trioserve-lora-bench-") as scratch:
         modules = build_adapters(model_dir, Path(scratch), 8, args.rank)
         names = [spec.split("=", 1)[0] for spec in modules]
-        plain = trio.run(measure, EngineConfig(**common), prompts, [None] * len(prompts), args)
-        lora_config = EngineConfig(
+        with_lora = EngineConfig(
             **common, enable_lora=True, max_loras=8, max_lora_rank=args.rank, lora_modules=tuple(modules)
         )
-        rows = [("base model, engine without adapters", plain)]
+        cases = [("base model, engine without adapters", "plain", [None] * len(prompts))]
         for count in (0, 1, 4, 8):
             loras = [names[i % count] if count else None for i in range(len(prompts))]
-            label = f"{count} adapters" if count else "base model, engine with adapters"
-            rows.append((label, trio.run(measure, lora_config, prompts, loras, args)))
+            cases.append((f"{count} adapters" if count else "base model, engine with adapters", "lora", loras))
+        rates = trio.run(measure, EngineConfig(**common), with_lora, cases, prompts, args)
+    baseline = rates[cases[0][0]]
     shape = f"{args.requests} requests of {args.prompt_len} + {args.max_tokens} tokens"
-    print(f"LoRA: {model_dir}, {shape}, rank {args.rank}")
-    print(f"  {'requests':<40} {'tokens/s':>9} {'ratio':>6}")
-    for label, rate in rows:
-        print(f"  {label:<40} {rate:>9.1f} {rate / plain:>6.2f}x")
+    print(f"LoRA: {model_dir}, {shape}, rank {args.rank}, {args.rounds} rounds")
+    print(f"  {'requests':<40} {'tokens/s (median)':>18} {'ratio (median, min-max)':>26}")
+    for label, _, _ in cases:
+        ratios = [rate / base for rate, base in zip(rates[label], baseline, strict=True)]
+        spread = f"{statistics.median(ratios):.2f}x ({min(ratios):.2f}-{max(ratios):.2f})"
+        print(f"  {label:<40} {statistics.median(rates[label]):>18.1f} {spread:>26}")
 
 
 if __name__ == "__main__":

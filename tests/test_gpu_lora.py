@@ -1,8 +1,9 @@
 """The worker's adapter slots (``gpu/lora.py``) on a tiny model, in this
 process: a batch whose rows belong to two adapters and the base model gives
 each row the logits of its adapter merged into the model by PEFT, by each
-of the three ways a step runs (one adapter on every row, one masked product
-over the slots for a few rows, a product per adapter for many)."""
+of the ways a step runs (one adapter on every row; for a few rows, our
+kernel with each row's own adapter, or one masked product over the slots;
+a product per adapter for many)."""
 
 from __future__ import annotations
 
@@ -15,13 +16,14 @@ from trioserve.gpu import lora
 pytestmark = pytest.mark.model
 
 
-@pytest.mark.parametrize("masked_max_rows", [lora.MASKED_MAX_ROWS, 0])
-def test_each_row_gets_its_adapters_logits_whichever_way_the_step_runs(
-    tiny_model_dir, tmp_path, monkeypatch, masked_max_rows
-):
+@pytest.mark.parametrize("way", ["kernel", "masked", "per adapter"])
+def test_each_row_gets_its_adapters_logits_whichever_way_the_step_runs(tiny_model_dir, tmp_path, monkeypatch, way):
     from transformers import AutoModelForCausalLM
 
-    monkeypatch.setattr(lora, "MASKED_MAX_ROWS", masked_max_rows)
+    if way != "kernel":
+        monkeypatch.setattr(lora, "KERNEL_MAX_ROWS", 0)
+    if way == "per adapter":
+        monkeypatch.setattr(lora, "MASKED_MAX_ROWS", 0)
     base_dir = tiny_model_dir("llama")
     paths = {
         "a": write_adapter(base_dir, tmp_path / "a", r=8, targets=ATTENTION, seed=1),
@@ -40,6 +42,7 @@ def test_each_row_gets_its_adapters_logits_whichever_way_the_step_runs(
         assert [layers.load(name, str(path)) for name, path in paths.items()] == [8, 4]
         for order in (["a", None, "b"], ["b", "a", None], [None, None, "a"]):
             layers.prepare([(name, ids.shape[1]) for name in order])
+            assert (layers._slot_of is not None, layers._mask is not None) == (way == "kernel", way == "masked")
             got = model(ids).logits
             for row, name in enumerate(order):
                 assert torch.allclose(got[row], want[name][row], atol=1e-4), (order, row)

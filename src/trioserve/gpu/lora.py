@@ -2,11 +2,15 @@
 
 ``LoraLayers`` finds every linear layer of the model's body (all but the
 LM head) and gives each ``max_loras`` slots of ``A`` (``[r, in]``) and
-``B`` (``[out, r]``, the adapter's scale folded in), allocated once at load
-so that a step allocates none. A forward hook on each layer adds, for the
-rows of each adapter in the step, ``x[rows] @ A.T @ B.T`` to the layer's
-output: the whole output at once when every row has the same adapter; for
-a step of a few rows (``MASKED_MAX_ROWS``: decodes), one product over the
+``B`` (held as ``[r, out]``, the adapter's scale folded in), allocated once
+at load so that a step allocates none. A forward hook on each layer adds,
+for the rows of each adapter in the step, ``x[rows] @ A.T @ B.T`` to the
+layer's output: the whole output at once (two products) when every row has
+the same adapter; for a step of a few rows (``KERNEL_MAX_ROWS``: decodes)
+on the CPU at float32 and without tensor parallelism, one call of our
+kernel (``cpu_kernels/lora.py``) in
+which each row computes only its own adapter's product; where that kernel
+is not used, for a few rows (``MASKED_MAX_ROWS``), one product over the
 slots in use with each row's ``[rows, slots x r]`` middle masked to its own
 slot's columns (a few operations, whatever the number of adapters); else
 rows gathered per adapter and added back with ``index_add_``. A layer an adapter does not
@@ -37,6 +41,7 @@ from dataclasses import dataclass, field
 import torch
 
 from trioserve.config import EngineConfig
+from trioserve.gpu.cpu_kernels.lora import apply_rows, lora_kernel_available
 from trioserve.lora import WEIGHTS_FILE, AdapterConfig, AdapterError, parse_lora_module, read_adapter_config
 
 log = logging.getLogger("trioserve.gpu.lora")
@@ -46,6 +51,9 @@ _FILE_SLACK_BYTES = 1 << 20  # a safetensors header beyond the weights themselve
 # A step of at most this many rows with several adapters runs one masked product over the slots in use (a few
 # large operations, whatever the number of adapters: decodes); a larger one, a product per adapter on its rows.
 MASKED_MAX_ROWS = 256
+# A step of at most this many rows with any adapters runs our kernel (cpu_kernels/lora.py) where it is built: each
+# row only its own adapter's product, one call per layer.
+KERNEL_MAX_ROWS = 256
 
 
 @dataclass
@@ -54,8 +62,9 @@ class _Layer:
     in_features: int  # the whole layer's (with tensor parallelism, this rank holds a share)
     out_features: int
     a: torch.Tensor  # [max_loras, max_rank, in (this rank's)]
-    b: torch.Tensor  # [out (this rank's), max_loras, max_rank], scaled (a slot's columns side by side)
+    b: torch.Tensor  # [max_loras, max_rank, out (this rank's)], scaled
     ranks: list[int]  # per slot: the rank of its adapter here, 0 where it has none
+    rank_of: torch.Tensor  # the same as int64 values, for the kernel
     # With tensor parallelism: "col" (this rank computes outputs out_share of the layer), "row" (it reads inputs
     # in_share and its partial product is summed across ranks), or "" (whole).
     split: str = ""
@@ -108,8 +117,9 @@ class LoraLayers:
                 n_in,
                 n_out,
                 torch.zeros(max_loras, max_rank, local_in, dtype=dtype, device=device),
-                torch.zeros(local_out, max_loras, max_rank, dtype=dtype, device=device),
+                torch.zeros(max_loras, max_rank, local_out, dtype=dtype, device=device),
                 [0] * max_loras,
+                torch.zeros(max_loras, dtype=torch.int64, device=device),
                 split,
                 share,
             )
@@ -121,6 +131,11 @@ class LoraLayers:
         self._slot_order: list[int] = list(range(max_loras))  # least recently used slot first
         self._segments: list[tuple[int, torch.Tensor | None]] = []  # this step's (slot, rows)
         self._mask: torch.Tensor | None = None  # [rows, slots x max_rank]: each row's own slot's columns (a few rows)
+        self._slot_of: torch.Tensor | None = None  # [rows]: each row's slot (-1: none), for the kernel (a few rows)
+        # Our kernel where it is built, and not with tensor parallelism (a row-parallel layer sums its middle first).
+        self._kernel = not any(layer.split for layer in self.layers.values()) and lora_kernel_available(
+            device, dtype, max_rank
+        )
 
     @property
     def slot_bytes(self) -> int:
@@ -240,12 +255,20 @@ class LoraLayers:
             start += n
         if len(spans) > self.max_loras:
             raise ValueError(f"a step of {len(spans)} adapters, and {self.max_loras} slots (max_loras)")
-        self._segments, self._mask = [], None
+        self._segments, self._mask, self._slot_of = [], None, None
         if not spans:
             return
         slots = {name: self._slot_for(name, needed=set(spans)) for name in spans}
         if len(spans) == 1 and next(iter(spans.values())) == [(0, start)]:
             self._segments.append((slots[next(iter(spans))], None))  # every row
+            return
+        if self._kernel and start <= KERNEL_MAX_ROWS:  # each row its own adapter's product, in one call per layer
+            slot_of = torch.full((start,), -1, dtype=torch.int64)
+            for name, ranges in spans.items():
+                for a, b in ranges:
+                    slot_of[a:b] = slots[name]
+            self._slot_of = slot_of.to(self.device)
+            self._segments = [(slot, None) for slot in slots.values()]
             return
         if start <= MASKED_MAX_ROWS:  # one product over the slots in use, each row masked to its own slot's
             width = (max(slots.values()) + 1) * self.max_rank
@@ -285,15 +308,17 @@ class LoraLayers:
             layer, r = self.layers[module], whole[0].shape[0]
             a, b = layer.local(*whole)
             layer.a[slot, :r].copy_(a)
-            layer.b[:, slot, :r].copy_(b)
+            layer.b[slot, :r].copy_(b.T)
             layer.ranks[slot] = r
+            layer.rank_of[slot] = r
         self.slots[slot] = adapter.name
 
     def _clear_slot(self, slot: int) -> None:
         for layer in self.layers.values():  # zeros: the masked product reads a slot's whole max_rank columns
             layer.a[slot].zero_()
-            layer.b[:, slot].zero_()
+            layer.b[slot].zero_()
             layer.ranks[slot] = 0
+            layer.rank_of[slot] = 0
         self.slots[slot] = None
 
     def _hook(self, layer: _Layer):  # type: ignore[no-untyped-def]
@@ -301,29 +326,34 @@ class LoraLayers:
             if not self._segments:
                 return
             x = args[0].reshape(-1, layer.a.shape[-1])
-            out = output.view(-1, layer.b.shape[0])
+            out = output.view(-1, layer.b.shape[-1])
+            if (self._slot_of is not None or self._mask is not None) and not any(
+                layer.ranks[slot] for slot, _ in self._segments
+            ):
+                return  # no adapter of this step targets this layer
+            if self._slot_of is not None:
+                apply_rows(x, out, layer.a, layer.b, self._slot_of, layer.rank_of)
+                return
             if self._mask is not None:
-                if not any(layer.ranks[slot] for slot, _ in self._segments):
-                    return
                 width = self._mask.shape[1]
                 low = x @ layer.a.view(-1, layer.a.shape[-1])[:width].T  # [rows, width]
                 low.mul_(self._mask)
                 if layer.split == "row":
                     torch.distributed.all_reduce(low)
-                out.addmm_(low, layer.b.view(layer.b.shape[0], -1)[:, :width].T)
+                out.addmm_(low, layer.b.view(-1, layer.b.shape[-1])[:width])
                 return
             for slot, rows in self._segments:
                 r = layer.ranks[slot]
                 if not r:
                     continue
-                a, b = layer.a[slot, :r], layer.b[:, slot, :r]
+                a, b = layer.a[slot, :r], layer.b[slot, :r]
                 low = (x if rows is None else x.index_select(0, rows)) @ a.T
                 if layer.split == "row":  # each rank read its share of the inputs: their sum (after the layer's own)
                     torch.distributed.all_reduce(low)
                 if rows is None:
-                    out.addmm_(low, b.T)
+                    out.addmm_(low, b)
                 else:
-                    out.index_add_(0, rows, low @ b.T)
+                    out.index_add_(0, rows, low @ b)
 
         return add_adapters
 
