@@ -429,6 +429,7 @@ class WorkerInit(msgspec.Struct, tag=True):
     data_parallel: DataParallelInit | None = None  # lockstep: rank 0 joins the collective
     dist_init_file: str = ""  # tensor parallel: the group's file rendezvous
     engine_index: int = 0
+    local_engine_index: int = 0  # its engine core's place on this host: which accelerators (gpu/device.py)
 
 
 class WorkerLoaded(msgspec.Struct, tag=True):

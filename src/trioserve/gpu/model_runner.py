@@ -116,13 +116,18 @@ class ModelRunner:
         *,
         dist_init_file: str = "",
         engine_index: int = 0,
+        local_engine_index: int = 0,
     ) -> None:
+        """``local_engine_index``: the engine core's place on this host, which
+        says the accelerators its ranks use (``gpu/device.py``)."""
         self.config = config
         self.rank = rank
         self.world_size = world_size
         self.engine_index = engine_index
         self._dist_init_file = dist_init_file  # where the ranks meet (tensor parallelism)
-        self.device = resolve_device(config.device, rank if world_size > 1 else None)
+        self.device = resolve_device(
+            config.device, rank, local_engine_index=local_engine_index, tensor_parallel_size=world_size
+        )
         self.sleep_level = 0
         self.architecture = ""  # the model class, once loaded
         self.dtype = resolve_dtype(config.dtype, self.device)

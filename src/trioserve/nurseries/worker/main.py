@@ -82,7 +82,12 @@ def make_runner(init: WorkerInit) -> Runner:
     from trioserve.gpu.model_runner import ModelRunner
 
     return ModelRunner(
-        init.config, init.rank, init.world_size, dist_init_file=init.dist_init_file, engine_index=init.engine_index
+        init.config,
+        init.rank,
+        init.world_size,
+        dist_init_file=init.dist_init_file,
+        engine_index=init.engine_index,
+        local_engine_index=init.local_engine_index,
     )
 
 
