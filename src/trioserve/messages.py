@@ -413,9 +413,8 @@ class GrammarBitmask(msgspec.Struct, tag=True):
 
 
 def is_dummy(sched: SchedulerOutput) -> bool:
-    """A step with nothing to compute and no request to add or move on (what
-    lockstep runs on an engine with no work, even an asleep one); it may
-    still carry requests to forget."""
+    """A step with nothing to compute and no request to add or move on (what lockstep runs on an engine with
+    no work, even an asleep one); it may still carry requests to forget."""
     return not (sched.num_scheduled_tokens or sched.new_requests or sched.cached_requests)
 
 

@@ -27,7 +27,7 @@ def accelerator_index(local_engine_index: int, rank: int, tensor_parallel_size: 
 
 
 def resolve_device(
-    name: str, rank: int = 0, *, local_engine_index: int = 0, tensor_parallel_size: int = 1
+    name: str, rank: int = 0, local_engine_index: int = 0, tensor_parallel_size: int = 1
 ) -> torch.device:
     """``"auto"`` is CUDA when there is one, else the CPU. On CUDA, rank r
     of the host's i-th engine core uses device ``i * tensor_parallel_size +

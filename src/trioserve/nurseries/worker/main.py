@@ -57,12 +57,15 @@ from trioserve.rpc import (
     LoadAdapter,
     LoraInfo,
     PinAdapter,
+    ProfileShard,
     SleepShard,
+    TraceFile,
     WakeShard,
     WorkerCall,
     WorkerResult,
 )
 from trioserve.runners import Runner
+from trioserve.runners.trace import worker_trace_path
 from trioserve.transport.framing import BlockingFrames, socket_from_fd
 
 WORKER_FD_ENV = "TRIOSERVE_WORKER_FD"
@@ -118,6 +121,13 @@ def run_call(runner: Runner, call: WorkerCall, rank: int) -> WorkerResult:
         case PinAdapter(name=name):
             runner.pin_adapter(name)
             return LoraInfo(name=name, path="", rank=0, pinned=True)
+        case ProfileShard(start=True):
+            runner.start_profile()
+            return TraceFile(path="", rank=rank)
+        case ProfileShard(trace_prefix=prefix):  # no prefix: the recording is dropped
+            path = worker_trace_path(prefix, rank) if prefix else ""
+            runner.stop_profile(path)
+            return TraceFile(path=path, rank=rank)
 
 
 def answer_call(runner: Runner, request: RpcRequest, rank: int) -> RpcReply:
