@@ -1,4 +1,5 @@
-"""``Engine``'s operator calls: ``start_profile`` and ``stop_profile``
+"""``Engine``'s operator calls: ``scale`` (elastic data parallelism,
+``frontend/engines/scaling.py``), and ``start_profile`` and ``stop_profile``
 (profiling, with ``EngineConfig.profiler_dir``; the engine core's side is
 ``nurseries/engine_core/control.py``, the files ``runners/trace.py`` and
 ``gpu/profiler.py``).
@@ -20,6 +21,30 @@ from trioserve.frontend.engines.group import EngineGroup
 from trioserve.rpc import ControlCall, ControlReply, StartProfile, StopProfile, TraceFile
 
 _sessions = itertools.count()  # within one second, in one process
+DEFAULT_DRAIN_TIMEOUT_S = 120.0  # vLLM's /scale_elastic_ep default
+
+
+class ScaleCalls:
+    """``Engine``'s scaling (``Engine`` supplies its group)."""
+
+    _group: EngineGroup
+
+    async def scale(self, data_parallel_size: int, *, drain_timeout_s: float = DEFAULT_DRAIN_TIMEOUT_S) -> None:
+        """Grow or shrink the engine cores to ``data_parallel_size`` while
+        serving; return once done. New engine cores take requests as soon
+        as each is ready; departing ones take none from the start, and their
+        requests run to their end, for at most ``drain_timeout_s`` (then
+        they end with ``EngineDeadError``), before they are stopped. No
+        request is lost. Raises ``InvalidRequestError`` (a size below 1 or
+        above 64; engines on other hosts or several API servers) or
+        ``ControlCallError`` (a scale under way; new engines that could not
+        start), and then nothing changed. If cancelled, the scale goes on."""
+        await self._group.scaling.scale(data_parallel_size, drain_timeout_s)
+
+    @property
+    def is_scaling(self) -> bool:
+        """A scale is under way."""
+        return self._group.scaling.under_way
 
 
 class ProfileCalls:
