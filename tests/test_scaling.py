@@ -264,3 +264,25 @@ async def test_scale_elastic_ep_over_http_behind_the_api_key_and_health_shows_th
             assert 'vllm:num_requests_running{engine="1"' in metrics
             assert (await post("/scale_elastic_ep", {"new_data_parallel_size": 1}))[0] == 200
             assert (await in_thread(http_get, server.health_url))[1] == {"status": "ready"}
+
+
+async def test_a_new_engine_serves_the_adapters_added_while_serving_and_is_paused_as_the_others(fake_config, tmp_path):
+    adapter = tmp_path / "late"
+    adapter.mkdir()
+    (adapter / "adapter_config.json").write_text(
+        json.dumps({"peft_type": "LORA", "r": 6, "target_modules": ["q_proj"]})
+    )
+    (adapter / "adapter_model.safetensors").write_bytes(b"")  # (the fake runner reads only the config)
+    with_lora = SamplingParams(max_tokens=4, lora="late")
+    with trio.fail_after(60):
+        async with trioserve.open_engine(config=fake_config(enable_lora=True)) as engine:
+            await engine.add_lora("late", str(adapter))
+            want = (await engine.generate([5, 6], with_lora)).token_ids
+            await engine.pause()
+            await engine.scale(2, drain_timeout_s=10)
+            assert engine.engine_healths == ["paused", "paused"]
+            await engine.resume()
+            assert engine.engine_healths == ["ready", "ready"]
+            assert (await engine.generate([5, 6], with_lora, engine_index=1)).token_ids == want
+            assert [i.name for i in await engine.list_loras()] == ["late"]
+    assert await wait_no_children() == []

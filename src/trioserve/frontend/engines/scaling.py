@@ -49,6 +49,7 @@ from trioserve.config import EngineConfig
 from trioserve.errors import ControlCallError, EngineDeadError, EngineStartupError, InvalidRequestError
 from trioserve.frontend.engines.coordinator import Coordinator
 from trioserve.frontend.engines.supervisor import EngineSupervisor
+from trioserve.rpc import AddLora, ControlCall, Pause, Sleep
 
 
 class ScalableGroup(Protocol):
@@ -190,6 +191,7 @@ class Scaling:
         was = len(group.supervisors)
         self._resize(size)  # (before the new supervisors: their config says they are local)
         new = [group.new_supervisor(i) for i in range(was, size)]
+        _like(new, _served_as(group.supervisors[0]))
         group.supervisors += new
         self._notify()
         try:
@@ -233,6 +235,7 @@ class Scaling:
         group.generation += 1  # an old engine's death from now on is no longer the group's
         group.coordinator.reset_waves()  # the waves go on at the next number
         group.lockstep = size > 1
+        served = _served_as(old[0])  # (read before they stop)
         for supervisor in old:
             supervisor.departing = True
             supervisor.stop()
@@ -240,6 +243,7 @@ class Scaling:
             await supervisor.wait_stopped()
         self._resize(size)  # (before the new supervisors: their config says they are local)
         group.supervisors = [group.new_supervisor(i) for i in range(size)]
+        _like(group.supervisors, served)
         self._notify()
         await self._start(group.supervisors)
 
@@ -279,3 +283,25 @@ class Scaling:
             for request_id, state in list(client.requests.items()):
                 client.abort(request_id)
                 state.collector.fail(error)
+
+
+def _served_as(model: EngineSupervisor) -> tuple[dict[str, AddLora], list[ControlCall]]:
+    """What a new engine must be put in to serve as ``model`` does: the LoRA
+    adapters added while serving, and the pause or sleep it is in (or that
+    is kept for its next life)."""
+    calls = model.wanted()
+    client = model.live_client()
+    if client is not None and client.state.paused:
+        calls.append(Pause())
+    if client is not None and client.state.sleep_level:
+        calls.append(Sleep(level=1 if client.state.sleep_level == 1 else 2))
+    return dict(model.loras), calls
+
+
+def _like(new: list[EngineSupervisor], served: tuple[dict[str, AddLora], list[ControlCall]]) -> None:
+    """Put ``new`` engines in that state before any request reaches them (``EngineSupervisor._reapply``)."""
+    loras, calls = served
+    for supervisor in new:
+        supervisor.loras = dict(loras)
+        for call in calls:
+            supervisor.remember(call)

@@ -312,6 +312,10 @@ class EngineSupervisor:
             if self._wanted.pop(undone, None) is None or isinstance(call, Pause | Sleep):
                 self._wanted[type(call)] = call
 
+    def wanted(self) -> list[ControlCall]:
+        """The pause, sleep and their undoing kept for the next life (none while one serves)."""
+        return list(self._wanted.values())
+
     def state_changed(self) -> None:
         """Wake those waiting for a change: the engine was paused, resumed, put to sleep or woken."""
         self._changed.set()
