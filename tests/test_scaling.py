@@ -134,8 +134,9 @@ async def test_a_scale_that_cannot_be_done_is_refused_naming_why_and_changes_not
             for size in (0, 65, True, 1.5):
                 with pytest.raises(InvalidRequestError, match=r"^data_parallel_size: must be an integer in \[1, 64\]"):
                     await engine.scale(size)  # type: ignore[arg-type]
-            with pytest.raises(InvalidRequestError, match=r"^drain_timeout_s: must be a number of seconds >= 0"):
-                await engine.scale(2, drain_timeout_s=-1)
+            for timeout in (-1, float("nan"), "5"):
+                with pytest.raises(InvalidRequestError, match=r"^drain_timeout_s: must be a number of seconds >= 0"):
+                    await engine.scale(2, drain_timeout_s=timeout)  # type: ignore[arg-type]
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(engine.scale, 2)
                 await trio.testing.wait_all_tasks_blocked()

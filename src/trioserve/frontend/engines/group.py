@@ -4,8 +4,9 @@ coordinator that balances new requests across them.
 Task tree (inside the caller's ``trio.run``)::
 
     EngineGroup.run
-    ├── Coordinator.run              (more than one engine) load reports -> LoadPicture
-    └── EngineSupervisor.run × N     each keeps its own engine core running
+    ├── Coordinator.run              load reports -> LoadPicture
+    ├── EngineSupervisor.run × N     each keeps its own engine core running
+    └── a scale, while one runs      (frontend/engines/scaling.py) starts or stops supervisors
 
 Start-up starts the N engines at once and waits for all of them, each with
 its own deadlines; the first that fails cancels the others, and its

@@ -82,7 +82,6 @@ class Scaling:
     def __init__(self, group: ScalableGroup) -> None:
         self._group = group
         self.target: int | None = None  # the size a scale under way goes to
-        self.num_scales = 0  # scales done
         self._changed = trio.Event()
 
     @property
@@ -116,7 +115,11 @@ class Scaling:
         group = self._group
         if not isinstance(size, int) or isinstance(size, bool) or not 1 <= size <= MAX_ENGINES:
             raise InvalidRequestError("data_parallel_size", f"must be an integer in [1, {MAX_ENGINES}] (got {size!r})")
-        if not isinstance(drain_timeout_s, int | float) or isinstance(drain_timeout_s, bool) or drain_timeout_s < 0:
+        if (
+            not isinstance(drain_timeout_s, int | float)
+            or isinstance(drain_timeout_s, bool)
+            or not drain_timeout_s >= 0
+        ):
             raise InvalidRequestError("drain_timeout_s", f"must be a number of seconds >= 0 (got {drain_timeout_s!r})")
         if group.config.num_remote_engines or group.remote is not None:
             raise InvalidRequestError(
@@ -153,7 +156,6 @@ class Scaling:
                 failure.append(exc)
             finally:
                 self.target = None
-                self.num_scales += not failure
                 self._notify()
                 done.set()
 
