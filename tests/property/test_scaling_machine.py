@@ -27,7 +27,7 @@ import msgspec
 import trio
 import trio.testing
 from helpers.fakes import fake_tokens, make_fake_config
-from hypothesis import HealthCheck, settings
+from hypothesis import HealthCheck, event, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule, run_state_machine_as_test
 
@@ -275,8 +275,13 @@ class ScalingMachine(RuleBasedStateMachine):
 
     @rule(size=st.integers(1, 3))
     def scale(self, size: int) -> None:
+        group = self.harness.group
+        assert group is not None
+        event(f"scale {len(group.supervisors)} -> {size}{' (lockstep)' if self.lockstep else ''}")
         if self.run(self.harness.scale, size):
             self.size = size
+        else:
+            event("a scale refused: another ran")
 
     @rule(size=st.integers(1, 3), prompts=st.lists(st.lists(st.integers(3, 250), min_size=1, max_size=4), max_size=4))
     def scale_then_send(self, size: int, prompts: list[list[int]]) -> None:
@@ -286,6 +291,10 @@ class ScalingMachine(RuleBasedStateMachine):
 
     @rule(index=st.integers(0, 2))
     def kill(self, index: int) -> None:
+        group = self.harness.group
+        assert group is not None
+        if index < len(group.supervisors) and group.supervisors[index].departing:
+            event("a departing engine killed")
         self.run(self.harness.kill, index)
 
     @rule(seconds=st.sampled_from([0.1, 0.3, 0.6, 1.5]))
@@ -326,7 +335,8 @@ class ScalingMachine(RuleBasedStateMachine):
                 assert outcome is True, (i, outcome)
         assert harness.group is not None and len(harness.group.supervisors) == self.size
         assert harness.engine.config.data_parallel_size == self.size
-        assert all(s is None for s in harness.scales if not isinstance(s, ControlCallError)), harness.scales
+        # Every scale was done, or refused at once because another ran (no start failed here).
+        assert all(s is None or "is under way" in str(s) for s in harness.scales), harness.scales
         self.run(harness.close)
 
 
