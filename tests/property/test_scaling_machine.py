@@ -11,10 +11,11 @@ when no engine of its generation has a request (as the real collective's sync st
 Rules: send requests; scale to 1..3 engines (one scale at a time: a scale asked while one runs must be
 refused with ``ControlCallError``, changing nothing); kill an engine core (it restarts); let time pass.
 Checked after every rule: no request was routed to a departing engine (checked at the moment routing chose
-it); in lockstep the coordinator's wave number never went back, nor any engine core's within its life. At
-the end (every scale done, every request ended): every request ended, with the fake runner's tokens, or with
-``EngineDeadError`` only if an engine core it was on was killed (the drain timeout is far longer than a
-request, so none ends by a scale); the group's size is the last scale's.
+it); engine i's supervisor is the i-th, and the coordinator's picture has one entry per engine; in lockstep
+the coordinator's wave number never went back, nor any engine core's within its life. At the end (every
+scale done, every request ended): every request ended, with the fake runner's tokens, or with
+``EngineDeadError`` only if an engine core was killed (the drain timeout is far longer than a request, so
+none ends by a scale); the group's size is the last scale's.
 """
 
 from __future__ import annotations
@@ -304,6 +305,13 @@ class ScalingMachine(RuleBasedStateMachine):
     @invariant()
     def never_routed_to_a_departing_engine(self) -> None:
         assert self.harness.misrouted == []
+
+    @invariant()
+    def each_engine_has_its_place(self) -> None:
+        group = self.harness.group
+        assert group is not None
+        assert [s.engine_index for s in group.supervisors] == list(range(len(group.supervisors)))
+        assert group.coordinator.picture.num_engines == len(group.supervisors)
 
     @invariant()
     def waves_never_go_back(self) -> None:
