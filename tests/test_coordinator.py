@@ -66,3 +66,17 @@ async def test_the_coordinator_applies_reports_in_order_and_drops_none_while_it_
         await trio.testing.wait_all_tasks_blocked()
         assert coordinator.picture.score(0, in_flight=2) == 2 and coordinator.num_dropped == 0
         nursery.cancel_scope.cancel()
+
+
+def test_a_grown_picture_starts_new_engines_from_no_load_and_a_shrunk_one_forgets_the_removed():
+    picture = LoadPicture(2, max_running=8, shared=True)
+    picture.report(0, LoadReport(num_waiting=0, num_running=3))
+    picture.report(1, LoadReport(num_waiting=0, num_running=5))
+    assert picture.choose([0, 1]) == 0
+    picture.resize(3)
+    assert (picture.num_engines, picture.score(2)) == (3, 0)
+    assert picture.choose([0, 1, 2]) == 2  # the new engine, with no load, first
+    picture.resize(1)
+    assert picture.num_engines == 1 and picture.choose([0]) == 0
+    picture.resize(2)
+    assert picture.score(1) == 0  # engine 1 again: its old load is not its

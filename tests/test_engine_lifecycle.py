@@ -766,9 +766,11 @@ def test_a_launch_written_to_the_environment_reads_back_the_same():
         curve_keys_dir="/keys",
         private_dir="/tmp/private",
         engines_on_host=2,
+        local_index=1,
     )
     env = launch.env({"PATH": "/bin"})
     assert env["PATH"] == "/bin"
     assert EngineCoreLaunch.from_env(env) == launch
+    assert EngineCoreLaunch.from_env(env).local_engine_index == 1
     plain = EngineCoreLaunch(handshake_address="ipc:///run/handshake", insecure_tcp=True)
     assert EngineCoreLaunch.from_env(plain.env({})) == plain

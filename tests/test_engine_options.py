@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 
 import pytest
 
@@ -84,8 +85,10 @@ def test_every_engine_option_reaches_its_field():
         "--startup-timeout", "8", "--model-load-timeout", "40", "--step-timeout", "0", "--step-hang-min", "2",
         "--heartbeat-interval", "0.5", "--heartbeat-timeout", "3", "--task", "embed", "--pooling-type", "MEAN",
         "--no-normalize", "--max-loras", "2", "--max-lora-rank", "8", "--max-cpu-loras", "3",
+        "--profiler-dir", "profiles",
     ]  # fmt: skip
     config = engine_config(build_parser().parse_args(argv), "m")
+    assert config.profiler_dir == os.path.abspath("profiles")  # every process writes there
     assert (config.task, config.pooling_type, config.normalize) == ("embed", "mean", False)
     assert (config.max_loras, config.max_lora_rank, config.max_cpu_loras) == (2, 8, 3)
     lora = engine_config(build_parser().parse_args(["serve", "--enable-lora", "--lora-modules", "a=/x", "b=/y"]), "m")

@@ -22,6 +22,7 @@ import trio
 from trioserve.config import EngineConfig
 from trioserve.errors import EngineDeadError, InvalidRequestError, collapse, only_the_callers
 from trioserve.frontend.embeddings import EncodeCalls
+from trioserve.frontend.engine_ops import ProfileCalls, ScaleCalls
 from trioserve.frontend.engines.group import EngineGroup
 from trioserve.frontend.engines.supervisor import Health
 from trioserve.frontend.lora_calls import LoraCalls
@@ -126,7 +127,7 @@ def _check_mode(mode: object) -> None:
         raise InvalidRequestError("mode", f"must be 'wait' or 'abort' (got {mode!r})")
 
 
-class Engine(EncodeCalls, LoraCalls):
+class Engine(EncodeCalls, LoraCalls, ProfileCalls, ScaleCalls):
     """A running engine. Get one from ``open_engine``. Its public names are
     the ones docs/embedding.md lists (a test checks they agree)."""
 

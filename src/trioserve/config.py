@@ -292,10 +292,15 @@ class EngineConfig:
     # On CUDA, the share of the device's memory the worker may fill, its KV cache taking what the model leaves
     # (vLLM's --gpu-memory-utilization); None: kv_cache_memory_bytes. Refused on the CPU.
     gpu_memory_utilization: float | None = None
+    # Profiling (vLLM's --profiler-dir; off when None): Engine.start_profile / stop_profile write each worker's
+    # torch.profiler trace and the engine core's spans there, as Chrome trace JSON (runners/trace.py).
+    profiler_dir: str | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.model, os.PathLike):
             object.__setattr__(self, "model", os.fspath(self.model))  # a pathlib.Path is a directory path too
+        if isinstance(self.profiler_dir, str | os.PathLike):  # every process writes there, whatever its directory
+            object.__setattr__(self, "profiler_dir", os.path.abspath(self.profiler_dir))
         check_types(self)
         _check(self.model != "", "model", "must be a directory path")
         _check(self.runner in ("hf", "fake"), "runner", "must be 'hf' or 'fake'")

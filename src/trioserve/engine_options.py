@@ -213,6 +213,13 @@ def add_engine_options(
         help="text: a line with the date and time, level, process and logger; json: one JSON object a line "
         "(default: %(default)s)",
     )
+    group.add_argument(
+        "--profiler-dir",
+        metavar="DIR",
+        help="allow profiling (POST /start_profile, /stop_profile; Engine.start_profile): each worker's "
+        "torch.profiler trace and each engine core's step spans are written to DIR as Chrome trace JSON "
+        "(default: off)",
+    )
     _add_supervision_options(parser.add_argument_group(SUPERVISION_GROUP), defaults)
 
 
@@ -449,5 +456,6 @@ def engine_config(args: argparse.Namespace, model: str, **fields: Any) -> Engine
         heartbeat_interval_s=args.heartbeat_interval,
         heartbeat_timeout_s=args.heartbeat_timeout,
         fake=FakeRunnerConfig.from_json(args.fake_options, "--fake-options"),
+        profiler_dir=args.profiler_dir,
         **fields,
     )

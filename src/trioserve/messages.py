@@ -413,9 +413,8 @@ class GrammarBitmask(msgspec.Struct, tag=True):
 
 
 def is_dummy(sched: SchedulerOutput) -> bool:
-    """A step with nothing to compute and no request to add or move on (what
-    lockstep runs on an engine with no work, even an asleep one); it may
-    still carry requests to forget."""
+    """A step with nothing to compute and no request to add or move on (what lockstep runs on an engine with
+    no work, even an asleep one); it may still carry requests to forget."""
     return not (sched.num_scheduled_tokens or sched.new_requests or sched.cached_requests)
 
 
@@ -429,6 +428,7 @@ class WorkerInit(msgspec.Struct, tag=True):
     data_parallel: DataParallelInit | None = None  # lockstep: rank 0 joins the collective
     dist_init_file: str = ""  # tensor parallel: the group's file rendezvous
     engine_index: int = 0
+    local_engine_index: int = 0  # its engine core's place on this host: which accelerators (gpu/device.py)
 
 
 class WorkerLoaded(msgspec.Struct, tag=True):

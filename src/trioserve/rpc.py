@@ -75,7 +75,16 @@ class PinAdapter(msgspec.Struct, tag=True, frozen=True):
     name: str
 
 
-WorkerCall = DescribeShard | SleepShard | WakeShard | Echo | LoadAdapter | DropAdapter | PinAdapter
+class ProfileShard(msgspec.Struct, tag=True, frozen=True):
+    """Start recording a profile of the steps (``start``), or stop and write
+    it to ``trace_prefix`` + ``-rank-<rank>.trace.json`` (Chrome trace JSON;
+    with no prefix, drop it); answered with its ``TraceFile``."""
+
+    start: bool
+    trace_prefix: str = ""
+
+
+WorkerCall = DescribeShard | SleepShard | WakeShard | Echo | LoadAdapter | DropAdapter | PinAdapter | ProfileShard
 # What ``collective_rpc`` may run: sleeping and waking go through ``Sleep``
 # and ``WakeUp``, which the engine core must know about.
 CollectiveCall = DescribeShard | Echo
@@ -118,7 +127,16 @@ class LoraInfo(msgspec.Struct, tag=True, frozen=True):
     pinned: bool = False
 
 
-WorkerResult = ShardInfo | EchoReply | LoraInfo
+class TraceFile(msgspec.Struct, tag=True, frozen=True):
+    """A profile trace written (``ProfileShard``, ``StopProfile``): its path,
+    and the rank that wrote it (-1: the engine core's own spans; ``path`` is
+    empty while the recording has only started)."""
+
+    path: str
+    rank: int
+
+
+WorkerResult = ShardInfo | EchoReply | LoraInfo | TraceFile
 
 
 # --- control calls (front-end -> engine core) -------------------------------
@@ -181,8 +199,24 @@ class ListLoras(msgspec.Struct, tag=True, frozen=True):
     """Every adapter the engine serves, as ``LoraInfo``s."""
 
 
+class StartProfile(msgspec.Struct, tag=True, frozen=True):
+    """Record a profile from now on: every worker a ``torch.profiler`` trace
+    (``ProfileShard``), the engine core the spans of its step loop. The
+    traces of one recording are named with ``session`` (letters, digits and
+    dashes), in ``EngineConfig.profiler_dir``."""
+
+    session: str
+
+
+class StopProfile(msgspec.Struct, tag=True, frozen=True):
+    """Stop recording, and write every trace; answered with their ``TraceFile``s."""
+
+
 LoraCall = AddLora | RemoveLora | PinLora | ListLoras
-ControlCall = Pause | Resume | Sleep | WakeUp | CollectiveRpc | AddLora | RemoveLora | PinLora | ListLoras
+ControlCall = (
+    Pause | Resume | Sleep | WakeUp | CollectiveRpc | AddLora | RemoveLora | PinLora | ListLoras | StartProfile
+    | StopProfile
+)  # fmt: skip
 
 
 class ControlRequest(msgspec.Struct, tag=True):

@@ -212,3 +212,21 @@ def test_a_late_start_message_is_ignored():
     engine.stepped(any_unfinished=False)  # wave 0 over
     engine.start_wave(StartWave(0, exclude=None))  # a duplicate, late
     assert (engine.wave, engine.running) == (1, False)
+
+
+def test_a_new_generation_starts_paused_at_the_next_wave_so_the_number_never_goes_back():
+    coordinator = CoordinatorWaves()
+    stamp, start = coordinator.route(0)
+    assert (stamp, start) == (0, StartWave(0, exclude=0))
+    coordinator.wave_complete(WaveComplete(0))
+    coordinator.route(1)
+    assert (coordinator.wave, coordinator.running) == (1, True)
+    coordinator.new_generation()  # the engines restarted together (a death, or a scale) in wave 1
+    assert (coordinator.wave, coordinator.running) == (2, False)
+    coordinator.wave_complete(WaveComplete(1))  # a late notice of the old generation's wave: ignored
+    assert coordinator.wave == 2
+    stamp, start = coordinator.route(1)  # the new generation's first request starts wave 2 everywhere
+    assert (stamp, start) == (2, StartWave(2, exclude=1))
+    engine = EngineWaves(0)  # a new engine core starts at 0 and catches up
+    engine.start_wave(StartWave(2, exclude=1))
+    assert (engine.wave, engine.running) == (2, True)

@@ -120,6 +120,13 @@ class CoordinatorWaves:
         self.running = True
         return self.wave, StartWave(self.wave, exclude=engine)
 
+    def new_generation(self) -> None:
+        """The engines start again together (one died, or the group re-forms
+        at a new size): they start paused, and the next wave is numbered
+        after the last one, so the wave number never goes back."""
+        self.wave += 1
+        self.running = False
+
     def wave_complete(self, msg: WaveComplete) -> None:
         if msg.wave >= self.wave:
             self.wave = msg.wave + 1

@@ -1,12 +1,10 @@
 """The model runner: one transformers model, a paged KV cache, one packed
 model call per scheduler step.
 
-The runner keeps, per request, what the scheduler has told it (the prompt,
-and every output token so far when a request is sent again after a
-preemption), the block table, and how many tokens are in the cache; and it
-appends every token it samples to the request's token list, so that the
-next step can compute it before the engine core has seen it
-(``CachedRequestData`` carries no tokens).
+The runner keeps, per request, what the scheduler has told it (the prompt, and every output token so far when a
+request is sent again after a preemption), the block table, and how many tokens are in the cache; and it appends
+every token it samples to the request's token list, so that the next step can compute it before the engine core
+has seen it (``CachedRequestData`` carries no tokens).
 
 Invariants: a request is in ``requests`` from its ``NewRequestData`` until its
 id appears in ``finished_req_ids``; every scheduled range lies inside the
@@ -47,6 +45,7 @@ from trioserve.gpu.grammar_bitmask import apply_grammar_bitmask
 from trioserve.gpu.logits_processing import RowProcessors
 from trioserve.gpu.lora import LoraLayers, attach_lora
 from trioserve.gpu.pooler import Pooler, PoolingPlan, encoder_hidden, hidden_forward
+from trioserve.gpu.profiler import TorchProfiling
 from trioserve.gpu.prompt_logprobs import PromptLogprobsPlan
 from trioserve.gpu.sampler import SamplingBatch, sample
 from trioserve.messages import (
@@ -99,13 +98,12 @@ class _Step:
     pooling: PoolingPlan = field(default_factory=PoolingPlan)
 
 
-class ModelRunner:
+class ModelRunner(TorchProfiling):
     """Runs a transformers causal LM over a paged KV cache.
 
-    Call ``load()``, then ``init_kv_cache(n)``, then ``execute(step)`` once
-    per scheduler step. Not thread-safe; one runner per worker process. With
-    ``TRIOSERVE_STEP_LOG`` in the environment it logs each step's timing
-    (``trioserve.runners.steplog``).
+    Call ``load()``, then ``init_kv_cache(n)``, then ``execute(step)`` once per scheduler step. Not thread-safe;
+    one runner per worker process. With ``TRIOSERVE_STEP_LOG`` in the environment it logs each step's timing
+    (``trioserve.runners.steplog``); from ``start_profile`` to ``stop_profile``, a profile (``gpu/profiler.py``).
     """
 
     def __init__(
@@ -116,13 +114,14 @@ class ModelRunner:
         *,
         dist_init_file: str = "",
         engine_index: int = 0,
+        local_engine_index: int = 0,
     ) -> None:
         self.config = config
         self.rank = rank
         self.world_size = world_size
         self.engine_index = engine_index
         self._dist_init_file = dist_init_file  # where the ranks meet (tensor parallelism)
-        self.device = resolve_device(config.device, rank if world_size > 1 else None)
+        self.device = resolve_device(config.device, rank, local_engine_index, world_size)  # (gpu/device.py)
         self.sleep_level = 0
         self.architecture = ""  # the model class, once loaded
         self.dtype = resolve_dtype(config.dtype, self.device)

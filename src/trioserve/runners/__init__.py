@@ -20,7 +20,8 @@ class Runner(Protocol):
     Called in this order, from one thread: ``load()`` once, then
     ``init_kv_cache(n)`` once, then ``execute(step)`` once per scheduler step,
     and between steps the control calls (``describe``, ``sleep``, ``wake_up``,
-    ``load_adapter``, ``drop_adapter``, ``pin_adapter``).
+    ``load_adapter``, ``drop_adapter``, ``pin_adapter``, ``start_profile``,
+    ``stop_profile``).
     A runner keeps each request's token list and appends every token it
     samples, so a step can be planned before the previous one's tokens are
     back in the engine core. Errors raise; the worker reports them.
@@ -64,4 +65,12 @@ class Runner(Protocol):
 
     def pin_adapter(self, name: str) -> None:
         """Keep adapter ``name`` in memory (``ValueError`` if unknown)."""
+        ...
+
+    def start_profile(self) -> None:
+        """Record a profile of the steps from now on (``RuntimeError`` if one is being recorded)."""
+        ...
+
+    def stop_profile(self, path: str) -> None:
+        """Stop recording, and write the profile to ``path`` as a Chrome trace (JSON; ``""``: drop it)."""
         ...

@@ -34,6 +34,7 @@ from trioserve.messages import (
 )
 from trioserve.pooling import FAKE_HIDDEN_SIZE, PoolingParams, fake_vector
 from trioserve.rpc import ShardInfo
+from trioserve.runners.trace import SpanTrace
 
 FAULT_SIGNAL = signal.SIGUSR1
 
@@ -73,6 +74,7 @@ class FakeRunner:
         self.adapters: dict[str, int] = {}  # LoRA adapters' ranks: a request with one has its tokens shifted by it
         self._lora: dict[str, str] = {}  # requests with an adapter
         self._fault_requested = False  # set by SIGUSR1
+        self._trace: SpanTrace | None = None  # while profiling: each step's span
         self._install_fault_signal()
 
     def _install_fault_signal(self) -> None:
@@ -145,6 +147,19 @@ class FakeRunner:
         if name not in self.adapters:
             raise ValueError(f"no adapter named {name!r} is loaded")
 
+    def start_profile(self) -> None:
+        """Record each step's span (a Chrome trace: there is no torch to profile)."""
+        if self._trace is not None:
+            raise RuntimeError("a profile is already being recorded")
+        self._trace = SpanTrace(f"engine-core-{self.engine_index} worker-{self.rank} (fake runner)")
+
+    def stop_profile(self, path: str) -> None:
+        trace, self._trace = self._trace, None
+        if trace is None:
+            raise RuntimeError("no profile is being recorded")
+        if path:  # else dropped
+            trace.write(path)
+
     def next_token(self, tokens: list[int]) -> int:
         """The deterministic token that follows ``tokens``."""
         fake = self.fake
@@ -171,6 +186,12 @@ class FakeRunner:
                 time.sleep(3600)
 
     def execute(self, sched: SchedulerOutput, bitmask: Callable[[], GrammarBitmask] | None = None) -> RunnerOutput:
+        if self._trace is None:
+            return self._execute(sched, bitmask)
+        with self._trace.span("fake_step"):
+            return self._execute(sched, bitmask)
+
+    def _execute(self, sched: SchedulerOutput, bitmask: Callable[[], GrammarBitmask] | None) -> RunnerOutput:
         if self.sleep_level and is_dummy(sched):  # lockstep: an asleep engine still steps with its peers
             for req_id in sched.finished_req_ids:
                 self._tokens.pop(req_id, None)

@@ -1,8 +1,7 @@
 """The OpenAI-compatible API, ``/metrics`` and the engine's control calls: one HTTP request each.
 
-``route_api`` (a plain function) decides which endpoint answers, or which
-error; ``HttpApi.handle`` reads the body, runs the request through the
-engine, and writes the answer, whole or as server-sent events. Request
+``route_api`` (a plain function) decides which endpoint answers, or which error; ``HttpApi.handle`` reads the
+body, runs the request through the engine, and writes the answer, whole or as server-sent events. Request
 checks are the engine's (``openai_protocol.py`` maps its errors). While a
 request runs, the connection is watched: a client that disconnects cancels
 its request, which aborts every sample in the engine and frees their KV
@@ -13,10 +12,9 @@ answered like one the engine failed: a 503 ``shutdown`` (``engine_dead``
 when the engine died for good), or in a stream an event holding that error
 object, then ``[DONE]``.
 
-``POST /v1/engine/pause`` (``?mode=wait|abort``), ``/v1/engine/resume``,
-``/v1/engine/sleep`` (``?level=1|2&mode=...``) and ``/v1/engine/wake_up``
-(each also ``?timeout_s=``) run the engine's control call and answer
-``{"health": ...}`` once it is done (docs/openai-api.md).
+``POST /v1/engine/pause`` (``?mode=wait|abort``), ``/v1/engine/resume``, ``/v1/engine/sleep``
+(``?level=1|2&mode=...``) and ``/v1/engine/wake_up`` (each also ``?timeout_s=``) run the engine's control call
+and answer ``{"health": ...}`` once it is done (docs/openai-api.md); ``ops_api.py`` the operators' calls.
 """
 
 from __future__ import annotations
@@ -40,7 +38,7 @@ from trioserve.errors import (
 from trioserve.frontend.requests.streams import RequestStream
 from trioserve.frontend.text.tokenizer import Tokenizer
 from trioserve.server import embeddings_api as embed
-from trioserve.server import lora_api
+from trioserve.server import lora_api, ops_api
 from trioserve.server import openai_protocol as oai
 from trioserve.server import openai_responses as resp
 from trioserve.server.chat_tools import plan_tools
@@ -56,7 +54,7 @@ from trioserve.server.state import ServerState
 log = logging.getLogger("trioserve.server")
 Endpoint = Literal[
     "metrics", "models", "model", "completions", "chat", "embeddings", "control", "tokenize", "detokenize",
-    "version", "ping", "lora",
+    "version", "ping", "lora", "ops",
 ]  # fmt: skip
 _CONTROL_PREFIX = "/v1/engine/"
 _MODEL_PREFIX = "/v1/models/"  # then a model's id (URL-encoded)
@@ -73,6 +71,7 @@ _ENDPOINTS: dict[str, tuple[Endpoint, str]] = {
     "/ping": ("ping", "GET"),
     **{_CONTROL_PREFIX + call: ("control", "POST") for call in _CONTROL_CALLS},
     **{path: ("lora", "POST") for path in lora_api.LORA_PATHS},
+    **{path: ("ops", "POST") for path in ops_api.OPS_PATHS},
 }
 RETRY_AFTER_S = 5  # for a 503 while the engine is busy, starting or restarting
 _OPEN = ("metrics", "version", "ping")  # answered without the API key, as /health is
@@ -182,9 +181,10 @@ class HttpApi:
             await conn.send_body(200, payload, CONTENT_TYPE, head_only=head.method == "HEAD")
         elif endpoint == "control":
             await self._control(conn, head)
-        elif endpoint == "lora":
+        elif endpoint in ("lora", "ops"):
             body = await self._read_body(conn, body_deadline)
-            await lora_api.answer(conn, self._engine(), head.path.rstrip("/"), body)
+            calls = lora_api if endpoint == "lora" else ops_api  # adapters; profiling and scaling
+            await calls.answer(conn, self._engine(), head.path.rstrip("/"), body)
         elif endpoint == "models":
             engine = self._engine()
             names = [self.model_name, *self._config.model_aliases]

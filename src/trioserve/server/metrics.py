@@ -204,6 +204,7 @@ class ServerMetrics:
         """Set the gauges from the engine cores' counters (each engine's own,
         with several; an engine that is restarting reports zeros); and, when
         this server ``reports_engine``, add what their counters grew by."""
+        self._fit(len(stats.engines or [stats]))
         for index, own in enumerate(stats.engines or [stats]):
             labels = (self.model_name, str(index))
             self.running.labels(*labels).set(own.num_running)
@@ -252,9 +253,23 @@ class ServerMetrics:
         """Each engine's restart count, by engine index."""
         if not self.reports_engine:
             return
+        self._fit(len(num_restarts))
         for index, count in enumerate(num_restarts):
             self.restarts.labels(self.model_name, str(index)).inc(max(0, count - self._last_restarts[index]))
             self._last_restarts[index] = max(self._last_restarts[index], count)
+
+    def _fit(self, num_engines: int) -> None:
+        """The counts last seen, for ``num_engines`` engines (the engines were
+        scaled: a new one starts from zero, a removed one is forgotten)."""
+        if num_engines == len(self._life):
+            return
+        for counts in [*self._last.values(), self._life, self._last_restarts]:
+            del counts[num_engines:]
+            counts.extend([0] * (num_engines - len(counts)))
+        del self._last_steps[num_engines:]
+        self._last_steps += [
+            [0] * (len(ITERATION_TOKEN_BUCKETS) + 1) for _ in range(num_engines - len(self._last_steps))
+        ]
 
     def update_cache_config(self, engine: Engine) -> None:
         """``vllm:cache_config_info``, once the engine is known."""

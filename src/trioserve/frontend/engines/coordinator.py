@@ -51,6 +51,15 @@ class LoadPicture:
     def num_engines(self) -> int:
         return len(self._loads)
 
+    def resize(self, num_engines: int) -> None:
+        """The group grew or shrank (``frontend/engines/scaling.py``): a new
+        engine starts from no load; a removed one's load is forgotten."""
+        del self._loads[num_engines:], self._sent[num_engines:]
+        while len(self._loads) < num_engines:
+            self._loads.append(LoadReport(num_waiting=0, num_running=0))
+            self._sent.append(0)
+        self._next %= num_engines
+
     def report(self, engine: int, load: LoadReport) -> None:
         self._loads[engine] = load
         self._sent[engine] = 0
@@ -126,9 +135,11 @@ class Coordinator:
         return self.picture.choose(candidates, in_flight)
 
     def reset_waves(self) -> None:
-        """The engines restarted together: their waves start again from 0."""
+        """The engines restarted together: they are paused, and the next wave
+        is numbered after the last (a new engine core catches up with the
+        first request or ``StartWave`` it gets)."""
         if self.waves is not None:
-            self.waves = waves.CoordinatorWaves()
+            self.waves.new_generation()
 
     def route(self, engine: int) -> int:
         """The wave to stamp a request for ``engine`` with (0 out of lockstep);
@@ -155,6 +166,8 @@ class Coordinator:
         """Apply load reports as they come, until cancelled (nothing is left behind)."""
         task_status.started()
         async for event in self._receive:
+            if event.engine >= self.picture.num_engines:
+                continue  # from an engine removed since (a scale-down)
             if event.load is None:
                 self.picture.forget(event.engine)
             else:

@@ -4,8 +4,9 @@ coordinator that balances new requests across them.
 Task tree (inside the caller's ``trio.run``)::
 
     EngineGroup.run
-    ├── Coordinator.run              (more than one engine) load reports -> LoadPicture
-    └── EngineSupervisor.run × N     each keeps its own engine core running
+    ├── Coordinator.run              load reports -> LoadPicture
+    ├── EngineSupervisor.run × N     each keeps its own engine core running
+    └── a scale, while one runs      (frontend/engines/scaling.py) starts or stops supervisors
 
 Start-up starts the N engines at once and waits for all of them, each with
 its own deadlines; the first that fails cancels the others, and its
@@ -15,6 +16,10 @@ that dies fails only its own requests and is restarted within its own
 budget, and the others never notice. A new request goes to the ready engine
 with the least load (``frontend/engines/coordinator.py``); while none is ready it
 waits at most ``restart_wait_s``.
+
+The number of engines changes while the group serves (``scaling``,
+``frontend/engines/scaling.py``): routing passes a departing engine by, and
+takes a new one once it is ready.
 
 Health: ``ready`` while at least one engine is ready; otherwise ``stalled``,
 ``paused``, ``sleeping``, ``restarting``, ``starting`` (the best any engine
@@ -59,6 +64,7 @@ from trioserve.frontend.engines.attached import (
 from trioserve.frontend.engines.client import EngineCoreClient
 from trioserve.frontend.engines.coordinator import Coordinator
 from trioserve.frontend.engines.remote import RemoteEngines, RemoteStrategy
+from trioserve.frontend.engines.scaling import Scaling
 from trioserve.frontend.engines.supervisor import ClientFactory, EngineSupervisor, Health, new_client
 from trioserve.messages import BIND_TCP, DataParallelInit, EngineInfo, EngineStats, FrontEndsInit, StartWave
 from trioserve.rpc import ControlCall, ControlReply
@@ -71,7 +77,7 @@ _BEST_FIRST: tuple[Health, ...] = (
 
 
 class EngineGroup:
-    """``config.data_parallel_size`` engine cores. Run with ``await
+    """``config.data_parallel_size`` engine cores (as it was last scaled to). Run with ``await
     nursery.start(group.run)``; it reports the first engine's ``EngineInfo``
     once every engine is ready."""
 
@@ -95,31 +101,36 @@ class EngineGroup:
             raise ValueError("data_parallel_lockstep: not supported with several API servers yet")
         self._api_servers_dir = api_servers_dir
         self._attach = attach
-        broadcast = self._broadcast if self.lockstep else None
+        broadcast = self._broadcast if config.data_parallel_lockstep else None  # (waves from 2 engines on)
         # Several API servers send to the engines: each one's picture counts the others' through the reports.
         shared = attach is not None
-        self.coordinator = Coordinator(n, config.max_num_seqs, broadcast=broadcast, shared=shared) if n > 1 else None
+        self.coordinator = Coordinator(n, config.max_num_seqs, broadcast=broadcast, shared=shared)
         self.generation = 0  # lockstep: bumped when the engines restart together
         self._generation_of: dict[int, int] = {}  # id(client) -> the generation it was started in
         self._rendezvous_dir = ""
         # Engines on other hosts join through the hub (frontend/engines/remote.py); an API
         # server of several attaches to them as to local ones.
         self.remote = RemoteEngines(config) if config.num_remote_engines and attach is None else None
-        self.supervisors = [
-            EngineSupervisor(
-                config,
-                i,
-                client_factory=self._client_factory(i, client_factory),
-                on_load=None if self.coordinator is None else self.coordinator.report_nowait,
-                on_new_client=self._new_client,
-                on_engine_ready=self._engine_ready if api_servers_dir is not None else None,
-                on_engine_dead=self._engine_dead,
-                on_failed=self._engine_failed if api_servers_dir is not None else None,
-                remote=attach is not None or i >= config.num_local_engines,
-                reapplies=attach is None,  # the engine core's own front-end does, for all of them
-            )
-            for i in range(n)
-        ]
+        self._local_factory = client_factory
+        self.supervisors = [self.new_supervisor(i) for i in range(n)]
+        self.scaling = Scaling(self)  # grows and shrinks the group while it serves (frontend/engines/scaling.py)
+        self.nursery: trio.Nursery | None = None  # where the supervisors run, once running
+        self._last_info: EngineInfo | None = None
+
+    def new_supervisor(self, i: int) -> EngineSupervisor:
+        """The supervisor of engine ``i`` (not started)."""
+        return EngineSupervisor(
+            self.config,
+            i,
+            client_factory=self._client_factory(i, self._local_factory),
+            on_load=self.coordinator.report_nowait,
+            on_new_client=self._new_client,
+            on_engine_ready=self._engine_ready if self._api_servers_dir is not None else None,
+            on_engine_dead=self._engine_dead,
+            on_failed=self._engine_failed if self._api_servers_dir is not None else None,
+            remote=self._attach is not None or i >= self.config.num_local_engines,
+            reapplies=self._attach is None,  # the engine core's own front-end does, for all of them
+        )
 
     def _client_factory(self, engine_index: int, local: ClientFactory) -> ClientFactory:
         if self._attach is not None:
@@ -168,7 +179,7 @@ class EngineGroup:
         """Start every engine, report the first's ``EngineInfo``, then keep
         them running until cancelled (then every process is stopped and
         reaped) or until every engine has failed for good (then return)."""
-        if not self.lockstep:
+        if not self.config.data_parallel_lockstep:
             await self._run(task_status)
             return
         # The lockstep collective's rendezvous files; each engine core removes
@@ -179,8 +190,8 @@ class EngineGroup:
 
     async def _run(self, task_status: trio.TaskStatus[EngineInfo]) -> None:
         async with trio.open_nursery() as nursery:
-            if self.coordinator is not None:
-                await nursery.start(self.coordinator.run)
+            self.nursery = nursery
+            await nursery.start(self.coordinator.run)
             if self.remote is not None:
                 await nursery.start(self.remote.run)
             for supervisor in self.supervisors:
@@ -213,7 +224,6 @@ class EngineGroup:
 
     def _lockstep_client(self, client: EngineCoreClient) -> None:
         """A new engine core: its place in the current generation's collective."""
-        assert self.coordinator is not None
         self._generation_of[id(client)] = self.generation
         client.on_wave = self.coordinator.wave_notice
         client.data_parallel = DataParallelInit(
@@ -229,8 +239,7 @@ class EngineGroup:
         if self._generation_of.pop(id(dead), None) != self.generation:
             return  # an older generation's, already taken care of
         self.generation += 1
-        assert self.coordinator is not None
-        self.coordinator.reset_waves()  # the next generation's engines start from wave 0
+        self.coordinator.reset_waves()  # the next generation's engines start paused, at the next wave
         for supervisor in self.supervisors:
             client = supervisor.live_client()
             if client is not None and client is not dead:
@@ -253,11 +262,19 @@ class EngineGroup:
     # --- state ------------------------------------------------------------
 
     @property
+    def several_api_servers(self) -> bool:
+        """The engine cores serve several API servers (this is one, or their supervising process)."""
+        return self._attach is not None or self._api_servers_dir is not None
+
+    @property
     def info(self) -> EngineInfo:
         """The first engine's ``EngineInfo`` (the model's facts are every engine's)."""
         for supervisor in self.supervisors:
             if supervisor.info is not None:
+                self._last_info = supervisor.info
                 return supervisor.info
+        if self._last_info is not None:  # a new generation is starting (scaling in lockstep): the same model
+            return self._last_info
         raise RuntimeError("no engine has started yet")
 
     @property
@@ -279,9 +296,17 @@ class EngineGroup:
         return sum(len(s.client.requests) for s in self.supervisors if s.client is not None)
 
     async def wait_failed(self) -> EngineDeadError:
-        """Wait until every engine has failed for good; the first one's error."""
-        failures = [await s.wait_failed() for s in self.supervisors]
-        return failures[0]
+        """Wait until every engine has failed for good; the first one's error.
+        Raises ``EngineDeadError`` once every engine has failed or stopped
+        and one is stopped (it never fails). A departing engine does not count."""
+        while True:
+            engines = [s for s in self.supervisors if not s.departing]
+            failures = [s.failure for s in engines if s.failure is not None]
+            if engines and len(failures) == len(engines):
+                return failures[0]
+            if engines and all(s.health in ("failed", "stopped") for s in engines):
+                raise EngineDeadError(f"{next(s for s in engines if s.health == 'stopped').name} is stopped")
+            await self._any_change()
 
     async def wait_health(self, *wanted: Health) -> None:
         """Wait until the group's health is one of ``wanted``."""
@@ -289,7 +314,8 @@ class EngineGroup:
             await self._any_change()
 
     async def _any_change(self) -> None:
-        await _first_of([s.wait_changed for s in self.supervisors])
+        waits: list[Callable[[], Awaitable[None]]] = [s.wait_changed for s in self.supervisors]
+        await _first_of([*waits, self.scaling.wait_changed])
 
     # --- for requests -------------------------------------------------------
 
@@ -302,8 +328,8 @@ class EngineGroup:
         else:
             if self.lockstep:
                 await self._ready_engines()  # a wave needs every engine
-            client = await self.supervisors[engine_index].ready_client()
-        wave = 0 if self.coordinator is None else self.coordinator.route(client.engine_index)
+            client = await self.scaling.routable(engine_index).ready_client()
+        wave = self.coordinator.route(client.engine_index) if self.lockstep else 0
         return client, wave
 
     async def ready_client(self) -> EngineCoreClient:
@@ -311,10 +337,9 @@ class EngineGroup:
         ready, wait at most ``restart_wait_s``; then, or if every engine
         failed or stopped, raise ``EngineDeadError``. If cancelled, nothing
         is left behind."""
-        if len(self.supervisors) == 1:
+        if len(self.supervisors) == 1 and not self.supervisors[0].departing:
             return await self.supervisors[0].ready_client()
         ready = await self._ready_engines()
-        assert self.coordinator is not None  # there is one with more than one engine
         in_flight = [len(s.client.requests) if s.client is not None else 0 for s in self.supervisors]
         chosen = self.supervisors[self.coordinator.choose(ready, in_flight)]
         client = chosen.live_client()
@@ -325,12 +350,14 @@ class EngineGroup:
         """The indexes of the engines ready now; waits (see ``ready_client``) while there are none."""
         with trio.move_on_after(self.config.restart_wait_s):
             while True:
-                ready = [s.engine_index for s in self.supervisors if s.live_client() is not None]
+                # A departing engine (the group shrinks: frontend/engines/scaling.py) takes no new request.
+                staying = [s for s in self.supervisors if not s.departing]
+                ready = [s.engine_index for s in staying if s.live_client() is not None]
                 # Lockstep engines run as one: a wave needs every one of them.
                 if ready and (not self.lockstep or len(ready) == len(self.supervisors)):
                     return ready
-                if all(s.health in ("failed", "stopped") for s in self.supervisors):
-                    await self.supervisors[0].ready_client()  # raises its reason
+                if staying and all(s.health in ("failed", "stopped") for s in staying):
+                    await staying[0].ready_client()  # raises its reason
                 await self._any_change()
         raise EngineDeadError(
             f"no engine core was ready within restart_wait_s={self.config.restart_wait_s}s "

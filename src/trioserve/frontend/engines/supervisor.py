@@ -116,6 +116,9 @@ class EngineSupervisor:
         self._changed = trio.Event()
         # The pause and sleep a new engine core is put in: its last life's, and those asked while none lived.
         self._wanted: dict[type, ControlCall] = {}
+        # Scaling (frontend/engines/scaling.py): routing passes a departing engine by; ``stop`` ends ``run``.
+        self.departing = False
+        self._stop_scope = trio.CancelScope()
 
     @property
     def health(self) -> Health:
@@ -147,14 +150,15 @@ class EngineSupervisor:
         are stopped and reaped before this returns.
         """
         try:
-            if self.remote:
-                await self._run_remote(task_status)
-                return
-            await self._start_first(task_status)
-            while True:
-                if not self._may_restart():
+            with self._stop_scope:
+                if self.remote:
+                    await self._run_remote(task_status)
                     return
-                await self._restart()
+                await self._start_first(task_status)
+                while True:
+                    if not self._may_restart():
+                        return
+                    await self._restart()
         finally:
             self.client = None
             if self._health != "failed":
@@ -286,6 +290,16 @@ class EngineSupervisor:
             process=self.name,
         )
 
+    def stop(self) -> None:
+        """End ``run`` (the group shrinks): its engine core and workers are
+        stopped and reaped, and health turns ``stopped``. Never blocks."""
+        self._stop_scope.cancel()
+
+    async def wait_stopped(self) -> None:
+        """Wait until ``run`` has ended (stopped, or failed for good)."""
+        while self._health not in ("stopped", "failed"):
+            await self._changed.wait()
+
     def remember(self, call: ControlCall) -> None:
         """Note a pause, resume, sleep or wake-up asked while no engine core
         lives (or while the next one is being put in its state), so that the
@@ -297,6 +311,10 @@ class EngineSupervisor:
             undone = {Pause: Resume, Resume: Pause, Sleep: WakeUp, WakeUp: Sleep}[type(call)]
             if self._wanted.pop(undone, None) is None or isinstance(call, Pause | Sleep):
                 self._wanted[type(call)] = call
+
+    def wanted(self) -> list[ControlCall]:
+        """The pause, sleep and their undoing kept for the next life (none while one serves)."""
+        return list(self._wanted.values())
 
     def state_changed(self) -> None:
         """Wake those waiting for a change: the engine was paused, resumed, put to sleep or woken."""

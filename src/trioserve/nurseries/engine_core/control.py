@@ -1,4 +1,4 @@
-"""Control calls in the engine core: pause and resume, sleep and wake-up,
+"""Control calls in the engine core: pause and resume, sleep and wake-up, profiling,
 statistics, and calls run on every worker (``rpc.py`` has the closed set).
 
 A call arrives from the front-end as ``ControlRequest`` (or ``GetStats``)
@@ -32,6 +32,7 @@ Invariants:
 from __future__ import annotations
 
 import logging
+import os
 
 import msgspec
 
@@ -60,16 +61,21 @@ from trioserve.rpc import (
     Pause,
     PinAdapter,
     PinLora,
+    ProfileShard,
     RemoveLora,
     Resume,
     ShardInfo,
     Sleep,
     SleepShard,
+    StartProfile,
+    StopProfile,
+    TraceFile,
     WakeShard,
     WakeUp,
     WorkerCall,
     WorkerResult,
 )
+from trioserve.runners.trace import SpanTrace, core_trace_path, trace_prefix
 
 log = logging.getLogger("trioserve.engine_core")
 Call = ControlRequest | GetStats
@@ -89,6 +95,8 @@ class Controller:
         self._going_to_sleep: ControlRequest | None = None  # a Sleep waiting for the requests to end
         self._pending: list[Call] = []  # arrival order
         self.held: dict[str, AddRequest] = {}  # arrival order
+        self.trace: SpanTrace | None = None  # while a profile is recorded: the step loop's spans
+        self._trace_prefix = ""  # ... and where its files go
 
     @property
     def admitting(self) -> bool:
@@ -242,7 +250,44 @@ class Controller:
                 self.sleep_level = 0
         elif isinstance(call, AddLora | RemoveLora | PinLora | ListLoras):
             results, error = await self._run_lora(call, msg.timeout_s)
+        elif isinstance(call, StartProfile | StopProfile):
+            results, error = await self._run_profile(call, msg.timeout_s)
         return self._reply(msg, results, error)
+
+    async def _run_profile(self, call: StartProfile | StopProfile, timeout_s: float) -> tuple[list[WorkerResult], str]:
+        """Start a recording on every worker and of the step loop's spans
+        (``trace``); or stop it, and write every trace: their ``TraceFile``s."""
+        directory = self.executor.config.profiler_dir
+        if directory is None:
+            return [], f"{self.name}: profiling is off: start the engine with --profiler-dir DIR (profiler_dir)"
+        if isinstance(call, StopProfile):
+            if self.trace is None:
+                return [], f"{self.name}: no profile is being recorded (start one first)"
+            trace, self.trace = self.trace, None
+            results, error = await self._on_workers(
+                ProfileShard(start=False, trace_prefix=self._trace_prefix), timeout_s
+            )
+            try:
+                results.append(TraceFile(path=trace.write(core_trace_path(self._trace_prefix)), rank=-1))
+            except OSError as exc:
+                error = "; ".join(filter(None, [error, f"{self.name}: could not write its trace: {exc}"]))
+            log.info(
+                "%s: profile written to %s", self.name, ", ".join(r.path for r in results if isinstance(r, TraceFile))
+            )
+            return results, error
+        if self.trace is not None:
+            return [], f"{self.name}: a profile is already being recorded (stop it first)"
+        try:
+            self._trace_prefix = trace_prefix(directory, call.session, self.executor.engine_index)
+            os.makedirs(directory, exist_ok=True)
+        except (ValueError, OSError) as exc:
+            return [], f"{self.name}: profiler_dir: {exc}"
+        results, error = await self._on_workers(ProfileShard(start=True), timeout_s)
+        if error:  # the ranks that started drop their recording
+            await self._on_workers(ProfileShard(start=False), timeout_s)
+            return [], error
+        self.trace = SpanTrace(f"{self.name} step loop")
+        return results, ""
 
     async def _run_lora(
         self, call: AddLora | RemoveLora | PinLora | ListLoras, timeout_s: float

@@ -27,6 +27,7 @@ from trioserve.transport.zmq_trio import TrioZmqSocket
 
 HANDSHAKE_ADDRESS_ENV = "TRIOSERVE_HANDSHAKE_ADDRESS"
 ENGINE_INDEX_ENV = "TRIOSERVE_ENGINE_INDEX"
+LOCAL_INDEX_ENV = "TRIOSERVE_LOCAL_ENGINE_INDEX"
 HANDSHAKE_TIMEOUT_ENV = "TRIOSERVE_HANDSHAKE_TIMEOUT_S"
 CURVE_KEYS_ENV = "TRIOSERVE_CURVE_KEYS"
 INSECURE_TCP_ENV = "TRIOSERVE_INSECURE_TCP"
@@ -62,6 +63,9 @@ class EngineCoreLaunch:
       life (tensor parallelism's rendezvous file goes there); the parent
       removes it when the engine core ends, however it ends.
     - ``engines_on_host``: how many engine cores share this host's cores.
+    - ``local_index``: its place among the engine cores of its host (None:
+      ``engine_index``, as on the head); its workers take the accelerators
+      of that place (``gpu/device.py``).
     """
 
     handshake_address: str
@@ -74,6 +78,12 @@ class EngineCoreLaunch:
     insecure_tcp: bool = False
     private_dir: str | None = None
     engines_on_host: int | None = None
+    local_index: int | None = None
+
+    @property
+    def local_engine_index(self) -> int:
+        """Its place among the engine cores of its host."""
+        return self.engine_index if self.local_index is None else self.local_index
 
     @property
     def process(self) -> str:
@@ -94,6 +104,7 @@ class EngineCoreLaunch:
             INSECURE_TCP_ENV: "1" if self.insecure_tcp else None,
             PRIVATE_DIR_ENV: self.private_dir,
             ENGINES_ON_HOST_ENV: None if self.engines_on_host is None else str(self.engines_on_host),
+            LOCAL_INDEX_ENV: None if self.local_index is None else str(self.local_index),
         }
         env.update({name: value for name, value in optional.items() if value is not None})
         return env
@@ -104,6 +115,7 @@ class EngineCoreLaunch:
         handshake address; a handshake timeout that is missing or not a
         positive number is the default (with a warning)."""
         engines = environ.get(ENGINES_ON_HOST_ENV, "")
+        local = environ.get(LOCAL_INDEX_ENV, "")
         return cls(
             handshake_address=environ[HANDSHAKE_ADDRESS_ENV],
             engine_index=int(environ.get(ENGINE_INDEX_ENV, "0")),
@@ -115,6 +127,7 @@ class EngineCoreLaunch:
             insecure_tcp=environ.get(INSECURE_TCP_ENV) == "1",
             private_dir=environ.get(PRIVATE_DIR_ENV),
             engines_on_host=int(engines) if engines.isdigit() else None,
+            local_index=int(local) if local.isdigit() else None,
         )
 
     def curve_keys(self, address: str) -> CurveKeys | None:

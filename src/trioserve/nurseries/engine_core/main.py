@@ -156,6 +156,7 @@ async def _serve(
             on_failure=death.report,
             data_parallel=init.data_parallel,
             engine_index=launch.engine_index,
+            local_engine_index=launch.local_engine_index,
             private_dir=private_dir,
         )
         info = await start_executor(nursery, executor, handshake_sock, address.startswith("tcp://"))

@@ -21,6 +21,7 @@ Invariants:
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 from collections import deque
@@ -55,6 +56,7 @@ from trioserve.nurseries.engine_core.structured_outputs import StructuredOutputs
 from trioserve.rpc import ControlRequest
 
 LOAD_REPORT_INTERVAL_S = 0.02  # the most often the load goes out when it changes
+_NO_SPAN = contextlib.nullcontext()  # while no profile is recorded
 
 
 class EngineCore:
@@ -186,12 +188,14 @@ class EngineCore:
         flight and work to do. True when a step was sent."""
         if len(self._in_flight) >= self.depth or not self._due():
             return False
-        step = self.scheduler.schedule(always=self.waves is not None)
+        with self._span("schedule"):
+            step = self.scheduler.schedule(always=self.waves is not None)
         if step is not None and self.waves is not None:
             step.scheduled.dp_unfinished = self.scheduler.has_unfinished()
         if step is None:
             return False
-        await self.executor.dispatch(step)
+        with self._span("send", step.number):
+            await self.executor.dispatch(step)
         self._in_flight.append(step)
         if len(self._in_flight) == 1:
             await self._send_bitmask(step)
@@ -207,15 +211,23 @@ class EngineCore:
 
     async def _collect_oldest(self) -> None:
         step = self._in_flight[0]
-        runner_output = await self.executor.collect(step)
+        with self._span("wait", step.number):
+            runner_output = await self.executor.collect(step)
         self._in_flight.popleft()
-        self._unsent += self.scheduler.postprocess(step, runner_output)
+        with self._span("postprocess", step.number):
+            self._unsent += self.scheduler.postprocess(step, runner_output)
         if self._in_flight:
             await self._send_bitmask(self._in_flight[0])
         if self.waves is not None:
             done = self.waves.stepped(bool(runner_output.dp_any_unfinished))
             if done is not None:
                 self._replies.append(WaveNotice(kind="complete", wave=done.wave, engine=self.waves.engine))
+
+    def _span(self, name: str, step: int | None = None) -> contextlib.AbstractContextManager[None]:
+        """While a profile is recorded (``StartProfile``), the time of the
+        ``with`` block as span ``name`` of the engine core's trace."""
+        trace = self.control.trace
+        return _NO_SPAN if trace is None else trace.span(name, step)
 
     async def _send_outputs(self, outbox: trio.MemorySendChannel[EngineResponse]) -> None:
         """Tokens first, then replies: a request that ended before a pause

@@ -113,9 +113,9 @@ async def run_headless(
         task_status.started()
 
 
-async def keep_engine(config: HeadlessConfig, rank: int) -> None:
-    """Engine core ``rank``, started again each time it ends (see the module docstring)."""
-    launch = EngineCoreLaunch(
+def engine_launch(config: HeadlessConfig, rank: int) -> EngineCoreLaunch:
+    """The launch of engine core ``rank``, the ``rank - start_rank``-th of this host."""
+    return EngineCoreLaunch(
         handshake_address=config.handshake_address,
         engine_index=rank,
         handshake_timeout_s=config.handshake_timeout_s,
@@ -124,7 +124,13 @@ async def keep_engine(config: HeadlessConfig, rank: int) -> None:
         curve_keys_dir=config.curve_keys_dir,
         insecure_tcp=config.curve_keys_dir is None and config.insecure_tcp,
         engines_on_host=config.num_engines,  # their workers share this host's cores
+        local_index=rank - config.start_rank,  # and its accelerators: the i-th engine core the i-th share
     )
+
+
+async def keep_engine(config: HeadlessConfig, rank: int) -> None:
+    """Engine core ``rank``, started again each time it ends (see the module docstring)."""
+    launch = engine_launch(config, rank)
     argv = python_argv("trioserve.nurseries.supervision.entry", "engine-core")
     previous_pid = 0  # this rank's last engine core (0: none yet)
     while True:

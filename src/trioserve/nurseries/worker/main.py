@@ -57,12 +57,15 @@ from trioserve.rpc import (
     LoadAdapter,
     LoraInfo,
     PinAdapter,
+    ProfileShard,
     SleepShard,
+    TraceFile,
     WakeShard,
     WorkerCall,
     WorkerResult,
 )
 from trioserve.runners import Runner
+from trioserve.runners.trace import worker_trace_path
 from trioserve.transport.framing import BlockingFrames, socket_from_fd
 
 WORKER_FD_ENV = "TRIOSERVE_WORKER_FD"
@@ -82,7 +85,12 @@ def make_runner(init: WorkerInit) -> Runner:
     from trioserve.gpu.model_runner import ModelRunner
 
     return ModelRunner(
-        init.config, init.rank, init.world_size, dist_init_file=init.dist_init_file, engine_index=init.engine_index
+        init.config,
+        init.rank,
+        init.world_size,
+        dist_init_file=init.dist_init_file,
+        engine_index=init.engine_index,
+        local_engine_index=init.local_engine_index,
     )
 
 
@@ -113,6 +121,13 @@ def run_call(runner: Runner, call: WorkerCall, rank: int) -> WorkerResult:
         case PinAdapter(name=name):
             runner.pin_adapter(name)
             return LoraInfo(name=name, path="", rank=0, pinned=True)
+        case ProfileShard(start=True):
+            runner.start_profile()
+            return TraceFile(path="", rank=rank)
+        case ProfileShard(trace_prefix=prefix):  # no prefix: the recording is dropped
+            path = worker_trace_path(prefix, rank) if prefix else ""
+            runner.stop_profile(path)
+            return TraceFile(path=path, rank=rank)
 
 
 def answer_call(runner: Runner, request: RpcRequest, rank: int) -> RpcReply:

@@ -66,10 +66,13 @@ class Executor:
         *,
         data_parallel: DataParallelInit | None = None,
         engine_index: int = 0,
+        local_engine_index: int | None = None,
         private_dir: str | None = None,
     ) -> None:
         self.config = config
         self.engine_index = engine_index
+        # Its place among the engine cores of its host: its workers' accelerators (gpu/device.py).
+        self.local_engine_index = engine_index if local_engine_index is None else local_engine_index
         # The step loop's steps sent and not yet collected, oldest first: asked, never kept (none until set).
         self.steps_in_flight: Callable[[], Sequence[Step]] = _no_steps
         self.group = WorkerGroup(
@@ -123,22 +126,25 @@ class Executor:
                 return f"step {step.number} has run {running:.1f}s; it may run {self._timing.describe(step.num_tokens)}"
         return ""
 
+    def worker_init(self, rank: int, world_size: int, rendezvous: str) -> WorkerInit:
+        """What worker ``rank`` is told first: the config, its place in the
+        engine core's group, and the engine core's on this host (its accelerators)."""
+        return WorkerInit(
+            config=self.config,
+            rank=rank,
+            world_size=world_size,
+            data_parallel=self._data_parallel,
+            dist_init_file=rendezvous,
+            engine_index=self.engine_index,
+            local_engine_index=self.local_engine_index,
+        )
+
     async def _initialize(self, rendezvous: str) -> EngineInfo:
         group = self.group
         world = len(group.workers)
         group.stage = "model-load"
         with trio.move_on_after(self.config.model_load_timeout_s) as scope:
-            inits: list[ToWorker] = [
-                WorkerInit(
-                    config=self.config,
-                    rank=w.rank,
-                    world_size=world,
-                    data_parallel=self._data_parallel,
-                    dist_init_file=rendezvous,
-                    engine_index=self.engine_index,
-                )
-                for w in group.workers
-            ]
+            inits: list[ToWorker] = [self.worker_init(w.rank, world, rendezvous) for w in group.workers]
             loaded = await group.call_all(inits, WorkerLoaded)
             num_blocks = min(w.max_num_kv_blocks for w in loaded)
             group.stage = "kv-cache"
