@@ -6,10 +6,12 @@ model's (greedy and seeded sampling)."""
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import os
 import signal
+import time
 
 import pytest
 import trio
@@ -38,6 +40,8 @@ class Seen:
         self.output: RequestOutput | None = None
         self.error: BaseException | None = None
         self.engine_index: int | None = None  # where it started
+        self.arrivals: list[float] = []  # when each output came
+        self.ended_at: float | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -49,12 +53,14 @@ async def read(engine: trioserve.Engine, prompt: list[int], params: SamplingPara
         async with engine.stream(prompt, params, **options) as stream:
             seen.engine_index = stream.engine_index
             async for out in stream:
+                seen.arrivals.append(time.monotonic())
                 if seen.output is None:
                     seen.output = out
                 else:
                     seen.output.merge(out)
     except EngineDeadError as exc:
         seen.error = exc
+    seen.ended_at = time.monotonic()
 
 
 async def run_all(engine: trioserve.Engine, prompts, params, *, kill=None) -> list[Seen]:
@@ -197,7 +203,7 @@ async def test_a_request_left_while_it_waits_to_be_resumed_is_not_resumed(fake_c
                 await stream.__anext__()
                 os.kill(old.engine_pid, signal.SIGKILL)
                 await until(lambda: engine.health == "restarting")
-                assert engine.num_requests_in_flight() == 0  # on its way to the next life
+                assert engine.num_requests_in_flight() == 1  # on its way to the next life
             await until(lambda: engine._group.resumptions.num_waiting == 0)  # (it waited for the restart)
             await assert_idle_and_clean(engine)
             assert (await engine.stats()).num_requests == 0
@@ -348,3 +354,58 @@ def test_a_websocket_stream_options_that_is_not_one_is_an_error_naming_its_field
     assert (info.value.code, info.value.field, info.value.id) == ("invalid_field", field, "r")
     asked = parse_client_message(json.dumps({"type": "generate", "id": "r", "prompt": "hi"}))
     assert isinstance(asked, Generate) and not asked.include_resumes
+
+
+async def test_a_request_that_asked_for_the_dead_engine_waits_for_it_and_holds_up_none_of_the_others(fake_config):
+    """Engine 1 restarts only after a 2 s backoff: the requests that were on
+    it go on on engine 0 at once, but the one that asked for engine 1 waits
+    for it, and is resumed there."""
+    config = fake_config(data_parallel_size=2, step_delay_s=0.005, num_kv_blocks=512, restart_backoff_s=2.0)
+    params = SamplingParams(max_tokens=400, ignore_eos=True)
+    with trio.fail_after(60):
+        async with trioserve.open_engine(config=config) as engine:
+            pinned, others = Seen(), [Seen() for _ in range(6)]
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(functools.partial(read, engine, [9, 9], params, pinned, engine_index=1))
+                for i, seen in enumerate(others):
+                    nursery.start_soon(read, engine, [3 + i, 4], params, seen)
+                await until(lambda: all(s.num_tokens >= 3 for s in [pinned, *others]))
+                assert any(s.engine_index == 1 for s in others)
+                os.kill(victim_pid(engine, 1, "engine-core"), signal.SIGKILL)
+                killed_at = time.monotonic()
+            for prompt, seen in [([9, 9], pinned), *(([3 + i, 4], s) for i, s in enumerate(others))]:
+                assert seen.error is None and seen.output is not None
+                assert seen.output.token_ids == fake_tokens(prompt, 400)
+            moved = [s for s in others if s.engine_index == 1]
+            for seen in moved:
+                assert min(t for t in seen.arrivals if t > killed_at) - killed_at < 1.5  # engine 0, at once
+            assert min(t for t in pinned.arrivals if t > killed_at) - killed_at > 2.0  # engine 1's next life
+            assert pinned.output is not None and pinned.output.num_resumes == 1
+        assert await wait_no_children() == []
+
+
+async def test_with_no_engine_back_within_restart_wait_s_every_waiting_request_ends_at_once(fake_config):
+    """Not one restart_wait_s after another: the first that finds no engine
+    ends them all."""
+    config = fake_config(step_delay_s=0.005, restart_backoff_s=5.0, restart_wait_s=0.5)
+    params = SamplingParams(max_tokens=2000, ignore_eos=True)
+    with trio.fail_after(30):
+        async with trioserve.open_engine(config=config) as engine:
+            killed_at = 0.0
+
+            async def kill(seen: list[Seen]) -> None:
+                nonlocal killed_at
+                await until(lambda: all(s.num_tokens >= 3 for s in seen))
+                os.kill(engine.info.engine_pid, signal.SIGKILL)
+                killed_at = time.monotonic()
+
+            seen = await run_all(engine, [[3 + i, 4] for i in range(4)], params, kill=kill)
+            for one in seen:
+                assert isinstance(one.error, EngineDeadError)
+                assert (
+                    "could not be resumed: engine-core-0 is restarting and was not ready within restart_wait_s=0.5s"
+                    in str(one.error)
+                )
+                assert one.ended_at is not None and 0.4 < one.ended_at - killed_at < 1.4
+            assert engine.num_requests_in_flight() == 0
+        assert await wait_no_children() == []

@@ -282,7 +282,9 @@ class EngineGroup:
         return sum(s.num_restarts for s in self.supervisors)
 
     def num_requests_in_flight(self) -> int:
-        return sum(len(s.client.requests) for s in self.supervisors if s.client is not None)
+        """Requests on an engine core, and those waiting to be resumed on one."""
+        on_engines = sum(len(s.client.requests) for s in self.supervisors if s.client is not None)
+        return on_engines + self.resumptions.num_waiting
 
     async def wait_failed(self) -> EngineDeadError:
         """Wait until every engine has failed for good; the first one's error."""
