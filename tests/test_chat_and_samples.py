@@ -349,7 +349,7 @@ async def test_chat_carries_on_when_the_engine_core_dies_during_a_reply(fake_con
 
     monkeypatch.setattr(chat, "_read_line", read_line)
     out = io.StringIO()
-    config = fake_config(die_at_step=3, restart_backoff_s=0.1)
+    config = fake_config(die_at_step=3, restart_backoff_s=0.1, resume_requests=False)  # the reply ends
     with trio.fail_after(60):
         await chat.run_chat(config, SamplingParams(max_tokens=2, ignore_eos=True), out=out)
     replies = [line for line in out.getvalue().splitlines()[1:] if line]  # after the help line

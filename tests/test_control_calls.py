@@ -131,7 +131,7 @@ async def test_the_next_life_of_a_killed_engine_core_is_paused_as_the_last_one_s
     """A pause still waiting for a request when the engine core is killed
     holds for its next life; one resumed before does not come back."""
     with trio.fail_after(60):
-        config = fake_config(step_delay_s=0.01, restart_backoff_s=0.1)
+        config = fake_config(step_delay_s=0.01, restart_backoff_s=0.1, resume_requests=False)  # the stream ends
         async with trioserve.open_engine(config=config) as engine:
             pid = engine.info.engine_pid
             if resumed:

@@ -82,7 +82,8 @@ async def test_a_uniform_load_is_spread_evenly_and_no_request_waits_while_an_eng
 
 @pytest.mark.parametrize("victim", ["engine-core", "worker"])
 async def test_kill_9_of_one_engine_ends_only_its_requests_and_it_comes_back(dp_config, victim):
-    config = dp_config(step_delay_s=0.01, shutdown_grace_s=20.0)
+    # Requests are not resumed here (test_resumption.py: they are by default, on the other engine).
+    config = dp_config(step_delay_s=0.01, shutdown_grace_s=20.0, resume_requests=False)
     with trio.fail_after(60):
         async with trioserve.open_engine(config=config) as engine:
             outcomes: list[tuple[Outcome, trioserve.RequestStream]] = []
@@ -223,7 +224,8 @@ async def test_in_lockstep_an_engine_with_no_work_sleeps_while_the_other_finishe
 
 
 async def test_in_lockstep_one_engine_dying_restarts_them_all_and_they_serve_again(dp_config):
-    config = dp_config(data_parallel_lockstep=True, step_delay_s=0.005)
+    # Requests are not resumed here (test_resumption.py: they are by default, once both restarted).
+    config = dp_config(data_parallel_lockstep=True, step_delay_s=0.005, resume_requests=False)
     with trio.fail_after(60):
         async with trioserve.open_engine(config=config) as engine:
             outcomes: list[tuple[Outcome, trioserve.RequestStream]] = []

@@ -85,7 +85,7 @@ def test_every_engine_option_reaches_its_field():
         "--startup-timeout", "8", "--model-load-timeout", "40", "--step-timeout", "0", "--step-hang-min", "2",
         "--heartbeat-interval", "0.5", "--heartbeat-timeout", "3", "--task", "embed", "--pooling-type", "MEAN",
         "--no-normalize", "--max-loras", "2", "--max-lora-rank", "8", "--max-cpu-loras", "3",
-        "--profiler-dir", "profiles",
+        "--profiler-dir", "profiles", "--no-resume-requests", "--max-resumes", "5",
     ]  # fmt: skip
     config = engine_config(build_parser().parse_args(argv), "m")
     assert config.profiler_dir == os.path.abspath("profiles")  # every process writes there
@@ -102,6 +102,7 @@ def test_every_engine_option_reaches_its_field():
         "restart_wait_s", "control_timeout_s", "while_asleep", "enable_lora", "lora_modules",
     }  # fmt: skip
     assert config.step_timeout_s is None  # 0: no fixed limit
+    assert (config.resume_requests, config.max_resumes) == (False, 5)
     assert config.kv_cache_memory_bytes == 7 * 2**20 and config.fake.eos_every == 4
 
 

@@ -5,13 +5,24 @@ from __future__ import annotations
 
 import itertools
 import random
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+import msgspec
 import pytest
 from helpers.reference import reference_greedy
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from trioserve.config import EngineConfig
-from trioserve.messages import CachedRequestData, ModelInfo, NewRequestData, RunnerOutput, SchedulerOutput
+from trioserve.messages import (
+    CachedRequestData,
+    ModelInfo,
+    NewRequestData,
+    RunnerOutput,
+    SampleLogprobs,
+    SchedulerOutput,
+)
 from trioserve.sampling_params import SamplingParams
 
 torch = pytest.importorskip("torch")
@@ -30,6 +41,7 @@ class Seq:
     tokens: list[int]
     params: SamplingParams
     outputs: list[int] = field(default_factory=list)
+    logprobs: list[SampleLogprobs | None] = field(default_factory=list)  # of the outputs sampled here
     blocks: list[int] = field(default_factory=list)
     num_computed: int = 0
     sent: bool = False  # the runner holds this request's state
@@ -58,8 +70,9 @@ class MiniScheduler:
         self.seqs: dict[str, Seq] = {}
         self.dropped: list[str] = []
 
-    def add(self, req_id: str, prompt: list[int], params: SamplingParams = GREEDY) -> None:
-        self.seqs[req_id] = Seq(list(prompt), params)
+    def add(self, req_id: str, prompt: list[int], params: SamplingParams = GREEDY, outputs: Sequence[int] = ()) -> None:
+        """``outputs``: a continuation's tokens so far (sent as output, after the prompt)."""
+        self.seqs[req_id] = Seq([*prompt, *outputs], params, list(outputs))
 
     def preempt(self, req_id: str) -> None:
         seq = self.seqs[req_id]
@@ -97,10 +110,12 @@ class MiniScheduler:
         out = self.runner.execute(sched)
         for req_id, n in scheduled.items():
             self.seqs[req_id].num_computed += n
-        for req_id, token in zip(out.req_ids, out.sampled_token_ids, strict=True):
+        logprobs = out.logprobs or [None] * len(out.req_ids)
+        for req_id, token, lp in zip(out.req_ids, out.sampled_token_ids, logprobs, strict=True):
             seq = self.seqs[req_id]
             seq.tokens.append(token)
             seq.outputs.append(token)  # the runner appended it to its own copy
+            seq.logprobs.append(lp)
             if seq.finished:
                 self.free.extend(seq.blocks)
                 self.dropped.append(req_id)
@@ -288,6 +303,55 @@ def test_penalties_count_only_output_tokens_also_after_preemption(tiny_model_dir
 
     # (Counting them as prompt, this model repeats its second token at once.)
     assert run(preempt=True) == run(preempt=False)
+
+
+CONTINUED = [  # greedy and seeded, with every penalty, min_tokens and logprobs
+    SamplingParams(
+        temperature=0, max_tokens=10, min_tokens=4, repetition_penalty=1.3, frequency_penalty=0.5,
+        presence_penalty=0.3, logprobs=3,
+    ),
+    SamplingParams(temperature=1.0, top_p=0.9, max_tokens=10, min_tokens=3, frequency_penalty=0.5, logprobs=2),
+]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def continued_runner(tiny_model_dir):
+    return make_runner(tiny_model_dir("qwen3"))[0]
+
+
+@settings(max_examples=12, deadline=None)
+@given(variant=st.sampled_from(range(len(CONTINUED))), seed=st.integers(0, 2**63 - 1), data=st.data())
+def test_a_request_continued_from_any_token_samples_what_it_would_have(continued_runner, variant, seed, data):
+    """A continuation (a request resumed elsewhere: the runner gets its
+    prompt and its tokens so far as output, in a batch of its own) samples
+    the tokens the undisturbed request did, with their logprobs: penalties
+    and min_tokens count its earlier tokens as output, and a seeded draw is
+    a function of the seed and the token's position alone."""
+    params = msgspec.structs.replace(CONTINUED[variant], seed=None if variant == 0 else seed)
+    prompt = make_prompts([9], seed=seed % 1000)[0]
+    names = itertools.count()
+
+    def run(outputs: list[int], with_others: bool) -> tuple[list[int], list[SampleLogprobs | None]]:
+        sched = MiniScheduler(continued_runner, num_blocks=128, block_size=4, token_budget=16, seed=len(outputs))
+        if with_others:
+            for other in make_prompts([7, 12], seed=5):
+                sched.add(f"other-{next(names)}", other, SamplingParams(temperature=1.0, max_tokens=10))
+        req_id = f"r-{next(names)}"
+        sched.add(req_id, prompt, params, outputs)
+        sched.run()
+        seq = sched.seqs[req_id]
+        sched.dropped.extend(sched.seqs)  # the runner forgets them all
+        sched.step()
+        return seq.outputs, seq.logprobs
+
+    tokens, logprobs = run([], with_others=True)
+    k = data.draw(st.integers(1, len(tokens) - 1), label="resumed after")
+    resumed, resumed_logprobs = run(tokens[:k], with_others=False)
+    assert resumed == tokens
+    for got, expected in zip(resumed_logprobs, logprobs[k:], strict=True):
+        assert got is not None and expected is not None
+        assert (got.top_token_ids, got.rank) == (expected.top_token_ids, expected.rank)
+        assert got.logprob == pytest.approx(expected.logprob, abs=1e-4)
 
 
 def test_load_reports_memory_budget_eos_and_context(tiny_model_dir):

@@ -54,7 +54,7 @@ async def run_until_hung(engine: trioserve.Engine, victim: str, n: int = 4) -> t
 
 @pytest.mark.parametrize("victim", ["worker", "engine-core"])
 async def test_a_stopped_process_is_declared_hung_its_requests_end_and_the_engine_restarts(fake_config, victim):
-    config = fake_config(step_delay_s=0.01, **FAST_BEATS)
+    config = fake_config(step_delay_s=0.01, resume_requests=False, **FAST_BEATS)
     with trio.fail_after(30):
         async with trioserve.open_engine(config=config) as engine:
             old = engine.info
@@ -78,7 +78,7 @@ async def test_a_stopped_process_is_declared_hung_its_requests_end_and_the_engin
 
 
 async def test_with_the_default_heartbeats_a_stopped_worker_is_declared_hung_within_10_s(fake_config):
-    config = fake_config(step_delay_s=0.01)
+    config = fake_config(step_delay_s=0.01, resume_requests=False)
     with trio.fail_after(40):
         async with trioserve.open_engine(config=config) as engine:
             outcomes, stopped_at, _ = await run_until_hung(engine, "worker", n=2)
@@ -208,7 +208,7 @@ async def test_a_worker_stopped_while_the_front_end_was_frozen_is_still_found_an
     core (which ran) kills it as hung, and the clients hear why from the
     engine core's death report, read before its exit code (found: "exited
     with code 1", the exit reaped first)."""
-    argv = fast_beats_server(tiny_model_dir)
+    argv = [*fast_beats_server(tiny_model_dir), "--no-resume-requests"]
     with trio.fail_after(60), spawned(argv) as proc:
         url = await trio.to_thread.run_sync(wait_for_url, proc, 30)
         worker = worker_of(proc.pid)

@@ -128,6 +128,48 @@ async def test_a_departing_engine_takes_no_new_request_and_its_requests_finish_o
     assert await wait_no_children() == []
 
 
+async def test_a_departing_engine_killed_in_its_drain_has_its_requests_resumed_and_one_asking_for_it_ends(
+    fake_config,
+):
+    """A request on a departing engine that dies goes on on an engine that
+    stays (docs/supervision.md); one that asked for the departing engine
+    ends naming why, and the group serves on."""
+    with trio.fail_after(60):
+        async with trioserve.open_engine(config=fake_config(data_parallel_size=2)) as engine:
+            outputs: dict[str, object] = {}
+            long = SamplingParams(max_tokens=300, ignore_eos=True)
+
+            async def run(name: str, index: int | None) -> None:
+                try:
+                    outputs[name] = await engine.generate([7, len(name)], long, engine_index=index)
+                except EngineDeadError as exc:
+                    outputs[name] = exc
+
+            async with trio.open_nursery() as nursery:
+                for name in ("busy-a", "busy-b", "busy-c"):
+                    nursery.start_soon(run, name, 0)
+                nursery.start_soon(run, "asked-for-1", 1)
+                while engine.num_requests_in_flight() < 4:
+                    await trio.sleep(0.01)
+                nursery.start_soon(run, "free", None)  # the less loaded engine: 1
+                while engine.num_requests_in_flight() < 5:
+                    await trio.sleep(0.01)
+                nursery.start_soon(functools.partial(engine.scale, 1, drain_timeout_s=30))
+                while not engine.is_scaling:
+                    await trio.sleep(0.01)
+                psutil.Process(engine.engine_infos[1].engine_pid).kill()
+            free = outputs["free"]
+            assert isinstance(free, trioserve.RequestOutput) and free.num_resumes == 1
+            assert free.token_ids == fake_tokens([7, 4], 300)
+            assert isinstance(outputs["asked-for-1"], EngineDeadError)
+            assert "engine-core-1 is being removed" in str(outputs["asked-for-1"])
+            for name in ("busy-a", "busy-b", "busy-c"):
+                assert outputs[name].token_ids == fake_tokens([7, len(name)], 300)  # type: ignore[union-attr]
+            assert engine.engine_healths == ["ready"]
+            assert (await engine.generate([5], SamplingParams(max_tokens=3))).token_ids == fake_tokens([5], 3)
+    assert await wait_no_children() == []
+
+
 async def test_a_scale_that_cannot_be_done_is_refused_naming_why_and_changes_nothing(fake_config, monkeypatch):
     with trio.fail_after(60):
         async with trioserve.open_engine(config=fake_config()) as engine:

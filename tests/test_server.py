@@ -391,7 +391,8 @@ async def test_graceful_shutdown_finishes_short_requests_and_ends_the_rest_with_
 
 
 async def test_when_the_engine_dies_its_requests_end_and_the_restarted_engine_serves(fake_config):
-    config = fake_config(step_delay_s=0.01, die_at_step=30, restart_backoff_s=0.3)
+    # Requests are not resumed here (test_resumption.py: they are by default).
+    config = fake_config(step_delay_s=0.01, die_at_step=30, restart_backoff_s=0.3, resume_requests=False)
     with trio.fail_after(30):
         async with serving(config) as server:
             assert server.engine is not None

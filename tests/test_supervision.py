@@ -36,8 +36,9 @@ async def test_kill_9_under_load_ends_every_request_within_a_second_then_the_res
 ):
     with trio.fail_after(30):
         # A long grace: the restart must not wait for it (it is only for an
-        # engine core that reports its death and then does not exit).
-        config = fake_config(step_delay_s=0.01, shutdown_grace_s=20.0)
+        # engine core that reports its death and then does not exit). Requests
+        # are not resumed here (test_resumption.py: they are by default).
+        config = fake_config(step_delay_s=0.01, shutdown_grace_s=20.0, resume_requests=False)
         async with trioserve.open_engine(config=config) as engine:
             old = engine.info
             outcomes = [Outcome() for _ in range(8)]
@@ -70,7 +71,7 @@ async def test_kill_9_under_load_ends_every_request_within_a_second_then_the_res
 
 
 async def test_a_hung_worker_fails_its_step_at_the_deadline_and_the_engine_restarts(fake_config):
-    config = fake_config(hang_at_step=3, step_timeout_s=0.5)
+    config = fake_config(hang_at_step=3, step_timeout_s=0.5, resume_requests=False)
     with trio.fail_after(30):
         async with trioserve.open_engine(config=config) as engine:
             started = time.monotonic()
@@ -280,6 +281,7 @@ async def test_serve_out_of_restarts_exits_4_and_leaves_no_process(tiny_model_di
         json.dumps({"raise_at_step": 2}),
         "--max-restarts",
         "1",
+        "--no-resume-requests",
     ]
 
     def scenario() -> tuple[int, str, list[str], list[int]]:

@@ -289,6 +289,7 @@ async def test_kill_9_of_rank_1_in_a_step_or_at_load_ends_requests_at_once_and_t
         torch_threads=1,
         shutdown_grace_s=3.0,
         restart_backoff_s=0.1,
+        resume_requests=False,  # the requests in flight end (test_resumption.py: they are resumed by default)
     )
     long = SamplingParams(max_tokens=400, temperature=0, ignore_eos=True)
     others = {p.pid for p in psutil.Process().children(recursive=True)}  # an engine another test shares

@@ -493,5 +493,5 @@ class Engine(EncodeCalls, LoraCalls, ProfileCalls, ScaleCalls):
         return await self._group.reset_prefix_cache()
 
     def num_requests_in_flight(self) -> int:
-        """Requests the front-end holds state for (submitted and not yet over)."""
+        """Requests the front-end holds state for (submitted and not yet over; waiting to be resumed too)."""
         return self._group.num_requests_in_flight()

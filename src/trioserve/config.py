@@ -118,7 +118,8 @@ class FakeRunnerConfig:
     is ``(t * 31 + 7) % vocab_size``, moved past the EOS id, except that EOS is
     sampled whenever the sequence length is a multiple of ``eos_every`` (when set).
     Faults are counted in model steps executed by a worker since it started (the
-    first step is 1) and apply to worker ``fault_rank`` only. At run time,
+    first step is 1), or come with a request (``die_on_prompt_token``: one that
+    kills every worker it is given to), and apply to worker ``fault_rank`` only. At run time,
     ``SIGUSR1`` to a worker makes its next step raise ``InjectedFault`` (see
     ``FakeRunner``).
     """
@@ -135,6 +136,7 @@ class FakeRunnerConfig:
     raise_at_step: int = 0  # raise RuntimeError at that step
     hang_at_step: int = 0  # block forever at that step
     diverge_at_step: int = 0  # sample a different token than the other ranks at that step
+    die_on_prompt_token: int = -1  # os._exit(3) at a step given a request whose prompt holds this id (-1: never)
     fault_rank: int = 0  # which worker rank the faults apply to
     # Made-up logprobs for a request that asks for them (the sampled token first, then the next ids, logprob -i):
     # what they cost the front-end shows without a model (scripts/bench_held_memory.py).
@@ -146,6 +148,7 @@ class FakeRunnerConfig:
         _check(self.max_model_len >= 2, "fake.max_model_len", "must be at least 2")
         _check(self.num_kv_blocks >= 1, "fake.num_kv_blocks", "must be at least 1")
         _check(self.eos_token_id >= 0, "fake.eos_token_id", "must be a token id")
+        _check(self.die_on_prompt_token >= -1, "fake.die_on_prompt_token", "must be a token id, or -1")
         for name in ("eos_every", "die_at_step", "raise_at_step", "hang_at_step", "diverge_at_step", "fault_rank"):
             _check(getattr(self, name) >= 0, f"fake.{name}", "must be >= 0")
         _check(self.step_delay_s >= 0, "fake.step_delay_s", "must be >= 0")
@@ -260,6 +263,11 @@ class EngineConfig:
     restart_backoff_s: float = 0.5
     restart_backoff_max_s: float = 10.0
     restart_wait_s: float = 60.0  # how long a new request waits for a restarting engine
+    # A request in flight on an engine core that dies is resumed on a ready engine (another one, or the same
+    # once restarted; waiting as a new request does) with its tokens so far, at most max_resumes times; beyond
+    # that, or with resume_requests False, it ends with EngineDeadError (docs/supervision.md).
+    resume_requests: bool = True
+    max_resumes: int = 2
 
     # Control calls (pause, sleep, collective_rpc): how long the workers get
     # to answer one (past it they count as hung), and what a request that
@@ -395,6 +403,7 @@ class EngineConfig:
         _check(self.step_hang_factor >= 2, "step_hang_factor", "must be >= 2")
         _check(self.step_timeout_s is None or self.step_timeout_s > 0, "step_timeout_s", "must be > 0 (or None)")
         _check(self.max_restarts >= 0, "max_restarts", "must be >= 0")
+        _check(self.max_resumes >= 0, "max_resumes", "must be >= 0")
         for name in ("restart_backoff_s", "restart_backoff_max_s", "restart_wait_s"):
             _check(getattr(self, name) >= 0, name, "must be >= 0")
 

@@ -356,6 +356,21 @@ def _add_supervision_options(group: argparse._ArgumentGroup, defaults: EngineCon
         help="restarts of a dead engine core allowed within --restart-window; one more death "
         "fails the engine for good (default: %(default)s)",
     )
+    group.add_argument(
+        "--no-resume-requests",
+        dest="resume_requests",
+        action="store_false",
+        help="end the requests in flight on an engine core that dies with engine_dead, rather than resuming "
+        "them on a ready engine where they stopped",
+    )
+    group.add_argument(
+        "--max-resumes",
+        type=int,
+        default=defaults.max_resumes,
+        metavar="N",
+        help="times one request may be resumed after its engine core died; one more death ends it with "
+        "engine_dead (default: %(default)s)",
+    )
     seconds: list[tuple[str, float | None, str]] = [
         ("--restart-window", defaults.restart_window_s, "default: %(default)s"),
         (
@@ -449,6 +464,8 @@ def engine_config(args: argparse.Namespace, model: str, **fields: Any) -> Engine
         data_parallel_lockstep=args.data_parallel_lockstep,
         max_restarts=args.max_restarts,
         restart_window_s=args.restart_window,
+        resume_requests=args.resume_requests,
+        max_resumes=args.max_resumes,
         startup_timeout_s=args.startup_timeout,
         model_load_timeout_s=args.model_load_timeout,
         step_timeout_s=args.step_timeout or None,

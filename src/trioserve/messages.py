@@ -221,6 +221,9 @@ class AddRequest(msgspec.Struct, tag=True):
     client_id: str = ""  # waiting requests of different clients are admitted in turn
     wave: int = 0  # lockstep: the request wave the coordinator believed current (core/waves.py)
     frontend: int = -1  # the API server (by index) that sent it, or -1: the engine core's own front-end
+    # A continuation (resumed after its engine died): the tokens it had generated. They count as its output
+    # (penalties, min_tokens, max_tokens, stop tokens, seeded draws); prompt_token_ids stays the prompt alone.
+    output_token_ids: list[int] = msgspec.field(default_factory=list)
 
 
 class AbortRequests(msgspec.Struct, tag=True):
@@ -238,9 +241,7 @@ class GetStats(msgspec.Struct, tag=True):
 
 
 class ResetPrefixCache(msgspec.Struct, tag=True):
-    """Forget every cached prefix; requests running keep their blocks."""
-
-    call_id: int
+    call_id: int  # forget every cached prefix (requests running keep their blocks)
 
 
 class StartWave(msgspec.Struct, tag=True):
@@ -442,8 +443,7 @@ class InitKVCache(msgspec.Struct, tag=True):
     num_blocks: int
 
 
-class KVCacheReady(msgspec.Struct, tag=True):
-    pass
+class KVCacheReady(msgspec.Struct, tag=True): ...
 
 
 class PromptLogprobs(msgspec.Struct, array_like=True):
@@ -479,8 +479,7 @@ class WorkerFailed(msgspec.Struct, tag=True):
 
 
 class WorkerHeartbeat(msgspec.Struct, tag=True):
-    """The worker process is alive (sent by its own thread every
-    ``heartbeat_interval_s``, whatever its model is doing)."""
+    """The worker is alive (sent by its own thread every ``heartbeat_interval_s``, whatever its model does)."""
 
 
 class RpcRequest(msgspec.Struct, tag=True):

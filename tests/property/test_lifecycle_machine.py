@@ -19,14 +19,20 @@ core, or SIGUSR1 to one of its workers so that its next step raises, see
 ``FakeRunner``), let time pass, wait for the requests to finish, shut down
 (exit ``open_engine``; a new engine then starts for the rest of the run).
 
-The model of outcomes: a request that no fault touched finishes, with
-exactly the fake runner's tokens, or is cancelled if it was cancelled. A
+The model of outcomes: no request is lost. Most examples run with requests
+resumed after their engine core dies (the default): then every request
+finishes, with exactly the fake runner's tokens (none repeated, none
+skipped, however often it was resumed and wherever), or is cancelled if it
+was cancelled, or ends with ``EngineDeadError`` for the one reason the
+documentation gives here: it was resumed ``max_resumes`` times already,
+which only a request that lived through more deaths than that can be. The
+other examples run without resumption (``resume_requests=False``): a
 request in flight on an engine core at a fault of its engine (or sent to an
 engine core with a SIGUSR1 pending) finishes or raises ``EngineDeadError``;
 if it was in flight on the engine core that died, within ``DEATH_BOUND_S``
-of the death (of its consumer resuming, if stalled). A fault is one
-engine's: requests on the other engine never notice it, they finish as if
-nothing happened. Each engine's supervisor restarts its engine core after
+of the death (of its consumer resuming, if stalled). Either way a fault is
+one engine's: requests on the other engine never notice it, they finish as
+if nothing happened. Each engine's supervisor restarts its engine core after
 each death (the restart budget is never reached here), so a request
 submitted after a death was noticed goes to another engine, or waits for the
 new engine core, and finishes.
@@ -85,7 +91,8 @@ NUM_KV_BLOCKS = 32
 BLOCK_SIZE = 4  # 128 token slots: a few concurrent requests preempt each other
 SHUTDOWN_GRACE_S = 0.5
 
-DEATH_BOUND_S = 1.0  # a request in flight when its engine dies ends within this (the issue's bound)
+DEATH_BOUND_S = 1.0  # without resumption, a request in flight when its engine dies ends within this
+MAX_RESUMES = 2  # the default: a request may be resumed this often, then ends with EngineDeadError
 ORPHAN_BOUND_S = 2.0  # a process of a dead (or stopped) engine is gone within this
 # Bounds about time that are not the issue's are generous: the machine may be loaded (2 cores, other tests).
 HANG_BOUND_S = 45.0  # any request ends within this of its submission, stalls not counted
@@ -109,7 +116,7 @@ REQUEST_SPECS = st.lists(
 )
 
 
-def engine_config(model: str, tensor_parallel_size: int, data_parallel_size: int) -> EngineConfig:
+def engine_config(model: str, tensor_parallel_size: int, data_parallel_size: int, resume: bool) -> EngineConfig:
     return EngineConfig(
         model=model,
         runner="fake",
@@ -129,6 +136,8 @@ def engine_config(model: str, tensor_parallel_size: int, data_parallel_size: int
         restart_backoff_s=0.02,
         restart_backoff_max_s=0.1,
         restart_wait_s=RESTART_BOUND_S,
+        resume_requests=resume,
+        max_resumes=MAX_RESUMES,
         fake=FakeRunnerConfig(eos_token_id=EOS, num_kv_blocks=NUM_KV_BLOCKS, step_delay_s=0.004),
     )
 
@@ -200,6 +209,7 @@ class Req:
     prompt: list[int]
     max_tokens: int
     submitted_at: float
+    resume: bool  # resumed after its engine core dies (the engine's resume_requests)
     cancel_after: int | None = None  # its consumer cancels it after reading this many tokens
     expected_len: int = 0
     token_ids: list[int] = field(default_factory=list)
@@ -213,6 +223,8 @@ class Req:
     # before it got in (it may have been handed to it just before), or had a SIGUSR1 pending meanwhile.
     risky_pids: set[int] = field(default_factory=set)
     death_deadline: float = math.inf  # in flight at a death: must end by then
+    deaths: set[int] = field(default_factory=set)  # resumption on: engine cores that died while it was in flight
+    stream: trioserve.RequestStream | None = None
     pending_death: bool = False  # in flight at a death while stalled: the deadline starts when it resumes
     cancel_requested: bool = False
     stall_request: tuple[float, str] | None = None
@@ -225,6 +237,11 @@ class Req:
     def __repr__(self) -> str:
         where = "" if self.engine_index is None else f" on engine {self.engine_index} (pid {self.entered_pid})"
         return f"<request {self.n}{where}>"
+
+    @property
+    def now_on(self) -> int | None:
+        """The engine it is on now (resumed elsewhere, perhaps), or None before it got in."""
+        return None if self.stream is None else self.stream.engine_index
 
     @property
     def exposed(self) -> bool:
@@ -261,6 +278,9 @@ class Req:
         """The engine core ``engine_pid`` died (or is being killed) at ``at``."""
         if self.over:
             return
+        if self.resume:
+            self.deaths.add(engine_pid)  # it may have been on it (resumed there, or handed to it just before)
+            return
         if self.entered_pid is None:
             self.risky_pids.add(engine_pid)  # it may have been handed to that engine core just before it died
             return
@@ -287,6 +307,12 @@ class Req:
                 found.append(
                     f"{self!r}: finished ({detail}) with {len(self.token_ids)} tokens, "
                     f"expected {self.expected_len} (length)"
+                )
+        elif kind == "dead" and self.resume:
+            if len(self.deaths) <= MAX_RESUMES or f"(max_resumes={MAX_RESUMES}): not again" not in detail:
+                found.append(
+                    f"{self!r}: lost: EngineDeadError after {len(self.deaths)} death(s) of engine cores in its life, "
+                    f"resumption on (max_resumes={MAX_RESUMES}): {detail}"
                 )
         elif kind == "dead":
             if not self.exposed:
@@ -393,6 +419,7 @@ class LifecycleMachine(RuleBasedStateMachine):
         self.harness: EngineHarness | None = None
         self.tensor_parallel_size = 1
         self.data_parallel_size = 1
+        self.resume = True
         self.reqs: list[Req] = []
         # Per engine (by engine index): its current engine core (None while restarting), how often its
         # engine core died, whether a SIGUSR1 was sent to one of its workers and its death not yet seen,
@@ -418,7 +445,7 @@ class LifecycleMachine(RuleBasedStateMachine):
         return self.harness.call(fn, *args)
 
     def _open(self) -> None:
-        config = engine_config(self.model_dir, self.tensor_parallel_size, self.data_parallel_size)
+        config = engine_config(self.model_dir, self.tensor_parallel_size, self.data_parallel_size, self.resume)
         harness = EngineHarness(config)
         harness.start()
         self.harness = harness
@@ -483,16 +510,23 @@ class LifecycleMachine(RuleBasedStateMachine):
     @initialize(
         tensor_parallel_size=st.sampled_from([1, 2]),
         data_parallel_size=st.sampled_from([1, 2]),
+        resume=st.sampled_from([True, True, False]),
         specs=REQUEST_SPECS,
     )
     def start(
-        self, tensor_parallel_size: int, data_parallel_size: int, specs: list[tuple[list[int], int, int | None]]
+        self,
+        tensor_parallel_size: int,
+        data_parallel_size: int,
+        resume: bool,
+        specs: list[tuple[list[int], int, int | None]],
     ) -> None:
-        """Start an engine of ``data_parallel_size`` engine cores and submit
-        a first few requests (so that every example has some, even one whose
-        rules do not include ``submit``)."""
+        """Start an engine of ``data_parallel_size`` engine cores, which
+        resumes requests after a death or not, and submit a first few
+        requests (so that every example has some, even one whose rules do
+        not include ``submit``)."""
         self.tensor_parallel_size = tensor_parallel_size
         self.data_parallel_size = data_parallel_size
+        self.resume = resume
         self._open()
         self._submit_all(specs)
 
@@ -511,7 +545,7 @@ class LifecycleMachine(RuleBasedStateMachine):
 
     async def _submit(self, prompt: list[int], max_tokens: int, cancel_after: int | None) -> None:
         self._observe()
-        req = Req(len(self.reqs), prompt, max_tokens, submitted_at=now(), cancel_after=cancel_after)
+        req = Req(len(self.reqs), prompt, max_tokens, now(), self.resume, cancel_after=cancel_after)
         for gen, pending in zip(self.gens, self.fault_pending, strict=True):
             if pending and gen is not None:  # if it goes there, the next step may fail it
                 req.risky_pids.add(gen.engine_pid)
@@ -526,6 +560,7 @@ class LifecycleMachine(RuleBasedStateMachine):
                 try:
                     async with engine.stream(req.prompt, SamplingParams(max_tokens=req.max_tokens)) as stream:
                         assert stream.engine_index is not None
+                        req.stream = stream
                         info = engine.engine_infos[stream.engine_index]
                         req.entered_at, req.entered_pid, req.engine_index = now(), info.engine_pid, stream.engine_index
                         req.expected_len = min(req.max_tokens, info.max_model_len - len(req.prompt))
@@ -837,7 +872,7 @@ class LifecycleMachine(RuleBasedStateMachine):
         for index, (gen, counts) in enumerate(zip(self.gens, stats.engines or [stats], strict=True)):
             if gen is None:
                 continue  # restarting: its next engine core starts empty
-            here = [r for r in live if r.engine_index in (None, index)]  # (None: on its way to an engine)
+            here = [r for r in live if r.now_on in (None, index)]  # (None: on its way to an engine)
             in_use = counts.num_total_blocks - counts.num_free_blocks
             assert held[index] <= len(here) and counts.num_running + counts.num_waiting <= len(here), (
                 f"{len(here)} request(s) not ended at engine {index} {here}, yet the front-end holds {held[index]} "

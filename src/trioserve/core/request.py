@@ -25,6 +25,11 @@ Invariants:
 - ``prompt_logprobs`` (when its params ask for them) holds those of prompt
   tokens 1, 2... in order, without a gap, until its first output token
   takes them all away.
+- A continuation (a request resumed after the engine core it ran on died)
+  starts with the output tokens it had generated there: they are output
+  like any other (penalties, ``min_tokens``, ``max_tokens``, stop tokens,
+  the position a seeded draw is made at), and its constraint accepts them
+  before it samples under it.
 
 Only the scheduler mutates a request; everyone else reads.
 """
@@ -72,13 +77,16 @@ class Request:
         params: SamplingParams,
         eos_token_ids: Sequence[int],
         client_id: str = "",
+        output_token_ids: Sequence[int] = (),
     ) -> None:
+        """``output_token_ids``: a continuation's tokens generated so far (``AddRequest.output_token_ids``)."""
         self.request_id = request_id
         self.client_id = client_id  # whose request: waiting requests are admitted by client in turn
         self.prompt_token_ids = list(prompt_token_ids)
         self.params = params
         self.eos_token_ids = frozenset(eos_token_ids)
-        self.output_token_ids: list[int] = []
+        self.output_token_ids: list[int] = list(output_token_ids)
+        self.num_resumed_tokens = len(self.output_token_ids)  # a continuation's: generated before it came here
         self.num_computed_tokens = 0
         self.num_pending = 0  # tokens being sampled in steps in flight
         self.constraint: TokenConstraint | None = None
@@ -123,15 +131,19 @@ class Request:
         """Raise ``ValueError`` naming the field if this new request could never
         run: it has run already, or its prompt is empty, holds a bad token id,
         leaves no room to generate, needs more than the whole KV cache, or
-        (an encoder's, computed whole) more than a step's ``step_tokens``."""
+        (an encoder's, computed whole) more than a step's ``step_tokens``; or,
+        a continuation, its tokens so far are bad, already end it, or with
+        the prompt leave no room or need more than the whole KV cache."""
         fresh = (RequestStatus.WAITING, RequestStatus.WAITING_FOR_GRAMMAR)
-        if self.status not in fresh or self.output_token_ids:
+        if self.status not in fresh or self.num_output_tokens != self.num_resumed_tokens:
             raise ValueError(f"request: {self.request_id!r} has already run")
         num_prompt = self.num_prompt_tokens
         if num_prompt == 0:
             raise ValueError("prompt: must not be empty")
         if any(not isinstance(t, int) or t < 0 for t in self.prompt_token_ids):
             raise ValueError("prompt: token ids must be non-negative integers")
+        if self.output_token_ids:
+            self._check_continuation(max_model_len, num_blocks * block_size)
         if self.params.pooling is not None and num_prompt > max_model_len:
             raise ValueError(f"prompt: {num_prompt} tokens are more than max_model_len={max_model_len}")
         if self.params.pooling is not None and self.params.pooling.whole and num_prompt > step_tokens:
@@ -148,6 +160,35 @@ class Request:
                 f"prompt: {num_prompt} tokens need {cdiv(num_prompt, block_size)} KV blocks, "
                 f"but the cache holds only {num_blocks} (of {block_size} tokens)"
             )
+
+    def _check_continuation(self, max_model_len: int, cache_tokens: int) -> None:
+        """A continuation's tokens so far: valid ids that leave it unfinished and fit."""
+        if self.params.pooling is not None:
+            raise ValueError("output_token_ids: an embedding request generates no tokens")
+        if any(not isinstance(t, int) or t < 0 for t in self.output_token_ids):
+            raise ValueError("output_token_ids: token ids must be non-negative integers")
+        if self.num_tokens >= max_model_len:
+            raise ValueError(
+                f"output_token_ids: the prompt and {self.num_output_tokens} tokens so far ({self.num_tokens}) "
+                f"leave no room to generate within max_model_len={max_model_len}"
+            )
+        if self.num_tokens > cache_tokens:
+            raise ValueError(
+                f"output_token_ids: the prompt and {self.num_output_tokens} tokens so far ({self.num_tokens}) "
+                f"are more than the KV cache holds ({cache_tokens} tokens)"
+            )
+        if (reason := self.stop_reason(max_model_len)) is not None:
+            raise ValueError(f"output_token_ids: the tokens so far already end the request ({reason})")
+
+    def replay(self, constraint: TokenConstraint) -> str | None:
+        """Move a new ``constraint`` past the tokens generated so far (a
+        continuation's); why it refuses one, or None."""
+        for i, token_id in enumerate(self.output_token_ids):
+            if not constraint.accept(token_id):
+                return f"output_token_ids: its constraint refuses token {token_id} (at index {i})"
+        if self.output_token_ids and constraint.is_complete():
+            return "output_token_ids: the tokens so far already complete its constraint"
+        return None
 
     def append_output_token(self, token_id: int) -> bool:
         """Append a sampled token; False if the request's constraint refused it."""

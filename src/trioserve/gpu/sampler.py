@@ -19,8 +19,11 @@ token, which picks token i with probability ``probs[i]``. For a request with
 a seed, its noise comes from a generator seeded with a mix of the seed and
 the position of the token being sampled (its index in prompt + output), so
 its tokens depend only on the seed, the prompt and the model: not on the
-rest of the batch, nor on preemption and re-prefill. Unseeded rows share the
-worker's generator.
+rest of the batch, nor on preemption and re-prefill, nor on the request
+being resumed on another engine core as a continuation (its earlier tokens
+sent as output: the position counts them). Unseeded rows share the worker's
+generator: a resumed unseeded request draws a valid sample, not the one it
+would have drawn.
 
 Logprobs are those of the model's own distribution (``log_softmax`` of the
 raw logits, before logits processing, penalties, temperature and filters),

@@ -206,6 +206,8 @@ class FakeRunner:
             self._pooling.pop(req_id, None)
             self._lora.pop(req_id, None)
         for new in sched.new_requests:
+            if self._faults_apply() and self.fake.die_on_prompt_token in new.token_ids[: new.num_prompt_tokens]:
+                os._exit(3)  # a request that kills every engine it is given to
             self._tokens[new.req_id] = list(new.token_ids)
             if new.params.lora is not None:
                 if new.params.lora not in self.adapters:

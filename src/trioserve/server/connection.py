@@ -301,6 +301,7 @@ class Connection:
         """Forward the request's deltas to the outbox until it finishes. Leaving
         early (slow consumer, cancellation) aborts it in the engine."""
         request_id = flight.request.id
+        resumes = isinstance(flight.request, Generate) and flight.request.include_resumes
         async with stream:
             flight.prompt_tokens = stream.num_prompt_tokens
             async for out in stream:
@@ -312,6 +313,7 @@ class Connection:
                         token_ids=out.token_ids,
                         logprobs=out.logprobs,
                         prompt_logprobs=out.prompt_logprobs,
+                        num_resumes=out.num_resumes if resumes else None,
                     )
                     if not await self._queue_delta(protocol.encode(delta)):
                         return protocol.error(
@@ -330,6 +332,7 @@ class Connection:
                         out.num_prompt_tokens,
                         out.num_output_tokens,
                         out.num_cached_tokens or 0,
+                        out.num_resumes if resumes else None,
                     )
         raise RuntimeError("the stream ended without a finished output")
 

@@ -480,10 +480,9 @@ class HttpApi:
 
 
 def _format_options(plan: oai.Plan) -> dict[str, bool]:
-    return {
-        "continuous_usage": plan.include_usage and plan.continuous_usage,
-        "prompt_logprobs": plan.prompt_logprobs,
-    }
+    resumes, logprobs = plan.include_resumes, plan.prompt_logprobs
+    usage = plan.include_usage and plan.continuous_usage
+    return {"continuous_usage": usage, "prompt_logprobs": logprobs, "include_resumes": resumes}
 
 
 def _prompt_info(prompt: object, token_ids: list[int], tokenizer: Tokenizer) -> PromptInfo:

@@ -144,6 +144,19 @@ class ServerMetrics:
         self.restarts = Counter(
             f"{OURS}engine_restarts", "Times the engine core was restarted after dying.", labels, registry=r
         )
+        self.resumed = Counter(
+            f"{OURS}resumed_requests",
+            "Ended requests that were resumed at least once after their engine core died (by the engine they "
+            "ended on).",
+            labels,
+            registry=r,
+        )
+        self.resumptions = Counter(
+            f"{OURS}request_resumptions",
+            "Resumptions of the ended requests (a request counts each).",
+            labels,
+            registry=r,
+        )
         self.cache_config = Gauge(
             f"{VLLM}cache_config_info",
             "The KV cache's configuration, in its labels.",
@@ -167,6 +180,7 @@ class ServerMetrics:
                 self.prefill, self.decode, self.inference, self.request_prompt_tokens,
                 self.request_generation_tokens, self.request_max_generation_tokens, self.request_max_tokens,
                 self.preemptions, self.prefix_queries, self.prefix_hits, self.restarts, self.iteration_tokens,
+                self.resumed, self.resumptions,
             ):  # fmt: skip
                 metric.labels(model_name, label)  # present from the start, at zero
             for gauge_ in (self.running, self.waiting, self.kv_usage, self.gpu_cache_usage):
@@ -199,6 +213,9 @@ class ServerMetrics:
             itl.observe(gap)
             tpot.observe(gap)
         self.e2e.labels(*labels).observe(request.e2e_s)
+        if request.num_resumes:
+            self.resumed.labels(*labels).inc()
+            self.resumptions.labels(*labels).inc(request.num_resumes)
 
     def update_from_stats(self, stats: EngineStats) -> None:
         """Set the gauges from the engine cores' counters (each engine's own,

@@ -81,6 +81,7 @@ def invalid(param: str, message: str, code: str = "invalid_value") -> OpenAIErro
 class StreamOptions(msgspec.Struct):
     include_usage: bool = False
     continuous_usage_stats: bool = False  # vLLM's: the usage so far in every chunk
+    include_resumes: bool = False  # trioserve's: each chunk's choice says how often its request was resumed
 
 
 class _Sampling(StructuredFields, kw_only=True):
@@ -266,6 +267,7 @@ class Plan(msgspec.Struct, frozen=True):
     include_usage: bool
     names: dict[str, str]  # engine field -> the client's name for it
     continuous_usage: bool = False  # the usage so far in every chunk (``stream_options.continuous_usage_stats``)
+    include_resumes: bool = False  # each chunk's choice has its num_resumes (``stream_options.include_resumes``)
     echo: bool = False  # completions: the prompt before each choice's text
     prompt_logprobs: bool = False  # the response carries vLLM's ``prompt_logprobs`` (the client asked for them)
     tools: ToolPlan | None = None  # chat: the request's tools (``chat_tools.py``)
@@ -427,6 +429,7 @@ def _plan(
         include_usage=options is not None and options.include_usage,
         names=names,
         continuous_usage=options is not None and options.continuous_usage_stats,
+        include_resumes=options is not None and options.include_resumes,
         echo=echo,
         prompt_logprobs=request.prompt_logprobs is not None,
         tools=tools,

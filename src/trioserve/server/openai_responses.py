@@ -124,6 +124,7 @@ class CompletionChoice(msgspec.Struct):
     finish_reason: str | None
     text: str
     prompt_logprobs: PromptLogprobsField | UnsetType = UNSET  # when asked for
+    num_resumes: int | UnsetType = UNSET  # a chunk's, when asked for (stream_options.include_resumes)
 
 
 class Completion(msgspec.Struct, kw_only=True):
@@ -198,6 +199,7 @@ class ChatChunkChoice(msgspec.Struct):
     logprobs: ChatLogprobs | None
     finish_reason: str | None
     delta: ChatDelta
+    num_resumes: int | UnsetType = UNSET  # when asked for (stream_options.include_resumes)
 
 
 class ChatCompletionChunk(msgspec.Struct, kw_only=True):

@@ -22,6 +22,7 @@ import json
 from typing import Any, Literal, TypeGuard
 
 import msgspec
+from msgspec import UNSET, UnsetType
 
 from trioserve.checks import short_repr
 from trioserve.errors import InvalidRequestError
@@ -46,7 +47,8 @@ REQUEST_FAILED = "request_failed"
 INTERNAL = "internal"
 
 _PARAM_FIELDS = frozenset(SamplingParams.__struct_fields__)
-_GENERATE_FIELDS = frozenset({"type", "id", "prompt", "prompt_token_ids", "params"})
+_GENERATE_FIELDS = frozenset({"type", "id", "prompt", "prompt_token_ids", "params", "stream_options"})
+_STREAM_OPTIONS = frozenset({"include_resumes"})
 _CANCEL_FIELDS = frozenset({"type", "id"})
 _EMBED_FIELDS = frozenset({"type", "id", "prompt", "prompt_token_ids", "dimensions", "normalize"})
 
@@ -75,9 +77,12 @@ class _Prompted(msgspec.Struct, frozen=True):
 
 
 class Generate(_Prompted, frozen=True):
-    """Start a generation request."""
+    """Start a generation request. ``include_resumes`` (``stream_options``):
+    its deltas and ``done`` say how often it was resumed after its engine
+    core died."""
 
     params: SamplingParams
+    include_resumes: bool = False
 
 
 class Embed(_Prompted, frozen=True):
@@ -106,6 +111,7 @@ class Delta(msgspec.Struct, tag="delta", tag_field="type", omit_defaults=True):
     token_ids: list[int]
     logprobs: list[SampleLogprobs] | None = None
     prompt_logprobs: list[SampleLogprobs] | None = None  # in the first delta, when asked for
+    num_resumes: int | None = None  # when asked for (stream_options.include_resumes)
 
 
 class Done(msgspec.Struct, tag="done", tag_field="type"):
@@ -113,6 +119,7 @@ class Done(msgspec.Struct, tag="done", tag_field="type"):
     finish_reason: str
     stop_reason: str | int | None
     usage: Usage
+    num_resumes: int | UnsetType = UNSET  # when asked for (stream_options.include_resumes)
 
 
 class Error(msgspec.Struct, tag="error", tag_field="type", omit_defaults=True):
@@ -216,7 +223,19 @@ def _parse_generate(raw: dict[str, Any]) -> Generate:
     request_id = _parse_id(raw)
     _check_fields(raw, _GENERATE_FIELDS, "", request_id)
     prompt, token_ids = _parse_prompt(raw, request_id)
-    return Generate(id=request_id, prompt=prompt, prompt_token_ids=token_ids, params=_parse_params(raw, request_id))
+    params = _parse_params(raw, request_id)
+    options = raw.get("stream_options", {})
+    if not isinstance(options, dict):
+        raise _invalid(request_id, "stream_options", f"must be an object, got {_json_type(options)}")
+    _check_fields(options, _STREAM_OPTIONS, "stream_options.", request_id)
+    include_resumes = options.get("include_resumes", False)
+    if not isinstance(include_resumes, bool):
+        raise _invalid(
+            request_id, "stream_options.include_resumes", f"must be a boolean, got {_json_type(include_resumes)}"
+        )
+    return Generate(
+        id=request_id, prompt=prompt, prompt_token_ids=token_ids, params=params, include_resumes=include_resumes
+    )
 
 
 def _parse_embed(raw: dict[str, Any]) -> Embed:
@@ -320,10 +339,12 @@ def done(
     prompt_tokens: int,
     completion_tokens: int,
     cached_tokens: int = 0,
+    num_resumes: int | None = None,
 ) -> Done:
     return Done(
         id=request_id,
         finish_reason=finish_reason,
         stop_reason=stop_reason,
         usage=Usage(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens, cached_tokens=cached_tokens),
+        num_resumes=UNSET if num_resumes is None else num_resumes,
     )

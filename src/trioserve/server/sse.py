@@ -83,13 +83,20 @@ class EventFormat(ABC):
     id_prefix = ""
 
     def __init__(
-        self, model: str, tokenizer: Tokenizer, *, continuous_usage: bool = False, prompt_logprobs: bool = False
+        self,
+        model: str,
+        tokenizer: Tokenizer,
+        *,
+        continuous_usage: bool = False,
+        prompt_logprobs: bool = False,
+        include_resumes: bool = False,
     ) -> None:
         self.model = model
         self.tokenizer = tokenizer  # for logprobs: each token's text and bytes
         self.id = resp.new_id(self.id_prefix)
         self.created = resp.now()
         self.continuous_usage = continuous_usage  # every chunk carries the usage so far
+        self.include_resumes = include_resumes  # every chunk's choice says how often its request was resumed
         self.prompt_logprobs = prompt_logprobs  # the response carries vLLM's ``prompt_logprobs``
         self.prompt = PromptInfo("", [])  # set once the request is entered
 
@@ -129,6 +136,9 @@ class EventFormat(ABC):
         if include_usage and self.continuous_usage:
             return resp.usage(len(self.prompt.token_ids), choice.num_output_tokens if choice is not None else 0)
         return None if include_usage else UNSET
+
+    def _resumes(self, out: RequestOutput) -> int | UnsetType:
+        return out.num_resumes if self.include_resumes else UNSET
 
     @abstractmethod
     def response(self, choices: Choices, prompt_tokens: int) -> resp.Completion | resp.ChatCompletion:
@@ -195,7 +205,9 @@ class CompletionFormat(EventFormat):
         echo, choice.echoed = self.echo and not choice.echoed, choice.echoed or self.echo
         logprobs = self._logprobs(self._stream_placed(out, choices), choice, echo)
         text = self.prompt.text + out.text if echo else out.text
-        item = resp.CompletionChoice(out.index, logprobs, _finish(out.finish_reason), text)
+        item = resp.CompletionChoice(
+            out.index, logprobs, _finish(out.finish_reason), text, num_resumes=self._resumes(out)
+        )
         return self._body([item], self._chunk_usage(include_usage, choice))
 
     def usage_chunk(self, choices: Choices, prompt_tokens: int) -> resp.Completion:
@@ -261,7 +273,7 @@ class ChatFormat(EventFormat):
             if pieces:
                 delta.tool_calls = [_call_delta(p) for p in pieces]
             reason = choice.tools.finish_reason(out.finish_reason)
-        item = resp.ChatChunkChoice(out.index, logprobs, _finish(reason), delta)
+        item = resp.ChatChunkChoice(out.index, logprobs, _finish(reason), delta, self._resumes(out))
         return self._chunk([item], self._chunk_usage(include_usage, choice))
 
     def usage_chunk(self, choices: Choices, prompt_tokens: int) -> resp.ChatCompletionChunk:
@@ -283,7 +295,7 @@ def _finish(reason: str | None) -> str | None:
 
 
 def chat_format(model: str, tokenizer: Tokenizer, tools: ToolPlan | None = None, **options: bool) -> ChatFormat:
-    """Options: ``continuous_usage``, ``prompt_logprobs`` (``EventFormat``);
+    """Options: ``continuous_usage``, ``prompt_logprobs``, ``include_resumes`` (``EventFormat``);
     ``tools``: the request's, whose output is read for calls."""
     return ChatFormat(model, tokenizer, tools=tools, **options)
 

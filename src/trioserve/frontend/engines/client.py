@@ -19,7 +19,8 @@ death does beyond failing the requests, and what is sent last.
 Every request has its own one-slot mailbox (``OutputCollector``), so a slow
 consumer never stalls the output handler. Submitting a request is atomic
 with respect to cancellation: it is registered and queued for the engine,
-or neither.
+or neither. When the engine core dies, its requests in flight go to
+``on_orphans`` (the engine group's resumptions, ``resume.py``), or fail.
 """
 
 from __future__ import annotations
@@ -118,6 +119,8 @@ class EngineCoreClient:
         self._on_dead = on_dead
         # Told each load report (engine index, load); the engine group's coordinator sets it.
         self.on_load: Callable[[int, LoadReport], None] | None = None
+        # Given the requests in flight when the engine core dies (else they fail); the engine group sets it.
+        self.on_orphans: Callable[[EngineCoreClient, list[RequestState]], None] | None = None
         self._dead_event = trio.Event()
         self.name = f"engine-core-{engine_index}"
         self.engine_index = engine_index
@@ -199,16 +202,20 @@ class EngineCoreClient:
 
     def die(self, reason: str) -> None:
         """The engine core is dead (it said so, it is hung, its connection
-        closed): every request and call here fails with ``EngineDeadError``
-        naming ``reason`` (the first one given), and so does every later one.
+        closed): every call here fails with ``EngineDeadError`` naming
+        ``reason`` (the first one given), and so does every later one; its
+        requests in flight go to ``on_orphans`` (else they fail so too).
         Never blocks."""
         first = self._dead is None
         if self._dead is None:
             self._dead = EngineDeadError(f"{self.name} died: {reason}")
             log.error("%s", self._dead)
-        for state in self.requests.values():
-            state.collector.fail(self._dead)
+        orphans = list(self.requests.values())
         self.requests.clear()
+        for state in orphans:
+            state.client = None
+            if self.on_orphans is None:
+                state.collector.fail(self._dead)
         for event, _ in self._calls.values():
             event.set()
         for event, _ in self._control_calls.values():
@@ -217,6 +224,8 @@ class EngineCoreClient:
             self._dead_event.set()
             if self._on_dead is not None:
                 self._on_dead(self)
+        if orphans and self.on_orphans is not None:
+            self.on_orphans(self, orphans)
         self.strategy.died(self)
 
     async def wait_dead(self) -> None:
@@ -235,18 +244,21 @@ class EngineCoreClient:
 
     # --- requests -----------------------------------------------------------
 
-    async def submit(self, state: RequestState, wave: int = 0) -> None:
+    async def submit(self, state: RequestState, wave: int = 0, *, resumed: bool = False) -> None:
         """Register the request and queue it for the engine core (in lockstep,
-        stamped with the request ``wave`` the coordinator believes current).
+        stamped with the request ``wave`` the coordinator believes current);
+        ``state.client`` is this once it is queued. A request whose consumer
+        aborted it meanwhile is aborted behind it.
 
         Raises ``EngineOverloadedError`` at once when ``max_num_seqs +
-        max_waiting_requests`` requests are already in flight here. Atomic
-        with respect to cancellation: if cancelled, the request was neither
-        registered nor sent.
+        max_waiting_requests`` requests are already in flight here (not for
+        a request ``resumed`` from a dead engine core: it was admitted
+        before). Atomic with respect to cancellation: if cancelled, the
+        request was neither registered nor sent.
         """
         self.check_alive()
         limit = self.config.max_num_seqs + self.config.max_waiting_requests
-        if len(self.requests) >= limit:
+        if len(self.requests) >= limit and not resumed:
             raise EngineOverloadedError(
                 f"{self.name} has {len(self.requests)} requests in flight, as many as it takes "
                 f"(max_num_seqs + max_waiting_requests = {limit}); retry later"
@@ -263,8 +275,13 @@ class EngineCoreClient:
         try:
             await self._to_engine.put(payload)
         except BaseException:
-            del self.requests[state.request_id]
+            if self.requests.get(state.request_id) is state:  # (else the engine core died meanwhile)
+                del self.requests[state.request_id]
             raise
+        if self.requests.get(state.request_id) is state:  # (else the engine core died meanwhile: an orphan)
+            state.client = self
+            if state.aborted:
+                self.abort(state.request_id)
 
     def abort(self, request_id: str) -> None:
         """Forget the request here and abort it in the engine core. Never blocks."""

@@ -4,6 +4,7 @@ coordinator that balances new requests across them.
 Task tree (inside the caller's ``trio.run``)::
 
     EngineGroup.run
+    ├── Resumptions.run              the requests of an engine core that died, resumed (resume.py)
     ├── Coordinator.run              load reports -> LoadPicture
     ├── EngineSupervisor.run × N     each keeps its own engine core running
     └── a scale, while one runs      (frontend/engines/scaling.py) starts or stops supervisors
@@ -12,8 +13,8 @@ Start-up starts the N engines at once and waits for all of them, each with
 its own deadlines; the first that fails cancels the others, and its
 ``EngineStartupError`` (naming ``engine-core-<i>``, the stage and the
 process) is raised. After that each engine is supervised on its own: one
-that dies fails only its own requests and is restarted within its own
-budget, and the others never notice. A new request goes to the ready engine
+that dies is restarted within its own budget, its requests in flight are
+resumed on the ready engines (or end), and the others never notice. A new request goes to the ready engine
 with the least load (``frontend/engines/coordinator.py``); while none is ready it
 waits at most ``restart_wait_s``.
 
@@ -64,6 +65,7 @@ from trioserve.frontend.engines.attached import (
 from trioserve.frontend.engines.client import EngineCoreClient
 from trioserve.frontend.engines.coordinator import Coordinator
 from trioserve.frontend.engines.remote import RemoteEngines, RemoteStrategy
+from trioserve.frontend.engines.resume import Resumptions
 from trioserve.frontend.engines.scaling import Scaling
 from trioserve.frontend.engines.supervisor import ClientFactory, EngineSupervisor, Health, new_client
 from trioserve.messages import BIND_TCP, DataParallelInit, EngineInfo, EngineStats, FrontEndsInit, StartWave
@@ -105,6 +107,7 @@ class EngineGroup:
         # Several API servers send to the engines: each one's picture counts the others' through the reports.
         shared = attach is not None
         self.coordinator = Coordinator(n, config.max_num_seqs, broadcast=broadcast, shared=shared)
+        self.resumptions = Resumptions(config, self.route)
         self.generation = 0  # lockstep: bumped when the engines restart together
         self._generation_of: dict[int, int] = {}  # id(client) -> the generation it was started in
         self._rendezvous_dir = ""
@@ -141,7 +144,9 @@ class EngineGroup:
         return local if engine_index < self.config.num_local_engines else self._remote_client
 
     def _new_client(self, client: EngineCoreClient) -> None:
-        """A new engine core's client, before it starts: its place among the engines."""
+        """A new engine core's client, before it starts: its place among the
+        engines, and where its requests go if it dies."""
+        client.on_orphans = self.resumptions.orphaned
         if self._api_servers_dir is not None:
             if client.engine_index < self.config.num_local_engines:
                 client.frontends = FrontEndsInit(*api_server_addresses(self._api_servers_dir, client.engine_index))
@@ -191,6 +196,7 @@ class EngineGroup:
     async def _run(self, task_status: trio.TaskStatus[EngineInfo]) -> None:
         async with trio.open_nursery() as nursery:
             self.nursery = nursery
+            await nursery.start(self.resumptions.run)
             await nursery.start(self.coordinator.run)
             if self.remote is not None:
                 await nursery.start(self.remote.run)
@@ -293,7 +299,9 @@ class EngineGroup:
         return sum(s.num_restarts for s in self.supervisors)
 
     def num_requests_in_flight(self) -> int:
-        return sum(len(s.client.requests) for s in self.supervisors if s.client is not None)
+        """Requests on an engine core, and those waiting to be resumed on one."""
+        on_engines = sum(len(s.client.requests) for s in self.supervisors if s.client is not None)
+        return on_engines + self.resumptions.num_waiting
 
     async def wait_failed(self) -> EngineDeadError:
         """Wait until every engine has failed for good; the first one's error.

@@ -30,6 +30,9 @@ class RequestOutput:
     before it (a request aborted before its first token never knows).
     ``prompt_logprobs`` (when the params ask for them) come with the first
     token: those of prompt tokens 1, 2... (the first prompt token has none).
+    ``num_resumes`` is how many times the request was resumed so far after
+    the engine core it ran on died (``EngineConfig.resume_requests``): its
+    stream paused there, and went on where it stopped.
     """
 
     request_id: str
@@ -45,6 +48,7 @@ class RequestOutput:
     num_cached_tokens: int | None = None
     prompt_logprobs: list[SampleLogprobs] | None = None
     embedding: list[float] | None = None  # an embedding request's vector, with its last output
+    num_resumes: int = 0
 
     @property
     def finished(self) -> bool:
@@ -65,6 +69,7 @@ class RequestOutput:
             self.prompt_logprobs = newer.prompt_logprobs
         if newer.embedding is not None:
             self.embedding = newer.embedding
+        self.num_resumes = newer.num_resumes
 
 
 @dataclass(frozen=True)
@@ -84,6 +89,7 @@ class RequestMetrics:
     engine_index: int = 0  # the engine (data parallel) it ran on
     queued_s: float | None = None  # waiting in the engine core to be scheduled (None: never scheduled)
     max_tokens: int = 0  # what it asked for
+    num_resumes: int = 0  # times it was resumed after its engine core died (engine_index: where it ended)
 
 
 @dataclass

@@ -111,15 +111,13 @@ class RequestRouter:
         most ``restart_wait_s``): all of them, or, if one fails or this is
         cancelled, none. The client they went to."""
         client, wave = await self._group.route(engine_index)
-        submitted: list[RequestState] = []
         try:
             for state in states:
-                state.engine_index = client.engine_index
+                state.engine_index, state.target = client.engine_index, engine_index
                 await client.submit(state, wave)
-                submitted.append(state)
         except BaseException:
-            for state in submitted:
-                client.abort(state.request_id)
+            for state in states:
+                state.abort()  # in the engine core, or (its engine core died meanwhile) not resumed
                 state.forget()  # refused, not ended: the request observers (metrics) hear nothing
             raise
         return client

@@ -1,16 +1,35 @@
-"""One request as the front-end tracks it: its detokenizer and its mailbox."""
+"""One request as the front-end tracks it: its detokenizer and its mailbox,
+and where it runs.
+
+A request is on one engine core at a time (``client``, set once it is
+queued for it). When that engine core dies, the request may be resumed on
+another (``frontend/engines/resume.py``): it is sent again as a
+continuation of every token it received (``output_token_ids``), and its
+detokenizer, stop strings and mailbox carry on as they were, so that its
+consumer sees one stream. ``aborted`` is set once its consumer is done with
+it, wherever it is then.
+"""
 
 from __future__ import annotations
 
 import struct
 import time
 from collections.abc import Callable, Sequence
+from typing import Protocol
+
+import msgspec
 
 from trioserve.frontend.requests.outputs import OutputCollector, RequestMetrics, RequestOutput
 from trioserve.frontend.text.detokenizer import IncrementalDetokenizer
 from trioserve.frontend.text.tokenizer import Tokenizer
 from trioserve.messages import AddRequest, TokenOutput
 from trioserve.sampling_params import SamplingParams
+
+
+class EngineCore(Protocol):
+    """The engine core a request is on, as the request sees it (its client)."""
+
+    def abort(self, request_id: str) -> None: ...
 
 
 class RequestState:
@@ -49,26 +68,46 @@ class RequestState:
         self.queued_s: float | None = None  # how long the engine core kept it waiting, from the first token on
         self.finished = False
         self._on_end = on_end  # told once, when the request ends
-        self.engine_index = 0  # the engine it was submitted to (data parallel)
+        self.engine_index = 0  # the engine it was submitted to (data parallel); after a resumption, the new one
+        self.target: int | None = None  # the engine it must run on (Engine.stream's engine_index), or None: any
+        self.client: EngineCore | None = None  # the engine core it is queued for or runs on; None meanwhile
+        self.output_token_ids: list[int] = []  # every token received: a continuation's context
+        self.num_resumes = 0
+        self.aborted = False  # its consumer is done with it (it left early, or the request failed)
         self._started = time.monotonic()
         self._first_token_at: float | None = None
         self._last_output_at = 0.0
         self._inter_token_s: list[float] = []
 
     def add_request(self, wave: int = 0) -> AddRequest:
+        """The message that runs it: a continuation of its tokens so far once
+        it has some (its prompt logprobs came with the first of them)."""
+        params = self.params
+        if self.output_token_ids and params.prompt_logprobs is not None:
+            params = msgspec.structs.replace(params, prompt_logprobs=None)
         return AddRequest(
             request_id=self.request_id,
             prompt_token_ids=self.prompt_token_ids,
-            params=self.params,
+            params=params,
             client_id=self.client_id,
             wave=wave,
+            output_token_ids=list(self.output_token_ids),
         )
+
+    def abort(self) -> None:
+        """Its consumer is done with it: abort it in the engine core it is on
+        (while it is being queued or resumed, that is done when it gets
+        there, or it is not resumed). Never blocks."""
+        self.aborted = True
+        if self.client is not None:
+            self.client.abort(self.request_id)
 
     def process(self, output: TokenOutput) -> bool:
         """Turn an engine output into a delta for the consumer. Returns True when
         a stop string ended the request here (the engine must be told)."""
         self._time(len(output.new_token_ids))
         self.num_output_tokens += len(output.new_token_ids)
+        self.output_token_ids += output.new_token_ids
         if output.num_cached_tokens is not None:
             self.num_cached_tokens = output.num_cached_tokens
         if output.queued_s is not None:
@@ -111,6 +150,7 @@ class RequestState:
                 embedding=None if output.embedding is None else _floats(output.embedding),
                 index=self.index,
                 num_cached_tokens=self.num_cached_tokens,
+                num_resumes=self.num_resumes,
             )
         )
         if finish_reason is not None:
@@ -150,6 +190,7 @@ class RequestState:
                 engine_index=self.engine_index,
                 queued_s=self.queued_s,
                 max_tokens=self.params.max_tokens,
+                num_resumes=self.num_resumes,
             )
         )
 

@@ -11,7 +11,9 @@ samples' states and submits them to one engine core, all of them or none.
 
 Invariants: the samples are submitted once (a stream runs once); a sample
 is running from its submission until its last output was taken, it failed,
-or it was aborted; when the block is left, none is running.
+or it was aborted; when the block is left, none is running. A sample whose
+engine core dies may be resumed on another (``frontend/engines/resume.py``):
+it runs on, in the same mailbox, and it is aborted wherever it is.
 """
 
 from __future__ import annotations
@@ -20,7 +22,6 @@ from types import TracebackType
 
 import trio
 
-from trioserve.frontend.engines.client import EngineCoreClient
 from trioserve.frontend.requests.outputs import RequestOutput
 from trioserve.frontend.requests.parallel_sampling import child_params, child_request_id
 from trioserve.frontend.requests.router import RequestRouter
@@ -72,7 +73,6 @@ class RequestStream:
         self.n = self._per_prompt * len(self._prompts)
         self._params = params
         self._client_id = client_id
-        self._client: EngineCoreClient | None = None
         self._samples: list[RequestState] = []  # once submitted
         self._running: dict[int, RequestState] = {}  # by index: submitted and not over
         self._entering = False  # __aenter__ under way
@@ -95,8 +95,9 @@ class RequestStream:
 
     @property
     def engine_index(self) -> int | None:
-        """The engine core the samples went to (once the block is entered)."""
-        return None if self._client is None else self._client.engine_index
+        """The engine core the samples went to (once the block is entered;
+        the first sample's, where it was resumed last if its engine core died)."""
+        return self._samples[0].engine_index if self._samples else None
 
     async def __aenter__(self) -> RequestStream:
         """Check the prompt, if that is still to do, and submit every sample.
@@ -119,7 +120,7 @@ class RequestStream:
             entries = sum(self._router.entries(self._params, self._per_prompt, len(ids)) for ids in checked)
             self._router.held.take(entries)  # raises if it may hold too much, alone or beside the others
             try:
-                self._client = await self._router.submit(samples, self._target)
+                await self._router.submit(samples, self._target)
             except BaseException:
                 self._router.held.give(entries)
                 raise
@@ -152,8 +153,7 @@ class RequestStream:
     def _abort_running(self, finish_reason: str = "abort") -> None:
         """Abort every sample still running; the observers hear ``finish_reason``."""
         for state in self._running.values():
-            if self._client is not None:
-                self._client.abort(state.request_id)
+            state.abort()
             state.ended(finish_reason)
         self._running.clear()
 

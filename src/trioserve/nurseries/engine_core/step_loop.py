@@ -52,7 +52,7 @@ from trioserve.messages import (
 from trioserve.nurseries.engine_core.control import Controller
 from trioserve.nurseries.engine_core.executor.executor import Executor
 from trioserve.nurseries.engine_core.grammar import Tokenizer
-from trioserve.nurseries.engine_core.structured_outputs import StructuredOutputs
+from trioserve.nurseries.engine_core.structured_outputs import Result, StructuredOutputs
 from trioserve.rpc import ControlRequest
 
 LOAD_REPORT_INTERVAL_S = 0.02  # the most often the load goes out when it changes
@@ -170,11 +170,19 @@ class EngineCore:
         """Hand the compiles that ended to the scheduler: a request with its
         matcher is queued, one whose constraint did not compile ends with the error."""
         for request, result in self.structured.take_results():
-            if isinstance(result, str):
-                if (error := self.scheduler.grammar_failed(request, result)) is not None:
-                    self._unsent.append(error)
-            else:
+            self._constrain(request, result)
+
+    def _constrain(self, request: Request, result: Result) -> None:
+        """Give ``request`` its matcher (moved past a continuation's tokens so
+        far), or end it with why it has none."""
+        if not isinstance(result, str):
+            refused = request.replay(result)
+            if refused is None:
                 self.scheduler.grammar_ready(request, result)
+                return
+            result = refused
+        if (error := self.scheduler.grammar_failed(request, result)) is not None:
+            self._unsent.append(error)
 
     def _take_messages(self, inbox: trio.MemoryReceiveChannel[EngineRequest]) -> None:
         while True:
@@ -283,7 +291,10 @@ class EngineCore:
 
     def _add(self, msg: AddRequest) -> None:
         try:
-            request = Request(msg.request_id, msg.prompt_token_ids, msg.params, self.info.eos_token_ids, msg.client_id)
+            request = Request(
+                msg.request_id, msg.prompt_token_ids, msg.params, self.info.eos_token_ids, msg.client_id,
+                output_token_ids=msg.output_token_ids,
+            )  # fmt: skip
             request.lora_key = self.scheduler.adapters.key_of(msg.params.lora)
             self.scheduler.add(request)
         except ValueError as exc:
@@ -295,4 +306,4 @@ class EngineCore:
             assert self._compiles is not None  # requests are added by the step loop only
             matcher = self.structured.prepare(request, self._compiles)
             if matcher is not None:
-                self.scheduler.grammar_ready(request, matcher)
+                self._constrain(request, matcher)

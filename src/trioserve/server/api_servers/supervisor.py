@@ -68,7 +68,7 @@ import msgspec
 import trio
 
 from trioserve.config import EngineConfig
-from trioserve.errors import TrioserveError
+from trioserve.errors import EngineDeadError, TrioserveError
 from trioserve.frontend.engines.attached import api_server_addresses
 from trioserve.frontend.engines.group import EngineGroup
 from trioserve.nurseries.supervision.child_main import remove_if_parent_dies
@@ -169,7 +169,18 @@ class ApiServers:
                     for k in range(self.count):
                         starting.start_soon(nursery.start, self._keep, k, sock.fileno(), str(directory))
                 task_status.started(self.port)
-                raise await self.group.wait_failed()
+                failure = await self.group.wait_failed()
+                await self._drain_after_failure()
+                raise failure
+
+    async def _drain_after_failure(self) -> None:
+        """Every engine failed for good. Each API server hears so itself
+        (the failure is written where it attaches) and ends its requests
+        with ``engine_dead``, those waiting to be resumed on an engine too:
+        they are drained, within their grace, before everything stops."""
+        self.drain()
+        with trio.move_on_after(self.server_config.shutdown_grace_s + self.server_config.close_timeout_s + 5):
+            await self.wait_drained()
 
     async def _keep(self, k: int, fd: int, directory: str, *, task_status: trio.TaskStatus[None]) -> None:
         """API server ``k``, restarted within the budget; ``task_status`` once it first serves."""
@@ -362,7 +373,10 @@ async def api_server_main() -> None:
                     server.shutdown()
 
             async def run() -> None:
-                await server.run()  # returns once a shutdown has run its course
+                # Returns once a shutdown has run its course; raises once every engine failed for good (the
+                # supervising process, which drains this one then, says so and exits 4).
+                with contextlib.suppress(EngineDeadError):
+                    await server.run()
                 nursery.cancel_scope.cancel()
 
             serving = trio.Event()
