@@ -77,6 +77,8 @@ class Submitted:
 
     def __init__(self, request_id: str) -> None:
         self.request_id = request_id
+        self.client: object = None  # the client it was sent through, once sent
+        self.aborted = False  # its consumer left it
 
     def add_request(self, wave: int = 0) -> AddRequest:
         return AddRequest(request_id=self.request_id, prompt_token_ids=[5, 6], params=SamplingParams(max_tokens=8))

@@ -860,6 +860,7 @@ class LifecycleMachine(RuleBasedStateMachine):
         live = [r for r in self.reqs if not r.over]  # counted before stats: an abort sent later is not seen by it
         held_in_all = engine.num_requests_in_flight()
         held = [0 if s.client is None else len(s.client.requests) for s in supervisors(engine)]
+        on_before = {r.n: r.now_on for r in live}  # (a request resumed meanwhile is counted where it was and is)
         try:
             stats = await engine.stats()
         except EngineDeadError:
@@ -872,7 +873,8 @@ class LifecycleMachine(RuleBasedStateMachine):
         for index, (gen, counts) in enumerate(zip(self.gens, stats.engines or [stats], strict=True)):
             if gen is None:
                 continue  # restarting: its next engine core starts empty
-            here = [r for r in live if r.now_on in (None, index)]  # (None: on its way to an engine)
+            here = [r for r in live if index in (r.now_on, on_before[r.n]) or None in (r.now_on, on_before[r.n])]
+            # (None: on its way to an engine)
             in_use = counts.num_total_blocks - counts.num_free_blocks
             assert held[index] <= len(here) and counts.num_running + counts.num_waiting <= len(here), (
                 f"{len(here)} request(s) not ended at engine {index} {here}, yet the front-end holds {held[index]} "
