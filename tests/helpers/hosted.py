@@ -110,3 +110,14 @@ class HostedServer(_Hosted[Server]):
 
     def _open(self) -> AbstractAsyncContextManager[Server]:
         return serving(self.config, **self.options)
+
+    async def run_fresh(self, scenario: Callable[[Server], Awaitable[None]], bound_s: float = 60.0) -> None:
+        """From a Trio test: ``scenario(server)`` in the server's thread,
+        within ``bound_s``; its prefix cache emptied first, as on a new server."""
+
+        async def fresh(server: Server) -> None:
+            assert server.engine is not None
+            await server.engine.reset_prefix_cache()
+            await scenario(server)
+
+        await trio.to_thread.run_sync(self.call, fresh, bound_s)
