@@ -39,18 +39,6 @@ def shared_server(tiny_model_dir):
     assert trio.run(wait_no_children) == []
 
 
-async def on_shared_server(host: HostedServer, scenario: Any, bound_s: float = 60.0) -> None:
-    """``scenario(server)`` on the shared server, in its thread, within
-    ``bound_s``; its prefix cache emptied first, as on a new server."""
-
-    async def fresh(server: Server) -> None:
-        assert server.engine is not None
-        await server.engine.reset_prefix_cache()
-        await scenario(server)
-
-    await trio.to_thread.run_sync(host.call, fresh, bound_s)
-
-
 def client(server: Server, **options: Any) -> openai.OpenAI:
     options.setdefault("api_key", "unused")
     return openai.OpenAI(base_url=server.http_url, max_retries=0, timeout=20, **options)
@@ -111,7 +99,7 @@ async def test_completions_streamed_and_not_give_the_same_text_and_the_right_usa
         # The second request found the first 8 of its 12 prompt tokens in the prefix cache.
         assert whole.usage.prompt_tokens_details.cached_tokens == 0 and usage.prompt_tokens_details.cached_tokens == 8
 
-    await on_shared_server(shared_server, scenario)
+    await shared_server.run_fresh(scenario)
 
 
 async def test_usage_reports_the_prompt_tokens_found_in_the_prefix_cache(shared_server):
@@ -136,7 +124,7 @@ async def test_usage_reports_the_prompt_tokens_found_in_the_prefix_cache(shared_
         assert second.usage.prompt_tokens_details.cached_tokens == 48
         assert usage is not None and usage.prompt_tokens_details.cached_tokens == 48
 
-    await on_shared_server(shared_server, scenario)
+    await shared_server.run_fresh(scenario)
 
 
 async def test_chat_completions_streamed_and_not_give_the_same_text_and_n_2_gives_two_choices(shared_server):
@@ -171,7 +159,7 @@ async def test_chat_completions_streamed_and_not_give_the_same_text_and_n_2_give
         assert all(texts2) and finishes2 == ["length", "length"]
         assert usage2 is not None and (usage2.prompt_tokens, usage2.completion_tokens) == (prompt_tokens, 14)
 
-    await on_shared_server(shared_server, scenario)
+    await shared_server.run_fresh(scenario)
 
 
 async def test_models_lists_the_served_model_and_stop_strings_end_a_request(shared_server):
@@ -189,7 +177,7 @@ async def test_models_lists_the_served_model_and_stop_strings_end_a_request(shar
         assert stopped.choices[0].finish_reason == "stop"
         assert stopped.choices[0].text == whole.choices[0].text[: whole.choices[0].text.index(stop)]
 
-    await on_shared_server(shared_server, scenario)
+    await shared_server.run_fresh(scenario)
 
 
 async def test_the_api_key_is_required_on_the_api_but_not_on_health_and_metrics(fake_config):
@@ -627,7 +615,7 @@ async def test_a_body_that_is_not_utf8_gets_invalid_json_and_the_server_serves_o
             assert error["code"] == "invalid_json" and "UTF-8" in error["message"], error
         assert after[0] == 200
 
-    await on_shared_server(shared_server, scenario)
+    await shared_server.run_fresh(scenario)
 
 
 async def test_a_client_that_never_reads_a_whole_response_is_dropped_after_the_slow_consumer_timeout(fake_config):
@@ -724,7 +712,7 @@ async def test_a_body_of_one_byte_chunks_is_refused_before_it_costs_seconds_of_p
         assert answer.startswith((b"HTTP/1.1 400 ", b"HTTP/1.1 413 ")), answer[:200]
         assert took < 2.0, f"the server spent {took:.1f}s on one request body"
 
-    await on_shared_server(shared_server, scenario)
+    await shared_server.run_fresh(scenario)
 
 
 async def test_a_body_announced_too_large_with_expect_100_continue_gets_413_and_no_100(fake_config):
