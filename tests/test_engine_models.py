@@ -1,6 +1,10 @@
 """The whole engine on real (tiny, random-weight) transformers models, loaded
 with ``from_pretrained`` from a directory, compared with transformers' own
-greedy ``generate()`` for each prompt alone."""
+greedy ``generate()`` for each prompt alone.
+
+Tests that need no engine of their own share one llama engine
+(``llama_engine``, a ``HostedEngine``): blocks of 4, prefix caching on.
+"""
 
 from __future__ import annotations
 
@@ -9,6 +13,8 @@ import random
 import pytest
 import trio
 from helpers.concurrent import run_concurrently, run_in_one_batch
+from helpers.fakes import wait_no_children
+from helpers.hosted import HostedEngine
 from helpers.reference import make_prompts, reference_greedy
 
 import trioserve
@@ -19,6 +25,14 @@ pytestmark = pytest.mark.model
 
 ARCHITECTURES = ["llama", "qwen2", "qwen3"]
 MAX_TOKENS = 12
+
+
+@pytest.fixture(scope="module")
+def llama_engine(tiny_model_dir):
+    host = HostedEngine(EngineConfig(model=str(tiny_model_dir("llama")), block_size=4, shutdown_grace_s=3.0))
+    yield host
+    host.close()
+    assert trio.run(wait_no_children) == []
 
 
 def make_shared_prefix_prompts(vocab_size: int) -> tuple[list[int], list[list[int]]]:
@@ -49,13 +63,23 @@ async def run_shared_prefix_prompts(engine, base, prompts, params) -> list[list[
 
 
 @pytest.mark.parametrize("arch", ARCHITECTURES)
-async def test_concurrent_greedy_requests_match_transformers_generate(tiny_model_dir, arch):
+async def test_concurrent_greedy_requests_match_transformers_generate(tiny_model_dir, arch, request):
     """Also with prefix caching (on by default): prompts sharing prefixes of
     every length give the tokens they give with caching off, and as
     transformers gives them, with and without preemptions."""
     model_dir = tiny_model_dir(arch)
     params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True)
     base = EngineConfig(model=str(model_dir), block_size=4, shutdown_grace_s=3.0)
+
+    async def cached(engine) -> None:
+        await engine.reset_prefix_cache()  # the shared engine may hold other tests' prompts
+        before = await engine.stats()
+        assert await run_concurrently(engine, prompts, params) == expected
+        assert (await engine.stats()).num_preemptions == before.num_preemptions
+        assert await run_shared_prefix_prompts(engine, system, shared, params) == expected_shared
+        hits = (await engine.stats()).prefix_cache_hits - before.prefix_cache_hits
+        assert hits >= 100  # the 24-token base alone is 6 blocks, and most prompts hit it
+
     with trio.fail_after(180):
         prompts = make_prompts(VOCAB_SIZE)
         system, shared = make_shared_prefix_prompts(VOCAB_SIZE)
@@ -67,13 +91,13 @@ async def test_concurrent_greedy_requests_match_transformers_generate(tiny_model
                 assert engine.info.vocab_size == VOCAB_SIZE
                 assert await run_shared_prefix_prompts(engine, system, shared, params) == expected_shared
                 assert (await engine.stats()).prefix_cache_hits == 0
-        async with trioserve.open_engine(config=base) as engine:
-            assert await run_concurrently(engine, prompts, params) == expected
-            stats = await engine.stats()
-            assert stats.num_preemptions == 0
-            assert await run_shared_prefix_prompts(engine, system, shared, params) == expected_shared
-            stats = await engine.stats()
-            assert stats.prefix_cache_hits >= 100  # the 24-token base alone is 6 blocks, and most prompts hit it
+        if arch == "llama":
+            host = request.getfixturevalue("llama_engine")
+            assert host.config == base
+            await trio.to_thread.run_sync(host.call, cached)
+        else:
+            async with trioserve.open_engine(config=base) as engine:
+                await cached(engine)
         # A cache too small for all eight at once: requests are preempted and
         # recomputed (from what is still cached), and still produce the same tokens.
         # The scheduler's, whatever the model: once is enough.
@@ -93,51 +117,52 @@ async def test_concurrent_greedy_requests_match_transformers_generate(tiny_model
                 assert await run_shared_prefix_prompts(engine, system, shared, params) == expected_shared
 
 
-async def test_seeded_sampling_does_not_depend_on_the_batch(tiny_model_dir):
-    model_dir = tiny_model_dir("llama")
+def test_seeded_sampling_does_not_depend_on_the_batch(llama_engine):
     seeded = SamplingParams(max_tokens=16, temperature=1.0, top_p=0.95, top_k=50, seed=7, ignore_eos=True)
-    with trio.fail_after(120):
-        async with trioserve.open_engine(config=EngineConfig(model=str(model_dir), block_size=4)) as engine:
-            prompt = [5, 17, 33, 60, 61, 62]
-            alone = (await engine.generate(prompt, seeded)).token_ids
-            others = make_prompts(engine.info.vocab_size, 6)
-            noise = SamplingParams(max_tokens=20, temperature=1.0, ignore_eos=True)
-            results: dict[str, list[int]] = {}
 
-            async def seeded_one() -> None:
-                results["seeded"] = (await engine.generate(prompt, seeded)).token_ids
+    async def scenario(engine) -> None:
+        prompt = [5, 17, 33, 60, 61, 62]
+        alone = (await engine.generate(prompt, seeded)).token_ids
+        others = make_prompts(engine.info.vocab_size, 6)
+        noise = SamplingParams(max_tokens=20, temperature=1.0, ignore_eos=True)
+        results: dict[str, list[int]] = {}
 
-            # All seven in one batch for sure (held while paused, then given to the scheduler at once).
-            await engine.pause()
-            async with trio.open_nursery() as nursery:
-                for other in others:
-                    nursery.start_soon(engine.generate, other, noise)
-                nursery.start_soon(seeded_one)
-                while (await engine.stats()).num_waiting < len(others) + 1:
-                    await trio.sleep(0.01)
-                await engine.resume()
-            assert results["seeded"] == alone
-            different_seed = SamplingParams(max_tokens=16, temperature=1.0, seed=8, ignore_eos=True)
-            assert (await engine.generate(prompt, different_seed)).token_ids != alone
-            # Near-greedy settings sample the greedy tokens (found: a temperature of 1e-38 gave token 0 each time).
-            greedy = (await engine.generate(prompt, SamplingParams(max_tokens=12, temperature=0))).token_ids
-            for near in ({"temperature": 1e-38}, {"temperature": 5e-324}, {"top_p": 1e-46}, {"top_p": 5e-324}):
-                params = SamplingParams(max_tokens=12, **near)
-                assert (await engine.generate(prompt, params)).token_ids == greedy, near
+        async def seeded_one() -> None:
+            results["seeded"] = (await engine.generate(prompt, seeded)).token_ids
+
+        # All seven in one batch for sure (held while paused, then given to the scheduler at once).
+        await engine.pause()
+        async with trio.open_nursery() as nursery:
+            for other in others:
+                nursery.start_soon(engine.generate, other, noise)
+            nursery.start_soon(seeded_one)
+            while (await engine.stats()).num_waiting < len(others) + 1:
+                await trio.sleep(0.01)
+            await engine.resume()
+        assert results["seeded"] == alone
+        different_seed = SamplingParams(max_tokens=16, temperature=1.0, seed=8, ignore_eos=True)
+        assert (await engine.generate(prompt, different_seed)).token_ids != alone
+        # Near-greedy settings sample the greedy tokens (found: a temperature of 1e-38 gave token 0 each time).
+        greedy = (await engine.generate(prompt, SamplingParams(max_tokens=12, temperature=0))).token_ids
+        for near in ({"temperature": 1e-38}, {"temperature": 5e-324}, {"top_p": 1e-46}, {"top_p": 5e-324}):
+            params = SamplingParams(max_tokens=12, **near)
+            assert (await engine.generate(prompt, params)).token_ids == greedy, near
+
+    llama_engine.call(scenario, bound_s=120)
 
 
-async def test_text_prompt_streams_text_that_matches_the_tokens(tiny_model_dir):
-    model_dir = tiny_model_dir("llama")
-    with trio.fail_after(120):
-        async with trioserve.open_engine(config=EngineConfig(model=str(model_dir))) as engine:
-            pieces, tokens = [], []
-            async with engine.stream("Hello, trio!", SamplingParams(max_tokens=20, temperature=0)) as stream:
-                async for out in stream:
-                    pieces.append(out.text)
-                    tokens.extend(out.token_ids)
-            assert out.finished
-            # Random weights emit random bytes: unfinished UTF-8 at the very end is dropped.
-            assert "".join(pieces) == out.cumulative_text == engine.tokenizer.decode(tokens).rstrip("\ufffd")
+def test_text_prompt_streams_text_that_matches_the_tokens(llama_engine):
+    async def scenario(engine) -> None:
+        pieces, tokens = [], []
+        async with engine.stream("Hello, trio!", SamplingParams(max_tokens=20, temperature=0)) as stream:
+            async for out in stream:
+                pieces.append(out.text)
+                tokens.extend(out.token_ids)
+        assert out.finished
+        # Random weights emit random bytes: unfinished UTF-8 at the very end is dropped.
+        assert "".join(pieces) == out.cumulative_text == engine.tokenizer.decode(tokens).rstrip("\ufffd")
+
+    llama_engine.call(scenario, bound_s=120)
 
 
 async def time_to_first_token(engine, prompt: list[int], params: SamplingParams) -> tuple[float, int | None]:

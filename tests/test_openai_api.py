@@ -1,6 +1,10 @@
 """The OpenAI-compatible API of a real server (in-process, the fake runner),
 driven by the official ``openai`` client in threads, and by raw HTTP where
-the client would hide what the server sent."""
+the client would hide what the server sent.
+
+Tests that need no server options of their own share one server
+(``shared_server``, a ``HostedServer``), its prefix cache emptied before each.
+"""
 
 from __future__ import annotations
 
@@ -14,7 +18,8 @@ from typing import Any
 import openai
 import pytest
 import trio
-from helpers.fakes import SERVING
+from helpers.fakes import SERVING, make_fake_config, wait_no_children
+from helpers.hosted import HostedServer
 from helpers.server import raw_request, serving, wait_blocks_free
 from helpers.waiting import in_thread, wait_until
 from prometheus_client.parser import text_string_to_metric_families
@@ -24,6 +29,14 @@ from trioserve.server import Server
 pytestmark = pytest.mark.fake_config(**SERVING)
 
 MODEL = "tiny-llama"  # the served model's name in these tests
+
+
+@pytest.fixture(scope="module")
+def shared_server(tiny_model_dir):
+    host = HostedServer(make_fake_config(str(tiny_model_dir("llama")), **SERVING), model_name=MODEL)
+    yield host
+    host.close()
+    assert trio.run(wait_no_children) == []
 
 
 def client(server: Server, **options: Any) -> openai.OpenAI:
@@ -56,114 +69,115 @@ MESSAGES = [{"role": "system", "content": "Be brief."}, {"role": "user", "conten
 # --- the official client -------------------------------------------------------------
 
 
-async def test_completions_streamed_and_not_give_the_same_text_and_the_right_usage(fake_config):
-    with trio.fail_after(60):
-        async with serving(fake_config(), model_name=MODEL) as server:
-            api = client(server)
-            whole = await in_thread(
-                api.completions.create, model=MODEL, prompt="Hello there", max_tokens=12, temperature=0
-            )
-            streamed = await in_thread(
-                api.completions.create,
-                model=MODEL,
-                prompt="Hello there",
-                max_tokens=12,
-                temperature=0,
-                stream=True,
-                stream_options={"include_usage": True},
-            )
-            texts, finishes, usage = await in_thread(stream_text, streamed)
-            assert server.engine is not None
-            prompt_tokens = len(server.engine.tokenizer.encode("Hello there"))
-    assert whole.object == "text_completion" and whole.model == MODEL
-    assert [c.index for c in whole.choices] == [0] and whole.choices[0].text
-    assert texts == [whole.choices[0].text] and finishes == [whole.choices[0].finish_reason] == ["length"]
-    assert (whole.usage.prompt_tokens, whole.usage.completion_tokens, whole.usage.total_tokens) == (
-        prompt_tokens,
-        12,
-        prompt_tokens + 12,
-    )
-    assert usage is not None and usage.model_dump(exclude={"prompt_tokens_details"}) == whole.usage.model_dump(
-        exclude={"prompt_tokens_details"}
-    )
-    # The second request found the first 8 of its 12 prompt tokens in the prefix cache.
-    assert whole.usage.prompt_tokens_details.cached_tokens == 0 and usage.prompt_tokens_details.cached_tokens == 8
+async def test_completions_streamed_and_not_give_the_same_text_and_the_right_usage(shared_server):
+    async def scenario(server: Server) -> None:
+        api = client(server)
+        whole = await in_thread(api.completions.create, model=MODEL, prompt="Hello there", max_tokens=12, temperature=0)
+        streamed = await in_thread(
+            api.completions.create,
+            model=MODEL,
+            prompt="Hello there",
+            max_tokens=12,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+        texts, finishes, usage = await in_thread(stream_text, streamed)
+        assert server.engine is not None
+        prompt_tokens = len(server.engine.tokenizer.encode("Hello there"))
+        assert whole.object == "text_completion" and whole.model == MODEL
+        assert [c.index for c in whole.choices] == [0] and whole.choices[0].text
+        assert texts == [whole.choices[0].text] and finishes == [whole.choices[0].finish_reason] == ["length"]
+        assert (whole.usage.prompt_tokens, whole.usage.completion_tokens, whole.usage.total_tokens) == (
+            prompt_tokens,
+            12,
+            prompt_tokens + 12,
+        )
+        assert usage is not None and usage.model_dump(exclude={"prompt_tokens_details"}) == whole.usage.model_dump(
+            exclude={"prompt_tokens_details"}
+        )
+        # The second request found the first 8 of its 12 prompt tokens in the prefix cache.
+        assert whole.usage.prompt_tokens_details.cached_tokens == 0 and usage.prompt_tokens_details.cached_tokens == 8
+
+    await shared_server.run_fresh(scenario)
 
 
-async def test_usage_reports_the_prompt_tokens_found_in_the_prefix_cache(fake_config):
+async def test_usage_reports_the_prompt_tokens_found_in_the_prefix_cache(shared_server):
     prompt = (
         "A system prompt that two requests share, and then: "  # 52 tokens: the first 48 (12 blocks of 4) can be cached
     )
-    with trio.fail_after(60):
-        async with serving(fake_config(), model_name=MODEL) as server:
-            api = client(server)
-            first = await in_thread(api.completions.create, model=MODEL, prompt=prompt, max_tokens=4)
-            second = await in_thread(api.completions.create, model=MODEL, prompt=prompt, max_tokens=4)
-            streamed = await in_thread(
-                api.completions.create,
-                model=MODEL,
-                prompt=prompt,
-                max_tokens=4,
-                stream=True,
-                stream_options={"include_usage": True},
-            )
-            _, _, usage = await in_thread(stream_text, streamed)
-    assert first.usage.prompt_tokens == 52 and first.usage.prompt_tokens_details.cached_tokens == 0
-    assert second.usage.prompt_tokens_details.cached_tokens == 48
-    assert usage is not None and usage.prompt_tokens_details.cached_tokens == 48
+
+    async def scenario(server: Server) -> None:
+        api = client(server)
+        first = await in_thread(api.completions.create, model=MODEL, prompt=prompt, max_tokens=4)
+        second = await in_thread(api.completions.create, model=MODEL, prompt=prompt, max_tokens=4)
+        streamed = await in_thread(
+            api.completions.create,
+            model=MODEL,
+            prompt=prompt,
+            max_tokens=4,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+        _, _, usage = await in_thread(stream_text, streamed)
+        assert first.usage.prompt_tokens == 52 and first.usage.prompt_tokens_details.cached_tokens == 0
+        assert second.usage.prompt_tokens_details.cached_tokens == 48
+        assert usage is not None and usage.prompt_tokens_details.cached_tokens == 48
+
+    await shared_server.run_fresh(scenario)
 
 
-async def test_chat_completions_streamed_and_not_give_the_same_text_and_n_2_gives_two_choices(fake_config):
-    with trio.fail_after(60):
-        async with serving(fake_config(), model_name=MODEL) as server:
-            api = client(server)
-            create = api.chat.completions.create
-            whole = await in_thread(create, model=MODEL, messages=MESSAGES, max_completion_tokens=10, temperature=0)
-            streamed = await in_thread(
-                create, model=MODEL, messages=MESSAGES, max_tokens=10, temperature=0, stream=True
-            )
-            texts, finishes, usage = await in_thread(stream_text, streamed)
-            two = await in_thread(create, model=MODEL, messages=MESSAGES, max_tokens=7, n=2, seed=3)
-            two_streamed = await in_thread(
-                create,
-                model=MODEL,
-                messages=MESSAGES,
-                max_tokens=7,
-                n=2,
-                stream=True,
-                stream_options={"include_usage": True},
-            )
-            texts2, finishes2, usage2 = await in_thread(stream_text, two_streamed, 2)
-            prompt_tokens = await chat_prompt_tokens(server, MESSAGES)
-    message = whole.choices[0].message
-    assert whole.object == "chat.completion" and message.role == "assistant" and message.content
-    assert texts == [message.content] and finishes == ["length"] and usage is None
-    assert (whole.usage.prompt_tokens, whole.usage.completion_tokens) == (prompt_tokens, 10)
-    assert [c.index for c in two.choices] == [0, 1] and all(c.message.content for c in two.choices)
-    assert (two.usage.prompt_tokens, two.usage.completion_tokens, two.usage.total_tokens) == (
-        prompt_tokens,
-        14,
-        prompt_tokens + 14,
-    )
-    assert all(texts2) and finishes2 == ["length", "length"]
-    assert usage2 is not None and (usage2.prompt_tokens, usage2.completion_tokens) == (prompt_tokens, 14)
+async def test_chat_completions_streamed_and_not_give_the_same_text_and_n_2_gives_two_choices(shared_server):
+    async def scenario(server: Server) -> None:
+        api = client(server)
+        create = api.chat.completions.create
+        whole = await in_thread(create, model=MODEL, messages=MESSAGES, max_completion_tokens=10, temperature=0)
+        streamed = await in_thread(create, model=MODEL, messages=MESSAGES, max_tokens=10, temperature=0, stream=True)
+        texts, finishes, usage = await in_thread(stream_text, streamed)
+        two = await in_thread(create, model=MODEL, messages=MESSAGES, max_tokens=7, n=2, seed=3)
+        two_streamed = await in_thread(
+            create,
+            model=MODEL,
+            messages=MESSAGES,
+            max_tokens=7,
+            n=2,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+        texts2, finishes2, usage2 = await in_thread(stream_text, two_streamed, 2)
+        prompt_tokens = await chat_prompt_tokens(server, MESSAGES)
+        message = whole.choices[0].message
+        assert whole.object == "chat.completion" and message.role == "assistant" and message.content
+        assert texts == [message.content] and finishes == ["length"] and usage is None
+        assert (whole.usage.prompt_tokens, whole.usage.completion_tokens) == (prompt_tokens, 10)
+        assert [c.index for c in two.choices] == [0, 1] and all(c.message.content for c in two.choices)
+        assert (two.usage.prompt_tokens, two.usage.completion_tokens, two.usage.total_tokens) == (
+            prompt_tokens,
+            14,
+            prompt_tokens + 14,
+        )
+        assert all(texts2) and finishes2 == ["length", "length"]
+        assert usage2 is not None and (usage2.prompt_tokens, usage2.completion_tokens) == (prompt_tokens, 14)
+
+    await shared_server.run_fresh(scenario)
 
 
-async def test_models_lists_the_served_model_and_stop_strings_end_a_request(fake_config):
-    with trio.fail_after(60):
-        async with serving(fake_config(), model_name=MODEL) as server:
-            api = client(server)
-            models = await in_thread(api.models.list)
-            model = await in_thread(api.models.retrieve, MODEL)
-            with pytest.raises(openai.NotFoundError, match="is not served here"):
-                await in_thread(api.models.retrieve, "gpt-4")
-            whole = await in_thread(api.completions.create, model=MODEL, prompt="Hello", max_tokens=30, temperature=0)
-            stop = whole.choices[0].text[3:5]
-            stopped = await in_thread(api.completions.create, model=MODEL, prompt="Hello", max_tokens=30, stop=stop)
-    assert [m.id for m in models.data] == [MODEL]
-    assert model == models.data[0] and model.object == "model"
-    assert stopped.choices[0].finish_reason == "stop"
-    assert stopped.choices[0].text == whole.choices[0].text[: whole.choices[0].text.index(stop)]
+async def test_models_lists_the_served_model_and_stop_strings_end_a_request(shared_server):
+    async def scenario(server: Server) -> None:
+        api = client(server)
+        models = await in_thread(api.models.list)
+        model = await in_thread(api.models.retrieve, MODEL)
+        with pytest.raises(openai.NotFoundError, match="is not served here"):
+            await in_thread(api.models.retrieve, "gpt-4")
+        whole = await in_thread(api.completions.create, model=MODEL, prompt="Hello", max_tokens=30, temperature=0)
+        stop = whole.choices[0].text[3:5]
+        stopped = await in_thread(api.completions.create, model=MODEL, prompt="Hello", max_tokens=30, stop=stop)
+        assert [m.id for m in models.data] == [MODEL]
+        assert model == models.data[0] and model.object == "model"
+        assert stopped.choices[0].finish_reason == "stop"
+        assert stopped.choices[0].text == whole.choices[0].text[: whole.choices[0].text.index(stop)]
+
+    await shared_server.run_fresh(scenario)
 
 
 async def test_the_api_key_is_required_on_the_api_but_not_on_health_and_metrics(fake_config):
@@ -579,27 +593,29 @@ def post(path: str, body: bytes, *headers: str) -> bytes:
     return ("\r\n".join(lines) + "\r\n\r\n").encode() + body
 
 
-async def test_a_body_that_is_not_utf8_gets_invalid_json_and_the_server_serves_on(fake_config):
+async def test_a_body_that_is_not_utf8_gets_invalid_json_and_the_server_serves_on(shared_server):
     # Found: msgspec raised UnicodeDecodeError, which nothing caught: the
     # connection was dropped without a response and "a connection failed" logged.
     body = b'{"model": "tiny-llama", "prompt": "caf\xe9"}'
-    with trio.fail_after(60):
-        async with serving(fake_config(), model_name=MODEL) as server:
-            answer = await in_thread(exchange, server, post("/v1/completions", body))
-            chat = await in_thread(
-                exchange,
-                server,
-                post(
-                    "/v1/chat/completions",
-                    b'{"model": "tiny-llama", "messages": [{"role": "user", "content": "\xff"}]}',
-                ),
-            )
-            after = await in_thread(raw_request, server, "GET", "/v1/models")
-    for data in (answer, chat):
-        assert data.startswith(b"HTTP/1.1 400 "), data
-        error = json.loads(data.partition(b"\r\n\r\n")[2])["error"]
-        assert error["code"] == "invalid_json" and "UTF-8" in error["message"], error
-    assert after[0] == 200
+
+    async def scenario(server: Server) -> None:
+        answer = await in_thread(exchange, server, post("/v1/completions", body))
+        chat = await in_thread(
+            exchange,
+            server,
+            post(
+                "/v1/chat/completions",
+                b'{"model": "tiny-llama", "messages": [{"role": "user", "content": "\xff"}]}',
+            ),
+        )
+        after = await in_thread(raw_request, server, "GET", "/v1/models")
+        for data in (answer, chat):
+            assert data.startswith(b"HTTP/1.1 400 "), data
+            error = json.loads(data.partition(b"\r\n\r\n")[2])["error"]
+            assert error["code"] == "invalid_json" and "UTF-8" in error["message"], error
+        assert after[0] == 200
+
+    await shared_server.run_fresh(scenario)
 
 
 async def test_a_client_that_never_reads_a_whole_response_is_dropped_after_the_slow_consumer_timeout(fake_config):
@@ -681,20 +697,22 @@ async def test_a_shutdown_ends_http_requests_past_the_grace_with_a_shutdown_erro
     assert json.loads(whole.partition(b"\r\n\r\n")[2])["error"]["code"] == "shutdown"
 
 
-async def test_a_body_of_one_byte_chunks_is_refused_before_it_costs_seconds_of_parsing(fake_config):
+async def test_a_body_of_one_byte_chunks_is_refused_before_it_costs_seconds_of_parsing(shared_server):
     # Found: every chunk of a chunked body is one h11 event parsed on the
     # event loop (~25 us each): 200,000 one-byte chunks (1.2 MB on the wire,
     # within --max-message-bytes) took the server about 5 s of CPU, in slices
     # of ~0.2 s during which nothing else (streams, /health) ran.
     chunks = b"".join(b"1\r\nx\r\n" for _ in range(200_000))
     request = b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\nConnection: close\r\n\r\n"
-    with trio.fail_after(60):
-        async with serving(fake_config(), model_name=MODEL) as server:
-            started = trio.current_time()
-            answer = await in_thread(exchange, server, request + chunks + b"0\r\n\r\n")
-            took = trio.current_time() - started
-    assert answer.startswith((b"HTTP/1.1 400 ", b"HTTP/1.1 413 ")), answer[:200]
-    assert took < 2.0, f"the server spent {took:.1f}s on one request body"
+
+    async def scenario(server: Server) -> None:
+        started = trio.current_time()
+        answer = await in_thread(exchange, server, request + chunks + b"0\r\n\r\n")
+        took = trio.current_time() - started
+        assert answer.startswith((b"HTTP/1.1 400 ", b"HTTP/1.1 413 ")), answer[:200]
+        assert took < 2.0, f"the server spent {took:.1f}s on one request body"
+
+    await shared_server.run_fresh(scenario)
 
 
 async def test_a_body_announced_too_large_with_expect_100_continue_gets_413_and_no_100(fake_config):

@@ -4,7 +4,7 @@
 ``include_stop_str_in_output``, bad values refused beside a request that
 completes), then over the OpenAI API with the official client (``echo``,
 ``extra_body``, ``stream_options.continuous_usage_stats``, 400s naming the
-field). One engine per test, many requests on it."""
+field). One server (``HostedServer``) for both, many requests on it."""
 
 from __future__ import annotations
 
@@ -13,13 +13,15 @@ from typing import Any
 import openai
 import pytest
 import trio
-from helpers.server import serving
+from helpers.fakes import wait_no_children
+from helpers.hosted import HostedServer
 from helpers.waiting import in_thread
 
 import trioserve
 from trioserve import EngineConfig, SamplingParams
 from trioserve.errors import InvalidRequestError
 from trioserve.gpu.tiny_models import EOS_ID, VOCAB_SIZE
+from trioserve.server import Server
 
 torch = pytest.importorskip("torch")
 
@@ -31,6 +33,14 @@ PROMPT = [1, *range(40, 70)]  # 31 tokens: several prefill chunks of 16
 
 def engine_config(model_dir: Any) -> EngineConfig:
     return EngineConfig(model=str(model_dir), block_size=4, max_num_batched_tokens=16, shutdown_grace_s=3.0)
+
+
+@pytest.fixture(scope="module")
+def server(tiny_model_dir):
+    host = HostedServer(engine_config(tiny_model_dir("llama")), model_name="tiny-llama")
+    yield host
+    host.close()
+    assert trio.run(wait_no_children) == []
 
 
 def full_forward_logprobs(model_dir: Any, prompt: list[int]) -> torch.Tensor:
@@ -46,51 +56,54 @@ async def generate(engine: trioserve.Engine, prompt: list[int] | str, **fields: 
     return await engine.generate(prompt, SamplingParams(**fields))
 
 
-async def test_the_fields_act_on_the_tokens_of_a_real_model(tiny_model_dir):
-    model_dir = tiny_model_dir("llama")
-    with trio.fail_after(150):
-        expected = await trio.to_thread.run_sync(full_forward_logprobs, model_dir, PROMPT)
-        async with trioserve.open_engine(config=engine_config(model_dir)) as engine:
-            # logit_bias: a huge bias forces its token, greedy or sampled; EOS so biased ends at once.
-            for temperature in (0, 1.0):
-                out = await generate(engine, PROMPT, max_tokens=6, temperature=temperature, logit_bias={100: 100})
-                assert out.token_ids == [100] * 6
-            out = await generate(engine, PROMPT, max_tokens=10, temperature=0, logit_bias={EOS_ID: 100})
-            assert (out.token_ids, out.finish_reason) == ([EOS_ID], "stop")
-            # min_tokens: EOS cannot come before, and ends the request right after.
-            out = await generate(engine, PROMPT, max_tokens=10, temperature=0, logit_bias={EOS_ID: 100}, min_tokens=4)
-            assert len(out.token_ids) == 5 and out.token_ids[-1] == EOS_ID and EOS_ID not in out.token_ids[:4]
-            assert out.finish_reason == "stop"
-            # allowed_token_ids, sampled.
-            out = await generate(engine, PROMPT, max_tokens=24, temperature=1.5, seed=3, allowed_token_ids=LETTERS)
-            assert set(out.token_ids) <= set(LETTERS) and len(out.token_ids) == 24
-            # bad_words: the text of the greedy output's first two letters never comes again.
-            letters = {"temperature": 0, "max_tokens": 12, "allowed_token_ids": LETTERS}
-            plain = await generate(engine, PROMPT, **letters)
-            word = plain.text[:2]
-            banned = await generate(engine, PROMPT, bad_words=[word], **letters)
-            assert banned.token_ids[0] == plain.token_ids[0] and banned.token_ids[1] != plain.token_ids[1]
-            assert word not in banned.text
-            one_letter = await generate(engine, PROMPT, bad_words=[plain.text[0], " x"], **letters)
-            assert plain.text[0] not in one_letter.text
-            # include_stop_str_in_output: the stop string ends the text instead of being cut off.
-            stop = plain.text[3:5]
-            cut = await generate(engine, PROMPT, stop=[stop], **letters)
-            kept = await generate(engine, PROMPT, stop=[stop], include_stop_str_in_output=True, **letters)
-            start = plain.text.index(stop)
-            assert (cut.text, kept.text) == (plain.text[:start], plain.text[: start + 2])
-            assert cut.stop_reason == kept.stop_reason == stop
-            # prompt_logprobs: every prompt token but the first, as a full forward gives them; the same
-            # prompt again (its blocks cached by now) still computes them all.
-            for _ in range(2):
-                out = await generate(engine, PROMPT, max_tokens=2, temperature=0, prompt_logprobs=3)
-                assert out.prompt_logprobs is not None and len(out.prompt_logprobs) == len(PROMPT) - 1
-                for i, lp in enumerate(out.prompt_logprobs, start=1):
-                    assert lp.logprob == pytest.approx(expected[i - 1, PROMPT[i]].item(), abs=1e-4)
-                    assert lp.top_token_ids == expected[i - 1].topk(3).indices.tolist()
-                    assert lp.rank == int((expected[i - 1] > expected[i - 1, PROMPT[i]]).sum()) + 1
-            assert (await engine.stats()).prefix_cache_hits > 0  # the cache was there to hit
-            await refusals_beside_a_running_request(engine)
+def test_the_fields_act_on_the_tokens_of_a_real_model(tiny_model_dir, server):
+    expected = full_forward_logprobs(tiny_model_dir("llama"), PROMPT)
+    server.call(lambda s: the_fields_act(s.engine, expected), bound_s=150)
+
+
+async def the_fields_act(engine: trioserve.Engine, expected: torch.Tensor) -> None:
+    await engine.reset_prefix_cache()  # as on a fresh engine: nothing cached by the other test
+    hits = (await engine.stats()).prefix_cache_hits
+    # logit_bias: a huge bias forces its token, greedy or sampled; EOS so biased ends at once.
+    for temperature in (0, 1.0):
+        out = await generate(engine, PROMPT, max_tokens=6, temperature=temperature, logit_bias={100: 100})
+        assert out.token_ids == [100] * 6
+    out = await generate(engine, PROMPT, max_tokens=10, temperature=0, logit_bias={EOS_ID: 100})
+    assert (out.token_ids, out.finish_reason) == ([EOS_ID], "stop")
+    # min_tokens: EOS cannot come before, and ends the request right after.
+    out = await generate(engine, PROMPT, max_tokens=10, temperature=0, logit_bias={EOS_ID: 100}, min_tokens=4)
+    assert len(out.token_ids) == 5 and out.token_ids[-1] == EOS_ID and EOS_ID not in out.token_ids[:4]
+    assert out.finish_reason == "stop"
+    # allowed_token_ids, sampled.
+    out = await generate(engine, PROMPT, max_tokens=24, temperature=1.5, seed=3, allowed_token_ids=LETTERS)
+    assert set(out.token_ids) <= set(LETTERS) and len(out.token_ids) == 24
+    # bad_words: the text of the greedy output's first two letters never comes again.
+    letters = {"temperature": 0, "max_tokens": 12, "allowed_token_ids": LETTERS}
+    plain = await generate(engine, PROMPT, **letters)
+    word = plain.text[:2]
+    banned = await generate(engine, PROMPT, bad_words=[word], **letters)
+    assert banned.token_ids[0] == plain.token_ids[0] and banned.token_ids[1] != plain.token_ids[1]
+    assert word not in banned.text
+    one_letter = await generate(engine, PROMPT, bad_words=[plain.text[0], " x"], **letters)
+    assert plain.text[0] not in one_letter.text
+    # include_stop_str_in_output: the stop string ends the text instead of being cut off.
+    stop = plain.text[3:5]
+    cut = await generate(engine, PROMPT, stop=[stop], **letters)
+    kept = await generate(engine, PROMPT, stop=[stop], include_stop_str_in_output=True, **letters)
+    start = plain.text.index(stop)
+    assert (cut.text, kept.text) == (plain.text[:start], plain.text[: start + 2])
+    assert cut.stop_reason == kept.stop_reason == stop
+    # prompt_logprobs: every prompt token but the first, as a full forward gives them; the same
+    # prompt again (its blocks cached by now) still computes them all.
+    for _ in range(2):
+        out = await generate(engine, PROMPT, max_tokens=2, temperature=0, prompt_logprobs=3)
+        assert out.prompt_logprobs is not None and len(out.prompt_logprobs) == len(PROMPT) - 1
+        for i, lp in enumerate(out.prompt_logprobs, start=1):
+            assert lp.logprob == pytest.approx(expected[i - 1, PROMPT[i]].item(), abs=1e-4)
+            assert lp.top_token_ids == expected[i - 1].topk(3).indices.tolist()
+            assert lp.rank == int((expected[i - 1] > expected[i - 1, PROMPT[i]]).sum()) + 1
+    assert (await engine.stats()).prefix_cache_hits > hits  # the cache was there to hit
+    await refusals_beside_a_running_request(engine)
 
 
 async def refusals_beside_a_running_request(engine: trioserve.Engine) -> None:
@@ -190,8 +203,10 @@ def check_openai_api(url: str, prompt_ids: list[int]) -> None:
         assert caught.value.body["message"].startswith(field)
 
 
-async def test_the_openai_api_takes_vllms_fields(tiny_model_dir):
-    with trio.fail_after(150):
-        config = engine_config(tiny_model_dir("llama"))
-        async with serving(config, model_name="tiny-llama") as server:
-            await in_thread(check_openai_api, server.http_url, PROMPT[:10])
+def test_the_openai_api_takes_vllms_fields(server):
+    async def scenario(s: Server) -> None:
+        assert s.engine is not None
+        await s.engine.reset_prefix_cache()  # as on a fresh engine: nothing cached by the other test
+        await in_thread(check_openai_api, s.http_url, PROMPT[:10])
+
+    server.call(scenario, bound_s=150)

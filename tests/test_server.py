@@ -1,5 +1,9 @@
 """The WebSocket server in-process, over the torch-free fake runner, with the
-third-party ``websockets`` client (run in threads)."""
+third-party ``websockets`` client (run in threads).
+
+The streaming tests that need no server options of their own share one
+server (``TestOnOneServer``), its prefix cache emptied before each.
+"""
 
 from __future__ import annotations
 
@@ -14,7 +18,8 @@ from typing import Any
 import psutil
 import pytest
 import trio
-from helpers.fakes import SERVING, children
+from helpers.fakes import SERVING, children, make_fake_config, wait_no_children
+from helpers.hosted import HostedServer
 from helpers.server import (
     Received,
     collect,
@@ -51,9 +56,20 @@ PROMPTS = [f"Request number {i} says" + " hello" * (i % 5) for i in range(16)]
 # --- streaming ---------------------------------------------------------------------
 
 
-async def test_16_concurrent_streams_on_one_connection_equal_their_generate_text(fake_config):
-    with trio.fail_after(60):
-        async with serving(fake_config()) as server:
+@pytest.fixture(scope="class")
+def shared_server(tiny_model_dir):
+    """One server for the tests of a class: gone before the tests after it count processes."""
+    host = HostedServer(make_fake_config(str(tiny_model_dir("llama")), **SERVING))
+    yield host
+    host.close()
+    assert trio.run(wait_no_children) == []
+
+
+class TestOnOneServer:
+    """Streaming on one server (its prefix cache emptied before each test)."""
+
+    async def test_16_concurrent_streams_on_one_connection_equal_their_generate_text(self, shared_server):
+        async def scenario(server: Server) -> None:
             requests = [(f"r{i}", p, {"max_tokens": 20 + i, "temperature": 0}) for i, p in enumerate(PROMPTS)]
             received = await in_thread(stream_requests, server.url, requests)
             expected_outputs = {}
@@ -80,13 +96,13 @@ async def test_16_concurrent_streams_on_one_connection_equal_their_generate_text
                 assert r.text == expected.text
                 assert r.token_ids == expected.token_ids
 
+        await shared_server.run_fresh(scenario, bound_s=60)
 
-async def test_done_reports_the_prompt_tokens_found_in_the_prefix_cache(fake_config):
-    prompt = (
-        "A system prompt that two requests share, and then: "  # 52 tokens: the first 48 (12 blocks of 4) can be cached
-    )
-    with trio.fail_after(30):
-        async with serving(fake_config()) as server:
+    async def test_done_reports_the_prompt_tokens_found_in_the_prefix_cache(self, shared_server):
+        # 52 tokens: the first 48 (12 blocks of 4) can be cached
+        prompt = "A system prompt that two requests share, and then: "
+
+        async def scenario(server: Server) -> None:
             for request_id, expected_cached in (("first", 0), ("second", 48)):
                 received = await in_thread(stream_requests, server.url, [(request_id, prompt, {"max_tokens": 4})])
                 terminal = received[request_id].terminal
@@ -97,10 +113,10 @@ async def test_done_reports_the_prompt_tokens_found_in_the_prefix_cache(fake_con
                     "cached_tokens": expected_cached,
                 }
 
+        await shared_server.run_fresh(scenario, bound_s=30)
 
-async def test_16_concurrent_connections_stream_independently(fake_config):
-    with trio.fail_after(60):
-        async with serving(fake_config()) as server:
+    async def test_16_concurrent_connections_stream_independently(self, shared_server):
+        async def scenario(server: Server) -> None:
             results: dict[int, dict[str, Received]] = {}
 
             async def one(i: int) -> None:
@@ -117,10 +133,10 @@ async def test_16_concurrent_connections_stream_independently(fake_config):
                 assert results[i]["only"].text == expected[i].text
                 assert results[i]["only"].terminal["finish_reason"] == "length"  # type: ignore[index]
 
+        await shared_server.run_fresh(scenario, bound_s=60)
 
-async def test_prompt_token_ids_and_stop_strings_and_reusing_an_id_after_done(fake_config):
-    with trio.fail_after(30):
-        async with serving(fake_config()) as server:
+    async def test_prompt_token_ids_and_stop_strings_and_reusing_an_id_after_done(self, shared_server):
+        async def scenario(server: Server) -> None:
             assert server.engine is not None
             expected = await server.engine.generate([5, 6, 7], SamplingParams(max_tokens=30))
             stop = expected.text[10:13]
@@ -137,6 +153,8 @@ async def test_prompt_token_ids_and_stop_strings_and_reusing_an_id_after_done(fa
             assert first.token_ids == expected.token_ids
             assert second.terminal["finish_reason"] == "stop" and second.terminal["stop_reason"] == stop  # type: ignore[index]
             assert second.text == expected.text[: expected.text.index(stop)]
+
+        await shared_server.run_fresh(scenario, bound_s=30)
 
 
 async def test_cancel_ends_the_request_with_done_abort_and_frees_its_blocks(fake_config):
