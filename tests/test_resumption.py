@@ -7,6 +7,7 @@ model's (greedy and seeded sampling)."""
 from __future__ import annotations
 
 import functools
+import itertools
 import json
 import logging
 import os
@@ -52,7 +53,7 @@ def pause_after(seen: Seen, killed_at: float) -> float:
     """The longest wait between two outputs of ``seen`` ending after ``killed_at``
     (an output sent before the kill may still arrive just after it)."""
     arrivals = seen.arrivals
-    return max(b - a for a, b in zip(arrivals, arrivals[1:], strict=False) if b > killed_at)
+    return max(b - a for a, b in itertools.pairwise(arrivals) if b > killed_at)
 
 
 async def read(engine: trioserve.Engine, prompt: list[int], params: SamplingParams, seen: Seen, **options) -> None:
