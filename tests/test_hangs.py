@@ -90,7 +90,8 @@ async def test_with_the_default_heartbeats_a_stopped_worker_is_declared_hung_wit
 
 
 async def test_a_step_far_slower_than_measured_is_a_hang_long_before_the_step_timeout(fake_config):
-    config = fake_config(step_delay_s=0.002, hang_at_step=30, step_hang_min_s=0.5)  # step_timeout_s stays 300
+    # step_timeout_s stays 300; not resumed: each life of the worker hangs at its step 30
+    config = fake_config(step_delay_s=0.002, hang_at_step=30, step_hang_min_s=0.5, resume_requests=False)
     with trio.fail_after(30):
         async with trioserve.open_engine(config=config) as engine:
             started = time.monotonic()
