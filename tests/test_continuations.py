@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 import trio
-from helpers.fakes import EOS, VOCAB, fake_tokens
+from helpers.fakes import EOS, VOCAB, QuietFakeRunner, Script, fake_tokens
 from helpers.scheduling import make_scheduler
 
 from trioserve import EngineConfig, FakeRunnerConfig, SamplingParams
@@ -20,7 +20,6 @@ from trioserve.core.step import Step
 from trioserve.messages import AddRequest, EngineInfo, EngineOutputs, GrammarBitmask, ModelInfo, RunnerOutput
 from trioserve.nurseries.engine_core.step_loop import EngineCore
 from trioserve.pooling import PoolingParams
-from trioserve.runners.fake import FakeRunner
 from trioserve.structured import Regex
 
 PROMPT = [10, 11, 12, 13]
@@ -90,22 +89,6 @@ def test_a_continuation_larger_than_the_whole_kv_cache_is_refused():
     sched.add(continuation([50] * 4))  # 8 tokens: it fits, and samples one more
 
 
-class Script:
-    """A constraint that allows the tokens of ``allowed``, one per position, then is complete."""
-
-    def __init__(self, allowed: list[int]) -> None:
-        self.allowed, self.accepted = allowed, list[int]()
-
-    def accept(self, token_id: int) -> bool:
-        if len(self.accepted) >= len(self.allowed) or self.allowed[len(self.accepted)] != token_id:
-            return False
-        self.accepted.append(token_id)
-        return True
-
-    def is_complete(self) -> bool:
-        return self.accepted == self.allowed
-
-
 def test_a_new_constraint_is_moved_past_a_continuations_tokens_so_far():
     script = Script([40, 41, 42])
     assert continuation([40, 41]).replay(script) is None
@@ -124,11 +107,6 @@ INFO = EngineInfo(
     model=ModelInfo(vocab_size=VOCAB, max_model_len=256, eos_token_ids=[EOS]),
     num_kv_blocks=64, block_size=4, max_model_len=256, engine_pid=1, worker_pids=[2],
 )  # fmt: skip
-
-
-class QuietFakeRunner(FakeRunner):
-    def _install_fault_signal(self) -> None:  # no SIGUSR1 handler in the test process
-        pass
 
 
 class Workers:

@@ -19,7 +19,7 @@ import msgspec
 import pytest
 import trio
 import trio.testing
-from helpers.fakes import EOS, VOCAB
+from helpers.fakes import EOS, VOCAB, QuietFakeRunner
 from helpers.scheduling import make_scheduler
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -32,7 +32,6 @@ from trioserve.frontend.requests.state import RequestState
 from trioserve.frontend.text.tokenizer import Tokenizer
 from trioserve.messages import AbortRequests, EngineInfo, EngineOutputs, ModelInfo, RunnerOutput, SchedulerOutput
 from trioserve.nurseries.engine_core.step_loop import EngineCore
-from trioserve.runners.fake import FakeRunner
 
 INFO = EngineInfo(
     model=ModelInfo(vocab_size=VOCAB, max_model_len=256, eos_token_ids=[EOS]),
@@ -40,11 +39,6 @@ INFO = EngineInfo(
 )  # fmt: skip
 PROMPT = [1, 40, 75, 80, 91, 3]
 SETTINGS = settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-
-
-class QuietFakeRunner(FakeRunner):
-    def _install_fault_signal(self) -> None:  # no SIGUSR1 handler in the test process
-        pass
 
 
 class Workers:

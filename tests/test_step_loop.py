@@ -14,25 +14,19 @@ from typing import Any
 import pytest
 import trio
 import trio.testing
-from helpers.fakes import EOS, VOCAB, fake_tokens
+from helpers.fakes import EOS, VOCAB, QuietFakeRunner, fake_tokens
 
 from trioserve import EngineConfig, FakeRunnerConfig, SamplingParams
 from trioserve.core.scheduler import Scheduler
 from trioserve.core.step import Step
 from trioserve.messages import AddRequest, EngineInfo, EngineOutputs, EngineResponse, ModelInfo, RunnerOutput
 from trioserve.nurseries.engine_core.step_loop import EngineCore
-from trioserve.runners.fake import FakeRunner
 
 STEP_S = 1.0
 INFO = EngineInfo(
     model=ModelInfo(vocab_size=VOCAB, max_model_len=256, eos_token_ids=[EOS]),
     num_kv_blocks=64, block_size=4, max_model_len=256, engine_pid=1, worker_pids=[2],
 )  # fmt: skip
-
-
-class QuietFakeRunner(FakeRunner):
-    def _install_fault_signal(self) -> None:  # no SIGUSR1 handler in the test process
-        pass
 
 
 class VirtualWorkers:

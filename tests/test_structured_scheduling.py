@@ -10,6 +10,7 @@ import json
 import numpy as np
 import pytest
 import trio
+from helpers.fakes import Script
 from helpers.scheduling import make_request, make_scheduler
 
 from trioserve.core.request import RequestStatus
@@ -31,23 +32,6 @@ from trioserve.structured import (
 )
 
 DIGITS = Regex(pattern="[0-9]{2}")
-
-
-class Script:
-    """A constraint that allows the tokens of ``allowed``, one per position, then is complete."""
-
-    def __init__(self, allowed: list[int]) -> None:
-        self.allowed = allowed
-        self.accepted: list[int] = []
-
-    def accept(self, token_id: int) -> bool:
-        if len(self.accepted) >= len(self.allowed) or self.allowed[len(self.accepted)] != token_id:
-            return False
-        self.accepted.append(token_id)
-        return True
-
-    def is_complete(self) -> bool:
-        return self.accepted == self.allowed
 
 
 def run(sched, step, tokens: dict[str, int]):

@@ -11,14 +11,13 @@ import re
 from typing import Any
 
 import trio
-from helpers.fakes import EOS, VOCAB, fake_tokens
+from helpers.fakes import EOS, VOCAB, QuietFakeRunner, fake_tokens
 
 from trioserve import EngineConfig, FakeRunnerConfig, SamplingParams
 from trioserve.core.scheduler import Scheduler
 from trioserve.core.step import Step
 from trioserve.messages import AddRequest, EngineInfo, EngineOutputs, GrammarBitmask, ModelInfo, RunnerOutput
 from trioserve.nurseries.engine_core.step_loop import EngineCore
-from trioserve.runners.fake import FakeRunner
 from trioserve.structured import Regex
 
 STEP_S = 0.05  # real time: the grammars compile in real threads
@@ -26,11 +25,6 @@ INFO = EngineInfo(
     model=ModelInfo(vocab_size=VOCAB, max_model_len=256, eos_token_ids=[EOS]),
     num_kv_blocks=64, block_size=4, max_model_len=256, engine_pid=1, worker_pids=[2],
 )  # fmt: skip
-
-
-class QuietFakeRunner(FakeRunner):
-    def _install_fault_signal(self) -> None:
-        pass
 
 
 class Workers:

@@ -13,6 +13,7 @@ import psutil
 import trio
 
 from trioserve import EngineConfig, FakeRunnerConfig
+from trioserve.runners.fake import FakeRunner
 
 VOCAB = 259  # the tiny test tokenizer's vocabulary: 256 bytes + 3 specials
 EOS = 2  # the fake runner's EOS in the tests
@@ -63,3 +64,27 @@ async def wait_no_children(timeout: float = 2.0) -> list[psutil.Process]:
         while children():
             await trio.sleep(0.05)
     return children()
+
+
+class QuietFakeRunner(FakeRunner):
+    """The fake runner run in the test process: no SIGUSR1 handler installed there."""
+
+    def _install_fault_signal(self) -> None:
+        pass
+
+
+class Script:
+    """A constraint that allows the tokens of ``allowed``, one per position, then is complete."""
+
+    def __init__(self, allowed: list[int]) -> None:
+        self.allowed = allowed
+        self.accepted: list[int] = []
+
+    def accept(self, token_id: int) -> bool:
+        if len(self.accepted) >= len(self.allowed) or self.allowed[len(self.accepted)] != token_id:
+            return False
+        self.accepted.append(token_id)
+        return True
+
+    def is_complete(self) -> bool:
+        return self.accepted == self.allowed
