@@ -163,7 +163,9 @@ def test_renders_in_several_threads_each_stop_at_their_own_deadline_and_the_fast
         late = pool.submit(timed, slow, 1.5)
         time.sleep(0.1)  # armed after the late one, with an earlier deadline
         early = pool.submit(timed, slow, 0.3)
-        fasts = [pool.submit(lambda: [timed(fast, 0.05) for _ in range(200)]) for _ in range(2)]
+        # The fast renders' own deadline is long: two slow renders hold the GIL in turns, so
+        # a render of microseconds may wait many switch intervals for it on a loaded machine.
+        fasts = [pool.submit(lambda: [timed(fast, 1.0) for _ in range(200)]) for _ in range(2)]
         early_text, early_s = early.result(timeout=10)
         late_text, late_s = late.result(timeout=10)
         fast_texts = {text for f in fasts for text, _ in f.result(timeout=10)}

@@ -10,9 +10,10 @@ Order of operations on each row of ``logits [B, V]``:
 3. other rows: temperature, top-k, top-p, min-p, then one draw.
 
 Every accepted value samples sensibly: logits made infinite by an extreme
-penalty or temperature are clamped to the largest finite float (so no NaN
-comes out of a softmax), and top-p always keeps the most likely token, even
-when ``top_p`` rounds to 0 in float32.
+penalty are clamped to the largest finite float (so no NaN comes out of a
+softmax), the temperature divides logits shifted by their row's largest (so a
+tiny one cannot overflow the top ones into a tie), and top-p always keeps the
+most likely token, even when ``top_p`` rounds to 0 in float32.
 
 A draw is ``argmax(probs / noise)`` with ``noise ~ Exponential(1)`` per
 token, which picks token i with probability ``probs[i]``. For a request with
@@ -113,10 +114,14 @@ def apply_penalties(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
 
 
 def apply_filters(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
-    """Temperature, top-k, top-p and min-p on ``logits [B, V]``; removed tokens get -inf."""
+    """Temperature, top-k, top-p and min-p on ``logits [B, V]``; removed tokens get -inf. The
+    result is the filtered distribution's logits shifted so that each row's largest is 0."""
     device, vocab = logits.device, logits.shape[1]
     temperature = _column([1.0 if p.greedy else p.temperature for p in params], logits.dtype, device)
-    logits = _finite(logits / temperature)
+    # Shifted by the row's largest logit first (a softmax is unchanged by it): a small temperature
+    # then sends the others towards -inf instead of sending the top ones to +inf, tied there.
+    top = logits.max(dim=1, keepdim=True).values
+    logits = _finite((logits - top.clamp_min(torch.finfo(logits.dtype).min)) / temperature)
     if any(0 < p.top_k < vocab for p in params):
         ks = [p.top_k if 0 < p.top_k < vocab else vocab for p in params]
         top = logits.topk(max(ks), dim=1).values  # [B, max k], descending
