@@ -75,7 +75,8 @@ THIRD_PARTY = {
     "nurseries": {"msgspec", "trio", "zmq", "setproctitle", "llguidance", "numpy"},
     # jinja2: the model's chat template, rendered in a sandbox (frontend/text/chat_template.py).
     # llguidance: a request's constraint checked before it goes to an engine (frontend/text/structured.py).
-    "frontend": {"msgspec", "trio", "zmq", "tokenizers", "jinja2", "llguidance"},
+    # ray: engine cores placed by Ray (frontend/engines/ray_backend.py, imported there lazily).
+    "frontend": {"msgspec", "trio", "zmq", "tokenizers", "jinja2", "llguidance", "ray"},
     "default_model": set(),
     "api": {"msgspec", "trio"},
     # h11: HTTP/1.1 framing (server/http_conn.py); prometheus_client: /metrics (server/metrics.py).

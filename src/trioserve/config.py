@@ -231,6 +231,11 @@ class EngineConfig:
     data_parallel_rpc_port: int = 0
     curve_keys_dir: str | None = None
     insecure_tcp: bool = False
+    # "ray": every engine core is placed by Ray, in a placement group of its own on a node of the
+    # cluster at ray_address (or RAY_ADDRESS; a local cluster, started here, when neither is given),
+    # and joins like an engine core on another host (frontend/engines/ray_backend.py).
+    data_parallel_backend: str = "mp"
+    ray_address: str | None = None
     torch_threads: int | None = None  # torch intra-op threads in each worker (None: cpu_threads_per_worker)
     # torch.compile the model (gpu/compiled.py) while the workers load it, so
     # that the first request does not pay for it; without tensor parallelism only.
@@ -363,7 +368,20 @@ class EngineConfig:
             "data_parallel_size_local",
             "must be in [0, data_parallel_size]",
         )
-        if self.num_remote_engines:
+        _check(self.data_parallel_backend in ("mp", "ray"), "data_parallel_backend", "must be 'mp' or 'ray'")
+        if self.data_parallel_backend == "ray":
+            _check(
+                self.data_parallel_size_local is None,
+                "data_parallel_size_local",
+                "with the ray backend Ray places every engine core: leave it unset",
+            )
+            _check(not self.data_parallel_lockstep, "data_parallel_lockstep", "is not supported on Ray yet")
+            _check(
+                0 <= self.data_parallel_rpc_port < 65536,
+                "data_parallel_rpc_port",
+                "must be a TCP port, or 0 for one the kernel picks",
+            )
+        elif self.num_remote_engines:
             _check(
                 0 < self.data_parallel_rpc_port < 65536,
                 "data_parallel_rpc_port",
@@ -410,6 +428,8 @@ class EngineConfig:
     @property
     def num_local_engines(self) -> int:
         """Engine cores this host runs (ranks 0 .. num_local_engines - 1)."""
+        if self.data_parallel_backend == "ray":
+            return 0  # all of them placed by Ray, joining as from other hosts
         local = self.data_parallel_size_local
         return self.data_parallel_size if local is None else local
 

@@ -345,6 +345,19 @@ def _add_parallel_options(group: argparse._ArgumentGroup, defaults: EngineConfig
         help="step every engine core while any has work (the idle ones with dummy steps), as models whose "
         "data-parallel ranks share collectives need",
     )
+    group.add_argument(
+        "--data-parallel-backend",
+        choices=["mp", "ray"],
+        default=defaults.data_parallel_backend,
+        help="mp: engine cores are this host's child processes; ray: Ray places each in a placement group of its "
+        "own on a node of the cluster at --ray-address (docs/deployment.md; default: %(default)s)",
+    )
+    group.add_argument(
+        "--ray-address",
+        default=defaults.ray_address,
+        metavar="HOST:PORT",
+        help="with --data-parallel-backend ray: the cluster (default: RAY_ADDRESS, else a local one started here)",
+    )
 
 
 def _add_supervision_options(group: argparse._ArgumentGroup, defaults: EngineConfig) -> None:
@@ -462,6 +475,8 @@ def engine_config(args: argparse.Namespace, model: str, **fields: Any) -> Engine
         data_parallel_size=args.data_parallel_size,
         tensor_parallel_size=args.tensor_parallel_size,
         data_parallel_lockstep=args.data_parallel_lockstep,
+        data_parallel_backend=args.data_parallel_backend,
+        ray_address=args.ray_address,
         max_restarts=args.max_restarts,
         restart_window_s=args.restart_window,
         resume_requests=args.resume_requests,

@@ -20,7 +20,8 @@ UNSUPPORTED: dict[str, str] = {
     "--reasoning-parser": f"reasoning parsers are {_NOT_YET}",
     "--structured-outputs-config": "structured outputs are served by llguidance, which takes no configuration",
     "--guided-decoding-backend": "structured outputs are served by llguidance, the one grammar engine here",
-    "--distributed-executor-backend": "processes are trioserve's own (multiprocessing); Ray is not supported",
+    "--distributed-executor-backend": "workers are the engine core's own processes; Ray can place whole engine "
+    "cores instead (--data-parallel-backend ray)",
     "--swap-space": "preempted requests are recomputed, never swapped to the CPU",
     "--cpu-offload-gb": "weights are not offloaded",
     "--load-format": "weights load from safetensors or pytorch_model*.bin, or a .gguf model",

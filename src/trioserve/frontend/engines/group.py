@@ -18,6 +18,11 @@ resumed on the ready engines (or end), and the others never notice. A new reques
 with the least load (``frontend/engines/coordinator.py``); while none is ready it
 waits at most ``restart_wait_s``.
 
+With ``data_parallel_backend="ray"`` the group first connects to the Ray
+cluster (``ray_backend.py``) and makes the hub every engine core joins;
+each engine's client then places its engine core through Ray, one
+placement group and actor per life.
+
 The number of engines changes while the group serves (``scaling``,
 ``frontend/engines/scaling.py``): routing passes a departing engine by, and
 takes a new one once it is ready.
@@ -64,6 +69,7 @@ from trioserve.frontend.engines.attached import (
 )
 from trioserve.frontend.engines.client import EngineCoreClient
 from trioserve.frontend.engines.coordinator import Coordinator
+from trioserve.frontend.engines.ray_backend import RayCluster, RayStrategy
 from trioserve.frontend.engines.remote import RemoteEngines, RemoteStrategy
 from trioserve.frontend.engines.resume import Resumptions
 from trioserve.frontend.engines.scaling import Scaling
@@ -101,6 +107,9 @@ class EngineGroup:
         self.lockstep = n > 1 and config.data_parallel_lockstep
         if self.lockstep and (api_servers_dir is not None or attach is not None):
             raise ValueError("data_parallel_lockstep: not supported with several API servers yet")
+        self.on_ray = config.data_parallel_backend == "ray"
+        if self.on_ray and (api_servers_dir is not None or attach is not None):
+            raise ValueError("data_parallel_backend: several API servers with engines on Ray are not supported yet")
         self._api_servers_dir = api_servers_dir
         self._attach = attach
         broadcast = self._broadcast if config.data_parallel_lockstep else None  # (waves from 2 engines on)
@@ -113,7 +122,10 @@ class EngineGroup:
         self._rendezvous_dir = ""
         # Engines on other hosts join through the hub (frontend/engines/remote.py); an API
         # server of several attaches to them as to local ones.
-        self.remote = RemoteEngines(config) if config.num_remote_engines and attach is None else None
+        # On Ray (ray_backend.py), the hub and the cluster are made when the group runs.
+        hub = config.num_remote_engines and attach is None and not self.on_ray
+        self.remote = RemoteEngines(config) if hub else None
+        self.ray: RayCluster | None = None
         self._local_factory = client_factory
         self.supervisors = [self.new_supervisor(i) for i in range(n)]
         self.scaling = Scaling(self)  # grows and shrinks the group while it serves (frontend/engines/scaling.py)
@@ -131,7 +143,7 @@ class EngineGroup:
             on_engine_ready=self._engine_ready if self._api_servers_dir is not None else None,
             on_engine_dead=self._engine_dead,
             on_failed=self._engine_failed if self._api_servers_dir is not None else None,
-            remote=self._attach is not None or i >= self.config.num_local_engines,
+            remote=self._attach is not None or (not self.on_ray and i >= self.config.num_local_engines),
             reapplies=self._attach is None,  # the engine core's own front-end does, for all of them
         )
 
@@ -141,6 +153,8 @@ class EngineGroup:
             return lambda config, i, on_dead: EngineCoreClient(
                 config, i, AttachedStrategy(config, frontend, directory), on_dead=on_dead
             )
+        if self.on_ray:
+            return self._ray_client
         return local if engine_index < self.config.num_local_engines else self._remote_client
 
     def _new_client(self, client: EngineCoreClient) -> None:
@@ -180,10 +194,22 @@ class EngineGroup:
         assert self.remote is not None
         return EngineCoreClient(config, engine_index, RemoteStrategy(self.remote, engine_index), on_dead=on_dead)
 
+    def _ray_client(
+        self, config: EngineConfig, engine_index: int, on_dead: Callable[[EngineCoreClient], None]
+    ) -> EngineCoreClient:
+        assert self.remote is not None and self.ray is not None
+        return EngineCoreClient(config, engine_index, RayStrategy(self.remote, self.ray, engine_index), on_dead=on_dead)
+
     async def run(self, *, task_status: trio.TaskStatus[EngineInfo] = trio.TASK_STATUS_IGNORED) -> None:
         """Start every engine, report the first's ``EngineInfo``, then keep
         them running until cancelled (then every process is stopped and
         reaped) or until every engine has failed for good (then return)."""
+        if self.on_ray:  # the cluster, and the hub its engine cores join (with its keys)
+            async with RayCluster.open(self.config) as cluster:
+                self.ray = cluster
+                self.remote = RemoteEngines(self.config, keys=cluster.keys)
+                await self._run(task_status)
+            return
         if not self.config.data_parallel_lockstep:
             await self._run(task_status)
             return

@@ -43,6 +43,7 @@ import contextlib
 import logging
 from collections.abc import AsyncIterator, Sequence
 from types import TracebackType
+from typing import Literal
 
 import msgspec
 import trio
@@ -53,7 +54,7 @@ from trioserve.errors import EngineDeadError, EngineStartupError
 from trioserve.frontend.engines.client import EngineCoreClient
 from trioserve.frontend.engines.handshake import Handshake
 from trioserve.messages import EngineInfo, HandshakeMessage, Hello, JoinAnswer, MayJoin, Ping
-from trioserve.transport.curve import CurveAuthenticator, load_keys
+from trioserve.transport.curve import CurveAuthenticator, CurveKeys, load_keys
 from trioserve.transport.router import SocketLoop
 from trioserve.transport.zmq_trio import TrioZmqSocket
 
@@ -81,10 +82,13 @@ class RemoteEngines:
     module docstring). Run it (``await nursery.start(hub.run)``) before the
     remote engines' supervisors."""
 
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, *, keys: CurveKeys | Literal["config"] | None = "config") -> None:
         self.config = config
+        # (port 0: the kernel picks one; ``address`` is then the bound one once ``run`` has started)
         self.address = f"tcp://{config.data_parallel_address}:{config.data_parallel_rpc_port}"
-        self.keys = None if config.curve_keys_dir is None else load_keys(config.curve_keys_dir)
+        if keys == "config":
+            keys = None if config.curve_keys_dir is None else load_keys(config.curve_keys_dir)
+        self.keys = keys
         self.authenticator = None if self.keys is None else CurveAuthenticator(self.keys)
         self._remote = range(config.num_local_engines, config.data_parallel_size)
         self._hellos: dict[int, tuple[int, list[bytes]]] = {}  # engine index -> its latest Hello's pid, frames
@@ -117,6 +121,7 @@ class RemoteEngines:
                     stage="handshake",
                 ) from None
             with bound as sock:
+                self.address = _endpoint(sock)
                 task_status.started()
                 try:
                     await self._loop.run(sock)

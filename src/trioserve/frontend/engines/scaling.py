@@ -121,6 +121,10 @@ class Scaling:
             or not drain_timeout_s >= 0
         ):
             raise InvalidRequestError("drain_timeout_s", f"must be a number of seconds >= 0 (got {drain_timeout_s!r})")
+        if group.config.data_parallel_backend == "ray":
+            raise InvalidRequestError(
+                "data_parallel_size", "scaling engines placed by Ray (--data-parallel-backend ray) is not supported yet"
+            )
         if group.config.num_remote_engines or group.remote is not None:
             raise InvalidRequestError(
                 "data_parallel_size",

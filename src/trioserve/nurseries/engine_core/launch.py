@@ -30,6 +30,9 @@ ENGINE_INDEX_ENV = "TRIOSERVE_ENGINE_INDEX"
 LOCAL_INDEX_ENV = "TRIOSERVE_LOCAL_ENGINE_INDEX"
 HANDSHAKE_TIMEOUT_ENV = "TRIOSERVE_HANDSHAKE_TIMEOUT_S"
 CURVE_KEYS_ENV = "TRIOSERVE_CURVE_KEYS"
+# The key pair itself ("public secret", Z85), for a parent that holds it in memory (a Ray actor): read
+# and removed from the environment at start, so the engine core's own children never see it.
+CURVE_KEY_PAIR_ENV = "TRIOSERVE_CURVE_KEY_PAIR"
 INSECURE_TCP_ENV = "TRIOSERVE_INSECURE_TCP"
 PRIVATE_DIR_ENV = "TRIOSERVE_PRIVATE_DIR"
 API_SERVERS_DIR_ENV = "TRIOSERVE_API_SERVERS_DIR"
@@ -57,8 +60,8 @@ class EngineCoreLaunch:
     - ``api_servers_host`` / ``api_servers_port``: on another host, the
       address it binds for API servers and the first of its two ports (0: the
       kernel picks).
-    - ``curve_keys_dir``, or ``insecure_tcp``: on TCP, the deployment's CURVE
-      keys, or going without.
+    - ``curve_keys_dir`` (or ``curve_key_pair``, the keys themselves), or
+      ``insecure_tcp``: on TCP, the deployment's CURVE keys, or going without.
     - ``private_dir``: on TCP, a private directory of the parent's for this
       life (tensor parallelism's rendezvous file goes there); the parent
       removes it when the engine core ends, however it ends.
@@ -75,6 +78,7 @@ class EngineCoreLaunch:
     api_servers_host: str | None = None
     api_servers_port: int = 0
     curve_keys_dir: str | None = None
+    curve_key_pair: CurveKeys | None = None
     insecure_tcp: bool = False
     private_dir: str | None = None
     engines_on_host: int | None = None
@@ -101,6 +105,7 @@ class EngineCoreLaunch:
             API_SERVERS_HOST_ENV: self.api_servers_host,
             API_SERVERS_PORT_ENV: str(self.api_servers_port) if self.api_servers_port else None,
             CURVE_KEYS_ENV: self.curve_keys_dir,
+            CURVE_KEY_PAIR_ENV: None if (pair := self.curve_key_pair) is None else _pair_text(pair),
             INSECURE_TCP_ENV: "1" if self.insecure_tcp else None,
             PRIVATE_DIR_ENV: self.private_dir,
             ENGINES_ON_HOST_ENV: None if self.engines_on_host is None else str(self.engines_on_host),
@@ -124,6 +129,7 @@ class EngineCoreLaunch:
             api_servers_host=environ.get(API_SERVERS_HOST_ENV) or None,
             api_servers_port=int(environ.get(API_SERVERS_PORT_ENV) or 0),
             curve_keys_dir=environ.get(CURVE_KEYS_ENV) or None,
+            curve_key_pair=_key_pair(environ.get(CURVE_KEY_PAIR_ENV)),
             insecure_tcp=environ.get(INSECURE_TCP_ENV) == "1",
             private_dir=environ.get(PRIVATE_DIR_ENV),
             engines_on_host=int(engines) if engines.isdigit() else None,
@@ -133,6 +139,8 @@ class EngineCoreLaunch:
     def curve_keys(self, address: str) -> CurveKeys | None:
         """The CURVE keys for TCP sockets at ``address``: None with
         ``insecure_tcp``; ``EngineStartupError`` with neither keys nor that."""
+        if self.curve_key_pair is not None:
+            return self.curve_key_pair
         if self.curve_keys_dir:
             try:
                 return load_keys(self.curve_keys_dir)
@@ -156,6 +164,19 @@ class EngineCoreLaunch:
         if keys is None:
             return {}
         return keys.server_options() if bind else keys.client_options()
+
+
+def _pair_text(pair: CurveKeys) -> str:
+    return f"{pair.public.decode()} {pair.secret.decode()}"  # (Z85 has no space; it has ':')
+
+
+def _key_pair(raw: str | None) -> CurveKeys | None:
+    """``public secret`` as a key pair; None when absent or not one (then the
+    keys' directory or ``insecure_tcp`` decide, as without it)."""
+    public, _, secret = (raw or "").partition(" ")
+    if len(public) != 40 or len(secret) != 40:
+        return None
+    return CurveKeys(public.encode(), secret.encode())
 
 
 def _timeout(raw: str | None) -> float:

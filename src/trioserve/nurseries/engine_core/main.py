@@ -58,7 +58,7 @@ from trioserve.messages import EngineRequest, EngineResponse, HandshakeInit
 from trioserve.nurseries.engine_core.api_servers import ApiServers
 from trioserve.nurseries.engine_core.death import DeathReport, flush
 from trioserve.nurseries.engine_core.executor.executor import Executor
-from trioserve.nurseries.engine_core.launch import EngineCoreLaunch, ipc_directory
+from trioserve.nurseries.engine_core.launch import CURVE_KEY_PAIR_ENV, EngineCoreLaunch, ipc_directory
 from trioserve.nurseries.engine_core.liveness import FrontEndWatch, heartbeats
 from trioserve.nurseries.engine_core.sockets import input_socket_actor, output_socket_actor
 from trioserve.nurseries.engine_core.startup import handshake, listen_for_api_servers, ready, start_executor
@@ -73,6 +73,7 @@ OUTBOX_SIZE = 64  # output batches waiting for the output socket
 
 async def engine_core_main() -> None:
     launch = EngineCoreLaunch.from_env()
+    os.environ.pop(CURVE_KEY_PAIR_ENV, None)  # read: no child of this process is to inherit the secret
     engine_index, handshake_address = launch.engine_index, launch.handshake_address
     if (front_end_dir := ipc_directory(handshake_address)) is not None:
         # The front-end's private directory: if the front-end dies (kill -9), nobody else removes it.

@@ -53,7 +53,7 @@ from trioserve.errors import EngineDeadError, EngineStartupError
 from trioserve.messages import JoinAnswer, MayJoin
 from trioserve.nurseries.engine_core.launch import HEAD_LEFT_EXIT, EngineCoreLaunch
 from trioserve.nurseries.supervision.process import ProcessExited, python_argv, supervise_process
-from trioserve.transport.curve import load_keys
+from trioserve.transport.curve import CurveKeys, load_keys
 from trioserve.transport.zmq_trio import TrioZmqSocket, private_ipc_dir, zmq_context
 
 log = logging.getLogger("trioserve.headless")
@@ -68,6 +68,7 @@ class HeadlessConfig:
     address: str  # the head's data_parallel_address
     rpc_port: int
     curve_keys_dir: str | None = None
+    curve_keys: CurveKeys | None = None  # the pair itself, held in memory (a Ray actor's); wins over the directory
     insecure_tcp: bool = False
     reconnect: bool = True
     handshake_timeout_s: float = 30.0
@@ -83,7 +84,7 @@ class HeadlessConfig:
             raise ValueError("data_parallel_size_local: a headless host runs at least one engine core")
         if not 0 < self.rpc_port < 65536:
             raise ValueError("data_parallel_rpc_port: must be a TCP port")
-        if self.curve_keys_dir is None and not self.insecure_tcp:
+        if self.curve_keys_dir is None and self.curve_keys is None and not self.insecure_tcp:
             raise ValueError("curve_keys_dir: engine cores join the head over TCP: give CURVE keys, or insecure_tcp")
         if self.api_address is not None and self.api_address in ("", "0.0.0.0", "::", "*"):
             raise ValueError("headless_address: give an address of this host that the head can reach, not a wildcard")
@@ -122,7 +123,8 @@ def engine_launch(config: HeadlessConfig, rank: int) -> EngineCoreLaunch:
         api_servers_host=config.api_address,
         api_servers_port=config.api_port + 2 * (rank - config.start_rank) if config.api_port else 0,
         curve_keys_dir=config.curve_keys_dir,
-        insecure_tcp=config.curve_keys_dir is None and config.insecure_tcp,
+        curve_key_pair=config.curve_keys,
+        insecure_tcp=config.curve_keys_dir is None and config.curve_keys is None and config.insecure_tcp,
         engines_on_host=config.num_engines,  # their workers share this host's cores
         local_index=rank - config.start_rank,  # and its accelerators: the i-th engine core the i-th share
     )
@@ -196,7 +198,9 @@ async def ask_head(config: HeadlessConfig, rank: int, previous_pid: int) -> Join
     (with CURVE, which says no more to the side that connects: the head may
     hold other keys); or the connection is up but no answer came. The
     socket is closed on return, and if cancelled."""
-    keys = None if config.curve_keys_dir is None else load_keys(config.curve_keys_dir)
+    keys = config.curve_keys
+    if keys is None and config.curve_keys_dir is not None:
+        keys = load_keys(config.curve_keys_dir)
     seen: set[int] = set()
 
     async def watch(monitor: TrioZmqSocket) -> None:

@@ -1,9 +1,10 @@
 """Entry point of every child process: ``python -m trioserve.nurseries.supervision.entry ROLE``.
 
-ROLE is ``engine-core``, ``worker`` or ``run`` (``run MODULE ARG...``: a
-one-shot program, a model builder or a benchmark baseline, see
-``oneshot.py``). Kept apart from the modules it runs so that ``-m`` never
-executes a module the package has already imported.
+ROLE is ``engine-core``, ``worker``, ``ray-head`` (a local Ray cluster,
+``nurseries/ray/head.py``) or ``run`` (``run MODULE ARG...``: a one-shot
+program, a model builder or a benchmark baseline, see ``oneshot.py``).
+Kept apart from the modules it runs so that ``-m`` never executes a module
+the package has already imported.
 """
 
 from __future__ import annotations
@@ -34,6 +35,10 @@ def main(role: str) -> None:
         from trioserve.nurseries.worker.main import worker_main
 
         run_child_main(worker_main, name="trioserve-worker")
+    elif role == "ray-head":
+        from trioserve.nurseries.ray.head import ray_head_main
+
+        run_child_main(ray_head_main, name="trioserve-ray-head")
     elif role == "run":
         from trioserve.nurseries.supervision.oneshot import oneshot_main
 
