@@ -247,3 +247,48 @@ def test_kill_9_of_the_front_end_leaves_no_engine_process_and_no_placement_group
             while any(trioserve_groups()[n] != "REMOVED" for n in created):
                 assert time.monotonic() < deadline, trioserve_groups()
                 time.sleep(0.2)
+
+
+async def test_engines_on_ray_scale_1_2_1_under_load_losing_no_request_and_the_removed_ones_group_goes(
+    ray_address, fake_config
+):
+    """The new engine core is placed by Ray and takes requests once ready; the
+    departing one drains, then its actor and placement group are gone."""
+    config = fake_config(data_parallel_backend="ray", ray_address=ray_address, step_delay_s=0.01)
+    params = SamplingParams(max_tokens=20, temperature=0, ignore_eos=True)
+    with trio.fail_after(120):
+        async with trioserve.open_engine(config=config) as engine:
+            routed: list[int] = []
+            engine.add_request_observer(lambda m: routed.append(m.engine_index))
+            done: list[int] = []
+            stop = trio.Event()
+
+            async def one(i: int) -> None:
+                done.append(len((await engine.generate([5, 6, 7 + i % 50], params)).token_ids))
+
+            async def arrive(nursery: trio.Nursery) -> None:
+                i = 0
+                while not stop.is_set():
+                    nursery.start_soon(one, i)
+                    i += 1
+                    with trio.move_on_after(0.05):
+                        await stop.wait()
+
+            before = set(trioserve_groups())
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(arrive, nursery)
+                await engine.scale(2, drain_timeout_s=60)
+                ready_at = trio.current_time()
+                while routed.count(1) < 3:
+                    await trio.sleep(0.02)
+                assert trio.current_time() - ready_at < 1.0  # the new engine takes requests at once
+                added = {n for n, s in trioserve_groups().items() if s == "CREATED" and n not in before}
+                assert len(added) == 1 and "-engine-1-" in next(iter(added))
+                actor = parent_of(engine_core_pids(await engine.stats())[1])
+                assert is_ray_actor(actor)
+                await engine.scale(1, drain_timeout_s=60)
+                stop.set()
+            assert engine.engine_healths == ["ready"]
+            assert done == [20] * len(done) and len(done) == len(routed) and set(routed) == {0, 1}
+            assert trioserve_groups()[next(iter(added))] == "REMOVED"
+            assert not psutil.pid_exists(actor) or psutil.Process(actor).status() == psutil.STATUS_ZOMBIE

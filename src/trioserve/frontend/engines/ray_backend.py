@@ -24,7 +24,8 @@ starts in a new one. If this process is killed, Ray ends the actors of its
 dead driver (and so their engine cores and workers) and removes its
 placement groups; a local cluster goes with its head's supervisor.
 
-Not on Ray yet: lockstep, several API servers, scaling while serving.
+Scaling while serving (``scaling.py``) places and ends engine cores as it
+starts and stops local ones. Not on Ray yet: lockstep, several API servers.
 """
 
 from __future__ import annotations

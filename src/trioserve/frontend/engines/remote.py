@@ -90,7 +90,6 @@ class RemoteEngines:
             keys = None if config.curve_keys_dir is None else load_keys(config.curve_keys_dir)
         self.keys = keys
         self.authenticator = None if self.keys is None else CurveAuthenticator(self.keys)
-        self._remote = range(config.num_local_engines, config.data_parallel_size)
         self._hellos: dict[int, tuple[int, list[bytes]]] = {}  # engine index -> its latest Hello's pid, frames
         self._links: dict[bytes, trio.MemorySendChannel[list[bytes]]] = {}  # identity -> its life
         self._live: dict[int, RemoteStrategy] = {}
@@ -100,6 +99,12 @@ class RemoteEngines:
         self._loop = SocketLoop(self._received)
         self._changed = trio.Event()
         self.num_hellos = 0  # Hellos received (from authenticated peers only)
+
+    @property
+    def _remote(self) -> range:
+        """The engine indices this head takes from other hosts (Ray's, on Ray:
+        the group's size follows a scale, and ``config`` with it)."""
+        return range(self.config.num_local_engines, self.config.data_parallel_size)
 
     def socket_options(self) -> dict[str, object]:
         """Options for a socket the head binds for remote engine cores."""

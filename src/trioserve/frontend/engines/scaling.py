@@ -28,7 +28,8 @@ Refused at once, changing nothing (``InvalidRequestError`` naming
 ``data_parallel_size``, or ``ControlCallError`` for a scale under way): a
 scale while another runs; a size below 1 or above ``MAX_ENGINES``; a group
 with engines on other hosts (they join from their own hosts, which this
-process cannot start) or with several API servers.
+process cannot start; engines placed by Ray it places itself, so those
+scale) or with several API servers.
 
 A scale runs in the group's nursery, not the caller's: a caller that is
 cancelled stops waiting, and the scale goes on to its end.
@@ -48,6 +49,7 @@ import trio
 from trioserve.config import EngineConfig
 from trioserve.errors import ControlCallError, EngineDeadError, EngineStartupError, InvalidRequestError
 from trioserve.frontend.engines.coordinator import Coordinator
+from trioserve.frontend.engines.remote import RemoteEngines
 from trioserve.frontend.engines.supervisor import EngineSupervisor
 from trioserve.rpc import AddLora, ControlCall, Pause, Sleep
 
@@ -121,11 +123,8 @@ class Scaling:
             or not drain_timeout_s >= 0
         ):
             raise InvalidRequestError("drain_timeout_s", f"must be a number of seconds >= 0 (got {drain_timeout_s!r})")
-        if group.config.data_parallel_backend == "ray":
-            raise InvalidRequestError(
-                "data_parallel_size", "scaling engines placed by Ray (--data-parallel-backend ray) is not supported yet"
-            )
-        if group.config.num_remote_engines or group.remote is not None:
+        on_ray = group.config.data_parallel_backend == "ray"  # (placed from here: they scale as local ones)
+        if not on_ray and (group.config.num_remote_engines or group.remote is not None):
             raise InvalidRequestError(
                 "data_parallel_size",
                 "engines on other hosts (--headless) join from their own hosts: this front-end cannot start or "
@@ -187,6 +186,8 @@ class Scaling:
         engine core's life is started with) and the coordinator's picture."""
         group = self._group
         group.config = group.config.replace(data_parallel_size=size)
+        if isinstance(group.remote, RemoteEngines):  # on Ray: the engine indices it takes joins for
+            group.remote.config = group.config
         group.coordinator.picture.resize(size)
         for supervisor in group.supervisors[:size]:
             supervisor.config = group.config
