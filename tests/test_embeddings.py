@@ -6,21 +6,73 @@ refused naming the task."""
 
 from __future__ import annotations
 
+import json
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
 import trio
+from helpers.fakes import make_fake_config
+from helpers.hosted import HostedServer
+from helpers.server import open_ws, post_json
+from helpers.waiting import in_thread
 
 import trioserve
 from trioserve import InvalidRequestError, SamplingParams
 from trioserve.pooling import FAKE_HIDDEN_SIZE, PoolingParams, fake_vector
+from trioserve.server import Server
 
-pytestmark = pytest.mark.fake_config(num_kv_blocks=64, step_delay_s=0.002, max_num_batched_tokens=64)
+BAD_EMBEDDINGS = [  # (the request's fields, the field its 400 names, what its message says)
+    ({"input": []}, "input", "give 1 to 2048 inputs"),
+    ({"input": ["ok", ""]}, "input", "an input is empty"),
+    ({"input": [5, 6], "dimensions": FAKE_HIDDEN_SIZE + 1}, "dimensions", "at most the model's 32"),
+    ({"input": [5, 6], "dimensions": 0}, "dimensions", "must be an integer"),
+    ({"input": [5, 6], "truncate_prompt_tokens": 0}, "truncate_prompt_tokens", "must be -1 or in [1,"),
+    ({"input": [[5, 999999]]}, "input", "token"),
+    ({"input": [5] * 600}, "input", "do not fit the context"),
+    ({"input": "x", "encoding_format": "hex"}, "encoding_format", "invalid enum value 'hex'"),
+]
 
 
-async def test_encode_gives_each_prompts_vector_pooled_cut_and_normalised_as_asked(fake_config):
-    with trio.fail_after(60):
-        async with trioserve.open_engine(config=fake_config(task="embed", pooling_type="mean")) as engine:
+DEFAULTS = {"num_kv_blocks": 64, "step_delay_s": 0.002, "max_num_batched_tokens": 64}
+pytestmark = pytest.mark.fake_config(**DEFAULTS)
+MODEL = "tiny-embed"
+
+
+# --- on shared servers --------------------------------------------------------
+#
+# One server of each configuration the tests of ``TestOnSharedServers`` need
+# (an embedding one pooling the mean, one pooling the model's default way, a
+# generation one), started when a test first asks for it; each test's bound is
+# its ``run_fresh``'s. They are gone before the tests after the class count processes.
+
+
+def _hosted(tiny_model_dir: Any, **options: Any) -> Iterator[HostedServer]:
+    host = HostedServer(make_fake_config(str(tiny_model_dir("llama")), **DEFAULTS, **options), model_name=MODEL)
+    yield host
+    host.close()
+
+
+@pytest.fixture(scope="class")
+def mean_server(tiny_model_dir):
+    yield from _hosted(tiny_model_dir, task="embed", pooling_type="mean")
+
+
+@pytest.fixture(scope="class")
+def embed_server(tiny_model_dir):
+    yield from _hosted(tiny_model_dir, task="embed")
+
+
+@pytest.fixture(scope="class")
+def generate_server(tiny_model_dir):
+    yield from _hosted(tiny_model_dir)
+
+
+class TestOnSharedServers:
+    async def test_encode_gives_each_prompts_vector_pooled_cut_and_normalised_as_asked(self, mean_server):
+        async def scenario(server: Server) -> None:
+            engine = server.engine
+            assert engine is not None
             ids = [5, 6, 7, 8]
             out = await engine.encode(ids)
             assert out.num_prompt_tokens == 4
@@ -49,90 +101,70 @@ async def test_encode_gives_each_prompts_vector_pooled_cut_and_normalised_as_ask
             with pytest.raises(InvalidRequestError, match=r"^task: this model serves embeddings"):
                 await engine.generate(ids, SamplingParams(max_tokens=2))
 
+        await mean_server.run_fresh(scenario, bound_s=60)
 
-async def test_a_generation_engine_refuses_an_embedding_naming_the_task(fake_config):
-    with trio.fail_after(60):
-        async with trioserve.open_engine(config=fake_config()) as engine:
+    async def test_a_generation_engine_refuses_an_embedding_naming_the_task(self, generate_server):
+        async def scenario(server: Server) -> None:
+            engine = server.engine
+            assert engine is not None
             with pytest.raises(InvalidRequestError, match=r"^task: this model serves text generation"):
                 await engine.encode([5, 6])
             assert (await engine.generate([5, 6], SamplingParams(max_tokens=2))).num_output_tokens == 2
 
+        await generate_server.run_fresh(scenario, bound_s=60)
 
-# --- POST /v1/embeddings ------------------------------------------------------
+    # --- POST /v1/embeddings --------------------------------------------------
 
-MODEL = "tiny-embed"
+    async def test_the_openai_clients_embeddings_with_every_input_form_and_both_encodings(self, mean_server):
+        import base64
+        import struct
 
+        import openai
 
-async def test_the_openai_clients_embeddings_with_every_input_form_and_both_encodings(fake_config):
-    import base64
-    import struct
+        def calls(server: Server) -> None:
+            client = openai.OpenAI(base_url=server.http_url, api_key="unused", max_retries=0, timeout=20)
+            tokenize = server.engine.tokenizer.encode  # type: ignore[union-attr]
+            mean = PoolingParams(type="mean")
+            forms = {
+                "a string": ("Hello there", [tokenize("Hello there")]),
+                "strings": (["one", "two words", "three"], [tokenize(t) for t in ("one", "two words", "three")]),
+                "token ids": ([5, 6, 7], [[5, 6, 7]]),
+                "lists of token ids": ([[5, 6], [7, 8, 9, 10]], [[5, 6], [7, 8, 9, 10]]),
+            }
+            for name, (given, prompts) in forms.items():
+                # Not told, the client asks for base64 and decodes it; told, it gives what came.
+                for encoding in (None, "float", "base64"):
+                    options = {} if encoding is None else {"encoding_format": encoding}
+                    answer = client.embeddings.create(model=MODEL, input=given, **options)  # type: ignore[arg-type]
+                    assert [d.index for d in answer.data] == list(range(len(prompts))), name
+                    for data, prompt in zip(answer.data, prompts, strict=True):
+                        got: Any = data.embedding
+                        if encoding == "base64":
+                            got = struct.unpack(f"<{FAKE_HIDDEN_SIZE}f", base64.b64decode(got))
+                        assert list(got) == pytest.approx(fake_vector(prompt, mean), abs=1e-6), name
+                    assert answer.usage.prompt_tokens == sum(map(len, prompts)) == answer.usage.total_tokens
+            status, raw = post_json(server, "/v1/embeddings", {"model": MODEL, "input": [5, 6, 7], "dimensions": 4})
+            assert status == 200 and len(raw["data"][0]["embedding"]) == 4
+            status, b64 = post_json(
+                server, "/v1/embeddings", {"model": MODEL, "input": [5, 6, 7], "encoding_format": "base64"}
+            )
+            vector = struct.unpack(f"<{FAKE_HIDDEN_SIZE}f", base64.b64decode(b64["data"][0]["embedding"]))
+            assert list(vector) == pytest.approx(fake_vector([5, 6, 7], mean), abs=1e-6)
+            status, cut = post_json(
+                server, "/v1/embeddings", {"model": MODEL, "input": [[5, 6, 7, 8, 9]], "truncate_prompt_tokens": 2}
+            )
+            assert status == 200 and cut["usage"]["prompt_tokens"] == 2
+            assert cut["data"][0]["embedding"] == pytest.approx(fake_vector([5, 6], mean), abs=1e-6)
+            models = client.models.list().data
+            assert [getattr(m, "task", None) for m in models] == ["embed"]
 
-    import openai
-    from helpers.server import post_json, serving
-    from helpers.waiting import in_thread
+        async def scenario(server: Server) -> None:
+            await in_thread(calls, server)
 
-    with trio.fail_after(60):
-        async with serving(fake_config(task="embed", pooling_type="mean"), model_name=MODEL) as server:
+        await mean_server.run_fresh(scenario, bound_s=60)
 
-            def calls() -> None:
-                client = openai.OpenAI(base_url=server.http_url, api_key="unused", max_retries=0, timeout=20)
-                tokenize = server.engine.tokenizer.encode  # type: ignore[union-attr]
-                mean = PoolingParams(type="mean")
-                forms = {
-                    "a string": ("Hello there", [tokenize("Hello there")]),
-                    "strings": (["one", "two words", "three"], [tokenize(t) for t in ("one", "two words", "three")]),
-                    "token ids": ([5, 6, 7], [[5, 6, 7]]),
-                    "lists of token ids": ([[5, 6], [7, 8, 9, 10]], [[5, 6], [7, 8, 9, 10]]),
-                }
-                for name, (given, prompts) in forms.items():
-                    # Not told, the client asks for base64 and decodes it; told, it gives what came.
-                    for encoding in (None, "float", "base64"):
-                        options = {} if encoding is None else {"encoding_format": encoding}
-                        answer = client.embeddings.create(model=MODEL, input=given, **options)  # type: ignore[arg-type]
-                        assert [d.index for d in answer.data] == list(range(len(prompts))), name
-                        for data, prompt in zip(answer.data, prompts, strict=True):
-                            got: Any = data.embedding
-                            if encoding == "base64":
-                                got = struct.unpack(f"<{FAKE_HIDDEN_SIZE}f", base64.b64decode(got))
-                            assert list(got) == pytest.approx(fake_vector(prompt, mean), abs=1e-6), name
-                        assert answer.usage.prompt_tokens == sum(map(len, prompts)) == answer.usage.total_tokens
-                status, raw = post_json(server, "/v1/embeddings", {"model": MODEL, "input": [5, 6, 7], "dimensions": 4})
-                assert status == 200 and len(raw["data"][0]["embedding"]) == 4
-                status, b64 = post_json(
-                    server, "/v1/embeddings", {"model": MODEL, "input": [5, 6, 7], "encoding_format": "base64"}
-                )
-                vector = struct.unpack(f"<{FAKE_HIDDEN_SIZE}f", base64.b64decode(b64["data"][0]["embedding"]))
-                assert list(vector) == pytest.approx(fake_vector([5, 6, 7], mean), abs=1e-6)
-                status, cut = post_json(
-                    server, "/v1/embeddings", {"model": MODEL, "input": [[5, 6, 7, 8, 9]], "truncate_prompt_tokens": 2}
-                )
-                assert status == 200 and cut["usage"]["prompt_tokens"] == 2
-                assert cut["data"][0]["embedding"] == pytest.approx(fake_vector([5, 6], mean), abs=1e-6)
-                models = client.models.list().data
-                assert [getattr(m, "task", None) for m in models] == ["embed"]
-
-            await in_thread(calls)
-
-
-BAD_EMBEDDINGS = [  # (the request's fields, the field its 400 names, what its message says)
-    ({"input": []}, "input", "give 1 to 2048 inputs"),
-    ({"input": ["ok", ""]}, "input", "an input is empty"),
-    ({"input": [5, 6], "dimensions": FAKE_HIDDEN_SIZE + 1}, "dimensions", "at most the model's 32"),
-    ({"input": [5, 6], "dimensions": 0}, "dimensions", "must be an integer"),
-    ({"input": [5, 6], "truncate_prompt_tokens": 0}, "truncate_prompt_tokens", "must be -1 or in [1,"),
-    ({"input": [[5, 999999]]}, "input", "token"),
-    ({"input": [5] * 600}, "input", "do not fit the context"),
-    ({"input": "x", "encoding_format": "hex"}, "encoding_format", "invalid enum value 'hex'"),
-]
-
-
-async def test_each_bad_embedding_request_is_a_400_naming_it_while_another_completes(fake_config):
-    from helpers.server import post_json, serving
-    from helpers.waiting import in_thread
-
-    with trio.fail_after(60):
-        async with serving(fake_config(task="embed"), model_name=MODEL) as server:  # one server for every case
-
+    async def test_each_bad_embedding_request_is_a_400_naming_it_while_another_completes(self, embed_server):
+        async def scenario(server: Server) -> None:  # one server for every case
             async def beside(good: list[int]) -> None:
                 status, _ = await in_thread(post_json, server, "/v1/embeddings", {"model": MODEL, "input": "fine"})
                 good.append(status)
@@ -148,61 +180,51 @@ async def test_each_bad_embedding_request_is_a_400_naming_it_while_another_compl
             stats = await server.engine.stats()  # type: ignore[union-attr]
             assert stats.num_free_blocks == stats.num_total_blocks
 
+        await embed_server.run_fresh(scenario, bound_s=60)
 
-async def test_each_task_refuses_the_others_endpoint_naming_the_task(fake_config):
-    from helpers.server import post_json, serving
-    from helpers.waiting import in_thread
-
-    with trio.fail_after(60):
-        async with serving(fake_config(task="embed"), model_name=MODEL) as server:
+    async def test_each_task_refuses_the_others_endpoint_naming_the_task(self, embed_server, generate_server):
+        async def on_embed(server: Server) -> None:
             status, answer = await in_thread(
                 post_json, server, "/v1/completions", {"model": MODEL, "prompt": "hi", "max_tokens": 2}
             )
             assert status == 400 and answer["error"]["param"] == "task", answer
             assert "serves embeddings" in answer["error"]["message"]
-        async with serving(fake_config(), model_name=MODEL) as server:
+
+        async def on_generate(server: Server) -> None:
             status, answer = await in_thread(post_json, server, "/v1/embeddings", {"model": MODEL, "input": "hi"})
             assert status == 400 and answer["error"]["param"] == "task", answer
             assert "serves text generation" in answer["error"]["message"]
 
+        await embed_server.run_fresh(on_embed, bound_s=60)
+        await generate_server.run_fresh(on_generate, bound_s=60)
 
-async def test_the_websockets_embed_message(fake_config):
-    import json
+    async def test_the_websockets_embed_message(self, embed_server):
+        def talk(server: Server) -> list[dict[str, Any]]:
+            with open_ws(server.url) as ws:
+                for message in (
+                    {"type": "embed", "id": "a", "prompt_token_ids": [5, 6, 7]},
+                    {"type": "embed", "id": "b", "prompt_token_ids": [5, 6, 7], "dimensions": 3, "normalize": False},
+                    {"type": "embed", "id": "c", "prompt": "x", "dimensions": 999},
+                    {"type": "embed", "id": "d", "prompt": "x", "dimensions": "3"},
+                    {"type": "generate", "id": "e", "prompt": "x"},
+                ):
+                    ws.send(json.dumps(message))
+                replies = [json.loads(ws.recv(timeout=20)) for _ in range(5)]
+            return sorted(replies, key=lambda reply: reply["id"])
 
-    from helpers.server import open_ws, serving
-    from helpers.waiting import in_thread
+        async def scenario(server: Server) -> None:
+            a, b, c, d, e = await in_thread(talk, server)
+            usage = {"prompt_tokens": 3, "completion_tokens": 0, "cached_tokens": 0}
+            assert a["type"] == "embedding" and a["usage"] == usage
+            assert a["embedding"] == pytest.approx(fake_vector([5, 6, 7], PoolingParams()), abs=1e-6)
+            assert b["embedding"] == pytest.approx(
+                fake_vector([5, 6, 7], PoolingParams(normalize=False, dimensions=3)), abs=1e-6
+            )
+            assert (c["type"], c["field"]) == ("error", "dimensions") and "at most the model's 32" in c["message"]
+            assert (d["type"], d["field"]) == ("error", "dimensions") and "must be an integer" in d["message"]
+            assert (e["type"], e["field"]) == ("error", "task") and "serves embeddings" in e["message"]
 
-    with trio.fail_after(60):
-        async with serving(fake_config(task="embed"), model_name=MODEL) as server:
-
-            def talk() -> list[dict[str, Any]]:
-                with open_ws(server.url) as ws:
-                    for message in (
-                        {"type": "embed", "id": "a", "prompt_token_ids": [5, 6, 7]},
-                        {
-                            "type": "embed",
-                            "id": "b",
-                            "prompt_token_ids": [5, 6, 7],
-                            "dimensions": 3,
-                            "normalize": False,
-                        },
-                        {"type": "embed", "id": "c", "prompt": "x", "dimensions": 999},
-                        {"type": "embed", "id": "d", "prompt": "x", "dimensions": "3"},
-                        {"type": "generate", "id": "e", "prompt": "x"},
-                    ):
-                        ws.send(json.dumps(message))
-                    replies = [json.loads(ws.recv(timeout=20)) for _ in range(5)]
-                return sorted(replies, key=lambda reply: reply["id"])
-
-            a, b, c, d, e = await in_thread(talk)
-    assert a["type"] == "embedding" and a["usage"] == {"prompt_tokens": 3, "completion_tokens": 0, "cached_tokens": 0}
-    assert a["embedding"] == pytest.approx(fake_vector([5, 6, 7], PoolingParams()), abs=1e-6)
-    assert b["embedding"] == pytest.approx(
-        fake_vector([5, 6, 7], PoolingParams(normalize=False, dimensions=3)), abs=1e-6
-    )
-    assert (c["type"], c["field"]) == ("error", "dimensions") and "at most the model's 32" in c["message"]
-    assert (d["type"], d["field"]) == ("error", "dimensions") and "must be an integer" in d["message"]
-    assert (e["type"], e["field"]) == ("error", "task") and "serves embeddings" in e["message"]
+        await embed_server.run_fresh(scenario, bound_s=60)
 
 
 async def test_kill_9_of_the_worker_under_embeddings_resumes_every_request_and_the_engine_serves_again(fake_config):

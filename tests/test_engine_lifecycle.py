@@ -18,15 +18,40 @@ import psutil
 import pytest
 import trio
 from helpers.concurrent import run_in_one_batch
-from helpers.fakes import EOS, VOCAB, children, fake_tokens, wait_no_children
+from helpers.fakes import EOS, VOCAB, children, fake_tokens, make_fake_config, wait_no_children
+from helpers.hosted import HostedEngine
 
 import trioserve
 from trioserve import SamplingParams
 
+# --- on one engine ------------------------------------------------------------
+#
+# Tests that need no engine options of their own and leave the engine as they
+# found it (nothing running, every block free) share one (``HostedEngine``),
+# gone before the tests after the class count processes.
 
-async def test_generate_returns_the_runner_tokens_in_order(fake_config):
-    with trio.fail_after(30):
-        async with trioserve.open_engine(config=fake_config()) as engine:
+
+@pytest.fixture(scope="class")
+def shared_engine(tiny_model_dir):
+    host = HostedEngine(make_fake_config(str(tiny_model_dir("llama")), step_delay_s=0.005))
+    yield host
+    host.close()
+    assert trio.run(wait_no_children) == []
+
+
+@pytest.fixture(scope="class")
+def short_context_engine(tiny_model_dir):
+    host = HostedEngine(make_fake_config(str(tiny_model_dir("llama")), max_model_len=64))
+    yield host
+    host.close()
+    assert trio.run(wait_no_children) == []
+
+
+class TestOnOneEngine:
+    """On one engine of 5 ms steps (each test's bound is its scenario's ``trio.fail_after``)."""
+
+    async def test_generate_returns_the_runner_tokens_in_order(self, shared_engine):
+        async def scenario(engine: trioserve.Engine) -> None:
             assert engine.info.vocab_size == VOCAB
             prompt = [5, 6, 7]
             out = await engine.generate(prompt, SamplingParams(max_tokens=10))
@@ -35,6 +60,138 @@ async def test_generate_returns_the_runner_tokens_in_order(fake_config):
             assert out.num_output_tokens == 10
             # Random bytes: an unfinished UTF-8 character at the very end is dropped.
             assert out.text == out.cumulative_text == engine.tokenizer.decode(out.token_ids).rstrip("\ufffd")
+
+        await shared_engine.run(scenario, bound_s=30)
+
+    async def test_leaving_a_stream_early_frees_its_blocks_while_others_finish(self, shared_engine):
+        async def scenario(engine: trioserve.Engine) -> None:
+            others = {}
+
+            async def other(i: int) -> None:
+                others[i] = await engine.generate([10 + i] * 5, SamplingParams(max_tokens=40))
+
+            async with trio.open_nursery() as nursery:
+                for i in range(3):
+                    nursery.start_soon(other, i)
+                async with engine.stream([1, 2, 3], SamplingParams(max_tokens=1000, ignore_eos=True)) as stream:
+                    seen = 0
+                    async for out in stream:
+                        seen += len(out.token_ids)
+                        if seen >= 5:
+                            break
+            assert [others[i].finish_reason for i in range(3)] == ["length"] * 3
+            assert [others[i].token_ids for i in range(3)] == [fake_tokens([10 + i] * 5, 40) for i in range(3)]
+            stats = await engine.stats()
+            assert stats.num_free_blocks == stats.num_total_blocks
+            assert stats.num_running == stats.num_waiting == 0
+
+        await shared_engine.run(scenario, bound_s=30)
+
+    async def test_cancelled_consumer_aborts_its_request(self, shared_engine):
+        async def scenario(engine: trioserve.Engine) -> None:
+            with trio.move_on_after(0.2):
+                await engine.generate([4, 4, 4], SamplingParams(max_tokens=100_000))
+            stats = await engine.stats()
+            assert stats.num_running == 0
+            assert stats.num_free_blocks == stats.num_total_blocks
+
+        await shared_engine.run(scenario, bound_s=30)
+
+    async def test_stop_string_ends_the_request_and_is_not_in_the_text(self, shared_engine):
+        async def scenario(engine: trioserve.Engine) -> None:
+            full = await engine.generate([65, 66], SamplingParams(max_tokens=40))
+            text = full.text
+            stop = text[len(text) // 2 : len(text) // 2 + 2]
+            assert stop and text.count(stop) >= 1
+            out = await engine.generate([65, 66], SamplingParams(max_tokens=40, stop=[stop]))
+            assert out.finish_reason == "stop"
+            assert out.stop_reason == stop
+            assert out.text == text[: text.index(stop)]
+            stats = await engine.stats()
+            assert stats.num_running == 0 and stats.num_free_blocks == stats.num_total_blocks
+
+        await shared_engine.run(scenario, bound_s=30)
+
+    async def test_a_stream_runs_once_entering_it_again_is_an_error_not_a_second_request(self, shared_engine):
+        params = SamplingParams(max_tokens=3, ignore_eos=True)
+
+        async def scenario(engine: trioserve.Engine) -> None:
+            for stream in (engine.stream([5, 6], params), engine.stream_n([5, 6], params, 2)):
+                async with stream:
+                    async for _ in stream:
+                        pass
+                with pytest.raises(RuntimeError, match="a stream runs once"):
+                    async with stream:
+                        pass
+            stats = await engine.stats()
+            assert stats.num_running == stats.num_waiting == 0 and engine.num_requests_in_flight() == 0
+
+        await shared_engine.run(scenario, bound_s=60)
+
+    async def test_a_stream_read_after_its_block_or_by_two_tasks_at_once_raises_rather_than_waiting_for_ever(
+        self, shared_engine
+    ):
+        """After its block the request is aborted: nothing more will come (a
+        finished one simply ends). Two readers would split its outputs, and one
+        would wait for ever after the last."""
+        params = SamplingParams(max_tokens=20, ignore_eos=True)
+
+        async def scenario(engine: trioserve.Engine) -> None:
+            for n in (None, 2):  # stream, stream_n: one stream class, n samples
+                async with _stream(engine, [5, 6], params, n) as stream:
+                    await stream.__anext__()
+                with pytest.raises(RuntimeError, match=r"inside its async with block \(it has exited"):
+                    await stream.__anext__()
+                async with _stream(engine, [5, 6], SamplingParams(max_tokens=2, ignore_eos=True), n) as finished:
+                    assert len([output async for output in finished]) >= 1
+                assert [output async for output in finished] == []  # it had ended: iteration just ends
+            for make in (lambda: engine.stream([5, 6], params), lambda: engine.stream_n([5, 6], params, 2)):
+                async with make() as shared:
+                    read: list[int] = []
+
+                    async def reader(s: Any = shared, into: list[int] = read) -> None:
+                        async for output in s:
+                            into.append(output.num_output_tokens)
+
+                    with pytest.RaisesGroup(pytest.RaisesExc(trio.BusyResourceError, match="another task")):
+                        async with trio.open_nursery() as nursery:
+                            nursery.start_soon(reader)
+                            nursery.start_soon(reader)
+            stats = await engine.stats()
+            assert stats.num_running == stats.num_waiting == 0 and engine.num_requests_in_flight() == 0
+
+        await shared_engine.run(scenario, bound_s=60)
+
+
+class TestOnOneShortContextEngine:
+    """On one engine of a 64-token context."""
+
+    async def test_bad_prompts_raise_value_error_and_the_engine_keeps_serving(self, short_context_engine):
+        async def scenario(engine: trioserve.Engine) -> None:
+            running = engine.stream([9, 9], SamplingParams(max_tokens=20))
+            async with running:
+                for bad in ("", [], "x" * 100, [1] * 64, [VOCAB + 5], [-1]):
+                    with pytest.raises(ValueError, match=r"^prompt:"):
+                        engine.stream(bad)
+                outputs = [out async for out in running]
+            assert sum(len(o.token_ids) for o in outputs) == 20
+            assert (await engine.generate("ok", SamplingParams(max_tokens=3))).num_output_tokens == 3
+
+        await short_context_engine.run(scenario, bound_s=30)
+
+    async def test_prompts_too_big_to_show_or_measure_or_send_raise_value_error_naming_the_prompt(
+        self, short_context_engine
+    ):
+        async def scenario(engine: trioserve.Engine) -> None:
+            for bad in ([nested_lists(5000)], [10**5000], [-(10**5000)], range(2**64), [_Int(5)], (5, _Int(6))):
+                with pytest.raises(ValueError, match=r"^prompt:"):
+                    engine.stream(bad)
+                with pytest.raises(ValueError, match=r"^prompt:"):
+                    await engine.generate(bad)
+            assert (await engine.generate([5, 6], SamplingParams(max_tokens=3))).num_output_tokens == 3
+            assert engine.num_requests_in_flight() == 0
+
+        await short_context_engine.run(scenario, bound_s=30)
 
 
 async def test_concurrent_streams_finish_correctly_through_preemption(fake_config):
@@ -63,40 +220,6 @@ async def test_steps_planned_ahead_keep_the_tokens_and_cost_one_dropped_step_per
             stats = await engine.stats()
     assert stats.num_steps == 4 + (depth - 1)  # prefill, 3 decodes (+ the one planned past EOS)
     assert stats.num_free_blocks == stats.num_total_blocks and stats.num_running == 0
-
-
-async def test_leaving_a_stream_early_frees_its_blocks_while_others_finish(fake_config):
-    with trio.fail_after(30):
-        async with trioserve.open_engine(config=fake_config(step_delay_s=0.005)) as engine:
-            others = {}
-
-            async def other(i: int) -> None:
-                others[i] = await engine.generate([10 + i] * 5, SamplingParams(max_tokens=40))
-
-            async with trio.open_nursery() as nursery:
-                for i in range(3):
-                    nursery.start_soon(other, i)
-                async with engine.stream([1, 2, 3], SamplingParams(max_tokens=1000, ignore_eos=True)) as stream:
-                    seen = 0
-                    async for out in stream:
-                        seen += len(out.token_ids)
-                        if seen >= 5:
-                            break
-            assert [others[i].finish_reason for i in range(3)] == ["length"] * 3
-            assert [others[i].token_ids for i in range(3)] == [fake_tokens([10 + i] * 5, 40) for i in range(3)]
-            stats = await engine.stats()
-            assert stats.num_free_blocks == stats.num_total_blocks
-            assert stats.num_running == stats.num_waiting == 0
-
-
-async def test_cancelled_consumer_aborts_its_request(fake_config):
-    with trio.fail_after(30):
-        async with trioserve.open_engine(config=fake_config(step_delay_s=0.005)) as engine:
-            with trio.move_on_after(0.2):
-                await engine.generate([4, 4, 4], SamplingParams(max_tokens=100_000))
-            stats = await engine.stats()
-            assert stats.num_running == 0
-            assert stats.num_free_blocks == stats.num_total_blocks
 
 
 @pytest.mark.parametrize(
@@ -165,46 +288,6 @@ def test_sampling_params_refuse_subclasses_that_cannot_cross_a_process_boundary(
     which cannot encode subclasses of int, float or str."""
     with pytest.raises(ValueError, match=f"^{field}:"):
         SamplingParams(**{field: value})
-
-
-async def test_bad_prompts_raise_value_error_and_the_engine_keeps_serving(fake_config):
-    with trio.fail_after(30):
-        async with trioserve.open_engine(config=fake_config(max_model_len=64)) as engine:
-            running = engine.stream([9, 9], SamplingParams(max_tokens=20))
-            async with running:
-                for bad in ("", [], "x" * 100, [1] * 64, [VOCAB + 5], [-1]):
-                    with pytest.raises(ValueError, match=r"^prompt:"):
-                        engine.stream(bad)
-                outputs = [out async for out in running]
-            assert sum(len(o.token_ids) for o in outputs) == 20
-            assert (await engine.generate("ok", SamplingParams(max_tokens=3))).num_output_tokens == 3
-
-
-async def test_prompts_too_big_to_show_or_measure_or_send_raise_value_error_naming_the_prompt(fake_config):
-    with trio.fail_after(30):
-        async with trioserve.open_engine(config=fake_config(max_model_len=64)) as engine:
-            for bad in ([nested_lists(5000)], [10**5000], [-(10**5000)], range(2**64), [_Int(5)], (5, _Int(6))):
-                with pytest.raises(ValueError, match=r"^prompt:"):
-                    engine.stream(bad)
-                with pytest.raises(ValueError, match=r"^prompt:"):
-                    await engine.generate(bad)
-            assert (await engine.generate([5, 6], SamplingParams(max_tokens=3))).num_output_tokens == 3
-            assert engine.num_requests_in_flight() == 0
-
-
-async def test_stop_string_ends_the_request_and_is_not_in_the_text(fake_config):
-    with trio.fail_after(30):
-        async with trioserve.open_engine(config=fake_config()) as engine:
-            full = await engine.generate([65, 66], SamplingParams(max_tokens=40))
-            text = full.text
-            stop = text[len(text) // 2 : len(text) // 2 + 2]
-            assert stop and text.count(stop) >= 1
-            out = await engine.generate([65, 66], SamplingParams(max_tokens=40, stop=[stop]))
-            assert out.finish_reason == "stop"
-            assert out.stop_reason == stop
-            assert out.text == text[: text.index(stop)]
-            stats = await engine.stats()
-            assert stats.num_running == 0 and stats.num_free_blocks == stats.num_total_blocks
 
 
 async def test_eos_finishes_with_stop_unless_ignored(fake_config):
@@ -651,21 +734,6 @@ async def test_the_callers_own_exception_group_comes_out_of_open_engine_as_it_wa
     assert await wait_no_children() == []
 
 
-async def test_a_stream_runs_once_entering_it_again_is_an_error_not_a_second_request(fake_config):
-    params = SamplingParams(max_tokens=3, ignore_eos=True)
-    with trio.fail_after(60):
-        async with trioserve.open_engine(config=fake_config()) as engine:
-            for stream in (engine.stream([5, 6], params), engine.stream_n([5, 6], params, 2)):
-                async with stream:
-                    async for _ in stream:
-                        pass
-                with pytest.raises(RuntimeError, match="a stream runs once"):
-                    async with stream:
-                        pass
-            stats = await engine.stats()
-            assert stats.num_running == stats.num_waiting == 0 and engine.num_requests_in_flight() == 0
-
-
 async def test_a_stream_refused_as_overloaded_may_be_entered_again_once_there_is_room(fake_config):
     params = SamplingParams(max_tokens=20, ignore_eos=True)
     with trio.fail_after(60):
@@ -686,37 +754,6 @@ def _stream(
     engine: trioserve.Engine, prompt: list[int], params: SamplingParams, n: int | None
 ) -> trioserve.RequestStream:
     return engine.stream(prompt, params) if n is None else engine.stream_n(prompt, params, n)
-
-
-async def test_a_stream_read_after_its_block_or_by_two_tasks_at_once_raises_rather_than_waiting_for_ever(fake_config):
-    """After its block the request is aborted: nothing more will come (a
-    finished one simply ends). Two readers would split its outputs, and one
-    would wait for ever after the last."""
-    params = SamplingParams(max_tokens=20, ignore_eos=True)
-    with trio.fail_after(60):
-        async with trioserve.open_engine(config=fake_config(step_delay_s=0.01)) as engine:
-            for n in (None, 2):  # stream, stream_n: one stream class, n samples
-                async with _stream(engine, [5, 6], params, n) as stream:
-                    await stream.__anext__()
-                with pytest.raises(RuntimeError, match=r"inside its async with block \(it has exited"):
-                    await stream.__anext__()
-                async with _stream(engine, [5, 6], SamplingParams(max_tokens=2, ignore_eos=True), n) as finished:
-                    assert len([output async for output in finished]) >= 1
-                assert [output async for output in finished] == []  # it had ended: iteration just ends
-            for make in (lambda: engine.stream([5, 6], params), lambda: engine.stream_n([5, 6], params, 2)):
-                async with make() as shared:
-                    read: list[int] = []
-
-                    async def reader(s: Any = shared, into: list[int] = read) -> None:
-                        async for output in s:
-                            into.append(output.num_output_tokens)
-
-                    with pytest.RaisesGroup(pytest.RaisesExc(trio.BusyResourceError, match="another task")):
-                        async with trio.open_nursery() as nursery:
-                            nursery.start_soon(reader)
-                            nursery.start_soon(reader)
-            stats = await engine.stats()
-            assert stats.num_running == stats.num_waiting == 0 and engine.num_requests_in_flight() == 0
 
 
 async def test_an_engine_core_that_cannot_be_forked_is_a_spawn_error_at_start_and_a_failed_restart_later(

@@ -24,30 +24,44 @@ from pathlib import Path
 import psutil
 import pytest
 import trio
+from helpers.fakes import make_fake_config, wait_no_children
+from helpers.hosted import HostedServer
 from helpers.server import Received, collect, expect_error, generate, open_ws, serving, wait_blocks_free
 from helpers.serving import REPO, serve_argv, spawned, tree_of, wait_for_url
 from helpers.waiting import in_thread
 from websockets.exceptions import InvalidStatus
 
-import trioserve
 from trioserve import SamplingParams
 from trioserve.errors import InvalidRequestError, PromptTooLongError
 from trioserve.frontend.text.prompt import PromptChecker
 from trioserve.frontend.text.tokenizer import Tokenizer
 from trioserve.messages import EngineInfo, ModelInfo
+from trioserve.server import Server
 
 HUGE = 18446744073709551616  # 2**64: msgpack cannot carry it
 
 
-@pytest.mark.parametrize(
-    ("params", "field"),
-    [({"max_tokens": HUGE}, "params.max_tokens"), ({"stop_token_ids": [HUGE]}, "params.stop_token_ids"),
-     ({"top_k": 10**20}, "params.top_k"), ({"seed": HUGE}, "params.seed")],
-)  # fmt: skip
-async def test_integers_the_wire_cannot_carry_are_an_error_and_the_server_serves_on(fake_config, params, field):
-    with trio.fail_after(30):
-        async with serving(fake_config(step_delay_s=0.005)) as server:
+@pytest.fixture(scope="class")
+def shared_server(tiny_model_dir):
+    """One server (5 ms steps) for the tests of a class: gone before the tests after it count processes."""
+    host = HostedServer(make_fake_config(str(tiny_model_dir("llama")), step_delay_s=0.005))
+    yield host
+    host.close()
+    assert trio.run(wait_no_children) == []
 
+
+class TestOnOneServer:
+    """Hostile frames and values on one server, which must serve on after each."""
+
+    @pytest.mark.parametrize(
+        ("params", "field"),
+        [({"max_tokens": HUGE}, "params.max_tokens"), ({"stop_token_ids": [HUGE]}, "params.stop_token_ids"),
+         ({"top_k": 10**20}, "params.top_k"), ({"seed": HUGE}, "params.seed")],
+    )  # fmt: skip
+    async def test_integers_the_wire_cannot_carry_are_an_error_and_the_server_serves_on(
+        self, shared_server, params, field
+    ):
+        async def scenario(server: Server) -> None:
             def client() -> dict[str, Received]:
                 with open_ws(server.url) as ws:
                     running = {"beside": Received()}
@@ -60,23 +74,24 @@ async def test_integers_the_wire_cannot_carry_are_an_error_and_the_server_serves
             received = await in_thread(client)
             assert received["beside"].terminal["type"] == received["after"].terminal["type"] == "done"  # type: ignore[index]
 
+        await shared_server.run_fresh(scenario, bound_s=30)
 
-async def test_integers_the_wire_cannot_carry_raise_value_error_when_embedded(fake_config):
-    with trio.fail_after(30):
-        async with trioserve.open_engine(config=fake_config()) as engine:
+    async def test_integers_the_wire_cannot_carry_raise_value_error_when_embedded(self, shared_server):
+        async def scenario(server: Server) -> None:
+            engine = server.engine
+            assert engine is not None
             with pytest.raises(ValueError, match=r"^max_tokens: must be an integer in \[1, 2147483647\]"):
                 await engine.generate("x", SamplingParams(max_tokens=HUGE))
             with pytest.raises(ValueError, match=r"^prompt: token ids must be integers in \[0, 259\)"):
                 await engine.generate([1, HUGE])
             assert len((await engine.generate("x", SamplingParams(max_tokens=3))).token_ids) == 3
 
+        await shared_server.run_fresh(scenario, bound_s=30)
 
-async def test_a_frame_of_arrays_nested_past_any_recursion_limit_is_invalid_json_and_the_connection_carries_on(
-    fake_config,
-):
-    with trio.fail_after(30):
-        async with serving(fake_config(step_delay_s=0.005)) as server:
-
+    async def test_a_frame_of_arrays_nested_past_any_recursion_limit_is_invalid_json_and_the_connection_carries_on(
+        self, shared_server
+    ):
+        async def scenario(server: Server) -> None:
             def client() -> dict[str, Received]:
                 with open_ws(server.url) as ws:
                     running = {"beside": Received()}
@@ -91,6 +106,29 @@ async def test_a_frame_of_arrays_nested_past_any_recursion_limit_is_invalid_json
 
             received = await in_thread(client)
             assert received["beside"].terminal["type"] == received["after"].terminal["type"] == "done"  # type: ignore[index]
+
+        await shared_server.run_fresh(scenario, bound_s=30)
+
+    async def test_thousands_of_stop_strings_are_refused_and_stall_nobody(self, shared_server):
+        async def scenario(server: Server) -> None:
+            def client() -> dict[str, Received]:
+                with open_ws(server.url) as ws:
+                    running = {"beside": Received()}
+                    ws.send(generate("beside", "carry on", max_tokens=60))
+                    for i in range(16):
+                        ws.send(generate(f"s{i}", "x", stop=[f"stop{j}" for j in range(30_000)]))
+                    for i in range(16):
+                        error = expect_error(ws, "invalid_field", f"s{i}", running)
+                        assert error["field"] == "params.stop" and "at most 64 stop strings" in error["message"]
+                    return collect(ws, {"beside"}, received=running)[0]
+
+            started = time.monotonic()
+            received = await in_thread(client)
+            assert received["beside"].terminal["type"] == "done"  # type: ignore[index]
+            assert time.monotonic() - started < 10  # it took 29 s of the front-end's CPU before
+            await wait_blocks_free(server)
+
+        await shared_server.run_fresh(scenario, bound_s=60)
 
 
 def checker(max_model_len: int = 2048) -> PromptChecker:
@@ -210,28 +248,6 @@ async def test_a_flood_of_mebibyte_prompts_is_refused_at_once_and_costs_the_fron
             assert time.monotonic() - started < 20
             assert all(e["field"] == "prompt" and "characters cannot fit" in e["message"] for e in errors)
             assert psutil.Process().memory_info().rss - before < 300 * 2**20  # it took 3.2 GB before
-
-
-async def test_thousands_of_stop_strings_are_refused_and_stall_nobody(fake_config):
-    with trio.fail_after(60):
-        async with serving(fake_config(step_delay_s=0.005)) as server:
-
-            def client() -> dict[str, Received]:
-                with open_ws(server.url) as ws:
-                    running = {"beside": Received()}
-                    ws.send(generate("beside", "carry on", max_tokens=60))
-                    for i in range(16):
-                        ws.send(generate(f"s{i}", "x", stop=[f"stop{j}" for j in range(30_000)]))
-                    for i in range(16):
-                        error = expect_error(ws, "invalid_field", f"s{i}", running)
-                        assert error["field"] == "params.stop" and "at most 64 stop strings" in error["message"]
-                    return collect(ws, {"beside"}, received=running)[0]
-
-            started = time.monotonic()
-            received = await in_thread(client)
-            assert received["beside"].terminal["type"] == "done"  # type: ignore[index]
-            assert time.monotonic() - started < 10  # it took 29 s of the front-end's CPU before
-            await wait_blocks_free(server)
 
 
 def run_trioserve(*argv: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:

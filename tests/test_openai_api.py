@@ -180,23 +180,87 @@ async def test_models_lists_the_served_model_and_stop_strings_end_a_request(shar
     await shared_server.run_fresh(scenario)
 
 
-async def test_the_api_key_is_required_on_the_api_but_not_on_health_and_metrics(fake_config):
-    with trio.fail_after(60):
-        async with serving(fake_config(), model_name=MODEL, api_key="sesame") as server:
+@pytest.fixture(scope="class")
+def key_server(tiny_model_dir):
+    """A server with an API key (10 ms steps) for the tests of a class."""
+    config = make_fake_config(str(tiny_model_dir("llama")), **{**SERVING, "step_delay_s": 0.01})
+    host = HostedServer(config, model_name=MODEL, api_key="sesame")
+    yield host
+    host.close()
+
+
+class TestOnOneServerWithAnApiKey:
+    async def test_the_api_key_is_required_on_the_api_but_not_on_health_and_metrics(self, key_server):
+        async def scenario(server: Server) -> None:
             with pytest.raises(openai.AuthenticationError) as info:
                 await in_thread(client(server, api_key="wrong").models.list)
             good = await in_thread(client(server, api_key="sesame").models.list)
             health = await in_thread(raw_request, server, "GET", "/health")
             metrics = await in_thread(raw_request, server, "GET", "/metrics")
-    assert info.value.status_code == 401
-    assert info.value.body == {  # type: ignore[comparison-overlap]
-        "message": "missing or wrong API key: send 'Authorization: Bearer <key>'",
-        "type": "authentication_error",
-        "param": None,
-        "code": "invalid_api_key",
-    }
-    assert [m.id for m in good.data] == [MODEL]
-    assert health[0] == 200 and metrics[0] == 200
+            assert info.value.status_code == 401
+            assert info.value.body == {  # type: ignore[comparison-overlap]
+                "message": "missing or wrong API key: send 'Authorization: Bearer <key>'",
+                "type": "authentication_error",
+                "param": None,
+                "code": "invalid_api_key",
+            }
+            assert [m.id for m in good.data] == [MODEL]
+            assert health[0] == 200 and metrics[0] == 200
+
+        await key_server.run_fresh(scenario, bound_s=60)
+
+    async def test_the_engine_is_paused_slept_and_resumed_over_http_and_health_says_so(self, key_server):
+        """Requests running when generation is paused with mode=abort end with a
+        503 ``aborted`` (an error event in a stream), never a short "success"."""
+        auth = {"Authorization": "Bearer sesame"}
+
+        async def scenario(server: Server) -> None:
+            assert (await in_thread(raw_request, server, "POST", "/v1/engine/pause"))[0] == 401
+            api = client(server, api_key="sesame")
+            cut: dict[str, BaseException] = {}
+            long = {"model": MODEL, "max_tokens": 2000, "extra_body": {"ignore_eos": True}}
+
+            async def whole() -> None:
+                with pytest.raises(openai.InternalServerError) as info:
+                    await in_thread(api.completions.create, prompt="Hi", **long)
+                cut["whole"] = info.value
+
+            async def streamed() -> None:
+                with pytest.raises(openai.APIError) as info:
+                    await in_thread(
+                        stream_text,
+                        await in_thread(api.chat.completions.create, messages=MESSAGES, stream=True, **long),
+                    )
+                cut["streamed"] = info.value
+
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(whole)
+                nursery.start_soon(streamed)
+                with trio.fail_after(10):
+                    while (await server.engine.stats()).num_running < 2:  # type: ignore[union-attr]
+                        await trio.sleep(0.02)
+                paused = await in_thread(raw_request, server, "POST", "/v1/engine/pause?mode=abort", headers=auth)
+            health_paused = await in_thread(raw_request, server, "GET", "/health")
+            bad = await in_thread(raw_request, server, "POST", "/v1/engine/sleep?level=3", headers=auth)
+            asleep = await in_thread(raw_request, server, "POST", "/v1/engine/sleep?level=1", headers=auth)
+            woken = await in_thread(raw_request, server, "POST", "/v1/engine/wake_up", headers=auth)
+            resumed = await in_thread(raw_request, server, "POST", "/v1/engine/resume", headers=auth)
+            answer = await in_thread(
+                client(server, api_key="sesame").completions.create, model=MODEL, prompt="Hi", max_tokens=3
+            )
+            assert (paused[0], json.loads(paused[2])) == (200, {"health": "paused"})
+            for error in cut.values():
+                assert "mode=abort" in str(error) and error.code == "aborted"  # type: ignore[attr-defined]
+            assert cut["whole"].status_code == 503  # type: ignore[attr-defined]
+            assert (health_paused[0], json.loads(health_paused[2])) == (503, {"status": "paused"})
+            assert bad[0] == 400 and "level: must be 1 or 2" in json.loads(bad[2])["error"]["message"]
+            assert (asleep[0], json.loads(asleep[2])) == (200, {"health": "sleeping"})
+            # still paused: only resume ends that
+            assert (woken[0], json.loads(woken[2])) == (200, {"health": "paused"})
+            assert (resumed[0], json.loads(resumed[2])) == (200, {"health": "ready"})
+            assert answer.choices[0].finish_reason == "length"
+
+        await key_server.run_fresh(scenario, bound_s=60)
 
 
 # --- bad requests ----------------------------------------------------------------------
@@ -520,57 +584,6 @@ async def test_keep_alive_serves_several_requests_on_one_connection_and_an_idle_
     assert 0.4 <= waited < 2.0
 
 
-async def test_the_engine_is_paused_slept_and_resumed_over_http_and_health_says_so(fake_config):
-    """Requests running when generation is paused with mode=abort end with a
-    503 ``aborted`` (an error event in a stream), never a short "success"."""
-    auth = {"Authorization": "Bearer sesame"}
-    with trio.fail_after(60):
-        async with serving(fake_config(step_delay_s=0.01), model_name=MODEL, api_key="sesame") as server:
-            assert (await in_thread(raw_request, server, "POST", "/v1/engine/pause"))[0] == 401
-            api = client(server, api_key="sesame")
-            cut: dict[str, BaseException] = {}
-            long = {"model": MODEL, "max_tokens": 2000, "extra_body": {"ignore_eos": True}}
-
-            async def whole() -> None:
-                with pytest.raises(openai.InternalServerError) as info:
-                    await in_thread(api.completions.create, prompt="Hi", **long)
-                cut["whole"] = info.value
-
-            async def streamed() -> None:
-                with pytest.raises(openai.APIError) as info:
-                    await in_thread(
-                        stream_text,
-                        await in_thread(api.chat.completions.create, messages=MESSAGES, stream=True, **long),
-                    )
-                cut["streamed"] = info.value
-
-            async with trio.open_nursery() as nursery:
-                nursery.start_soon(whole)
-                nursery.start_soon(streamed)
-                with trio.fail_after(10):
-                    while (await server.engine.stats()).num_running < 2:  # type: ignore[union-attr]
-                        await trio.sleep(0.02)
-                paused = await in_thread(raw_request, server, "POST", "/v1/engine/pause?mode=abort", headers=auth)
-            health_paused = await in_thread(raw_request, server, "GET", "/health")
-            bad = await in_thread(raw_request, server, "POST", "/v1/engine/sleep?level=3", headers=auth)
-            asleep = await in_thread(raw_request, server, "POST", "/v1/engine/sleep?level=1", headers=auth)
-            woken = await in_thread(raw_request, server, "POST", "/v1/engine/wake_up", headers=auth)
-            resumed = await in_thread(raw_request, server, "POST", "/v1/engine/resume", headers=auth)
-            answer = await in_thread(
-                client(server, api_key="sesame").completions.create, model=MODEL, prompt="Hi", max_tokens=3
-            )
-    assert (paused[0], json.loads(paused[2])) == (200, {"health": "paused"})
-    for error in cut.values():
-        assert "mode=abort" in str(error) and error.code == "aborted"  # type: ignore[attr-defined]
-    assert cut["whole"].status_code == 503  # type: ignore[attr-defined]
-    assert (health_paused[0], json.loads(health_paused[2])) == (503, {"status": "paused"})
-    assert bad[0] == 400 and "level: must be 1 or 2" in json.loads(bad[2])["error"]["message"]
-    assert (asleep[0], json.loads(asleep[2])) == (200, {"health": "sleeping"})
-    assert (woken[0], json.loads(woken[2])) == (200, {"health": "paused"})  # still paused: only resume ends that
-    assert (resumed[0], json.loads(resumed[2])) == (200, {"health": "ready"})
-    assert answer.choices[0].finish_reason == "length"
-
-
 # --- what a hostile client found (review) ----------------------------------------------
 
 
@@ -645,14 +658,52 @@ async def test_a_client_that_never_reads_a_whole_response_is_dropped_after_the_s
     assert held == 0, "the connection of a client that reads nothing is still held 15 s on"
 
 
-async def test_a_body_over_the_limit_gets_its_413_even_when_the_client_sent_it_whole(fake_config):
-    # Found: the server answered 413 and closed at once with the rest of the
-    # body unread, so the kernel sent a reset and the client lost the 413
-    # (ECONNRESET instead of the documented answer).
-    with trio.fail_after(60):
-        async with serving(fake_config(), model_name=MODEL, max_message_bytes=64 * 1024) as server:
+@pytest.fixture(scope="class")
+def small_body_server(tiny_model_dir):
+    """A server of 64 KiB messages and 2 requests a connection, for the tests of a class."""
+    config = make_fake_config(str(tiny_model_dir("llama")), **SERVING)
+    host = HostedServer(config, model_name=MODEL, max_message_bytes=64 * 1024, max_http_requests_per_connection=2)
+    yield host
+    host.close()
+
+
+class TestOnOneServerOfSmallBodies:
+    async def test_a_body_over_the_limit_gets_its_413_even_when_the_client_sent_it_whole(self, small_body_server):
+        # Found: the server answered 413 and closed at once with the rest of the
+        # body unread, so the kernel sent a reset and the client lost the 413
+        # (ECONNRESET instead of the documented answer).
+        async def scenario(server: Server) -> None:
             answer = await in_thread(exchange, server, post("/v1/completions", b"x" * (8 << 20)))
-    assert answer.startswith(b"HTTP/1.1 413 "), answer[:200]
+            assert answer.startswith(b"HTTP/1.1 413 "), answer[:200]
+
+        await small_body_server.run_fresh(scenario, bound_s=60)
+
+    async def test_a_body_announced_too_large_with_expect_100_continue_gets_413_and_no_100(self, small_body_server):
+        # Found: "100 Continue" went out before the declared length was checked,
+        # inviting the client to send a body the server then refused (RFC 9110:
+        # a server that will refuse the body answers with the final status instead).
+        head = post("/v1/completions", b"", "Expect: 100-continue").replace(
+            b"Content-Length: 0", b"Content-Length: 2097152"
+        )
+
+        async def scenario(server: Server) -> None:
+            answer = await in_thread(exchange, server, head)
+            assert answer.startswith(b"HTTP/1.1 413 "), answer[:200]
+
+        await small_body_server.run_fresh(scenario, bound_s=60)
+
+    async def test_the_last_response_a_connection_serves_says_connection_close(self, small_body_server):
+        # Found: after its last request (max_http_requests_per_connection) the
+        # server closed the connection without saying so in the response, so a
+        # client reusing it could send a request nobody would read (RFC 9112 9.6).
+        request = b"GET /v1/models HTTP/1.1\r\nHost: x\r\n\r\n"
+
+        async def scenario(server: Server) -> None:
+            answer = await in_thread(exchange, server, request * 2)
+            first, second = answer.split(b"HTTP/1.1 200 OK")[1:]
+            assert b"Connection: close" not in first and b"Connection: close" in second, answer
+
+        await small_body_server.run_fresh(scenario, bound_s=60)
 
 
 async def test_a_body_that_never_ends_frees_its_connection_at_the_body_deadline(fake_config):
@@ -713,31 +764,6 @@ async def test_a_body_of_one_byte_chunks_is_refused_before_it_costs_seconds_of_p
         assert took < 2.0, f"the server spent {took:.1f}s on one request body"
 
     await shared_server.run_fresh(scenario)
-
-
-async def test_a_body_announced_too_large_with_expect_100_continue_gets_413_and_no_100(fake_config):
-    # Found: "100 Continue" went out before the declared length was checked,
-    # inviting the client to send a body the server then refused (RFC 9110:
-    # a server that will refuse the body answers with the final status instead).
-    head = post("/v1/completions", b"", "Expect: 100-continue").replace(
-        b"Content-Length: 0", b"Content-Length: 2097152"
-    )
-    with trio.fail_after(60):
-        async with serving(fake_config(), model_name=MODEL, max_message_bytes=64 * 1024) as server:
-            answer = await in_thread(exchange, server, head)
-    assert answer.startswith(b"HTTP/1.1 413 "), answer[:200]
-
-
-async def test_the_last_response_a_connection_serves_says_connection_close(fake_config):
-    # Found: after its last request (max_http_requests_per_connection) the
-    # server closed the connection without saying so in the response, so a
-    # client reusing it could send a request nobody would read (RFC 9112 9.6).
-    request = b"GET /v1/models HTTP/1.1\r\nHost: x\r\n\r\n"
-    with trio.fail_after(60):
-        async with serving(fake_config(), model_name=MODEL, max_http_requests_per_connection=2) as server:
-            answer = await in_thread(exchange, server, request * 2)
-    first, second = answer.split(b"HTTP/1.1 200 OK")[1:]
-    assert b"Connection: close" not in first and b"Connection: close" in second, answer
 
 
 async def test_the_gauges_are_read_while_the_engine_is_paused(fake_config):

@@ -96,6 +96,10 @@ class HostedEngine(_Hosted[trioserve.Engine]):
     def _open(self) -> AbstractAsyncContextManager[trioserve.Engine]:
         return trioserve.open_engine(config=self.config)
 
+    async def run(self, scenario: Callable[[trioserve.Engine], Awaitable[T]], bound_s: float = 60.0) -> T:
+        """From a Trio test: ``scenario(engine)`` in the engine's thread, within ``bound_s``."""
+        return await trio.to_thread.run_sync(self.call, scenario, bound_s)
+
 
 class HostedServer(_Hosted[Server]):
     """``serving(config, **options)``; ``url`` and ``http_url`` are its addresses."""

@@ -846,6 +846,9 @@ API_SETTINGS = settings(
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.large_base_example],
 )
 API_PROMPT = [21, 22, 23]
+# The sampling-parameters test's context: short, so that a max_tokens of MAX_INT32 (or a
+# min_tokens past the context) fills it in a few dozen steps, not a thousand.
+PARAMS_MODEL_LEN = 64
 
 
 @dataclass(frozen=True)
@@ -946,13 +949,16 @@ python_values = st.recursive(
 )
 
 
-def check_generated(output: RequestOutput, prompt_ids: list[int], params: SamplingParams) -> None:
-    """A finished request's whole output: the fake runner's tokens, and a reason that fits."""
+def check_generated(
+    output: RequestOutput, prompt_ids: list[int], params: SamplingParams, max_model_len: int = MAX_MODEL_LEN
+) -> None:
+    """A finished request's whole output: the fake runner's tokens, and a reason that fits
+    (``length``: ``max_tokens``, or the context of ``max_model_len`` full)."""
     tokens = output.token_ids
     assert tokens == fake_tokens(prompt_ids, len(tokens)), output
     assert output.num_prompt_tokens == len(prompt_ids), output
     if output.finish_reason == "length":
-        assert len(tokens) == min(params.max_tokens, MAX_MODEL_LEN - len(prompt_ids)), output
+        assert len(tokens) == min(params.max_tokens, max_model_len - len(prompt_ids)), output
     else:
         assert output.finish_reason == "stop", output
         assert output.stop_reason in [*params.stop, *params.stop_token_ids], output
@@ -962,7 +968,7 @@ async def test_sampling_params_take_any_value_or_refuse_it_naming_the_field(
     fake_config: Callable[..., EngineConfig],
 ) -> None:
     with trio.fail_after(120), logged_errors() as errors:
-        async with trioserve.open_engine(config=fake_config(max_model_len=MAX_MODEL_LEN)) as engine:
+        async with trioserve.open_engine(config=fake_config(max_model_len=PARAMS_MODEL_LEN)) as engine:
             await in_thread(fuzz_sampling_params, engine)
             await check_engine_served_throughout(engine)
     assert not errors, [r.getMessage() for r in errors]
@@ -993,7 +999,7 @@ def fuzz_sampling_params(engine: Engine) -> None:
             assert str(exc).partition(":")[0] in refused, (exc, refused)
             return
         assert not refused, (params, refused)
-        check_generated(output, API_PROMPT, params)
+        check_generated(output, API_PROMPT, params, engine.info.max_model_len)
 
     check()
 
@@ -1083,7 +1089,7 @@ async def check_engine_served_throughout(engine: Engine) -> None:
     """The engine never restarted, still serves, and holds nothing."""
     assert engine.num_restarts == 0 and engine.health == "ready"
     output = await engine.generate(API_PROMPT, SamplingParams(max_tokens=3))
-    check_generated(output, API_PROMPT, SamplingParams(max_tokens=3))
+    check_generated(output, API_PROMPT, SamplingParams(max_tokens=3), engine.info.max_model_len)
     with trio.fail_after(5):
         while True:
             stats = await engine.stats()

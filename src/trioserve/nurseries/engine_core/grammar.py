@@ -5,7 +5,10 @@ decides which thread runs them).
 llguidance was chosen over xgrammar by measuring both on the schema suite
 (README, "Structured outputs"): it compiles a schema in about a millisecond
 rather than tens, fills a batch's masks as fast, and imports no torch, so
-the engine core stays torch-free.
+the engine core stays torch-free. llguidance and numpy are imported by the
+functions that need them, on the first constrained request: most engines
+never see one, and every engine core (and API server) would otherwise pay
+their import (about 80 ms, 40% of an engine core's start-up).
 
 JSON is held to one layout: no whitespace but ``", "`` between items and
 ``": "`` after keys (a schema's own ``x-guidance`` options may say
@@ -16,20 +19,25 @@ ignored: an output that passes is one the schema accepts.
 
 from __future__ import annotations
 
+import functools
 import threading
-from typing import Any
-
-import llguidance
-import llguidance.gbnf_to_lark
-import llguidance.numpy
-import numpy as np
+from typing import TYPE_CHECKING, Any
 
 from trioserve.structured import Choice, Grammar, JsonObject, JsonSchema, Regex, StructuredOutput
 
+if TYPE_CHECKING:
+    import llguidance
+
 JSON_OPTIONS: Any = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
-# llguidance's resource limits: its defaults, but a smaller grammar (symbols in
-# all productions) and no parser state in error messages (they reach clients).
-LIMITS = llguidance.LLParserLimits(max_grammar_size=200_000, verbose_errors=False)
+
+
+@functools.cache
+def limits() -> llguidance.LLParserLimits:
+    """llguidance's resource limits: its defaults, but a smaller grammar (symbols in
+    all productions) and no parser state in error messages (they reach clients)."""
+    import llguidance
+
+    return llguidance.LLParserLimits(max_grammar_size=200_000, verbose_errors=False)
 
 
 class ConstraintError(ValueError):
@@ -40,6 +48,9 @@ def grammar_text(constraint: StructuredOutput) -> str:
     """The llguidance grammar for ``constraint``. Raises ``ConstraintError``
     if it cannot be written as one (a GBNF grammar that does not parse, a
     schema that is not a JSON object)."""
+    import llguidance
+    import llguidance.gbnf_to_lark
+
     try:
         match constraint:
             case JsonSchema(schema=schema):
@@ -86,7 +97,9 @@ def _message(text: str, fallback: str) -> str:
 def check(constraint: StructuredOutput) -> None:
     """Raise ``ConstraintError`` saying what is wrong if ``constraint`` cannot
     compile (any tokenizer; about a millisecond for the schema suite)."""
-    error = llguidance.LLMatcher.validate_grammar(grammar_text(constraint), limits=LIMITS)
+    import llguidance
+
+    error = llguidance.LLMatcher.validate_grammar(grammar_text(constraint), limits=limits())
     if error:
         raise ConstraintError(_message(error, "invalid"))
 
@@ -106,6 +119,8 @@ class Tokenizer:
         """The tokenizer. Raises ``ConstraintError`` if the model has none that llguidance reads."""
         with self._lock:
             if self._built is None:
+                import llguidance
+
                 try:
                     with open(self._path, encoding="utf-8") as f:
                         text = f.read()
@@ -122,7 +137,9 @@ def compile_matcher(tokenizer: Tokenizer, constraint: StructuredOutput) -> llgui
     """A fresh matcher for ``constraint`` (the template each request's
     matcher is copied from), with its first mask computed so that lexer
     states it needs are built here, not in a step. Raises ``ConstraintError``."""
-    matcher = llguidance.LLMatcher(tokenizer.get(), grammar_text(constraint), log_level=0, limits=LIMITS)
+    import llguidance
+
+    matcher = llguidance.LLMatcher(tokenizer.get(), grammar_text(constraint), log_level=0, limits=limits())
     if matcher.is_error():
         raise ConstraintError(_message(matcher.get_error(), "invalid"))
     matcher.deep_copy().compute_bitmask()
@@ -149,11 +166,16 @@ class BitmaskFiller:
     GIL is released meanwhile)."""
 
     def __init__(self, vocab_size: int, num_threads: int) -> None:
+        import llguidance
+
         self.words = (vocab_size + 31) // 32
         self._executor = llguidance.LLExecutor(num_threads=num_threads)
 
     def fill(self, matchers: list[GrammarMatcher]) -> bytes:
         """One row per matcher, as little-endian int32 words."""
+        import llguidance.numpy
+        import numpy as np
+
         rows = np.full((len(matchers), self.words), -1, dtype="<i4")
         if matchers:
             llguidance.numpy.fill_next_token_bitmask_par(

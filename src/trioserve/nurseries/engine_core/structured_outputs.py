@@ -22,8 +22,8 @@ from __future__ import annotations
 import os
 from collections import OrderedDict
 from collections.abc import Callable, Iterable
+from typing import TYPE_CHECKING
 
-import llguidance
 import trio
 
 from trioserve.core.request import Request
@@ -36,6 +36,9 @@ from trioserve.nurseries.engine_core.grammar import (
     compile_matcher,
 )
 from trioserve.structured import constraint_key
+
+if TYPE_CHECKING:
+    import llguidance  # imported by grammar.py's functions, on the first constrained request
 
 GRAMMAR_CACHE_SIZE = 256  # compiled constraints kept
 COMPILE_TIMEOUT_S = 10.0  # the longest one constraint may take to compile
