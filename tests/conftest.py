@@ -30,16 +30,29 @@ settings.load_profile("trioserve")
 def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., pathlib.Path]:
     """``tiny_model_dir(arch="llama", seed=0) -> Path``: a tiny model directory
     (weights, config, tokenizer) of that architecture, written on first use
-    and shared by the whole session. Architectures: see
-    ``trioserve.gpu.tiny_models.ARCHITECTURES``."""
+    and shared by the whole session: by every test process of it (xdist's
+    workers share their base directory's parent), the first to ask writing
+    it under a lock, so that a process whose tests only need the tokenizer
+    never imports torch to write one. Read-only for the tests.
+    Architectures: see ``trioserve.gpu.tiny_models.ARCHITECTURES``."""
+    import filelock
+
     cache: dict[tuple[str, int], pathlib.Path] = {}
+    base = tmp_path_factory.getbasetemp()
+    shared = base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
 
     def get(arch: str = "llama", seed: int = 0) -> pathlib.Path:
         if (arch, seed) not in cache:
-            from trioserve.gpu.tiny_models import write_tiny_model
+            out, written = shared / f"tiny-{arch}-{seed}", shared / f"tiny-{arch}-{seed}.written"
+            with filelock.FileLock(str(out) + ".lock"):
+                if not written.exists():
+                    from trioserve.gpu.tiny_models import write_tiny_model
 
-            out = tmp_path_factory.mktemp(f"tiny-{arch}-{seed}")
-            cache[arch, seed] = write_tiny_model(out, arch, seed=seed)
+                    shutil.rmtree(out, ignore_errors=True)  # (a writer that died half-way)
+                    out.mkdir()
+                    assert write_tiny_model(out, arch, seed=seed) == out
+                    written.touch()
+            cache[arch, seed] = out
         return cache[arch, seed]
 
     return get

@@ -100,7 +100,12 @@ def test_every_engine_option_reaches_its_field():
         "data_parallel_size_local", "data_parallel_address", "data_parallel_rpc_port", "curve_keys_dir",
         "insecure_tcp", "shutdown_grace_s", "step_hang_factor", "restart_backoff_s", "restart_backoff_max_s",
         "restart_wait_s", "control_timeout_s", "while_asleep", "enable_lora", "lora_modules",
+        "data_parallel_backend", "ray_address",  # (not with lockstep: below)
     }  # fmt: skip
+    ray = engine_config(
+        build_parser().parse_args(["serve", "--data-parallel-backend", "ray", "--ray-address", "h:1"]), "m"
+    )
+    assert (ray.data_parallel_backend, ray.ray_address, ray.num_local_engines) == ("ray", "h:1", 0)
     assert config.step_timeout_s is None  # 0: no fixed limit
     assert (config.resume_requests, config.max_resumes) == (False, 5)
     assert config.kv_cache_memory_bytes == 7 * 2**20 and config.fake.eos_every == 4
