@@ -183,57 +183,6 @@ def stream_until_closed(ws: Any) -> str:
         return "closed"
 
 
-async def test_kill_9_of_one_api_server_drops_only_its_connections_and_it_is_restarted(tiny_model_dir):
-    options = ("--fake-options", '{"step_delay_s": 0.01}')
-    with trio.fail_after(120), spawned(argv(str(tiny_model_dir("llama")), *options)) as proc:
-        url = await in_thread(wait_for_url, proc, 60)
-        pids = api_servers(proc.pid)
-        port = port_of(url)
-        stack = ExitStack()
-        sockets = await in_thread(open_on_both, stack, url, pids)
-        owners = [await in_thread(owner, ws, pids, port) for ws in sockets]
-        victim, survivor = owners[-1], next(pid for pid in pids if pid != owners[-1])
-        doomed = next(ws for ws, pid in zip(sockets, owners, strict=True) if pid == victim)
-        spared = next(ws for ws, pid in zip(sockets, owners, strict=True) if pid == survivor)
-        outcome: dict[str, str | dict[str, Received]] = {}
-        try:
-            async with trio.open_nursery() as nursery:
-
-                async def doomed_stream() -> None:
-                    outcome["doomed"] = await in_thread(stream_until_closed, doomed)
-
-                async def spared_streams() -> None:
-                    prompts = {f"s{i}": [9, i] for i in range(3)}
-                    outcome["spared"] = await in_thread(stream_on, spared, prompts, max_tokens=150, ignore_eos=True)
-
-                nursery.start_soon(doomed_stream)
-                nursery.start_soon(spared_streams)
-                await wait_until(lambda: engine_load(url)[0] == 4, 10, "both connections' requests running")
-                os.kill(victim, signal.SIGKILL)
-                killed_at = time.monotonic()
-            assert outcome["doomed"] == "closed"
-            spared_received = outcome["spared"]
-            assert isinstance(spared_received, dict)
-            for r in spared_received.values():
-                assert r.terminal is not None and r.terminal["type"] == "done" and len(r.token_ids) == 150
-            # The victim's request (100,000 tokens) is aborted in the engine: its batch slot and KV blocks are free.
-            await wait_until(lambda: engine_load(url) == (0.0, 0.0), 5)
-            # Restarted: a new API server takes the victim's place and serves.
-            await wait_until(lambda: len(api_servers(proc.pid)) == 2 and victim not in api_servers(proc.pid), 20)
-            restarted_after = time.monotonic() - killed_at
-            assert restarted_after < 20
-            fresh = await in_thread(open_on_both, stack, url, api_servers(proc.pid))
-            for ws in fresh:
-                received = await in_thread(stream_on, ws, {"x": [11, 12]}, max_tokens=5, ignore_eos=True)
-                assert received["x"].token_ids == fake_tokens([11, 12], 5)
-        finally:
-            stack.close()
-        tree = [proc.pid, *tree_of(proc.pid)]
-        proc.send_signal(signal.SIGTERM)
-        assert await in_thread(proc.wait, 20) == 0
-        assert not any(running(pid) for pid in tree)
-
-
 async def test_a_control_call_that_finds_an_engine_core_restarting_is_a_503_naming_it(tiny_model_dir):
     """An API server of several keeps no call for an engine core's next life
     (found: two of them each replayed their own, in no fixed order, and a
@@ -346,11 +295,56 @@ def test_a_port_in_use_is_named_in_one_line_and_exit_1(count, tiny_model_dir, ca
     assert {signum: signal.getsignal(signum) for signum in handlers} == handlers
 
 
-async def test_kill_9_of_the_engine_core_resumes_every_api_servers_streams_once_both_reattach(tiny_model_dir):
-    options = ("--fake-options", '{"step_delay_s": 0.01}')
-    with trio.fail_after(120), spawned(argv(str(tiny_model_dir("llama")), *options)) as proc, ExitStack() as stack:
-        url = await in_thread(wait_for_url, proc, 60)
-        pids = api_servers(proc.pid)
+async def one_api_server_killed(proc: Any, url: str) -> None:
+    """kill -9 of one of ``proc``'s API servers, each holding a connection
+    with requests streaming: only its connections drop, and its request is
+    aborted in the engine; a new API server takes its place and serves."""
+    pids = api_servers(proc.pid)
+    port = port_of(url)
+    with ExitStack() as stack:
+        sockets = await in_thread(open_on_both, stack, url, pids)
+        owners = [await in_thread(owner, ws, pids, port) for ws in sockets]
+        victim, survivor = owners[-1], next(pid for pid in pids if pid != owners[-1])
+        doomed = next(ws for ws, pid in zip(sockets, owners, strict=True) if pid == victim)
+        spared = next(ws for ws, pid in zip(sockets, owners, strict=True) if pid == survivor)
+        outcome: dict[str, str | dict[str, Received]] = {}
+        async with trio.open_nursery() as nursery:
+
+            async def doomed_stream() -> None:
+                outcome["doomed"] = await in_thread(stream_until_closed, doomed)
+
+            async def spared_streams() -> None:
+                prompts = {f"s{i}": [9, i] for i in range(3)}
+                outcome["spared"] = await in_thread(stream_on, spared, prompts, max_tokens=150, ignore_eos=True)
+
+            nursery.start_soon(doomed_stream)
+            nursery.start_soon(spared_streams)
+            await wait_until(lambda: engine_load(url)[0] == 4, 10, "both connections' requests running")
+            os.kill(victim, signal.SIGKILL)
+            killed_at = time.monotonic()
+        assert outcome["doomed"] == "closed"
+        spared_received = outcome["spared"]
+        assert isinstance(spared_received, dict)
+        for r in spared_received.values():
+            assert r.terminal is not None and r.terminal["type"] == "done" and len(r.token_ids) == 150
+        # The victim's request (100,000 tokens) is aborted in the engine: its batch slot and KV blocks are free.
+        await wait_until(lambda: engine_load(url) == (0.0, 0.0), 5)
+        # Restarted: a new API server takes the victim's place and serves.
+        await wait_until(lambda: len(api_servers(proc.pid)) == 2 and victim not in api_servers(proc.pid), 20)
+        restarted_after = time.monotonic() - killed_at
+        assert restarted_after < 20
+        fresh = await in_thread(open_on_both, stack, url, api_servers(proc.pid))
+        for ws in fresh:
+            received = await in_thread(stream_on, ws, {"x": [11, 12]}, max_tokens=5, ignore_eos=True)
+            assert received["x"].token_ids == fake_tokens([11, 12], 5)
+
+
+async def engine_core_killed(proc: Any, url: str) -> None:
+    """After a pause through one API server and a resume through the other,
+    kill -9 of the engine core under a stream on each: each API server
+    resumes its own once both reattach, and the new engine core serves both."""
+    pids = api_servers(proc.pid)
+    with ExitStack() as stack:
         sockets = await in_thread(open_on_both, stack, url, pids)
         # Paused through one API server, resumed through the other: each says what the engine core
         # says (found: each kept its own calls' state, so the first said "paused" for good, and
@@ -384,8 +378,24 @@ async def test_kill_9_of_the_engine_core_resumes_every_api_servers_streams_once_
             received = await in_thread(stream_on, ws, {"x": [11, 12]}, max_tokens=5, ignore_eos=True)
             assert received["x"].token_ids == fake_tokens([11, 12], 5)
         assert engine_cores(proc.pid) != [engine]
+
+
+async def test_kill_9_of_one_api_server_drops_only_its_connections_then_of_the_engine_core_resumes_every_stream(
+    tiny_model_dir,
+):
+    """kill -9 of one API server drops only its connections and it is
+    restarted; then kill -9 of the engine core resumes every API server's
+    streams (the restarted one's too) once both reattach. One server for
+    both (each fault's checks as in a test of its own)."""
+    options = ("--fake-options", '{"step_delay_s": 0.01}')
+    with trio.fail_after(120), spawned(argv(str(tiny_model_dir("llama")), *options)) as proc:
+        url = await in_thread(wait_for_url, proc, 60)
+        await one_api_server_killed(proc, url)
+        await engine_core_killed(proc, url)
+        tree = [proc.pid, *tree_of(proc.pid)]
         proc.send_signal(signal.SIGTERM)  # not a kill on the way out: that would leave the private directories
         assert await in_thread(proc.wait, 20) == 0
+        assert not any(running(pid) for pid in tree)
 
 
 def stream_to_close(ws: Any, started: Any) -> tuple[str, int | None]:
@@ -700,27 +710,6 @@ async def lands_on_both_engines(seen: Engine, ws: Any, tag: str, timeout: float 
             await trio.sleep(0.2)  # this API server has not attached to engine 1 yet
 
 
-async def test_two_api_servers_stream_on_the_head_engine_and_a_headless_one_with_the_runners_greedy_tokens(
-    tiny_model_dir, tmp_path
-):
-    keys, port = new_keys(tmp_path), free_port()
-    head = head_argv(str(tiny_model_dir("llama")), port, keys)
-    with trio.fail_after(60), spawned(head) as proc, headless(headless_argv(port, keys)) as remote:
-        url = await in_thread(wait_for_url, proc, 45)
-        pids = api_servers(proc.pid)
-        async with observer(proc.pid) as seen:
-            await wait_live(seen, 1)
-            with ExitStack() as stack:
-                for n, ws in enumerate(await in_thread(open_on_both, stack, url, pids)):
-                    await lands_on_both_engines(seen, ws, f"api{n}-")
-        tree = [proc.pid, *tree_of(proc.pid), remote.pid, *tree_of(remote.pid)]
-        proc.send_signal(signal.SIGTERM)
-        remote.send_signal(signal.SIGTERM)
-        assert await in_thread(proc.wait, 20) == 0
-        assert await in_thread(remote.wait, 20) == 0
-        assert not any(running(pid) for pid in tree)
-
-
 def long_streams(ws: Any, tag: str, started: Callable[[], None], killed: threading.Event) -> tuple[dict, set[str]]:
     """4 long streams on ``ws``; once each has its first delta, ``started()``;
     once ``killed`` is set, read for the heartbeat deadline and a margin.
@@ -762,65 +751,79 @@ def stop_tree(pid: int) -> list[int]:
     return pids
 
 
-@pytest.mark.parametrize("fault", ["kill -9", "SIGSTOP"])
+async def fault_ends_its_streams(seen: Engine, url: str, pids: list[int], remote: int, fault: str) -> list[int]:
+    """Long streams on both API servers, spread over both engines; then
+    ``fault`` (kill -9 or SIGSTOP) of the headless tree ``remote``: on each
+    API server, its streams there end as ``engine_dead`` within the heartbeat
+    deadline, those on the head's engine go on. The pids of the tree."""
+    with ExitStack() as stack:
+        sockets = await in_thread(open_on_both, stack, url, pids)
+        # The observer seeing the headless engine does not mean both API servers have attached to it yet.
+        for n, ws in enumerate(sockets):
+            await lands_on_both_engines(seen, ws, f"warm{n}-")
+        before = await num_requests(seen)
+        streaming, killed = trio.Semaphore(0), threading.Event()
+        outcomes: list[tuple[dict, set[str]]] = []
+        async with trio.open_nursery() as nursery:
+
+            async def watch(ws: Any, tag: str) -> None:
+                def started() -> None:
+                    trio.from_thread.run_sync(streaming.release)
+
+                outcomes.append(await in_thread(long_streams, ws, tag, started, killed))
+
+            for n, ws in enumerate(sockets):
+                nursery.start_soon(watch, ws, f"api{n}-")
+            for _ in sockets:
+                await streaming.acquire()
+            stale = await num_requests(seen)
+            assert stale[1] - before[1] >= 2  # each API server's streams are spread over both engines
+            killed_tree = (kill_tree if fault == "kill -9" else stop_tree)(remote)
+            killed.set()
+    for ends, still in outcomes:
+        assert ends, f"{fault}: no stream of this API server was on the headless engine"
+        assert {code for code, _ in ends.values()} == {"engine_dead"}, (fault, ends)
+        assert max(after for _, after in ends.values()) < HEARTBEAT_TIMEOUT_S + 1.0, (fault, ends)
+        assert still and not still & set(ends)  # its streams on the head's engine go on
+    return killed_tree
+
+
 async def test_a_headless_tree_killed_or_silent_ends_its_streams_on_both_api_servers_and_both_use_it_again_once_back(
-    tiny_model_dir, tmp_path, fault
+    tiny_model_dir, tmp_path
 ):
-    """kill -9: its connections close, and the API servers know at once;
-    SIGSTOP (as a host that vanished): they know from its silence, within
-    the heartbeat deadline."""
+    """Two API servers stream the runner's greedy tokens on the head's engine
+    and a headless one. kill -9 of the headless tree: its connections close,
+    and the API servers know at once; SIGSTOP of the next tree (as a host
+    that vanished): they know from its silence, within the heartbeat
+    deadline. Each time the head's engine serves on, and once a new tree
+    joins, both API servers use it again. (One head for every step: each
+    fault is met by a tree that joined after the last one.)"""
     keys, port = new_keys(tmp_path), free_port()
     head = head_argv(str(tiny_model_dir("llama")), port, keys, "--no-resume-requests")  # its streams end
-    with trio.fail_after(60), spawned(head) as proc:
+    with trio.fail_after(120), spawned(head) as proc:
         url = await in_thread(wait_for_url, proc, 45)
         pids = api_servers(proc.pid)
         async with observer(proc.pid) as seen:
-            with headless(headless_argv(port, keys)) as remote:
-                await wait_live(seen, 1)
-                with ExitStack() as stack:
-                    sockets = await in_thread(open_on_both, stack, url, pids)
-                    # The observer seeing the headless engine does not mean both API servers have attached to it yet.
-                    for n, ws in enumerate(sockets):
-                        await lands_on_both_engines(seen, ws, f"warm{n}-")
-                    before = await num_requests(seen)
-                    streaming, killed = trio.Semaphore(0), threading.Event()
-                    outcomes: list[tuple[dict, set[str]]] = []
-                    async with trio.open_nursery() as nursery:
-
-                        async def watch(ws: Any, tag: str) -> None:
-                            def started() -> None:
-                                trio.from_thread.run_sync(streaming.release)
-
-                            outcomes.append(await in_thread(long_streams, ws, tag, started, killed))
-
-                        for n, ws in enumerate(sockets):
-                            nursery.start_soon(watch, ws, f"api{n}-")
-                        for _ in sockets:
-                            await streaming.acquire()
-                        stale = await num_requests(seen)
-                        assert stale[1] - before[1] >= 2  # each API server's streams are spread over both engines
-                        killed_tree = (kill_tree if fault == "kill -9" else stop_tree)(remote.pid)
-                        killed.set()
-                for ends, still in outcomes:
-                    assert ends, "no stream of this API server was on the headless engine"
-                    assert {code for code, _ in ends.values()} == {"engine_dead"}, ends
-                    assert max(after for _, after in ends.values()) < HEARTBEAT_TIMEOUT_S + 1.0, ends
-                    assert still and not still & set(ends)  # its streams on the head's engine go on
-            # (Stopped ones were killed on the way out, just now.)
-            assert await in_thread(wait_gone, killed_tree, time.monotonic(), 5) < 5
-            with ExitStack() as stack:  # the head's engine takes every new request meanwhile
-                for n, ws in enumerate(await in_thread(open_on_both, stack, url, pids)):
-                    received = await in_thread(stream_on, ws, {f"x{n}": [11, 12]}, max_tokens=5, ignore_eos=True)
-                    assert received[f"x{n}"].token_ids == fake_tokens([11, 12], 5)
+            for fault in ("kill -9", "SIGSTOP"):
+                with headless(headless_argv(port, keys)) as remote:
+                    await wait_live(seen, 1)
+                    killed_tree = await fault_ends_its_streams(seen, url, pids, remote.pid, fault)
+                # (Stopped ones were killed on the way out, just now.)
+                assert await in_thread(wait_gone, killed_tree, time.monotonic(), 5) < 5
+                with ExitStack() as stack:  # the head's engine takes every new request meanwhile
+                    for n, ws in enumerate(await in_thread(open_on_both, stack, url, pids)):
+                        received = await in_thread(stream_on, ws, {f"x{n}": [11, 12]}, max_tokens=5, ignore_eos=True)
+                        assert received[f"x{n}"].token_ids == fake_tokens([11, 12], 5)
             # A new headless tree joins: both API servers attach to it and use it again.
             with headless(headless_argv(port, keys)) as remote:
                 await wait_live(seen, 1)
                 with ExitStack() as stack:
                     for n, ws in enumerate(await in_thread(open_on_both, stack, url, pids)):
                         await lands_on_both_engines(seen, ws, f"again{n}-")
+                tree = [remote.pid, *tree_of(remote.pid)]
                 remote.send_signal(signal.SIGTERM)
                 assert await in_thread(remote.wait, 20) == 0
-        tree = [proc.pid, *tree_of(proc.pid)]
+        tree += [proc.pid, *tree_of(proc.pid)]
         proc.send_signal(signal.SIGTERM)
         assert await in_thread(proc.wait, 20) == 0
         assert not any(running(pid) for pid in tree)

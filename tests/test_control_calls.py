@@ -11,7 +11,8 @@ import signal
 
 import pytest
 import trio
-from helpers.fakes import fake_tokens, wait_no_children
+from helpers.fakes import fake_tokens, make_fake_config, wait_no_children
+from helpers.hosted import HostedEngine
 
 import trioserve
 from trioserve import SamplingParams
@@ -21,14 +22,25 @@ from trioserve.rpc import DescribeShard, Echo
 LONG = SamplingParams(max_tokens=100_000, ignore_eos=True)
 
 
-async def test_arguments_the_engine_core_could_not_take_are_refused_at_once_naming_them(fake_config):
+@pytest.fixture(scope="module")
+def shared(tiny_model_dir):
+    """One engine (the fake runner, 10 ms steps) for the tests that leave it
+    as they found it: ready, idle, never restarted (each checks so)."""
+    host = HostedEngine(make_fake_config(str(tiny_model_dir("llama")), step_delay_s=0.01))
+    yield host
+    host.close()
+    assert trio.run(wait_no_children) == []
+
+
+def test_arguments_the_engine_core_could_not_take_are_refused_at_once_naming_them(shared):
     """Found: ``sleep(level=True)`` and ``Echo(text=123)`` passed the checks and
     were dropped by the engine core as malformed; the caller waited out the
     timeout, health said ``paused`` for good, and every restart replayed the
     call. A timeout of 1e-6 s on a call that runs on the workers killed a
     healthy engine core, and every request on it."""
-    with trio.fail_after(30):
-        async with trioserve.open_engine(config=fake_config()) as engine:
+
+    async def scenario(engine: trioserve.Engine) -> None:
+        with trio.fail_after(30):
             for level in (True, 1.0, 2.0, 3):
                 with pytest.raises(InvalidRequestError, match=rf"^level: must be 1 or 2 \(got {level!r}\)"):
                     await engine.sleep(level)  # type: ignore[arg-type]
@@ -44,13 +56,16 @@ async def test_arguments_the_engine_core_could_not_take_are_refused_at_once_nami
             assert (engine.health, engine.num_restarts) == ("ready", 0)
             assert (await engine.generate([5, 6], SamplingParams(max_tokens=3))).token_ids == fake_tokens([5, 6], 3)
 
+    shared.call(scenario)
 
-async def test_wait_ready_returns_while_paused_or_asleep_and_a_cancelled_call_raises_a_bare_cancelled(fake_config):
+
+def test_wait_ready_returns_while_paused_or_asleep_and_a_cancelled_call_raises_a_bare_cancelled(shared):
     """Found: ``wait_ready()`` waited for ever on an engine that was up but
     paused or asleep; a cancelled control call raised a group holding
     ``Cancelled``, which ``except trio.Cancelled`` misses."""
-    with trio.fail_after(30):
-        async with trioserve.open_engine(config=fake_config(step_delay_s=0.01)) as engine:
+
+    async def scenario(engine: trioserve.Engine) -> None:
+        with trio.fail_after(30):
             await engine.pause()
             with trio.fail_after(2):
                 await engine.wait_ready()
@@ -72,14 +87,17 @@ async def test_wait_ready_returns_while_paused_or_asleep_and_a_cancelled_call_ra
                 assert [type(exc) for exc in caught] == [trio.Cancelled]
                 await engine.resume()
                 await stream.__anext__()  # it runs on
-    assert await wait_no_children() == []
+            assert (engine.health, engine.num_restarts) == ("ready", 0)
+
+    shared.call(scenario)
 
 
-async def test_health_says_paused_while_a_sleep_waits_for_the_requests_to_end(fake_config):
+def test_health_says_paused_while_a_sleep_waits_for_the_requests_to_end(shared):
     """Found: another call's reply turned health to ``ready`` while the sleep
     still waited and new requests were held."""
-    with trio.fail_after(30):
-        async with trioserve.open_engine(config=fake_config(step_delay_s=0.01)) as engine:
+
+    async def scenario(engine: trioserve.Engine) -> None:
+        with trio.fail_after(30):
             async with engine.stream([5, 6], SamplingParams(max_tokens=150, ignore_eos=True)) as stream:
                 await stream.__anext__()
                 async with trio.open_nursery() as nursery:
@@ -93,6 +111,8 @@ async def test_health_says_paused_while_a_sleep_waits_for_the_requests_to_end(fa
             assert engine.health == "sleeping"
             await engine.wake_up()
             assert engine.health == "ready"
+
+    shared.call(scenario)
 
 
 async def test_a_stream_entered_by_two_tasks_at_once_runs_once(fake_config):

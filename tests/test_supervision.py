@@ -118,7 +118,8 @@ async def test_a_new_request_waits_a_bounded_time_for_a_restarting_engine(fake_c
 
 
 async def test_shutdown_while_restarting_leaves_no_process(fake_config):
-    config = fake_config(raise_at_step=2, restart_backoff_s=0.2)
+    # Not resumed: the first death ends the request (a resumed one would die twice more).
+    config = fake_config(raise_at_step=2, restart_backoff_s=0.2, resume_requests=False)
     with trio.fail_after(30):
         async with trioserve.open_engine(config=config) as engine:
             old = {engine.info.engine_pid, *engine.info.worker_pids}
@@ -137,7 +138,8 @@ async def test_shutdown_while_restarting_leaves_no_process(fake_config):
 
 
 async def test_cancelled_while_waiting_for_a_restart_leaves_nothing(fake_config):
-    config = fake_config(raise_at_step=2, restart_backoff_s=0.5)
+    # Not resumed: the first death ends the request (a resumed one would die twice more).
+    config = fake_config(raise_at_step=2, restart_backoff_s=0.5, resume_requests=False)
     with trio.fail_after(30):
         async with trioserve.open_engine(config=config) as engine:
             with pytest.raises(EngineDeadError):
@@ -351,6 +353,7 @@ async def test_a_worker_that_dies_while_the_front_end_stops_leaves_one_line_not_
     exit 1 (4 is for an engine out of restarts)."""
     argv = ["generate", "hello", "--max-tokens", "20", "--model", str(tiny_model_dir("llama"))]
     argv += ["--runner", "fake", "--fake-options", json.dumps({"die_at_step": 5})]
+    argv += ["--no-resume-requests"]  # the first death ends the request (resumed, it died thrice per run)
     for _ in range(3):
         code, stderr, left = await trio.to_thread.run_sync(run_cli, argv, 60)
         assert code == 1 and left == [], stderr
