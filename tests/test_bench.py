@@ -212,8 +212,6 @@ def test_bench_command_with_a_real_model_and_the_model_only_baseline(tiny_model_
         "--no-progress",
         "--baselines",
         "model-only",
-        "--torch-threads",  # the engine's worker and each baseline: one thread, as the other model tests run
-        "1",
     ]
     done = subprocess.run(command, capture_output=True, text=True, timeout=300, check=False)
     assert done.returncode == 0, done.stderr

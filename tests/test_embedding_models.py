@@ -70,9 +70,7 @@ async def test_a_decoders_vectors_equal_transformers_pooled_last_and_mean(tiny_m
     rng = random.Random(0)
     prompts = [[rng.randrange(3, 259) for _ in range(40)]]  # encoded again below
     prompts += [[rng.randrange(3, 259) for _ in range(rng.randrange(1, 80))] for _ in range(31)]
-    config = EngineConfig(
-        model=str(model_dir), block_size=8, max_num_batched_tokens=48, enable_prefix_caching=True, torch_threads=1
-    )
+    config = EngineConfig(model=str(model_dir), block_size=8, max_num_batched_tokens=48, enable_prefix_caching=True)
     with trio.fail_after(120):
         async with trioserve.open_engine(config=config) as engine:
             assert engine.info.model.hidden_size == 64 and engine.supported_tasks == ("embed",)
@@ -125,7 +123,7 @@ async def test_a_tiny_encoders_vectors_equal_transformers_pooled_cls_and_mean(tm
     model_dir = tiny_bert_dir(tmp_path / "bert", "pooling_mode_cls_token")
     rng = random.Random(2)
     prompts = [[101, *(rng.randrange(1000, 30000) for _ in range(rng.randrange(1, 200))), 102] for _ in range(32)]
-    config = EngineConfig(model=str(model_dir), max_num_batched_tokens=512, torch_threads=1)
+    config = EngineConfig(model=str(model_dir), max_num_batched_tokens=512)
     with trio.fail_after(120):
         async with trioserve.open_engine(config=config) as engine:
             assert engine.info.model.hidden_size == 64 and engine.supported_tasks == ("embed",)
@@ -170,7 +168,7 @@ async def test_all_minilm_l6_v2_served_gives_sentence_transformers_vectors():
     assert len(SENTENCES) == 32
     rng = random.Random(1)
     long = [101, *(rng.randrange(1000, 30000) for _ in range(298)), 102]  # [CLS] ... [SEP], 300 tokens
-    config = EngineConfig(model=str(model_dir), max_num_batched_tokens=128, torch_threads=1)
+    config = EngineConfig(model=str(model_dir), max_num_batched_tokens=128)
     with trio.fail_after(120):
         async with trioserve.open_engine(config=config) as engine:
             assert engine.supported_tasks == ("embed",) and engine.info.model.hidden_size == 384

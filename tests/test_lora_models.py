@@ -56,7 +56,6 @@ async def test_a_mixed_batch_of_adapters_gives_each_merged_models_tokens(tiny_mo
         lora_modules=tuple(f"{name}={path}" for name, path in paths.items()),
         # Under preemption (llama): 24 blocks of 4 tokens hold a few of these requests at once.
         num_kv_blocks=24 if arch == "llama" else None,
-        torch_threads=1,
         shutdown_grace_s=3.0,
     )
     with trio.fail_after(180):
@@ -126,9 +125,7 @@ async def test_adapters_loaded_evicted_and_refused_on_a_real_model(tiny_model_di
         (str(too_big), "rank 32 is over this server's limit of 16"),
     ]
     params = {name: SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True, lora=name) for name in "pq"}
-    config = EngineConfig(
-        model=str(base_dir), enable_lora=True, max_loras=1, max_cpu_loras=1, torch_threads=1, shutdown_grace_s=3.0
-    )
+    config = EngineConfig(model=str(base_dir), enable_lora=True, max_loras=1, max_cpu_loras=1, shutdown_grace_s=3.0)
     with trio.fail_after(180):
         async with trioserve.open_engine(config=config) as engine:
             await engine.add_lora("p", p)

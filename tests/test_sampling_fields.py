@@ -32,9 +32,7 @@ PROMPT = [1, *range(40, 70)]  # 31 tokens: several prefill chunks of 16
 
 
 def engine_config(model_dir: Any) -> EngineConfig:
-    return EngineConfig(
-        model=str(model_dir), block_size=4, max_num_batched_tokens=16, torch_threads=1, shutdown_grace_s=3.0
-    )
+    return EngineConfig(model=str(model_dir), block_size=4, max_num_batched_tokens=16, shutdown_grace_s=3.0)
 
 
 @pytest.fixture(scope="module")
