@@ -1,6 +1,10 @@
 """Data parallelism: engine cores side by side behind one front-end
 (docs/architecture.md, "Data parallel"). Real processes; the fake runner
-unless the model itself matters."""
+unless the model itself matters.
+
+Tests that need no engine of their own share one of two (``HostedEngine``),
+a class's: two engines on the fake runner, 5 ms steps, side by side
+(``TestOnTwoEnginesSideBySide``) or in lockstep (``TestInLockstep``)."""
 
 from __future__ import annotations
 
@@ -13,19 +17,20 @@ from functools import partial
 import pytest
 import trio
 from helpers.concurrent import Outcome, consume_stream, run_concurrently
-from helpers.fakes import children, fake_tokens, wait_no_children
+from helpers.fakes import children, fake_tokens, make_fake_config, wait_no_children
+from helpers.hosted import HostedEngine
 from helpers.reference import reference_greedy
 
 import trioserve
 from trioserve import SamplingParams
 from trioserve.errors import EngineDeadError
 
+DP_OPTIONS = {"data_parallel_size": 2, "restart_backoff_s": 0.05, "num_kv_blocks": 256, "max_num_seqs": 4}
+
 
 @pytest.fixture
 def dp_config(fake_config):
-    return functools.partial(
-        fake_config, data_parallel_size=2, restart_backoff_s=0.05, num_kv_blocks=256, max_num_seqs=4
-    )
+    return functools.partial(fake_config, **DP_OPTIONS)
 
 
 @pytest.mark.model
@@ -41,43 +46,6 @@ async def test_two_engines_give_the_greedy_tokens_of_transformers(tiny_model_dir
             assert await run_concurrently(engine, prompts, params) == expected
             per_engine = [e.num_requests for e in (await engine.stats()).engines]
             assert sum(per_engine) == 16 and min(per_engine) > 0
-
-
-async def test_a_uniform_load_is_spread_evenly_and_no_request_waits_while_an_engine_is_idle(dp_config):
-    with trio.fail_after(60):
-        async with trioserve.open_engine(config=dp_config(step_delay_s=0.005)) as engine:
-            # 8 long requests fill both engines' 4 slots: none waits while the other engine has room.
-            streams = [
-                engine.stream([3 + i, 4, 5], SamplingParams(max_tokens=10_000, ignore_eos=True)) for i in range(8)
-            ]
-            async with trio.open_nursery() as nursery:
-                for stream in streams:
-                    await stream.__aenter__()
-                # (Polled: an engine core busy elsewhere may not have stepped them yet. Were one
-                # engine given five, one would wait for good and this would time out.)
-                with trio.move_on_after(10):
-                    while [(e.num_running, e.num_waiting) for e in (await engine.stats()).engines] != [(4, 0)] * 2:
-                        await trio.sleep(0.05)
-                stats = await engine.stats()
-                assert [(e.num_running, e.num_waiting) for e in stats.engines] == [(4, 0), (4, 0)]
-                assert sorted(s.engine_index for s in streams) == [0, 0, 0, 0, 1, 1, 1, 1]
-                for stream in streams:
-                    await stream.__aexit__(None, None, None)
-                nursery.cancel_scope.cancel()
-            # 64 requests, 16 at a time: each engine takes between 40% and 60% of them.
-            limiter = trio.CapacityLimiter(16)
-            served: list[int] = []
-
-            async def one(i: int) -> None:
-                async with limiter, engine.stream([5 + i % 7, 6], SamplingParams(max_tokens=8)) as stream:
-                    async for _ in stream:
-                        pass
-                    served.append(stream.engine_index)  # type: ignore[arg-type]
-
-            async with trio.open_nursery() as nursery:
-                for i in range(64):
-                    nursery.start_soon(one, i)
-            assert 0.4 * 64 <= served.count(0) <= 0.6 * 64, served.count(0)
 
 
 @pytest.mark.parametrize("victim", ["engine-core", "worker"])
@@ -138,15 +106,6 @@ async def test_a_failed_start_of_one_engine_names_it_and_leaves_no_process(dp_co
     assert await wait_no_children() == []
 
 
-async def test_tokens_through_two_engines_are_the_runner_tokens(dp_config):
-    with trio.fail_after(30):
-        async with trioserve.open_engine(config=dp_config()) as engine:
-            outs = []
-            for i in range(6):
-                outs.append(await engine.generate([10 + i, 11], SamplingParams(max_tokens=5, ignore_eos=True)))
-            assert [o.token_ids for o in outs] == [fake_tokens([10 + i, 11], 5) for i in range(6)]
-
-
 # --- lockstep -------------------------------------------------------------------
 
 
@@ -166,18 +125,6 @@ async def _bursts(engine: trioserve.Engine, per_burst: int) -> list[list[int]]:
             break
         await trio.sleep(0.05)
     return counts
-
-
-async def test_lockstep_with_bursts_to_one_engine_then_the_other_never_hangs(dp_config):
-    config = dp_config(data_parallel_lockstep=True, step_delay_s=0.002)
-    with trio.fail_after(60):
-        async with trioserve.open_engine(config=config) as engine:
-            counts = await _bursts(engine, per_burst=6)
-            # Every step of either engine joined the other's: they ran the same number.
-            assert counts[-1][0] == counts[-1][1] > 0
-            per_engine = [e.num_requests for e in (await engine.stats()).engines]
-            assert per_engine[0] >= 6 and per_engine[1] >= 6
-        assert await wait_no_children() == []
 
 
 @pytest.mark.model
@@ -200,27 +147,6 @@ async def test_lockstep_on_the_real_collective_runs_bursts_and_gives_the_greedy_
             assert [got[0, i] for i in range(4)] == expected == [got[1, i] for i in range(4)]
             counts = await _bursts(engine, per_burst=2)
             assert counts[-1][0] == counts[-1][1]
-
-
-async def test_in_lockstep_an_engine_with_no_work_sleeps_while_the_other_finishes_its_wave(dp_config):
-    """Found: the idle engine slept at once, then its wave's next dummy step
-    reached its asleep runner, and both engine cores died. An asleep engine
-    takes part in the wave's dummy steps (they compute nothing)."""
-    config = dp_config(data_parallel_lockstep=True, step_delay_s=0.005)
-    with trio.fail_after(60):
-        async with trioserve.open_engine(config=config) as engine:
-            params = SamplingParams(max_tokens=150, ignore_eos=True)
-            async with trio.open_nursery() as nursery:
-                nursery.start_soon(partial(engine.generate, [3, 4], params, engine_index=0))
-                while (await engine.stats()).engines[0].num_running == 0:
-                    await trio.sleep(0.01)
-                await engine.sleep(1)  # engine 1 sleeps now, engine 0 once its request ends
-            assert engine.engine_healths == ["sleeping", "sleeping"]
-            await engine.wake_up()
-            counts = await _bursts(engine, per_burst=3)
-            assert counts[-1][0] == counts[-1][1]
-            assert engine.num_restarts == 0
-        assert await wait_no_children() == []
 
 
 async def test_in_lockstep_one_engine_dying_restarts_them_all_and_they_serve_again(dp_config):
@@ -252,29 +178,133 @@ async def test_in_lockstep_one_engine_dying_restarts_them_all_and_they_serve_aga
         assert await wait_no_children() == []
 
 
-# --- structured outputs ------------------------------------------------------------
+# --- on shared engines ------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("lockstep", [False, True])
-async def test_constrained_requests_beside_unconstrained_ones_on_two_engines(dp_config, lockstep):
+def hosted_dp_engine(tiny_model_dir, **options):
+    """Two engines on the fake runner, 5 ms steps, for the tests of a class:
+    gone before the tests after it count processes."""
+    host = HostedEngine(make_fake_config(str(tiny_model_dir("llama")), **DP_OPTIONS, step_delay_s=0.005, **options))
+    yield host
+    host.close()
+    assert trio.run(wait_no_children) == []
+
+
+def check_constrained_beside_unconstrained(host: HostedEngine) -> None:
     """Each engine core compiles and applies its own requests' grammars; the
-    unconstrained requests give the runner's own tokens, in lockstep too."""
+    unconstrained requests give the runner's own tokens."""
     from trioserve.structured import Regex
 
     constrained = SamplingParams(max_tokens=50, structured=Regex(pattern="[a-f]{3}-[0-9]{2}"))
     plain = SamplingParams(max_tokens=8, ignore_eos=True)
     results: dict = {}
-    with trio.fail_after(60):
-        async with trioserve.open_engine(config=dp_config(data_parallel_lockstep=lockstep)) as engine:
 
-            async def one(key: tuple[str, int], params: SamplingParams, engine_index: int) -> None:
-                results[key] = await engine.generate([10 + key[1], 11], params, engine_index=engine_index)
+    async def scenario(engine: trioserve.Engine) -> None:
+        async def one(key: tuple[str, int], params: SamplingParams, engine_index: int) -> None:
+            results[key] = await engine.generate([10 + key[1], 11], params, engine_index=engine_index)
 
-            async with trio.open_nursery() as nursery:
-                for i in range(6):
-                    nursery.start_soon(one, ("plain", i), plain, i % 2)
-                    nursery.start_soon(one, ("constrained", i), constrained, i % 2)
+        async with trio.open_nursery() as nursery:
+            for i in range(6):
+                nursery.start_soon(one, ("plain", i), plain, i % 2)
+                nursery.start_soon(one, ("constrained", i), constrained, i % 2)
+
+    host.call(scenario, bound_s=60)
     for i in range(6):
         assert results["plain", i].token_ids == fake_tokens([10 + i, 11], 8)
         out = results["constrained", i]
         assert out.finish_reason == "stop" and len(out.text) == 6 and out.text[3] == "-", out.text
+
+
+class TestOnTwoEnginesSideBySide:
+    @pytest.fixture(scope="class")
+    def dp_engine(self, tiny_model_dir):
+        yield from hosted_dp_engine(tiny_model_dir)
+
+    def test_a_uniform_load_is_spread_evenly_and_no_request_waits_while_an_engine_is_idle(self, dp_engine):
+        async def scenario(engine: trioserve.Engine) -> None:
+            # 8 long requests fill both engines' 4 slots: none waits while the other engine has room.
+            streams = [
+                engine.stream([3 + i, 4, 5], SamplingParams(max_tokens=10_000, ignore_eos=True)) for i in range(8)
+            ]
+            async with trio.open_nursery() as nursery:
+                for stream in streams:
+                    await stream.__aenter__()
+                # (Polled: an engine core busy elsewhere may not have stepped them yet. Were one
+                # engine given five, one would wait for good and this would time out.)
+                with trio.move_on_after(10):
+                    while [(e.num_running, e.num_waiting) for e in (await engine.stats()).engines] != [(4, 0)] * 2:
+                        await trio.sleep(0.05)
+                stats = await engine.stats()
+                assert [(e.num_running, e.num_waiting) for e in stats.engines] == [(4, 0), (4, 0)]
+                assert sorted(s.engine_index for s in streams) == [0, 0, 0, 0, 1, 1, 1, 1]
+                for stream in streams:
+                    await stream.__aexit__(None, None, None)
+                nursery.cancel_scope.cancel()
+            # 64 requests, 16 at a time: each engine takes between 40% and 60% of them.
+            limiter = trio.CapacityLimiter(16)
+            served: list[int] = []
+
+            async def one(i: int) -> None:
+                async with limiter, engine.stream([5 + i % 7, 6], SamplingParams(max_tokens=8)) as stream:
+                    async for _ in stream:
+                        pass
+                    served.append(stream.engine_index)  # type: ignore[arg-type]
+
+            async with trio.open_nursery() as nursery:
+                for i in range(64):
+                    nursery.start_soon(one, i)
+            assert 0.4 * 64 <= served.count(0) <= 0.6 * 64, served.count(0)
+
+        dp_engine.call(scenario, bound_s=60)
+
+    def test_tokens_through_two_engines_are_the_runner_tokens(self, dp_engine):
+        async def scenario(engine: trioserve.Engine) -> None:
+            outs = []
+            for i in range(6):
+                outs.append(await engine.generate([10 + i, 11], SamplingParams(max_tokens=5, ignore_eos=True)))
+            assert [o.token_ids for o in outs] == [fake_tokens([10 + i, 11], 5) for i in range(6)]
+
+        dp_engine.call(scenario, bound_s=30)
+
+    def test_constrained_requests_beside_unconstrained_ones(self, dp_engine):
+        check_constrained_beside_unconstrained(dp_engine)
+
+
+class TestInLockstep:
+    @pytest.fixture(scope="class")
+    def lockstep_engine(self, tiny_model_dir):
+        yield from hosted_dp_engine(tiny_model_dir, data_parallel_lockstep=True)
+
+    def test_lockstep_with_bursts_to_one_engine_then_the_other_never_hangs(self, lockstep_engine):
+        async def scenario(engine: trioserve.Engine) -> None:
+            before = [e.num_requests for e in (await engine.stats()).engines]
+            counts = await _bursts(engine, per_burst=6)
+            # Every step of either engine joined the other's: they ran the same number.
+            assert counts[-1][0] == counts[-1][1] > 0
+            after = [e.num_requests for e in (await engine.stats()).engines]
+            assert after[0] - before[0] >= 6 and after[1] - before[1] >= 6
+
+        lockstep_engine.call(scenario, bound_s=60)
+
+    def test_in_lockstep_an_engine_with_no_work_sleeps_while_the_other_finishes_its_wave(self, lockstep_engine):
+        """Found: the idle engine slept at once, then its wave's next dummy step
+        reached its asleep runner, and both engine cores died. An asleep engine
+        takes part in the wave's dummy steps (they compute nothing)."""
+
+        async def scenario(engine: trioserve.Engine) -> None:
+            params = SamplingParams(max_tokens=150, ignore_eos=True)
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(partial(engine.generate, [3, 4], params, engine_index=0))
+                while (await engine.stats()).engines[0].num_running == 0:
+                    await trio.sleep(0.01)
+                await engine.sleep(1)  # engine 1 sleeps now, engine 0 once its request ends
+            assert engine.engine_healths == ["sleeping", "sleeping"]
+            await engine.wake_up()
+            counts = await _bursts(engine, per_burst=3)
+            assert counts[-1][0] == counts[-1][1]
+            assert engine.num_restarts == 0
+
+        lockstep_engine.call(scenario, bound_s=60)
+
+    def test_constrained_requests_beside_unconstrained_ones(self, lockstep_engine):
+        check_constrained_beside_unconstrained(lockstep_engine)

@@ -29,7 +29,9 @@ MAX_TOKENS = 12
 
 @pytest.fixture(scope="module")
 def llama_engine(tiny_model_dir):
-    host = HostedEngine(EngineConfig(model=str(tiny_model_dir("llama")), block_size=4, shutdown_grace_s=3.0))
+    host = HostedEngine(
+        EngineConfig(model=str(tiny_model_dir("llama")), block_size=4, torch_threads=1, shutdown_grace_s=3.0)
+    )
     yield host
     host.close()
     assert trio.run(wait_no_children) == []
@@ -69,7 +71,7 @@ async def test_concurrent_greedy_requests_match_transformers_generate(tiny_model
     transformers gives them, with and without preemptions."""
     model_dir = tiny_model_dir(arch)
     params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True)
-    base = EngineConfig(model=str(model_dir), block_size=4, shutdown_grace_s=3.0)
+    base = EngineConfig(model=str(model_dir), block_size=4, torch_threads=1, shutdown_grace_s=3.0)
 
     async def cached(engine) -> None:
         await engine.reset_prefix_cache()  # the shared engine may hold other tests' prompts
@@ -80,19 +82,15 @@ async def test_concurrent_greedy_requests_match_transformers_generate(tiny_model
         hits = (await engine.stats()).prefix_cache_hits - before.prefix_cache_hits
         assert hits >= 100  # the 24-token base alone is 6 blocks, and most prompts hit it
 
+    # The shared engine starts as for the other tests that use it: within its own bound (HostedEngine's).
+    host = request.getfixturevalue("llama_engine") if arch == "llama" else None
     with trio.fail_after(180):
         prompts = make_prompts(VOCAB_SIZE)
         system, shared = make_shared_prefix_prompts(VOCAB_SIZE)
         expected, expected_shared = await trio.to_thread.run_sync(
             reference_greedy_many, model_dir, [prompts, shared], MAX_TOKENS
         )
-        if arch == ARCHITECTURES[0]:  # caching off: the same scheduler whatever the model (once is enough)
-            async with trioserve.open_engine(config=base.replace(enable_prefix_caching=False)) as engine:
-                assert engine.info.vocab_size == VOCAB_SIZE
-                assert await run_shared_prefix_prompts(engine, system, shared, params) == expected_shared
-                assert (await engine.stats()).prefix_cache_hits == 0
-        if arch == "llama":
-            host = request.getfixturevalue("llama_engine")
+        if host is not None:
             assert host.config == base
             await trio.to_thread.run_sync(host.call, cached)
         else:
@@ -110,11 +108,16 @@ async def test_concurrent_greedy_requests_match_transformers_generate(tiny_model
                 stats = await engine.stats()
                 assert stats.num_preemptions > 0 and stats.prefix_cache_hits > 0
                 assert stats.num_free_blocks == stats.num_total_blocks == 24
-            # One step at a time gives the same tokens.
-            async with trioserve.open_engine(config=small.replace(max_steps_in_flight=1)) as engine:
+            # One step at a time gives the same tokens; so does caching off (one engine for both: the
+            # scheduler's, whatever the model), preempted requests then recomputed from nothing.
+            one_step_no_cache = small.replace(max_steps_in_flight=1, enable_prefix_caching=False)
+            async with trioserve.open_engine(config=one_step_no_cache) as engine:
+                assert engine.info.vocab_size == VOCAB_SIZE
                 assert await run_in_one_batch(engine, prompts, params) == expected
                 assert (await engine.stats()).num_preemptions > 0
                 assert await run_shared_prefix_prompts(engine, system, shared, params) == expected_shared
+                stats = await engine.stats()
+                assert stats.prefix_cache_hits == 0 and stats.num_free_blocks == stats.num_total_blocks == 24
 
 
 def test_seeded_sampling_does_not_depend_on_the_batch(llama_engine):
@@ -191,7 +194,7 @@ async def test_a_second_request_with_the_same_long_prefix_computes_only_its_suff
     prefix = [rng.randrange(3, 259) for _ in range(1000)]
     suffixes = [[rng.randrange(3, 259) for _ in range(8)] for _ in range(2)]
     params = SamplingParams(max_tokens=1, temperature=0)
-    config = EngineConfig(model=str(model_dir), block_size=8, shutdown_grace_s=3.0)
+    config = EngineConfig(model=str(model_dir), block_size=8, torch_threads=1, shutdown_grace_s=3.0)
     with trio.fail_after(120):
         async with trioserve.open_engine(config=config) as engine:
             await engine.generate([5] * 1008, params)  # warm-up: a prompt as long, sharing nothing

@@ -34,50 +34,66 @@ GREEDY = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
 # --- the same tokens as one rank ------------------------------------------------
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen3"])
-async def test_two_ranks_give_the_greedy_tokens_of_one_also_with_preemption(tiny_model_dir, tmp_path, arch):
-    """The tokens of one rank are transformers' own greedy generate() of the
-    whole model, one prompt at a time: what the engine gives with one rank
-    (test_engine_models checks that, on these prompts). Qwen3 for its
-    per-head q/k norms; Qwen2 (Llama's layout with q, k, v biases, which
-    split as the weights' rows do) is left to the one-rank tests. With LoRA
-    adapters (on attention; on attention and MLP), each request's tokens are
-    those of its adapter merged into the model, as with one rank
-    (test_lora_models)."""
-    from helpers.lora import ATTENTION, ATTENTION_AND_MLP, merged_model, write_adapter
+def two_ranks_config(model_dir, tmp_path, **options) -> tuple[EngineConfig, dict]:
+    """Two ranks, with two LoRA adapters (on attention; on attention and MLP),
+    and a cache of 80 blocks of 4 tokens: it holds the 8 prompts (3-47
+    tokens) with 12 output tokens each, not with 48."""
+    from helpers.lora import ATTENTION, ATTENTION_AND_MLP, write_adapter
 
-    model_dir = tiny_model_dir(arch)
     adapters = {
         "attn": write_adapter(model_dir, tmp_path / "attn", r=8, targets=ATTENTION, seed=3),
         "all": write_adapter(model_dir, tmp_path / "all", r=16, targets=ATTENTION_AND_MLP, seed=4),
     }
-    # 80 blocks of 4 tokens hold the 8 prompts (3-47 tokens) with 12 output tokens each, not with 48.
     config = EngineConfig(
         model=str(model_dir), tensor_parallel_size=2, block_size=4, num_kv_blocks=80, torch_threads=1,
         shutdown_grace_s=3.0, enable_lora=True, max_loras=2,
-        lora_modules=tuple(f"{name}={path}" for name, path in adapters.items()),
+        lora_modules=tuple(f"{name}={path}" for name, path in adapters.items()), **options,
     )  # fmt: skip
+    return config, adapters
+
+
+async def check_the_greedy_tokens_of_one_also_with_preemption(engine, model_dir, adapters, tmp_path) -> None:
+    """The tokens of one rank, also under preemption; with the base and both
+    adapters in one batch, each request's tokens those of its adapter merged
+    into the model."""
+    from helpers.lora import merged_model
+
+    prompts = make_prompts(engine.info.vocab_size)
+    expected = await trio.to_thread.run_sync(reference_greedy, model_dir, prompts, 48)
+    short = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    assert await run_concurrently(engine, prompts, short) == [e[:12] for e in expected]
+    assert (await engine.stats()).num_preemptions == 0
+    long = SamplingParams(max_tokens=48, temperature=0, ignore_eos=True)
+    assert await run_in_one_batch(engine, prompts, long) == expected
+    assert (await engine.stats()).num_preemptions > 0
+    # The base and both adapters in one batch.
+    jobs = [(prompt, lora) for prompt in prompts[:4] for lora in (None, *adapters)]
+    want = {None: [e[:12] for e in expected[:4]]}
+    for name, path in adapters.items():
+        merged = await trio.to_thread.run_sync(merged_model, model_dir, path, tmp_path / f"{name}-merged")
+        want[name] = await trio.to_thread.run_sync(reference_greedy, merged, prompts[:4], 12)
+
+    params = [SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, lora=lora) for _, lora in jobs]
+    got = await run_concurrently(engine, [prompt for prompt, _ in jobs], params)
+    for i, (prompt, lora) in enumerate(jobs):
+        assert got[i] == want[lora][prompts.index(prompt)], (lora, i)
+
+
+async def test_two_ranks_give_the_greedy_tokens_of_one_also_with_preemption(tiny_model_dir, tmp_path):
+    """The tokens of one rank are transformers' own greedy generate() of the
+    whole model, one prompt at a time: what the engine gives with one rank
+    (test_engine_models checks that, on these prompts). Qwen3 here, for its
+    per-head q/k norms; Llama in the kill -9 test below, whose engine checks
+    this first (one start of two ranks less); Qwen2 (Llama's layout with q, k,
+    v biases, which split as the weights' rows do) is left to the one-rank
+    tests. With LoRA adapters (on attention; on attention and MLP), each
+    request's tokens are those of its adapter merged into the model, as with
+    one rank (test_lora_models)."""
+    model_dir = tiny_model_dir("qwen3")
+    config, adapters = two_ranks_config(model_dir, tmp_path)
     with trio.fail_after(150):
         async with trioserve.open_engine(config=config) as engine:
-            prompts = make_prompts(engine.info.vocab_size)
-            expected = await trio.to_thread.run_sync(reference_greedy, model_dir, prompts, 48)
-            short = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
-            assert await run_concurrently(engine, prompts, short) == [e[:12] for e in expected]
-            assert (await engine.stats()).num_preemptions == 0
-            long = SamplingParams(max_tokens=48, temperature=0, ignore_eos=True)
-            assert await run_in_one_batch(engine, prompts, long) == expected
-            assert (await engine.stats()).num_preemptions > 0
-            # The base and both adapters in one batch.
-            jobs = [(prompt, lora) for prompt in prompts[:4] for lora in (None, *adapters)]
-            want = {None: [e[:12] for e in expected[:4]]}
-            for name, path in adapters.items():
-                merged = await trio.to_thread.run_sync(merged_model, model_dir, path, tmp_path / f"{name}-merged")
-                want[name] = await trio.to_thread.run_sync(reference_greedy, merged, prompts[:4], 12)
-
-            params = [SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, lora=lora) for _, lora in jobs]
-            got = await run_concurrently(engine, [prompt for prompt, _ in jobs], params)
-            for i, (prompt, lora) in enumerate(jobs):
-                assert got[i] == want[lora][prompts.index(prompt)], (lora, i)
+            await check_the_greedy_tokens_of_one_also_with_preemption(engine, model_dir, adapters, tmp_path)
 
 
 def write_tiny_gpt2(path):
@@ -280,21 +296,27 @@ async def _gone_within(pids: list[int], seconds: float) -> bool:
     return False
 
 
-async def test_kill_9_of_rank_1_in_a_step_or_at_load_ends_requests_at_once_and_the_group_restarts(
-    tiny_model_dir, caplog, capfd
+async def test_llama_on_two_ranks_gives_the_tokens_of_one_then_kill_9_of_rank_1_in_a_step_or_at_load_restarts_the_group(
+    tiny_model_dir, tmp_path, caplog, capfd
 ):
-    config = EngineConfig(
-        model=str(tiny_model_dir("llama")),
-        tensor_parallel_size=2,
-        torch_threads=1,
-        shutdown_grace_s=3.0,
+    """First test_two_ranks_give_the_greedy_tokens_of_one_also_with_preemption's
+    checks on Llama (the same engine: one start of two ranks less). Then
+    kill -9 of rank 1 in a step ends every request in flight at once, and
+    again at the restart's load; the group restarts and serves."""
+    model_dir = tiny_model_dir("llama")
+    config, adapters = two_ranks_config(
+        model_dir,
+        tmp_path,
         restart_backoff_s=0.1,
         resume_requests=False,  # the requests in flight end (test_resumption.py: they are resumed by default)
     )
+    # Longer than the 80 blocks of 4 hold (they stop at 321 tokens): running, preempting each other, at the kill.
     long = SamplingParams(max_tokens=400, temperature=0, ignore_eos=True)
     others = {p.pid for p in psutil.Process().children(recursive=True)}  # an engine another test shares
-    with trio.fail_after(150):
+    with trio.fail_after(300):  # 150 s for each part
         async with trioserve.open_engine(config=config) as engine:
+            with trio.fail_after(150):
+                await check_the_greedy_tokens_of_one_also_with_preemption(engine, model_dir, adapters, tmp_path)
             first_pids = list(engine.info.worker_pids)
             # Not the processes of an engine another test shares, nor this one's first.
             known = {p.pid for p in psutil.Process().children(recursive=True)}
