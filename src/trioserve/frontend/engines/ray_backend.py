@@ -45,6 +45,7 @@ from trioserve.config import EngineConfig
 from trioserve.errors import EngineStartupError
 from trioserve.frontend.engines.client import EngineCoreClient
 from trioserve.frontend.engines.remote import RemoteEngines, RemoteStrategy
+from trioserve.frontend.engines.scaling import MAX_ENGINES
 from trioserve.nurseries.ray.actor import EngineCoreActor, RayLaunch, encode_launch
 from trioserve.nurseries.ray.head import RAY_HARD_EXIT_S, RAY_HEAD_ARGS_ENV, RAY_HEAD_DIR_ENV
 from trioserve.nurseries.supervision.child_main import HARD_EXIT_ENV
@@ -268,10 +269,11 @@ class RayStrategy(RemoteStrategy):
 
 async def _start_local_head(nursery: trio.Nursery, config: EngineConfig, temp_dir: Path) -> str:
     """A local cluster's head as a supervised child (``nurseries/ray/head.py``),
-    with ports of its own and logical CPUs enough for every engine's group;
-    its address once its GCS listens."""
+    with ports of its own and logical CPUs enough for the groups of as many
+    engines as a scale may ask for; its address once its GCS listens."""
     port = _free_port()
-    cpus = max(os.cpu_count() or 1, config.data_parallel_size * (config.tensor_parallel_size + 1))
+    # Logical CPUs (Ray's placement counters, not cores) for the most engines a scale may ask for.
+    cpus = max(os.cpu_count() or 1, MAX_ENGINES * (config.tensor_parallel_size + 1))
     options = [
         f"--port={port}",
         f"--num-cpus={cpus}",
