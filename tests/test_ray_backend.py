@@ -22,12 +22,13 @@ from typing import Any
 import psutil
 import pytest
 import trio
+from helpers.fakes import fake_tokens
 from helpers.reference import make_prompts, reference_greedy
 from helpers.serving import free_port, serve_argv, spawned, tree_of, wait_for_url, wait_gone
 
 import trioserve
 from trioserve import EngineConfig, SamplingParams
-from trioserve.errors import EngineDeadError
+from trioserve.errors import EngineDeadError, EngineStartupError
 
 # ``ray start`` makes clusters that want Ray's token, which a driver sends only in this mode, read when
 # Ray is imported (the front-end sets it so too).
@@ -264,7 +265,8 @@ async def test_engines_on_ray_scale_1_2_1_under_load_losing_no_request_and_the_r
             stop = trio.Event()
 
             async def one(i: int) -> None:
-                done.append(len((await engine.generate([5, 6, 7 + i % 50], params)).token_ids))
+                prompt = [5, 6, 7 + i % 50]
+                done.append((await engine.generate(prompt, params)).token_ids == fake_tokens(prompt, 20))
 
             async def arrive(nursery: trio.Nursery) -> None:
                 i = 0
@@ -289,6 +291,19 @@ async def test_engines_on_ray_scale_1_2_1_under_load_losing_no_request_and_the_r
                 await engine.scale(1, drain_timeout_s=60)
                 stop.set()
             assert engine.engine_healths == ["ready"]
-            assert done == [20] * len(done) and len(done) == len(routed) and set(routed) == {0, 1}
+            assert all(done) and len(done) == len(routed) and set(routed) == {0, 1}  # each its tokens on one engine
             assert trioserve_groups()[next(iter(added))] == "REMOVED"
             assert not psutil.pid_exists(actor) or psutil.Process(actor).status() == psutil.STATUS_ZOMBIE
+
+
+async def test_an_address_where_no_cluster_listens_fails_the_start_at_once_naming_it(fake_config):
+    """Ray's own connect retries for minutes: the address is tried first."""
+    address = f"127.0.0.1:{free_port()}"
+    with trio.fail_after(20):
+        started = trio.current_time()
+        with pytest.raises(
+            EngineStartupError, match=f"cannot connect to the Ray cluster at {address}: nothing listens"
+        ):
+            async with trioserve.open_engine(config=fake_config(data_parallel_backend="ray", ray_address=address)):
+                pass
+        assert trio.current_time() - started < 5.0

@@ -107,7 +107,9 @@ class RayCluster:
                     address = await _start_local_head(nursery, config, private / "ray")
                 keys = cls._keys(config, private)
                 cluster = cls(config, keys)
-                await trio.to_thread.run_sync(cluster._connect, address)
+                await _check_reachable(address, config.startup_timeout_s)
+                # Abandoned if cancelled (a signal while Ray connects): ray.init cannot be interrupted.
+                await trio.to_thread.run_sync(cluster._connect, address, abandon_on_cancel=True)
                 try:
                     yield cluster
                 finally:
@@ -312,9 +314,25 @@ async def _start_local_head(nursery: trio.Nursery, config: EngineConfig, temp_di
     return address
 
 
-async def _listening(port: int) -> bool:
+async def _check_reachable(address: str, timeout_s: float) -> None:
+    """``EngineStartupError`` at once when nothing accepts a connection at a
+    ``host:port`` address (Ray's own connect retries for minutes); other
+    forms (``ray://``, ``auto``) are left to Ray."""
+    host, _, port = address.rpartition(":")
+    if not host or "/" in host or not port.isdigit():
+        return
+    with trio.move_on_after(timeout_s):
+        if await _listening(int(port), host.strip("[]")):
+            return
+        raise EngineStartupError(
+            f"cannot connect to the Ray cluster at {address}: nothing listens there", stage="spawn"
+        )
+    raise EngineStartupError(f"cannot connect to the Ray cluster at {address} within {timeout_s}s", stage="spawn")
+
+
+async def _listening(port: int, host: str = "127.0.0.1") -> bool:
     try:
-        stream = await trio.open_tcp_stream("127.0.0.1", port)
+        stream = await trio.open_tcp_stream(host, port)
     except OSError:
         return False
     await stream.aclose()
