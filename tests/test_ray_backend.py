@@ -71,7 +71,7 @@ def ray_address() -> Iterator[str]:
         deadline = time.monotonic() + 120
         while True:
             try:
-                ray.init(address=address, log_to_driver=True, configure_logging=False)
+                ray.init(address=address, log_to_driver=False, configure_logging=False)
                 break
             except (ConnectionError, RuntimeError):
                 assert time.monotonic() < deadline, "the test's Ray cluster did not start"
