@@ -10,6 +10,7 @@ cluster the front-end makes when given no address."""
 from __future__ import annotations
 
 import os
+import secrets
 import shutil
 import signal
 import subprocess
@@ -33,6 +34,9 @@ from trioserve.errors import EngineDeadError, EngineStartupError
 # ``ray start`` makes clusters that want Ray's token, which a driver sends only in this mode, read when
 # Ray is imported (the front-end sets it so too).
 os.environ.setdefault("RAY_AUTH_MODE", "token")
+# The shared cluster's token, in this process's environment (its ``ray start`` and the front-ends it
+# spawns inherit it): a fresh machine has no ~/.ray/auth_token.
+os.environ.setdefault("RAY_AUTH_TOKEN", secrets.token_hex(32))
 ray = pytest.importorskip("ray")  # the ray extra (scripts/setup.sh installs it)
 
 MAX_TOKENS = 8

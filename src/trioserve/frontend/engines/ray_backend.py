@@ -33,6 +33,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import secrets
 import socket
 import uuid
 from collections.abc import AsyncIterator
@@ -96,11 +97,15 @@ class RayCluster:
         # ``ray start`` makes clusters that want Ray's token (~/.ray/auth_token); a driver asks for
         # it only in this mode, which Ray reads when it is imported.
         os.environ.setdefault("RAY_AUTH_MODE", "token")
+        address = config.ray_address or os.environ.get("RAY_ADDRESS") or None
+        if address is None and not os.environ.get("RAY_AUTH_TOKEN"):
+            # A local cluster's token, made for it (in this process's environment, which its head and this
+            # driver read): none needs to be on disk, where a fresh machine has none.
+            os.environ["RAY_AUTH_TOKEN"] = secrets.token_hex(32)
         try:
             import ray
         except ImportError:
             raise EngineStartupError(RAY_EXTRA, stage="spawn") from None
-        address = config.ray_address or os.environ.get("RAY_ADDRESS") or None
         async with trio.open_nursery() as nursery:
             with private_ipc_dir("trioserve-ray-", socket_names=[RAY_SOCKET]) as private:
                 if address is None:
