@@ -11,8 +11,8 @@ import signal
 
 import pytest
 import trio
-from helpers.fakes import fake_tokens, make_fake_config, wait_no_children
-from helpers.hosted import HostedEngine
+from helpers.fakes import fake_tokens, make_fake_config
+from helpers.hosted import HostedEngine, held
 
 import trioserve
 from trioserve import SamplingParams
@@ -26,10 +26,7 @@ LONG = SamplingParams(max_tokens=100_000, ignore_eos=True)
 def shared(tiny_model_dir):
     """One engine (the fake runner, 10 ms steps) for the tests that leave it
     as they found it: ready, idle, never restarted (each checks so)."""
-    host = HostedEngine(make_fake_config(str(tiny_model_dir("llama")), step_delay_s=0.01))
-    yield host
-    host.close()
-    assert trio.run(wait_no_children) == []
+    yield from held(HostedEngine(make_fake_config(str(tiny_model_dir("llama")), step_delay_s=0.01)))
 
 
 def test_arguments_the_engine_core_could_not_take_are_refused_at_once_naming_them(shared):

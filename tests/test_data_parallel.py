@@ -18,7 +18,7 @@ import pytest
 import trio
 from helpers.concurrent import Outcome, consume_stream, run_concurrently
 from helpers.fakes import children, fake_tokens, make_fake_config, wait_no_children
-from helpers.hosted import HostedEngine
+from helpers.hosted import HostedEngine, held
 from helpers.reference import reference_greedy
 
 import trioserve
@@ -184,10 +184,9 @@ async def test_in_lockstep_one_engine_dying_restarts_them_all_and_they_serve_aga
 def hosted_dp_engine(tiny_model_dir, **options):
     """Two engines on the fake runner, 5 ms steps, for the tests of a class:
     gone before the tests after it count processes."""
-    host = HostedEngine(make_fake_config(str(tiny_model_dir("llama")), **DP_OPTIONS, step_delay_s=0.005, **options))
-    yield host
-    host.close()
-    assert trio.run(wait_no_children) == []
+    yield from held(
+        HostedEngine(make_fake_config(str(tiny_model_dir("llama")), **DP_OPTIONS, step_delay_s=0.005, **options))
+    )
 
 
 def check_constrained_beside_unconstrained(host: HostedEngine) -> None:

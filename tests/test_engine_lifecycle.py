@@ -19,7 +19,7 @@ import pytest
 import trio
 from helpers.concurrent import run_in_one_batch
 from helpers.fakes import EOS, VOCAB, children, fake_tokens, make_fake_config, wait_no_children
-from helpers.hosted import HostedEngine
+from helpers.hosted import HostedEngine, held
 
 import trioserve
 from trioserve import SamplingParams
@@ -33,18 +33,12 @@ from trioserve import SamplingParams
 
 @pytest.fixture(scope="class")
 def shared_engine(tiny_model_dir):
-    host = HostedEngine(make_fake_config(str(tiny_model_dir("llama")), step_delay_s=0.005))
-    yield host
-    host.close()
-    assert trio.run(wait_no_children) == []
+    yield from held(HostedEngine(make_fake_config(str(tiny_model_dir("llama")), step_delay_s=0.005)))
 
 
 @pytest.fixture(scope="class")
 def short_context_engine(tiny_model_dir):
-    host = HostedEngine(make_fake_config(str(tiny_model_dir("llama")), max_model_len=64))
-    yield host
-    host.close()
-    assert trio.run(wait_no_children) == []
+    yield from held(HostedEngine(make_fake_config(str(tiny_model_dir("llama")), max_model_len=64)))
 
 
 class TestOnOneEngine:

@@ -13,8 +13,7 @@ import random
 import pytest
 import trio
 from helpers.concurrent import run_concurrently, run_in_one_batch
-from helpers.fakes import wait_no_children
-from helpers.hosted import HostedEngine
+from helpers.hosted import HostedEngine, held
 from helpers.reference import make_prompts, reference_greedy
 
 import trioserve
@@ -29,12 +28,11 @@ MAX_TOKENS = 12
 
 @pytest.fixture(scope="module")
 def llama_engine(tiny_model_dir):
-    host = HostedEngine(
-        EngineConfig(model=str(tiny_model_dir("llama")), block_size=4, torch_threads=1, shutdown_grace_s=3.0)
+    yield from held(
+        HostedEngine(
+            EngineConfig(model=str(tiny_model_dir("llama")), block_size=4, torch_threads=1, shutdown_grace_s=3.0)
+        )
     )
-    yield host
-    host.close()
-    assert trio.run(wait_no_children) == []
 
 
 def make_shared_prefix_prompts(vocab_size: int) -> tuple[list[int], list[list[int]]]:

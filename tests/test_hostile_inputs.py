@@ -24,8 +24,8 @@ from pathlib import Path
 import psutil
 import pytest
 import trio
-from helpers.fakes import make_fake_config, wait_no_children
-from helpers.hosted import HostedServer
+from helpers.fakes import make_fake_config
+from helpers.hosted import HostedServer, held
 from helpers.server import Received, collect, expect_error, generate, open_ws, serving, wait_blocks_free
 from helpers.serving import REPO, serve_argv, spawned, tree_of, wait_for_url
 from helpers.waiting import in_thread
@@ -44,10 +44,7 @@ HUGE = 18446744073709551616  # 2**64: msgpack cannot carry it
 @pytest.fixture(scope="class")
 def shared_server(tiny_model_dir):
     """One server (5 ms steps) for the tests of a class: gone before the tests after it count processes."""
-    host = HostedServer(make_fake_config(str(tiny_model_dir("llama")), step_delay_s=0.005))
-    yield host
-    host.close()
-    assert trio.run(wait_no_children) == []
+    yield from held(HostedServer(make_fake_config(str(tiny_model_dir("llama")), step_delay_s=0.005)))
 
 
 class TestOnOneServer:

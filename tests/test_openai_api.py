@@ -18,8 +18,8 @@ from typing import Any
 import openai
 import pytest
 import trio
-from helpers.fakes import SERVING, make_fake_config, wait_no_children
-from helpers.hosted import HostedServer
+from helpers.fakes import SERVING, make_fake_config
+from helpers.hosted import HostedServer, held
 from helpers.server import raw_request, serving, wait_blocks_free
 from helpers.waiting import in_thread, wait_until
 from prometheus_client.parser import text_string_to_metric_families
@@ -33,10 +33,7 @@ MODEL = "tiny-llama"  # the served model's name in these tests
 
 @pytest.fixture(scope="module")
 def shared_server(tiny_model_dir):
-    host = HostedServer(make_fake_config(str(tiny_model_dir("llama")), **SERVING), model_name=MODEL)
-    yield host
-    host.close()
-    assert trio.run(wait_no_children) == []
+    yield from held(HostedServer(make_fake_config(str(tiny_model_dir("llama")), **SERVING), model_name=MODEL))
 
 
 def client(server: Server, **options: Any) -> openai.OpenAI:

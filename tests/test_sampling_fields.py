@@ -13,8 +13,7 @@ from typing import Any
 import openai
 import pytest
 import trio
-from helpers.fakes import wait_no_children
-from helpers.hosted import HostedServer
+from helpers.hosted import HostedServer, held
 from helpers.waiting import in_thread
 
 import trioserve
@@ -37,10 +36,7 @@ def engine_config(model_dir: Any) -> EngineConfig:
 
 @pytest.fixture(scope="module")
 def server(tiny_model_dir):
-    host = HostedServer(engine_config(tiny_model_dir("llama")), model_name="tiny-llama")
-    yield host
-    host.close()
-    assert trio.run(wait_no_children) == []
+    yield from held(HostedServer(engine_config(tiny_model_dir("llama")), model_name="tiny-llama"))
 
 
 def full_forward_logprobs(model_dir: Any, prompt: list[int]) -> torch.Tensor:

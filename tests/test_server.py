@@ -18,8 +18,8 @@ from typing import Any
 import psutil
 import pytest
 import trio
-from helpers.fakes import SERVING, children, make_fake_config, wait_no_children
-from helpers.hosted import HostedServer
+from helpers.fakes import SERVING, children, make_fake_config
+from helpers.hosted import HostedServer, held
 from helpers.server import (
     Received,
     collect,
@@ -59,10 +59,7 @@ PROMPTS = [f"Request number {i} says" + " hello" * (i % 5) for i in range(16)]
 @pytest.fixture(scope="class")
 def shared_server(tiny_model_dir):
     """One server for the tests of a class: gone before the tests after it count processes."""
-    host = HostedServer(make_fake_config(str(tiny_model_dir("llama")), **SERVING))
-    yield host
-    host.close()
-    assert trio.run(wait_no_children) == []
+    yield from held(HostedServer(make_fake_config(str(tiny_model_dir("llama")), **SERVING)))
 
 
 class TestOnOneServer:

@@ -13,8 +13,7 @@ import re
 import jsonschema
 import pytest
 import trio
-from helpers.fakes import wait_no_children
-from helpers.hosted import HostedEngine
+from helpers.hosted import HostedEngine, held
 from helpers.json_schemas import SCHEMAS
 
 from trioserve import EngineConfig, RequestError, SamplingParams
@@ -33,10 +32,7 @@ def engine(tiny_model_dir):
     config = EngineConfig(
         model=str(tiny_model_dir("llama")), block_size=4, num_kv_blocks=128, torch_threads=1, shutdown_grace_s=3.0
     )
-    host = HostedEngine(config)
-    yield host
-    host.close()
-    assert trio.run(wait_no_children) == []
+    yield from held(HostedEngine(config))
 
 
 def suite_params() -> list[tuple[str, dict, SamplingParams]]:

@@ -20,7 +20,7 @@ import pytest
 import trio
 from helpers.concurrent import run_concurrently, run_in_one_batch
 from helpers.fakes import wait_no_children
-from helpers.hosted import HostedEngine
+from helpers.hosted import HostedEngine, held
 from helpers.reference import make_prompts, reference_greedy
 
 import trioserve
@@ -140,10 +140,7 @@ def tp_engine(tiny_model_dir):
         torch_threads=1,
         shutdown_grace_s=3.0,
     )
-    host = HostedEngine(config)
-    yield host
-    host.close()
-    assert trio.run(wait_no_children) == []
+    yield from held(HostedEngine(config))
 
 
 def whole_model_parameters(model_dir) -> tuple[int, int]:

@@ -13,11 +13,12 @@ from __future__ import annotations
 
 import contextlib
 import threading
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterator
 from contextlib import AbstractAsyncContextManager
 from typing import Any, Generic, TypeVar
 
 import trio
+from helpers.fakes import wait_no_children
 from helpers.server import serving
 
 import trioserve
@@ -82,6 +83,17 @@ class _Hosted(Generic[R]):
             raise AssertionError(f"the hosted {type(self).__name__} did not shut down")
         if self.error is not None:
             raise AssertionError(f"the hosted {type(self).__name__} failed: {self.error!r}") from self.error
+
+
+H = TypeVar("H", bound=_Hosted[Any])
+
+
+def held(host: H) -> Iterator[H]:
+    """``host`` for a fixture to yield from: closed after its tests, and then no
+    process of this test process's is left (``yield from held(HostedEngine(...))``)."""
+    yield host
+    host.close()
+    assert trio.run(wait_no_children) == []
 
 
 class HostedEngine(_Hosted[trioserve.Engine]):

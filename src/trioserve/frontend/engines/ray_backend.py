@@ -171,7 +171,7 @@ class RayCluster:
         )
 
     @contextlib.asynccontextmanager
-    async def placed(self, client: EngineCoreClient, hub_address: str) -> AsyncIterator[Any]:
+    async def placed(self, client: EngineCoreClient, hub_address: str) -> AsyncIterator[None]:
         """A placement group and an actor running ``client``'s engine core for
         this life; its end (the actor's) stops the client. On exit the actor is
         killed and the group removed."""
@@ -184,7 +184,7 @@ class RayCluster:
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(self._watch, client, done)
                 try:
-                    yield actor
+                    yield
                 finally:
                     nursery.cancel_scope.cancel()
         finally:
@@ -265,12 +265,10 @@ class RayStrategy(RemoteStrategy):
     def __init__(self, hub: RemoteEngines, cluster: RayCluster, engine_index: int) -> None:
         super().__init__(hub, engine_index)
         self.cluster = cluster
-        self.actor: Any = None
 
     @contextlib.asynccontextmanager
     async def life(self, client: EngineCoreClient) -> AsyncIterator[None]:
-        async with super().life(client), self.cluster.placed(client, self.hub.address) as actor:
-            self.actor = actor
+        async with super().life(client), self.cluster.placed(client, self.hub.address):
             yield
 
 
