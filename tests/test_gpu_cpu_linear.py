@@ -35,14 +35,36 @@ def test_packed_linear_matches_f_linear_on_any_leading_shape(bias):
 
 
 @pytest.mark.parametrize(
-    ("in_features", "out_features", "bias"), [(24, 40, False), (24, 40, True), (64, 16, True), (7, 3, False)]
+    ("in_features", "out_features", "bias"),
+    [(24, 40, False), (24, 40, True), (64, 16, True), (7, 3, False), (24, 20, True), (9, 64, False)],
 )
 def test_panel_linear_matches_f_linear_for_any_rows_and_ragged_panels(in_features, out_features, bias):
-    """Our float32 GEMM: every tail of its 6-row tiles, rows past one
-    256-row chunk, no rows, a last panel short of 16 columns, any leading shape."""
+    """Our float32 GEMM: every tail of its tiles (6 rows on AVX2, 12 on
+    AVX-512), rows past one 256-row chunk, no rows, a last panel short of 16
+    columns, a tile of two panels whose second is short, any leading shape."""
     torch.manual_seed(0)
     linear = torch.nn.Linear(in_features, out_features, bias=bias).requires_grad_(False)
     assert_panel_matches(linear, lambda got, x: torch.testing.assert_close(got, linear(x), rtol=1e-5, atol=1e-5))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_avx2_build_of_the_gemm_computes_the_same_products(dtype):
+    """The kernel built for 256-bit vectors (AVX2's tiles, wherever the host
+    has wider ones) against the host's own build and the exact product."""
+    if torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512"):
+        pytest.skip(f"an x86 host with AVX2 (this one: {torch.backends.cpu.get_cpu_capability()})")
+    torch.manual_seed(2)
+    for in_features, out_features in [(24, 40), (64, 16), (9, 20)]:
+        linear = torch.nn.Linear(in_features, out_features).to(dtype).requires_grad_(False)
+        panels = cpu_linear.to_panels(linear.weight)
+        for rows in [1, 5, 6, 7, 11, 12, 13, 25, 300]:
+            x = torch.randn(rows, in_features).to(dtype)
+            narrow = cpu_linear.panel_gemm(x, panels, linear.bias, out_features, simdlen=256)
+            wide = cpu_linear.panel_gemm(x, panels, linear.bias, out_features)
+            exact = F.linear(x.float(), linear.weight.float(), linear.bias.float())
+            tol = 1e-5 if dtype == torch.float32 else 1e-2
+            torch.testing.assert_close(narrow.float(), exact, rtol=tol, atol=tol)
+            torch.testing.assert_close(narrow, wide, rtol=tol, atol=tol)
 
 
 @pytest.mark.parametrize(("in_features", "out_features", "bias"), [(24, 40, True), (64, 16, False), (7, 3, True)])
@@ -68,7 +90,7 @@ def assert_panel_matches(linear, check):
     panel = cpu_linear.PanelLinear(linear)
     assert panel.panels.shape == (-(-out_features // 16), in_features, 16)
     dtype = linear.weight.dtype
-    for rows in [0, 1, 2, 3, 4, 5, 6, 7, 13, 300]:
+    for rows in [0, *range(1, 14), 23, 25, 300]:
         x = torch.randn(rows, in_features).to(dtype)
         check(panel(x), x)
     x = torch.randn(in_features, 6).to(dtype).t()  # not contiguous

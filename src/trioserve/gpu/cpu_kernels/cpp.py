@@ -10,8 +10,8 @@ ISA again in every process (about 0.8 s, in subprocesses), so the path of the
 library it loaded is also kept in a small index of ours, keyed by the source,
 the argument types, torch, Python and the CPU's vector capability; a later
 process loads the library straight from it (about 0.1 s). Users:
-``cpu_attention.py`` (decode attention) and ``cpu_linear.py`` (the float32
-GEMM).
+``attention.py`` (decode attention), ``linear.py`` (the float GEMM),
+``int8.py`` (the int8 GEMM) and ``lora.py``.
 """
 
 from __future__ import annotations
@@ -35,22 +35,27 @@ log = logging.getLogger(__name__)
 CPP_SCALARS = {torch.float32: "float", torch.bfloat16: "at::BFloat16"}
 
 
-def index_path(name: str, source: str, argtypes: list[str]) -> Path:
-    """The index entry of kernel ``name`` built from this source for this torch, Python and CPU."""
+def index_path(name: str, source: str, argtypes: list[str], simdlen: int | None = None) -> Path:
+    """The index entry of kernel ``name`` built from this source for this torch, Python and CPU (and vector
+    width, where one is asked for)."""
     identity = "\0".join(
         [source, repr(argtypes), torch.__version__, sys.version, platform.machine(),
-         torch.backends.cpu.get_cpu_capability()]
+         torch.backends.cpu.get_cpu_capability(), str(simdlen)]
     )  # fmt: skip
     return inductor_cache_dir() / "trioserve" / f"{name}-{hashlib.sha256(identity.encode()).hexdigest()[:32]}.json"
 
 
-def load_or_build(name: str, source: str, argtypes: list[str]) -> Callable[..., None]:
+def load_or_build(name: str, source: str, argtypes: list[str], simdlen: int | None = None) -> Callable[..., None]:
     """Kernel ``name`` from the library our index names; else built (or found)
     by inductor, and the library it loaded written to the index. Raises what
-    the build raises (no compiler, say): callers fall back to a portable path."""
+    the build raises (no compiler, say): callers fall back to a portable path.
+    ``simdlen`` (256, say) builds for the first vector ISA of that width this
+    CPU runs (AVX2 on an AVX-512 host: how the tests build both), not the
+    widest."""
+    from torch._inductor import config as inductor_config
     from torch._inductor.codecache import CppPythonBindingsCodeCache as Bindings
 
-    index = index_path(name, source, argtypes)
+    index = index_path(name, source, argtypes, simdlen)
     try:
         entry = json.loads(index.read_text())
         if Path(entry["path"]).is_file():
@@ -58,7 +63,8 @@ def load_or_build(name: str, source: str, argtypes: list[str]) -> Callable[..., 
     except (OSError, ValueError, KeyError, TypeError, ImportError, AttributeError) as exc:
         if not isinstance(exc, FileNotFoundError):
             log.info("%s kernel: index %s unusable (%s); building", name, index, exc)
-    kernel = Bindings.load_pybinding(argtypes, source)
+    with inductor_config.patch({"cpp.simdlen": simdlen}):
+        kernel = Bindings.load_pybinding(argtypes, source)
     for module_name in Bindings._loaded_module_names:
         module = sys.modules.get(module_name)
         if module is not None and getattr(module, Bindings.entry_function, None) is kernel and module.__file__:

@@ -4,13 +4,17 @@ in panels, and oneDNN's blocked weights where it has native bfloat16.
 **``PanelLinear``** (float32; bfloat16 where oneDNN has no native path). The
 weight is stored once as panels of 16 output columns, ``[ceil(out / 16), in,
 16]`` (the last zero-padded), and multiplied by our C++ kernel (built and
-loaded as ``cpp.py`` says): threads over panels; in each panel,
-tiles of 6 input rows x 16 columns held in vector registers over the whole
-``in`` dimension, each step one load of a panel row, six broadcasts of x and
-twelve FMAs (on AVX2), the panel streamed in order and prefetched ahead;
-rows in chunks of 256. A decode's few rows read each weight once at memory
-speed, a prefill's many rows run at the FMA units' rate. Measured here
-(every linear of a model once in order, weights cold,
+loaded as ``cpp.py`` says, for the host's vector ISA): tiles of input rows x
+panels held in vector registers over the whole ``in`` dimension, sized to the
+ISA's registers: on AVX2 (16 registers of 8 floats) 6 rows x 1 panel, each
+step one load of a panel row, six broadcasts of x and twelve FMAs; on AVX-512
+(32 of 16) 12 rows x 2 panels, two loads, twelve broadcasts and 24 FMAs (on
+SmolLM2-135M's linears at 2 threads on an AVX-512 host, 1.4-1.5x the AVX2
+tile's rate from 8 rows on: ``scripts/bench_gemm.py``). Threads over the
+tiles' columns; panels streamed in order and prefetched ahead; rows in
+chunks of 256. A decode's few rows read each weight once at memory
+speed, a prefill's many rows run at the FMA units' rate. Measured on an
+AVX2 host (every linear of a model once in order, weights cold,
 ``scripts/bench_gemm.py``; docs/benchmarks.md): against oneDNN's packed
 weights below, bench-llama-40m at 2 threads 1.43x at 8 rows, 1.35x at 32,
 1.10x at 128, 1.01-1.03x at 512-2,048; SmolLM2-135M at one thread 1.50x at 8
@@ -20,7 +24,7 @@ bits (another summation order). The bfloat16 build reads bfloat16 panels and
 rows, converts each panel row to float32 in registers (the rows once per
 chunk), sums in float32 and rounds the output once: half the bytes of a
 decode's weight reads; bench-llama-40m at 2 threads 65-95 GFLOP/s from 8
-rows on, 4-5.7x ``F.linear`` at bfloat16 on this AVX2 host (which has no
+rows on, 4-5.7x ``F.linear`` at bfloat16 on that AVX2 host (which has no
 native bfloat16, so oneDNN does not pack it).
 
 **oneDNN: ``PackedLinear``** (bfloat16 where this CPU has native support;
@@ -68,8 +72,12 @@ _GEMM_SOURCE = r"""
 #include <vector>
 using Vec = at::vec::Vectorized<float>;
 constexpr int64_t NR = 16;                // columns per panel
-constexpr int64_t NV = NR / Vec::size();  // vectors per panel row
-constexpr int64_t MR = 6;                 // rows per full tile
+constexpr int64_t NV = NR / Vec::size();  // vectors per panel row: 2 on AVX2, 1 on AVX-512
+// A full tile is MR rows x PP panels, its MR * PP * NV accumulators filling most of the ISA's vector registers
+// with a few left for the panel rows and a broadcast: AVX2 (16 registers of 8 floats) 6 x 1 panel x 2 = 12;
+// AVX-512 (32 of 16) 12 x 2 panels x 1 = 24.
+constexpr int64_t PP = NV == 1 ? 2 : 1;   // panels per tile
+constexpr int MR = NV == 1 ? 12 : 6;      // rows per full tile
 constexpr int64_t MC = 256;               // rows per chunk
 constexpr int64_t AHEAD = 16;             // panel rows prefetched ahead
 
@@ -97,34 +105,55 @@ static inline const float* rows_as_float(const at::BFloat16* x, int64_t n, std::
     return buf.data();
 }
 
-// y[r, c] = x[r, :] . panel[:, c] (+ bias[c]) for r < R, c < nc (nc < NR: the last, padded panel),
-// summed in float and rounded to scalar_t once; bias (its nc values) may be null
-template <int R>
-static inline void tile(const float* x, const scalar_t* panel, int64_t K, scalar_t* y, int64_t N, int64_t nc,
+// y[r, c] = x[r, :] . panels[:, c] (+ bias[c]) for r < R and the tile's first nc columns (nc < Q * NR: its
+// last panel is the padded one), over Q panels side by side from `panels`; summed in float and rounded to
+// scalar_t once; bias (its nc values) may be null.
+template <int R, int Q>
+static inline void tile(const float* x, const scalar_t* panels, int64_t K, scalar_t* y, int64_t N, int64_t nc,
                         const scalar_t* bias) {
-    Vec acc[R][NV];
+    Vec acc[R][Q][NV];
     for (int r = 0; r < R; r++)
-        for (int v = 0; v < NV; v++) acc[r][v] = Vec(0.f);
+        for (int q = 0; q < Q; q++)
+            for (int v = 0; v < NV; v++) acc[r][q][v] = Vec(0.f);
     for (int64_t k = 0; k < K; k++) {
-        Vec w[NV];
-        load_row(panel + k * NR, w);
-        __builtin_prefetch(panel + (k + AHEAD) * NR);
+        Vec w[Q][NV];
+        for (int q = 0; q < Q; q++) {
+            const scalar_t* row = panels + q * K * NR + k * NR;
+            load_row(row, w[q]);
+            __builtin_prefetch(row + AHEAD * NR);
+        }
         for (int r = 0; r < R; r++) {
             const Vec b(x[r * K + k]);
-            for (int v = 0; v < NV; v++) acc[r][v] = at::vec::fmadd(b, w[v], acc[r][v]);
+            for (int q = 0; q < Q; q++)
+                for (int v = 0; v < NV; v++) acc[r][q][v] = at::vec::fmadd(b, w[q][v], acc[r][q][v]);
         }
     }
-    if (bias) {  // its nc values as vectors, zero past them
-        float b[NR] = {};
+    float row[Q * NR];
+    float b[Q * NR] = {};  // the bias's nc values, zero past them
+    if (bias)
         for (int64_t c = 0; c < nc; c++) b[c] = static_cast<float>(bias[c]);
-        for (int r = 0; r < R; r++)
-            for (int v = 0; v < NV; v++) acc[r][v] = acc[r][v] + Vec::loadu(b + v * Vec::size());
-    }
     for (int r = 0; r < R; r++) {
-        float row[NR];
-        for (int v = 0; v < NV; v++) acc[r][v].store(row + v * Vec::size());
-        for (int64_t c = 0; c < nc; c++) y[r * N + c] = static_cast<scalar_t>(row[c]);
+        for (int q = 0; q < Q; q++)
+            for (int v = 0; v < NV; v++) acc[r][q][v].store(row + q * NR + v * Vec::size());
+        for (int64_t c = 0; c < nc; c++) y[r * N + c] = static_cast<scalar_t>(row[c] + b[c]);
     }
+}
+
+// Rows [0, rows) of a chunk through tiles of Q panels: full tiles of MR rows, then one of the rest.
+template <int Q, int R = MR - 1>
+static inline void rest(int64_t rows, const float* x, const scalar_t* panels, int64_t K, scalar_t* y, int64_t N,
+                        int64_t nc, const scalar_t* bias) {
+    if constexpr (R > 0) {
+        if (rows == R) tile<R, Q>(x, panels, K, y, N, nc, bias);
+        else rest<Q, R - 1>(rows, x, panels, K, y, N, nc, bias);
+    }
+}
+template <int Q>
+static inline void rows_through(int64_t mc, const float* x, const scalar_t* panels, int64_t K, scalar_t* y,
+                                int64_t N, int64_t nc, const scalar_t* bias) {
+    int64_t m = 0;
+    for (; m + MR <= mc; m += MR) tile<MR, Q>(x + m * K, panels, K, y + m * N, N, nc, bias);
+    rest<Q>(mc - m, x + m * K, panels, K, y + m * N, N, nc, bias);
 }
 
 // x [M, K] and y [M, N] contiguous; w: panels [ceil(N / NR), K, NR]; bias [N] if has_bias.
@@ -132,26 +161,20 @@ static inline void tile(const float* x, const scalar_t* panel, int64_t K, scalar
 extern "C" void kernel(const scalar_t* x, const scalar_t* w, const scalar_t* bias, scalar_t* y, int64_t M, int64_t N,
                        int64_t K, int64_t threads, int64_t has_bias) {
     const int64_t P = (N + NR - 1) / NR;
+    const int64_t T = (P + PP - 1) / PP;  // tiles across
     std::vector<float> converted;
     for (int64_t m0 = 0; m0 < M; m0 += MC) {
         const int64_t mc = std::min(MC, M - m0);
         const float* xc = rows_as_float(x + m0 * K, mc * K, converted);
         #pragma omp parallel for num_threads(threads) schedule(static)
-        for (int64_t p = 0; p < P; p++) {
-            const scalar_t* panel = w + p * K * NR;
+        for (int64_t t = 0; t < T; t++) {
+            const int64_t p = t * PP;
+            const scalar_t* panels = w + p * K * NR;
             const scalar_t* b = has_bias ? bias + p * NR : nullptr;
-            const int64_t nc = std::min(NR, N - p * NR);
+            const int64_t nc = std::min(PP * NR, N - p * NR);
             scalar_t* yp = y + m0 * N + p * NR;
-            int64_t m = 0;
-            for (; m + MR <= mc; m += MR) tile<MR>(xc + m * K, panel, K, yp + m * N, N, nc, b);
-            switch (mc - m) {
-                case 1: tile<1>(xc + m * K, panel, K, yp + m * N, N, nc, b); break;
-                case 2: tile<2>(xc + m * K, panel, K, yp + m * N, N, nc, b); break;
-                case 3: tile<3>(xc + m * K, panel, K, yp + m * N, N, nc, b); break;
-                case 4: tile<4>(xc + m * K, panel, K, yp + m * N, N, nc, b); break;
-                case 5: tile<5>(xc + m * K, panel, K, yp + m * N, N, nc, b); break;
-                default: break;
-            }
+            if (P - p >= PP) rows_through<PP>(mc, xc, panels, K, yp, N, nc, b);
+            else rows_through<1>(mc, xc, panels, K, yp, N, nc, b);
         }
     }
 }
@@ -159,11 +182,12 @@ extern "C" void kernel(const scalar_t* x, const scalar_t* w, const scalar_t* bia
 
 
 @functools.cache
-def _gemm(dtype: torch.dtype = torch.float32) -> Callable[..., None]:
+def _gemm(dtype: torch.dtype = torch.float32, simdlen: int | None = None) -> Callable[..., None]:
+    """The GEMM for ``dtype``, built for the host's widest vector ISA (``simdlen``: ``cpp.load_or_build``)."""
     scalar = cpp.CPP_SCALARS[dtype]
     source = f"using scalar_t = {scalar};\n{_GEMM_SOURCE}"
     argtypes = [f"const {scalar}*"] * 3 + [f"{scalar}*"] + ["int64_t"] * 5
-    return cpp.load_or_build(f"linear-{str(dtype).removeprefix('torch.')}", source, argtypes)
+    return cpp.load_or_build(f"linear-{str(dtype).removeprefix('torch.')}", source, argtypes, simdlen)
 
 
 def to_panels(weight: torch.Tensor) -> torch.Tensor:
@@ -175,8 +199,11 @@ def to_panels(weight: torch.Tensor) -> torch.Tensor:
     return padded.view(count, PANEL, in_features).transpose(1, 2).contiguous()
 
 
-def panel_gemm(x: torch.Tensor, panels: torch.Tensor, bias: torch.Tensor | None, out_features: int) -> torch.Tensor:
-    """``x [n, in]`` (the panels' dtype) times the weight held in ``panels`` -> ``[n, out]``."""
+def panel_gemm(
+    x: torch.Tensor, panels: torch.Tensor, bias: torch.Tensor | None, out_features: int, simdlen: int | None = None
+) -> torch.Tensor:
+    """``x [n, in]`` (the panels' dtype) times the weight held in ``panels`` -> ``[n, out]`` (``simdlen``: the
+    kernel built for that vector width, ``_gemm``)."""
     if x.dim() != 2 or x.dtype != panels.dtype or x.device.type != "cpu" or panels.shape[1] != x.shape[1]:
         raise ValueError(
             f"our GEMM takes {panels.dtype} rows of {panels.shape[1]} on the CPU (got {x.dtype} {tuple(x.shape)})"
@@ -185,7 +212,7 @@ def panel_gemm(x: torch.Tensor, panels: torch.Tensor, bias: torch.Tensor | None,
     rows, in_features = x.shape
     y = x.new_empty(rows, out_features)
     if rows:
-        _gemm(x.dtype)(
+        _gemm(x.dtype, simdlen)(
             x, panels, y if bias is None else bias, y, rows, out_features, in_features, torch.get_num_threads(),
             int(bias is not None),
         )  # fmt: skip
