@@ -84,7 +84,6 @@ def test_a_vllm_serve_command_line_is_a_trioserve_serve_command_line(line, tiny_
     ("flag", "said"),
     [
         (["--kv-cache-dtype", "fp8"], "--kv-cache-dtype is vLLM's flag"),
-        (["--quantization=awq"], "--quantization is vLLM's flag"),
         (["-pp", "2"], "pipeline parallelism is not supported"),
         (["--speculative-config", "{}"], "speculative decoding"),
     ],
@@ -95,6 +94,12 @@ def test_a_vllm_flag_trioserve_does_not_take_is_named_in_one_line(flag, said, ti
     assert main(["serve", model, *flag]) == EXIT_USAGE
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and said in err[0], err
+
+
+def test_a_quantization_trioserve_does_not_run_is_refused_naming_the_one_it_does(tiny_model_dir, capsys):
+    assert main(["serve", str(tiny_model_dir("llama")), "--quantization=awq"]) == EXIT_USAGE
+    err = capsys.readouterr().err
+    assert "invalid choice: 'awq'" in err and "int8" in err
 
 
 def test_the_model_given_twice_differently_is_a_usage_error(tiny_model_dir, capsys):

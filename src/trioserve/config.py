@@ -182,6 +182,8 @@ class EngineConfig:
     runner: Literal["hf", "fake"] = "hf"
     device: Literal["auto", "cpu", "cuda"] = "auto"
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    # "int8": linear layers (all but the LM head) in int8 per output channel, activations per token (CPU, float32).
+    quantization: Literal["int8"] | None = None
     seed: int = 0
 
     # Paged KV cache.
@@ -323,6 +325,15 @@ class EngineConfig:
             "dtype",
             "must be 'auto', 'float32', 'bfloat16' or 'float16'",
         )
+        _check(self.quantization in (None, "int8"), "quantization", "must be 'int8' (or None: the model's own dtype)")
+        if self.quantization is not None:
+            _check(
+                self.device != "cuda" and self.dtype in ("auto", "float32"),
+                "quantization",
+                "int8 runs on the CPU at float32",
+            )
+            _check(self.tensor_parallel_size == 1, "quantization", "int8 runs unsharded (tensor_parallel_size 1) yet")
+            _check(self.task != "embed", "quantization", "int8 serves text generation, not embeddings, yet")
         _check(self.block_size in (1, 2, 4, 8, 16, 32, 64, 128), "block_size", "must be a power of two <= 128")
         _check(self.kv_cache_memory_bytes > 0, "kv_cache_memory_bytes", "must be > 0")
         _check(0 <= self.max_logprobs <= 20, "max_logprobs", "must be in [0, 20]")

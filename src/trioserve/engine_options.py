@@ -80,6 +80,13 @@ def add_engine_options(
         "--dtype", choices=dtypes, default=defaults.dtype, help="half = float16, float = float32 (default: %(default)s)"
     )
     group.add_argument(
+        "--quantization",
+        "-q",
+        choices=["int8"],
+        help="int8: linear layers in int8 per output channel, activations quantized per token (CPU, float32; "
+        "README: 'Quantization' gives its quality)",
+    )
+    group.add_argument(
         "--tokenizer",
         metavar="DIR",
         help="the directory of the tokenizer (tokenizer.json) and chat template to use (default: the model's)",
@@ -454,6 +461,7 @@ def engine_config(args: argparse.Namespace, model: str, **fields: Any) -> Engine
         max_cpu_loras=args.max_cpu_loras,
         device=args.device,
         dtype=DTYPE_ALIASES.get(args.dtype, args.dtype),
+        quantization=args.quantization,
         tokenizer=None if args.tokenizer is None else os.path.abspath(args.tokenizer),
         chat_template=None if args.chat_template is None else chat_template_source(args.chat_template),
         max_logprobs=args.max_logprobs,

@@ -11,8 +11,6 @@ from collections.abc import Sequence
 
 _NOT_YET = "not supported yet"
 UNSUPPORTED: dict[str, str] = {
-    "--quantization": "quantized weights are not supported yet (a .gguf model is converted to float32)",
-    "-q": "quantized weights are not supported yet (a .gguf model is converted to float32)",
     "--kv-cache-dtype": "the KV cache has the model's dtype (--dtype)",
     "--pipeline-parallel-size": "pipeline parallelism is not supported: use -tp and -dp",
     "-pp": "pipeline parallelism is not supported: use -tp and -dp",

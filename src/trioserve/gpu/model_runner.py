@@ -34,11 +34,8 @@ from trioserve.gpu.attention import (
 )
 from trioserve.gpu.compiled import Forward, compiled_forward, eager_forward, inductor_cache_dir
 from trioserve.gpu.cpu_kernels.attention import load_decode_kernel
-from trioserve.gpu.cpu_kernels.host_memory import (
-    keep_freed_memory,
-    release_freed_memory,
-    resident_bytes,
-)
+from trioserve.gpu.cpu_kernels.host_memory import keep_freed_memory, release_freed_memory, resident_bytes
+from trioserve.gpu.cpu_kernels.int8 import calibration_ids, quantize_linears
 from trioserve.gpu.cpu_kernels.linear import pack_linears, packing_supported
 from trioserve.gpu.device import available_memory, resolve_device, resolve_dtype
 from trioserve.gpu.grammar_bitmask import apply_grammar_bitmask
@@ -206,7 +203,10 @@ class ModelRunner(TorchProfiling):
         )
         self.model = torch.nn.Module.to(model, self.device).eval().requires_grad_(False)
         self._decode_kernel = load_decode_kernel(self.device, self.dtype)  # gpu/cpu_kernels/attention.py
-        # oneDNN's blocked weights (gpu/cpu_kernels/linear.py), for decodes: not for embeddings (all prefill: slower)
+        if self.config.quantization == "int8":  # all but the LM head, smoothed (gpu/cpu_kernels/int8.py)
+            ids = calibration_ids(self.config.tokenizer or self.config.model)
+            quantize_linears(model, self.device, self.dtype, calibration_ids=ids)
+        # Our panels or oneDNN's blocked weights (gpu/cpu_kernels/linear.py): not for embeddings (all prefill: slower)
         if self.world_size == 1 and packing_supported(self.device, self.dtype) and not base:
             pack_linears(model)
         if base and self.config.enable_lora:

@@ -58,6 +58,7 @@ from collections.abc import Callable
 import torch
 
 from trioserve.gpu.cpu_kernels import cpp
+from trioserve.gpu.cpu_kernels.int8 import Int8Linear
 
 log = logging.getLogger(__name__)
 
@@ -354,6 +355,6 @@ def pack_linears(model: torch.nn.Module, only: str | None = None) -> int:
 
 
 def packed_parameters(model: torch.nn.Module) -> tuple[int, int]:
-    """Elements and bytes of the weights held packed (tied ones counted once, by their other owner)."""
-    packed = [m for m in model.modules() if isinstance(m, PanelLinear | PackedLinear) and not m.tied]
+    """Elements and bytes of the weights held packed or in int8 (tied ones counted once, by their other owner)."""
+    packed = [m for m in model.modules() if isinstance(m, PanelLinear | PackedLinear | Int8Linear) and not m.tied]
     return sum(m.in_features * m.out_features for m in packed), sum(m.weight_bytes for m in packed)

@@ -1,0 +1,484 @@
+"""int8 linear layers for the CPU: int8 weights and activations, int32 sums.
+
+**Weights**: per output channel, symmetric: ``scale[n] = max |W[n, :]| / 127``,
+``Wq = round(W / scale)`` in [-127, 127] (``quantize_weight``), quantized once
+at load from a float checkpoint. Held in panels of 16 output columns, each
+column's inputs in fours (``[ceil(out / 16), ceil(in / 4), 16, 4]``): the
+layout of VNNI's ``vpdpbusd``, which sums four byte products into each of
+sixteen int32 lanes.
+
+**Activations**: per token, dynamic, asymmetric: each row ``x[m]`` becomes
+unsigned bytes ``q = clamp(round(x / s) + z, 0, 255)`` over its own range
+(``s = (max(0, max x) - min(0, min x)) / 255``, zero point ``z``), which is
+what ``vpdpbusd`` multiplies (unsigned by signed bytes); ``z`` is taken back
+with each column's sum of weights. Then ``y[m, n] = (sum_k (q - z) Wq[n, k])
+* (s[m] * scale[n]) + b[n]``: the sum exact in int32, then one float32
+product and one sum, as ``int8_reference`` computes it in plain torch (the
+two agree bit for bit).
+
+**Smoothing** (SmoothQuant): a few input channels carry most of an
+activation's range, and per-row steps sized for them lose the rest. At load,
+one forward pass over a conversation in the model's chat template and
+``CALIBRATION_TEXT`` (``calibration_ids``, ``calibrate``) records each
+input's largest value; the input is divided by ``f = act_max ** 0.5 /
+w_max ** 0.5`` (in the kernel, before quantizing) and the weight's column
+multiplied by it (before quantizing), which leaves the product unchanged and
+evens the ranges. On SmolLM2-135M (``scripts/quality.py``): symmetric
+activations without smoothing +10% perplexity, asymmetric +3.5%, asymmetric
+and smoothed within 0.1% of float32.
+
+**Kernel**: built by inductor's toolchain (``cpp.py``) for the host. Where
+the compiler targets AVX-512 VNNI (inductor's AVX-512 VNNI and AMX builds),
+tiles of 12 rows x 32 columns in 24 int32 vector registers, one ``vpdpbusd``
+per four inputs of a row and 16 columns (64 multiply-adds); elsewhere
+(AVX2, AVX-512 without VNNI) the same sums in portable C++ loops, correct
+and slower (the tests build them on an AVX-512 host too, for 256-bit
+vectors: ``cpp.load_or_build``'s ``simdlen``). Threads over pairs of panels.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import TYPE_CHECKING, cast
+
+import torch
+
+from trioserve.gpu.cpu_kernels import cpp
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
+
+PANEL = 16  # output columns per panel
+MAX_IN_FEATURES = 65536  # 255 * 127 * 65536 < 2**31: a row's int32 sum cannot overflow below this
+
+_SOURCE = r"""
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+#if defined(__AVX512VNNI__)
+#define TRIOSERVE_VNNI 1
+#include <immintrin.h>
+constexpr int MR = 12;       // rows per full tile: 12 rows x 2 panels = 24 accumulators of 16 int32
+constexpr int64_t PP = 2;    // panels per tile
+#else
+constexpr int MR = 4;
+constexpr int64_t PP = 1;
+#endif
+constexpr int64_t NR = 16;   // columns per panel
+constexpr int64_t MC = 240;  // rows per chunk
+constexpr int64_t AHEAD = 8; // groups of four inputs prefetched ahead
+using Vec = at::vec::Vectorized<float>;
+
+// Row m of x [M, K], times inv (per input; may be null), as unsigned bytes q = clamp(round(x / s) + z, 0, 255)
+// (round half to even): lo = min(0, min x), hi = max(0, max x), s = (hi - lo) / 255 (1 where that is 0),
+// z = round(-lo / s); padded with z (a zero) to Kp.
+static void quantize_rows(const float* x, const float* inv, int64_t M, int64_t K, int64_t Kp, uint8_t* q, float* s,
+                          int32_t* z, int64_t threads) {
+    constexpr int64_t W = Vec::size();
+    #pragma omp parallel num_threads(threads)
+    {
+        std::vector<float> scaled(inv ? K : 0);
+        #pragma omp for schedule(static)
+        for (int64_t m = 0; m < M; m++) {
+            const float* row = x + m * K;
+            int64_t k = 0;
+            if (inv) {
+                for (; k + W <= K; k += W) (Vec::loadu(row + k) * Vec::loadu(inv + k)).store(scaled.data() + k);
+                for (; k < K; k++) scaled[k] = row[k] * inv[k];
+                row = scaled.data();
+            }
+            Vec vlo(0.f), vhi(0.f);
+            for (k = 0; k + W <= K; k += W) {
+                const Vec v = Vec::loadu(row + k);
+                vlo = at::vec::minimum(vlo, v);
+                vhi = at::vec::maximum(vhi, v);
+            }
+            float lo = at::vec::vec_reduce_all<float>([](Vec& a, Vec& b) { return at::vec::minimum(a, b); }, vlo);
+            float hi = at::vec::vec_reduce_all<float>([](Vec& a, Vec& b) { return at::vec::maximum(a, b); }, vhi);
+            for (; k < K; k++) {
+                lo = std::min(lo, row[k]);
+                hi = std::max(hi, row[k]);
+            }
+            float scale = (hi - lo) / 255.f;
+            if (!(scale > 0.f)) scale = 1.f;
+            const float zero = std::nearbyint(-lo / scale);
+            s[m] = scale;
+            z[m] = static_cast<int32_t>(zero);
+            uint8_t* out = q + m * Kp;
+            const Vec vs(scale), vz(zero), v0(0.f), v255(255.f);
+            float steps[W];
+            for (k = 0; k + W <= K; k += W) {
+                at::vec::clamp((Vec::loadu(row + k) / vs).round() + vz, v0, v255).store(steps);
+                for (int64_t i = 0; i < W; i++) out[k + i] = static_cast<uint8_t>(steps[i]);
+            }
+            for (; k < K; k++)
+                out[k] = static_cast<uint8_t>(std::clamp(std::nearbyint(row[k] / scale) + zero, 0.f, 255.f));
+            for (k = K; k < Kp; k++) out[k] = static_cast<uint8_t>(z[m]);
+        }
+    }
+}
+
+// For R rows of q (Kp bytes each) and Q panels side by side: y[r, c] = (sum_k q[r, k] w[k, c] - z[r] wsum[c]) *
+// (s[r] * ws[c]) + bias[c] for the tile's first nc columns; bias may be null.
+template <int R, int Q>
+static inline void tile(const uint8_t* q, int64_t Kp, const int8_t* panels, const int32_t* wsum, const float* ws,
+                        const float* bias, const float* s, const int32_t* z, float* y, int64_t N, int64_t nc) {
+    const int64_t K4 = Kp / 4;
+#ifdef TRIOSERVE_VNNI
+    __m512i a[R][Q];
+    for (int r = 0; r < R; r++)
+        for (int j = 0; j < Q; j++) a[r][j] = _mm512_setzero_si512();
+    for (int64_t k = 0; k < K4; k++) {
+        __m512i w[Q];
+        for (int j = 0; j < Q; j++) {
+            const int8_t* four = panels + (j * K4 + k) * NR * 4;
+            w[j] = _mm512_loadu_si512(four);
+            _mm_prefetch(reinterpret_cast<const char*>(four + AHEAD * NR * 4), _MM_HINT_T0);
+        }
+        for (int r = 0; r < R; r++) {
+            int32_t bytes;
+            std::memcpy(&bytes, q + r * Kp + k * 4, 4);
+            const __m512i b = _mm512_set1_epi32(bytes);
+            for (int j = 0; j < Q; j++) a[r][j] = _mm512_dpbusd_epi32(a[r][j], b, w[j]);
+        }
+    }
+    for (int j = 0; j < Q; j++) {  // the epilogue in vectors of 16 columns, the last one masked
+        const int64_t cols = std::min<int64_t>(NR, nc - j * NR);
+        if (cols <= 0) break;
+        const __mmask16 mask = static_cast<__mmask16>((1u << cols) - 1);
+        const __m512i sj = _mm512_maskz_loadu_epi32(mask, wsum + j * NR);
+        const __m512 wj = _mm512_maskz_loadu_ps(mask, ws + j * NR);
+        const __m512 bj = bias ? _mm512_maskz_loadu_ps(mask, bias + j * NR) : _mm512_setzero_ps();
+        for (int r = 0; r < R; r++) {
+            const __m512i exact = _mm512_sub_epi32(a[r][j], _mm512_mullo_epi32(_mm512_set1_epi32(z[r]), sj));
+            __m512 v = _mm512_mul_ps(_mm512_cvtepi32_ps(exact), _mm512_mul_ps(_mm512_set1_ps(s[r]), wj));
+            if (bias) v = _mm512_add_ps(v, bj);
+            _mm512_mask_storeu_ps(y + r * N + j * NR, mask, v);
+        }
+    }
+#else
+    int32_t acc[R][Q * NR];
+    for (int r = 0; r < R; r++)
+        for (int64_t c = 0; c < Q * NR; c++) acc[r][c] = 0;
+    for (int j = 0; j < Q; j++)
+        for (int64_t k = 0; k < K4; k++) {
+            const int8_t* four = panels + (j * K4 + k) * NR * 4;
+            for (int r = 0; r < R; r++) {
+                const uint8_t* x = q + r * Kp + k * 4;
+                for (int64_t c = 0; c < NR; c++) {
+                    int32_t sum = 0;
+                    for (int i = 0; i < 4; i++) sum += int32_t(x[i]) * int32_t(four[c * 4 + i]);
+                    acc[r][j * NR + c] += sum;
+                }
+            }
+        }
+    for (int r = 0; r < R; r++)
+        for (int64_t c = 0; c < nc; c++) {
+            const float v = static_cast<float>(acc[r][c] - z[r] * wsum[c]) * (s[r] * ws[c]);
+            y[r * N + c] = bias ? v + bias[c] : v;
+        }
+#endif
+}
+
+// Rows [0, rows) of a chunk: full tiles of MR rows, then one of the rest (R counts down to the rest's size).
+template <int Q, int R = MR - 1>
+static inline void rest(int64_t rows, const uint8_t* q, int64_t Kp, const int8_t* panels, const int32_t* wsum,
+                        const float* ws, const float* bias, const float* s, const int32_t* z, float* y, int64_t N,
+                        int64_t nc) {
+    if constexpr (R > 0) {
+        if (rows == R) tile<R, Q>(q, Kp, panels, wsum, ws, bias, s, z, y, N, nc);
+        else rest<Q, R - 1>(rows, q, Kp, panels, wsum, ws, bias, s, z, y, N, nc);
+    }
+}
+template <int Q>
+static inline void rows_through(int64_t mc, const uint8_t* q, int64_t Kp, const int8_t* panels, const int32_t* wsum,
+                                const float* ws, const float* bias, const float* s, const int32_t* z, float* y,
+                                int64_t N, int64_t nc) {
+    int64_t m = 0;
+    for (; m + MR <= mc; m += MR)
+        tile<MR, Q>(q + m * Kp, Kp, panels, wsum, ws, bias, s + m, z + m, y + m * N, N, nc);
+    rest<Q>(mc - m, q + m * Kp, Kp, panels, wsum, ws, bias, s + m, z + m, y + m * N, N, nc);
+}
+
+// x [M, K] float rows -> y [M, N]. inv [K] (if has_inv): each input's multiplier before quantizing. w: int8
+// panels [P, Kp / 4, NR, 4] (P = ceil(N / NR), Kp = K rounded up to 4); wsum [P * NR]: each column's sum of
+// weights; ws [P * NR]: each column's scale; bias [N] (if has_bias).
+extern "C" void kernel(const float* x, const float* inv, const int8_t* w, const int32_t* wsum, const float* ws,
+                       const float* bias, float* y, int64_t M, int64_t N, int64_t K, int64_t threads,
+                       int64_t has_inv, int64_t has_bias) {
+    const int64_t Kp = (K + 3) / 4 * 4;
+    const int64_t P = (N + NR - 1) / NR;
+    const int64_t T = (P + PP - 1) / PP;  // tiles across
+    std::vector<uint8_t> q(M * Kp);
+    std::vector<float> s(M);
+    std::vector<int32_t> z(M);
+    quantize_rows(x, has_inv ? inv : nullptr, M, K, Kp, q.data(), s.data(), z.data(), threads);
+    for (int64_t m0 = 0; m0 < M; m0 += MC) {
+        const int64_t mc = std::min(MC, M - m0);
+        const uint8_t* qc = q.data() + m0 * Kp;
+        #pragma omp parallel for num_threads(threads) schedule(static)
+        for (int64_t t = 0; t < T; t++) {
+            const int64_t p = t * PP;
+            const int8_t* panels = w + p * Kp * NR;
+            const float* b = has_bias ? bias + p * NR : nullptr;
+            const int64_t nc = std::min(PP * NR, N - p * NR);
+            float* yp = y + m0 * N + p * NR;
+            const float* sc = s.data() + m0;
+            const int32_t* zc = z.data() + m0;
+            if (P - p >= PP)
+                rows_through<PP>(mc, qc, Kp, panels, wsum + p * NR, ws + p * NR, b, sc, zc, yp, N, nc);
+            else
+                rows_through<1>(mc, qc, Kp, panels, wsum + p * NR, ws + p * NR, b, sc, zc, yp, N, nc);
+        }
+    }
+}
+"""
+
+_ARGTYPES = ["const float*", "const float*", "const int8_t*", "const int32_t*", "const float*", "const float*"]
+_ARGTYPES += ["float*"] + ["int64_t"] * 6
+
+SMOOTHING_ALPHA = 0.5  # how much of an input's range moves from the activations to the weights
+
+# Text for the calibration pass (``calibrate``): prose, dialogue, code, numbers and lists, so that the inputs'
+# ranges are those of ordinary use. Not the text scripts/quality.py measures perplexity on.
+CALIBRATION_TEXT = """\
+The library opens at nine in the morning and closes at six, except on Sundays, when it stays shut.
+"Could you tell me where the station is?" she asked. "Two streets down, then left at the bakery."
+def mean(values):
+    return sum(values) / len(values) if values else 0.0
+Ingredients: 2 cups of flour, 1 teaspoon of salt, 3 eggs, 250 ml of milk; whisk until smooth.
+In 1905 a patent clerk published four papers that changed physics; the year is still called his miracle year.
+Q: What is 17 plus 26? A: 43. Q: Name three rivers in Africa. A: The Nile, the Congo and the Niger.
+<html><body><h1>Welcome</h1><p>Prices start at $19.99 per month.</p></body></html>
+The committee will meet on Thursday to review the budget, which rose by 4.5 percent over last year.
+Photosynthesis turns light, water and carbon dioxide into sugar and oxygen inside the leaves of plants.
+SELECT id, name FROM users WHERE created_at > '2024-01-01' ORDER BY name LIMIT 10;
+Dear team, thank you all for your hard work this quarter. Let us keep the momentum going!
+"""
+
+
+@functools.cache
+def _kernel(simdlen: int | None = None) -> Callable[..., None]:
+    """The int8 GEMM built for this host's widest vector ISA (``simdlen``: ``cpp.load_or_build``)."""
+    return cpp.load_or_build("linear-int8", _SOURCE, _ARGTYPES, simdlen)
+
+
+def uses_vnni() -> bool:
+    """Whether the int8 GEMM is built with VNNI here (inductor's vector ISA for this host has it)."""
+    from torch._inductor import cpu_vec_isa
+
+    return isinstance(cpu_vec_isa.pick_vec_isa(), cpu_vec_isa.VecAVX512VNNI)
+
+
+def quantize_weight(weight: torch.Tensor, smooth: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``[out, in]`` float (times ``smooth [in]``, where given) -> (int8 ``[out, in]``, float32 scale ``[out]``):
+    per output channel, symmetric."""
+    w = weight.detach().float()
+    if smooth is not None:
+        w = w * smooth[None, :]
+    amax = w.abs().amax(dim=1)
+    scale = torch.where(amax > 0, amax / 127, torch.ones_like(amax))
+    return torch.round(w / scale[:, None]).clamp(-127, 127).to(torch.int8), scale
+
+
+def quantize_rows(x: torch.Tensor, inv: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Float rows ``[M, K]`` (times ``inv [K]``, where given) -> (their steps less the zero point, as float
+    ``[M, K]``, scale ``[M]``): asymmetric per row, as the kernel quantizes them."""
+    if inv is not None:
+        x = x * inv
+    lo, hi = x.amin(dim=1).clamp(max=0), x.amax(dim=1).clamp(min=0)
+    scale = (hi - lo) / 255
+    scale = torch.where(scale > 0, scale, torch.ones_like(scale))
+    zero = torch.round(-lo / scale)
+    steps = (torch.round(x / scale[:, None]) + zero[:, None]).clamp(0, 255)
+    return steps - zero[:, None], scale
+
+
+def int8_reference(
+    x: torch.Tensor, wq: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None, inv: torch.Tensor | None = None
+) -> torch.Tensor:
+    """What ``Int8Linear`` computes, in plain torch: float32 rows ``[M, K]`` -> ``[M, N]``."""
+    xq, xs = quantize_rows(x.float(), inv)
+    sums = (xq.double() @ wq.double().T).to(torch.int32)  # exact: every term and sum is an integer below 2**53
+    y = sums.float() * (xs[:, None] * scale[None, :])
+    return y if bias is None else y + bias.float()
+
+
+def to_panels(wq: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """int8 ``[out, in]`` -> (panels ``[ceil(out / 16), ceil(in / 4), 16, 4]``, column sums
+    ``[ceil(out / 16) * 16]`` int32), zero-padded."""
+    out_features, in_features = wq.shape
+    count, fours = -(-out_features // PANEL), -(-in_features // 4)
+    padded = wq.new_zeros(count * PANEL, fours * 4)
+    padded[:out_features, :in_features] = wq
+    panels = padded.view(count, PANEL, fours, 4).permute(0, 2, 1, 3).contiguous()
+    return panels, padded.sum(dim=1, dtype=torch.int32)
+
+
+def int8_gemm(
+    x: torch.Tensor, layer: Int8Linear, bias: torch.Tensor | None = None, simdlen: int | None = None
+) -> torch.Tensor:
+    """Float32 rows ``x [M, in]`` through ``layer``'s int8 weight, with ``bias`` -> float32 ``[M, out]``
+    (``simdlen``: the kernel built for that vector width)."""
+    return _gemm(x, layer.panels, layer.wsum, layer.scale, layer.inv, bias, layer.out_features, simdlen)
+
+
+def _gemm(
+    x: torch.Tensor, panels: torch.Tensor, wsum: torch.Tensor, scale: torch.Tensor, inv: torch.Tensor | None,
+    bias: torch.Tensor | None, out_features: int, simdlen: int | None = None,
+) -> torch.Tensor:  # fmt: skip
+    if x.dim() != 2 or x.dtype != torch.float32 or x.device.type != "cpu":
+        raise ValueError(f"the int8 GEMM takes float32 rows on the CPU (got {x.dtype} {tuple(x.shape)} on {x.device})")
+    x = x.contiguous()
+    rows, in_features = x.shape
+    if panels.shape[1] != -(-in_features // 4):
+        raise ValueError(f"the int8 GEMM's weight takes rows of {panels.shape[1] * 4} (got {in_features})")
+    y = x.new_empty(rows, out_features)
+    if rows:
+        _kernel(simdlen)(
+            x, y if inv is None else inv, panels, wsum, scale, y if bias is None else bias, y, rows, out_features,
+            in_features, torch.get_num_threads(), int(inv is not None), int(bias is not None),
+        )  # fmt: skip
+    return y
+
+
+class Int8Linear(torch.nn.Module):
+    """``y = x @ W.T + b`` with ``W`` in int8 per output channel and ``x`` quantized per row (module docstring)."""
+
+    def __init__(
+        self, weight: torch.Tensor, bias: torch.Tensor | None, *, scale: torch.Tensor | None = None,
+        smooth: torch.Tensor | None = None,
+    ) -> None:  # fmt: skip
+        """``weight``: float ``[out, in]`` (quantized here, times ``smooth``), or int8 with its ``scale``
+        ``[out]`` (quantized from ``W * smooth``, where given). ``smooth [in]``: each input's share moved from
+        the activations (divided by it) to the weight (multiplied)."""
+        super().__init__()
+        if weight.dtype == torch.int8:
+            if scale is None:
+                raise ValueError("an int8 weight needs its per-channel scale")
+            wq, scale = weight, scale.float()
+        else:
+            wq, scale = quantize_weight(weight, smooth)
+        self.out_features, self.in_features = wq.shape
+        if self.in_features >= MAX_IN_FEATURES:
+            raise ValueError(f"int8 linear layers take fewer than {MAX_IN_FEATURES} inputs (got {self.in_features})")
+        _kernel()  # built (or loaded) now, not at the first step
+        self.panels, self.wsum = to_panels(wq)
+        self.scale = torch.zeros(self.wsum.shape[0], dtype=torch.float32)
+        self.scale[: self.out_features] = scale
+        self.inv = None if smooth is None else (1 / smooth).float().contiguous()
+        self.bias = bias  # a Parameter still (float32): counted like the others
+        self.tied = False  # a tied LM head is kept in float
+        self.weight_bytes = self.panels.numel() + 8 * self.wsum.numel()  # int8 panels, int32 sums, float scales
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.reshape(-1, self.in_features)
+        args = (self.panels, self.wsum, self.scale, self.inv, self.bias, self.out_features)
+        if torch.compiler.is_compiling() or torch.autograd.profiler._is_profiler_enabled:
+            y = torch.ops.trioserve.int8_linear(rows, *args)
+        else:
+            y = _gemm(rows, *args)
+        return y.view(*x.shape[:-1], self.out_features)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
+
+
+@torch.library.custom_op("trioserve::int8_linear", mutates_args=())
+def int8_linear(
+    x: torch.Tensor, panels: torch.Tensor, wsum: torch.Tensor, scale: torch.Tensor, inv: torch.Tensor | None,
+    bias: torch.Tensor | None, out_features: int,
+) -> torch.Tensor:  # fmt: skip
+    """``Int8Linear``'s product as an opaque op, for a compiled graph or a profile: ``[n, in]`` -> ``[n, out]``."""
+    return _gemm(x, panels, wsum, scale, inv, bias, out_features)
+
+
+@int8_linear.register_fake
+def _int8_linear_fake(
+    x: torch.Tensor, panels: torch.Tensor, wsum: torch.Tensor, scale: torch.Tensor, inv: torch.Tensor | None,
+    bias: torch.Tensor | None, out_features: int,
+) -> torch.Tensor:  # fmt: skip
+    return x.new_empty(x.shape[0], out_features)
+
+
+def smoothing(weight: torch.Tensor, act_max: torch.Tensor, alpha: float = SMOOTHING_ALPHA) -> torch.Tensor:
+    """SmoothQuant's per-input factors: ``act_max ** alpha / w_max ** (1 - alpha)`` (1 for an input never seen)."""
+    w_max = weight.detach().float().abs().amax(dim=0).clamp(min=1e-5)
+    factors = (act_max.clamp(min=1e-5) ** alpha / w_max ** (1 - alpha)).clamp(min=1e-5)
+    return torch.where(act_max > 0, factors, torch.ones_like(factors))
+
+
+def _targets(model: torch.nn.Module, keep: tuple[str, ...]) -> list[tuple[str, torch.nn.Module, str, torch.nn.Linear]]:
+    return [
+        (f"{parent_name}.{name}".lstrip("."), parent, name, child)
+        for parent_name, parent in model.named_modules()
+        for name, child in parent.named_children()
+        if type(child) is torch.nn.Linear and name not in keep
+    ]
+
+
+def calibrate(
+    model: torch.nn.Module, ids: torch.Tensor, keep: tuple[str, ...] = ("lm_head",)
+) -> dict[str, torch.Tensor]:
+    """Each linear's largest absolute input per input channel (by module name) over one forward pass of ``ids``
+    (``[n]`` token ids, at most the model's context), run with transformers' eager attention (the model's own
+    is restored)."""
+    act_max: dict[str, torch.Tensor] = {}
+
+    def hook(name: str) -> Callable[..., None]:
+        def seen(module: torch.nn.Module, args: tuple[torch.Tensor, ...]) -> None:
+            x = args[0].detach().reshape(-1, args[0].shape[-1]).abs().amax(dim=0).float()
+            act_max[name] = torch.maximum(act_max[name], x) if name in act_max else x
+
+        return seen
+
+    hooks = [child.register_forward_pre_hook(hook(name)) for name, _, _, child in _targets(model, keep)]
+    hf_model = cast("PreTrainedModel", model)
+    attention = hf_model.config._attn_implementation
+    longest = getattr(hf_model.config.get_text_config(), "max_position_embeddings", None) or len(ids)
+    try:
+        hf_model.set_attn_implementation("eager")  # every architecture has it (not sdpa: Gemma2)
+        with torch.inference_mode():
+            model(ids[None, :longest])
+    finally:
+        hf_model.set_attn_implementation(attention)
+        for handle in hooks:
+            handle.remove()
+    return act_max
+
+
+def quantize_linears(
+    model: torch.nn.Module, device: torch.device, dtype: torch.dtype, *, calibration_ids: torch.Tensor | None = None,
+    keep: tuple[str, ...] = ("lm_head",),
+) -> int:  # fmt: skip
+    """Replace every ``nn.Linear`` of ``model`` except those named in ``keep`` by an ``Int8Linear``, in place;
+    returns how many. With ``calibration_ids``, each is smoothed by the inputs seen on them (``calibrate``,
+    ``smoothing``). The CPU at float32 only."""
+    if device.type != "cpu" or dtype != torch.float32:
+        raise ValueError(f"quantization: int8 runs on the CPU at float32 (this worker: {device.type}, {dtype})")
+    act_max = calibrate(model, calibration_ids, keep) if calibration_ids is not None else {}
+    swaps = _targets(model, keep)
+    for name, parent, child_name, child in swaps:
+        smooth = smoothing(child.weight, act_max[name]) if name in act_max else None
+        setattr(parent, child_name, Int8Linear(child.weight, child.bias, smooth=smooth))
+    return len(swaps)
+
+
+CALIBRATION_CHAT = [
+    {"role": "system", "content": "You are a helpful assistant."},
+    {"role": "user", "content": "Which city is the capital of Spain, and what is it known for?"},
+    {"role": "assistant", "content": "Madrid is the capital of Spain. It is known for its museums and parks."},
+]
+
+
+def calibration_ids(tokenizer_dir: str) -> torch.Tensor:
+    """Token ids of the model's tokenizer for ``CALIBRATION_CHAT`` in the model's chat template (where it has
+    one: the special tokens a served conversation brings), then ``CALIBRATION_TEXT``."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
+    chat = tokenizer.apply_chat_template(CALIBRATION_CHAT, tokenize=False) if tokenizer.chat_template else ""
+    return torch.tensor(tokenizer(str(chat) + CALIBRATION_TEXT)["input_ids"])

@@ -1,0 +1,156 @@
+"""int8 linear layers (``gpu/cpu_kernels/int8.py``): the kernel against the
+same arithmetic in plain torch (bit for bit), for the host's build and the
+one for 256-bit vectors (AVX2's: the portable sums, wherever the host has
+VNNI); and every architecture of the greedy-identity tests served with
+``quantization="int8"`` against transformers' greedy ``generate()`` on the
+model with the same int8 layers in plain torch, token for token."""
+
+from __future__ import annotations
+
+import pytest
+
+from test_gpu_runner import MiniScheduler, make_prompts, make_runner
+from trioserve.config import EngineConfig
+
+torch = pytest.importorskip("torch")
+
+from trioserve.gpu.cpu_kernels import int8  # noqa: E402
+
+pytestmark = pytest.mark.model
+
+ARCHITECTURES = ["llama", "qwen2", "qwen3", "gemma2"]
+SIMDLENS = [None, 256] if torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512") else [None]
+
+
+@pytest.mark.parametrize("simdlen", SIMDLENS)
+@pytest.mark.parametrize(("in_features", "out_features"), [(7, 5), (33, 40), (64, 48), (96, 17), (8, 32), (9, 20)])
+def test_the_kernel_computes_the_plain_torch_arithmetic_bit_for_bit(simdlen, in_features, out_features):
+    """Every tail of its tiles (4 rows portable, 12 with VNNI), rows past a
+    240-row chunk, inputs not a multiple of 4, a last panel short of 16
+    columns, a tile of two panels whose second is short; rows of zeros, of
+    one sign, of a wide range; with and without smoothing and a bias."""
+    torch.manual_seed(0)
+    linear = torch.nn.Linear(in_features, out_features).requires_grad_(False)
+    smooth = torch.rand(in_features) * 4 + 0.1
+    for factors in (None, smooth):
+        layer = int8.Int8Linear(linear.weight, linear.bias, smooth=factors)
+        wq, scale = int8.quantize_weight(linear.weight, factors)
+        for rows in [0, *range(1, 14), 25, 300]:
+            x = torch.randn(rows, in_features) * 3
+            if rows > 4:
+                x[2], x[3], x[4, 0] = 0, x[3].abs(), 1000.0
+            for bias in (None, linear.bias):
+                got = int8.int8_gemm(x, layer, bias, simdlen)
+                expected = int8.int8_reference(x, wq, scale, bias, layer.inv)
+                assert torch.equal(got, expected), (rows, bias is not None, factors is not None)
+        x = torch.randn(2, 3, in_features)
+        expected = int8.int8_reference(x.flatten(0, 1), wq, scale, linear.bias, layer.inv)
+        assert torch.equal(layer(x), expected.view(2, 3, -1))
+
+
+def test_int8_is_near_the_float_product_and_takes_prequantized_weights():
+    torch.manual_seed(1)
+    linear = torch.nn.Linear(256, 96).requires_grad_(False)
+    x = torch.randn(40, 256)
+    layer = int8.Int8Linear(linear.weight, linear.bias)
+    exact = linear(x)
+    assert ((layer(x) - exact).norm() / exact.norm()).item() < 0.02  # 8-bit steps: under 1% here
+    smooth = torch.rand(256) + 0.5
+    smoothed = int8.Int8Linear(linear.weight, linear.bias, smooth=smooth)
+    assert ((smoothed(x) - exact).norm() / exact.norm()).item() < 0.02  # the same product, other steps
+    wq, scale = int8.quantize_weight(linear.weight)
+    assert wq.dtype == torch.int8 and wq.abs().max() == 127 and scale.shape == (96,)
+    assert torch.equal(int8.Int8Linear(wq, linear.bias, scale=scale)(x), layer(x))
+    with pytest.raises(ValueError, match="scale"):
+        int8.Int8Linear(wq, None)
+    with pytest.raises(ValueError, match="float32 rows"):
+        layer(x.to(torch.bfloat16))
+    with pytest.raises(ValueError, match="rows of 256"):
+        int8.int8_gemm(torch.randn(3, 300), layer)
+    with pytest.raises(ValueError, match="fewer than 65536 inputs"):
+        int8.Int8Linear(torch.zeros(1, 65536, dtype=torch.int8), None, scale=torch.ones(1))
+
+
+def test_smoothing_evens_the_inputs_ranges_from_one_calibration_pass(tiny_model_dir):
+    """An input channel ten times as large as the others: its factor is the
+    largest, so the smoothed inputs' ranges are closer; and the calibration
+    pass sees every quantized linear's input and restores the model's attention."""
+    weight = torch.ones(4, 3)
+    act_max = torch.tensor([10.0, 1.0, 0.0])
+    factors = int8.smoothing(weight, act_max)
+    assert factors[0] > factors[1] and factors[2] == 1.0
+    assert (act_max / factors)[:2].max() / (act_max / factors)[:2].min() < 10
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir("llama"), attn_implementation="eager").eval()
+    seen = int8.calibrate(model, int8.calibration_ids(str(tiny_model_dir("llama"))))
+    layers = model.config.num_hidden_layers
+    assert len(seen) == 7 * layers and all((v >= 0).all() and v.max() > 0 for v in seen.values())
+    assert model.config._attn_implementation == "eager"
+
+
+class ReferenceInt8(torch.nn.Module):
+    """An ``Int8Linear`` in plain torch (``int8_reference``)."""
+
+    def __init__(self, linear: torch.nn.Linear, act_max: torch.Tensor) -> None:
+        super().__init__()
+        smooth = int8.smoothing(linear.weight, act_max)
+        self.wq, self.scale = int8.quantize_weight(linear.weight, smooth)
+        self.inv = (1 / smooth).float()
+        self.bias = linear.bias
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = int8.int8_reference(x.reshape(-1, x.shape[-1]), self.wq, self.scale, self.bias, self.inv)
+        return y.view(*x.shape[:-1], -1)
+
+
+def reference_int8_greedy(model_dir, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
+    """transformers' greedy ``generate()`` (eager attention) with every linear but the LM head in int8,
+    smoothed by the same calibration pass."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, attn_implementation="eager", dtype=torch.float32).eval()
+    act_max = int8.calibrate(model, int8.calibration_ids(str(model_dir)))
+    for parent_name, parent in list(model.named_modules()):
+        for name, child in parent.named_children():
+            if type(child) is torch.nn.Linear and name != "lm_head":
+                setattr(parent, name, ReferenceInt8(child, act_max[f"{parent_name}.{name}".lstrip(".")]))
+    outputs = []
+    for prompt in prompts:
+        ids = torch.tensor([prompt])
+        out = model.generate(
+            ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_tokens, do_sample=False,
+            eos_token_id=None, pad_token_id=0,
+        )  # fmt: skip
+        outputs.append(out[0, len(prompt) :].tolist())
+    return outputs
+
+
+@pytest.mark.parametrize("arch", ARCHITECTURES)
+def test_an_int8_model_gives_the_greedy_tokens_of_its_plain_torch_reference(tiny_model_dir, arch):
+    """Chunked prefills, decodes beside them, a preemption: as the reference, token for token."""
+    model_dir = tiny_model_dir(arch)
+    prompts = make_prompts([5, 23, 41, 2])
+    expected = reference_int8_greedy(model_dir, prompts, 10)
+    runner, _ = make_runner(model_dir, quantization="int8")
+    quantized = [m for m in runner.model.modules() if isinstance(m, int8.Int8Linear)]
+    assert len(quantized) == 7 * runner.model.config.num_hidden_layers  # q k v o gate up down
+    assert type(runner.model.lm_head) is not int8.Int8Linear
+    sched = MiniScheduler(runner, num_blocks=128, block_size=4, token_budget=24)
+    for i, prompt in enumerate(prompts):
+        sched.add(f"r{i}", prompt)
+    outputs = sched.run(preempt_at={2: "r2", 6: "r1"})
+    assert [outputs[f"r{i}"][:10] for i in range(len(prompts))] == expected
+
+
+def test_int8_is_refused_where_it_does_not_run():
+    with pytest.raises(ValueError, match="quantization"):
+        EngineConfig(model="m", quantization="int8", dtype="bfloat16")
+    with pytest.raises(ValueError, match="quantization"):
+        EngineConfig(model="m", quantization="int8", tensor_parallel_size=2)
+    with pytest.raises(ValueError, match="quantization"):
+        EngineConfig(model="m", quantization="fp8")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="CPU at float32"):
+        int8.quantize_linears(torch.nn.Linear(4, 4), torch.device("cpu"), torch.bfloat16)
+    with pytest.raises(ValueError, match="CPU at float32"):
+        int8.quantize_linears(torch.nn.Linear(4, 4), torch.device("meta"), torch.float32)
