@@ -1,7 +1,8 @@
 """Every linear layer of a model, once each in order (so that each weight is
 read cold from memory, as in a model step), through our float32 GEMM on
-panels, oneDNN's packed weights and ``F.linear``, alternated pass by pass
-in one process::
+panels, oneDNN's packed weights, ``F.linear`` and (at float32) our int8
+layers (``--quantization int8``: int8 weights, activations quantized per
+row in the call), alternated pass by pass in one process::
 
     PYTHONPATH=src python scripts/bench_gemm.py --model bench-llama-40m --torch-threads 2 --rows 1,8,32,128,512
         [--dtype bfloat16]
@@ -24,6 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from trioserve.bench.models import resolve_model
+from trioserve.gpu.cpu_kernels.int8 import Int8Linear
 from trioserve.gpu.cpu_kernels.linear import PackedLinear, PanelLinear, onednn_packs
 
 
@@ -50,6 +52,8 @@ def main() -> None:
     }
     if onednn_packs(dtype):
         paths["oneDNN packed"] = [PackedLinear(linear) for linear in linears]
+    if dtype == torch.float32:
+        paths["int8 (ours)"] = [Int8Linear(linear.weight, None) for linear in linears]
     flops_per_row = sum(2 * i * o for i, o in shapes)
     size = sum(i * o for i, o in shapes) * linears[0].weight.element_size() / 2**20
     print(f"{args.model}: {len(shapes)} linears, {size:.0f} MiB of {args.dtype} weights")

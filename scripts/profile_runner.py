@@ -1,7 +1,7 @@
 """Profile the model runner on the bench workload (the model-only loop)::
 
     PYTHONPATH=src python scripts/profile_runner.py --model smollm2-135m \
-        --num-requests 32 --torch-threads 1 [--dtype bfloat16] [--compile]
+        --num-requests 32 --torch-threads 1 [--dtype bfloat16 | --quantization int8] [--compile]
 
 Runs the ``model-only`` baseline's closed loop (our scheduler and
 ``ModelRunner``, no IPC) under ``torch.profiler`` and prints the operators
@@ -32,6 +32,7 @@ def main() -> None:
     p.add_argument("--shared-prefix-len", type=int, default=0, help="tokens every prompt starts with (prefix caching)")
     p.add_argument("--torch-threads", type=int, default=1)
     p.add_argument("--dtype", default="auto")
+    p.add_argument("--quantization", choices=["int8"], default=None)
     p.add_argument("--rows", type=int, default=25)
     p.add_argument("--no-profiler", action="store_true")
     p.add_argument("--compile", action="store_true", help="the compiled model (gpu/compiled.py)")
@@ -39,7 +40,7 @@ def main() -> None:
     model_dir = resolve_model(args.model)
     config = EngineConfig(
         model=str(model_dir), dtype=args.dtype, max_num_seqs=args.concurrency, torch_threads=args.torch_threads,
-        kv_cache_memory_bytes=512 * 2**20, compile=args.compile,
+        kv_cache_memory_bytes=512 * 2**20, compile=args.compile, quantization=args.quantization,
     )  # fmt: skip
     vocab = int(__import__("json").loads((model_dir / "config.json").read_text())["vocab_size"])
     spec = WorkloadSpec(
