@@ -45,7 +45,8 @@ def make_runner(model: str, threads: int, dtype: str, setting: str) -> ModelRunn
     if setting.endswith(("+kernel", "-kernel", "-shared")):
         base, kernel = setting[:-7], setting[-7:]
     compile_ = base.startswith("compile")
-    os.environ[cpu_linear.PACKED_LINEAR_ENV] = {"compile": "all", "compile-unpacked": "0", "int8": "all"}.get(base, base)
+    packing = {"compile": "all", "compile-unpacked": "0", "int8": "all"}
+    os.environ[cpu_linear.PACKED_LINEAR_ENV] = packing.get(base, base)
     config = EngineConfig(
         model=model, torch_threads=threads, dtype=dtype, num_kv_blocks=1200, compile=compile_,
         quantization="int8" if base == "int8" else None,
