@@ -101,7 +101,9 @@ def test_every_engine_option_reaches_its_field():
         "insecure_tcp", "shutdown_grace_s", "step_hang_factor", "restart_backoff_s", "restart_backoff_max_s",
         "restart_wait_s", "control_timeout_s", "while_asleep", "enable_lora", "lora_modules",
         "data_parallel_backend", "ray_address",  # (not with lockstep: below)
+        "quantization",  # (not with cuda, tensor parallelism or embeddings: below)
     }  # fmt: skip
+    assert engine_config(build_parser().parse_args(["serve", "-q", "int8"]), "m").quantization == "int8"
     ray = engine_config(
         build_parser().parse_args(["serve", "--data-parallel-backend", "ray", "--ray-address", "h:1"]), "m"
     )

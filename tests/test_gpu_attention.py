@@ -100,13 +100,18 @@ def test_prefill_chunks_and_decodes_match_per_sequence_attention(window, softcap
         torch.testing.assert_close(out, reference(seq["q"], seq["k"], seq["v"], scale, window, softcap))
 
 
-@pytest.fixture(scope="module")
-def decode_kernel():
-    from trioserve.gpu.cpu_kernels.attention import load_decode_kernel
+@pytest.fixture(scope="module", params=["host", "avx2"])
+def decode_kernel(request):
+    """The kernel built for this host's vector ISA, and for AVX2's 256-bit vectors (where the host has them)."""
+    from trioserve.gpu.cpu_kernels.attention import CpuDecodeKernel, load_decode_kernel
 
-    kernel = load_decode_kernel(torch.device("cpu"), torch.float32)
-    assert kernel is not None
-    return kernel
+    if request.param == "host":
+        kernel = load_decode_kernel(torch.device("cpu"), torch.float32)
+        assert kernel is not None
+        return kernel
+    if torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512"):
+        pytest.skip(f"an x86 host with AVX2 (this one: {torch.backends.cpu.get_cpu_capability()})")
+    return CpuDecodeKernel(torch.float32, simdlen=256)
 
 
 @pytest.mark.filterwarnings("ignore:`torch.jit.script_method` is deprecated:DeprecationWarning")  # inductor's imports

@@ -308,9 +308,10 @@ class CpuDecodeKernel:
     """``attention.DecodeKernel`` for the CPU at float32 or bfloat16 (query,
     caches and output all of ``dtype``)."""
 
-    def __init__(self, dtype: torch.dtype = torch.float32) -> None:
+    def __init__(self, dtype: torch.dtype = torch.float32, simdlen: int | None = None) -> None:
+        """``simdlen``: built for that vector width (``cpp.load_or_build``), not the host's widest."""
         self.dtype = dtype
-        self._kernel = cpp.load_or_build("decode-attention", _source(dtype), _argtypes(dtype))
+        self._kernel = cpp.load_or_build("decode-attention", _source(dtype), _argtypes(dtype), simdlen)
 
     def __call__(
         self,
