@@ -116,7 +116,8 @@ async def test_a_signal_with_streams_in_flight_ends_every_stream_and_exits_0(tin
             exit_code = await in_thread(proc.wait, grace + 10)
         gone_after = await in_thread(wait_gone, [proc.pid, *(p.pid for p in tree)], signalled, grace + 10)
         assert exit_code == 0, proc.stderr.read() if proc.stderr else ""
-        assert gone_after <= grace + 2, f"the process tree took {gone_after:.2f}s to go"
+        # A hang would take grace + 10 s; processes' own teardown took up to 3.1 s on a loaded 2-core machine.
+        assert gone_after <= grace + 4, f"the process tree took {gone_after:.2f}s to go"
     assert len(results) == 4
     for received, close_code in results:
         assert close_code == 1001
