@@ -26,6 +26,7 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from bf16_agreement import PROMPTS as SIXTEEN_PROMPTS  # this directory is the script's first import path
 from trioserve.bench.models import resolve_model
 from trioserve.gpu.cpu_kernels.int8 import calibration_ids, quantize_linears
 from trioserve.gpu.cpu_kernels.linear import pack_linears
@@ -33,11 +34,7 @@ from trioserve.gpu.cpu_kernels.linear import pack_linears
 TEXT = Path(__file__).with_name("data") / "public_domain.txt"
 
 PROMPTS = [
-    "The capital of France is", "Once upon a time, in a small village,", "def fibonacci(n):",
-    "The three primary colours are", "To make a cup of tea, first", "In 1969, the first humans",
-    "The quick brown fox", "Water boils at", "My favourite book is", "The meaning of life is",
-    "import numpy as np\n", "Dear Sir or Madam,", "The best way to learn a language is",
-    "Photosynthesis is the process", "Here is a list of fruits:", "The weather today is",
+    *SIXTEEN_PROMPTS,
     "The largest planet in the solar system is", "A haiku about the sea:\n", "SELECT name FROM",
     "The French Revolution began in", "Q: What is 12 times 12?\nA:", "The recipe calls for two cups of",
     "In machine learning, overfitting means", "The train left the station at", "Shakespeare wrote",
