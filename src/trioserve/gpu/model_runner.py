@@ -203,14 +203,15 @@ class ModelRunner(TorchProfiling):
         )
         self.model = torch.nn.Module.to(model, self.device).eval().requires_grad_(False)
         self._decode_kernel = load_decode_kernel(self.device, self.dtype)  # gpu/cpu_kernels/attention.py
+        if base and (self.config.enable_lora or self.config.quantization):
+            what = "enable_lora: LoRA adapters" if self.config.enable_lora else "quantization: int8 layers"
+            raise ValueError(f"{what} serve text generation, and this model serves embeddings")
         if self.config.quantization == "int8":  # all but the LM head, smoothed (gpu/cpu_kernels/int8.py)
             ids = calibration_ids(self.config.tokenizer or self.config.model)
             quantize_linears(model, self.device, self.dtype, calibration_ids=ids)
         # Our panels or oneDNN's blocked weights (gpu/cpu_kernels/linear.py): not for embeddings (all prefill: slower)
         if self.world_size == 1 and packing_supported(self.device, self.dtype) and not base:
             pack_linears(model)
-        if base and self.config.enable_lora:
-            raise ValueError("enable_lora: LoRA adapters serve text generation, and this model serves embeddings")
         self.lora = attach_lora(model, self.config, self.device, self.dtype, self.lora)  # after packing: its hooks
         if base:
             self._forward = hidden_forward(model)  # eager (--compile covers generation)
