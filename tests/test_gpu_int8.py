@@ -8,6 +8,7 @@ model with the same int8 layers in plain torch, token for token."""
 from __future__ import annotations
 
 import pytest
+from helpers.reference import greedy_tokens
 
 from test_gpu_runner import MiniScheduler, make_prompts, make_runner
 from trioserve.config import EngineConfig
@@ -111,19 +112,9 @@ def reference_int8_greedy(model_dir, prompts: list[list[int]], max_tokens: int) 
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, attn_implementation="eager", dtype=torch.float32).eval()
     act_max = int8.calibrate(model, int8.calibration_ids(str(model_dir)))
-    for parent_name, parent in list(model.named_modules()):
-        for name, child in parent.named_children():
-            if type(child) is torch.nn.Linear and name != "lm_head":
-                setattr(parent, name, ReferenceInt8(child, act_max[f"{parent_name}.{name}".lstrip(".")]))
-    outputs = []
-    for prompt in prompts:
-        ids = torch.tensor([prompt])
-        out = model.generate(
-            ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_tokens, do_sample=False,
-            eos_token_id=None, pad_token_id=0,
-        )  # fmt: skip
-        outputs.append(out[0, len(prompt) :].tolist())
-    return outputs
+    for name, parent, child_name, child in int8._targets(model, keep=("lm_head",)):
+        setattr(parent, child_name, ReferenceInt8(child, act_max[name]))
+    return [greedy_tokens(model, prompt, max_tokens) for prompt in prompts]
 
 
 @pytest.mark.parametrize("arch", ARCHITECTURES)

@@ -29,7 +29,6 @@ def reference_greedy(model_dir: Any, prompts: list[list[int]], max_tokens: int, 
 
 
 def _generate(model_dir: str, dtype: Any, prompt: list[int], max_tokens: int) -> list[int]:
-    import torch
     from transformers import AutoModelForCausalLM
 
     key = (model_dir, dtype, tuple(prompt))
@@ -38,17 +37,24 @@ def _generate(model_dir: str, dtype: Any, prompt: list[int], max_tokens: int) ->
         if (model_dir, dtype) not in _models:
             model = AutoModelForCausalLM.from_pretrained(model_dir, attn_implementation="eager", dtype=dtype)
             _models[model_dir, dtype] = model.eval()
-        ids = torch.tensor([prompt])
-        out = _models[model_dir, dtype].generate(
-            ids,
-            attention_mask=torch.ones_like(ids),
-            max_new_tokens=max_tokens,
-            do_sample=False,
-            eos_token_id=None,
-            pad_token_id=0,
-        )
-        known = _tokens[key] = out[0, len(prompt) :].tolist()
+        known = _tokens[key] = greedy_tokens(_models[model_dir, dtype], prompt, max_tokens)
     return known[:max_tokens]
+
+
+def greedy_tokens(model: Any, prompt: list[int], max_tokens: int) -> list[int]:
+    """``model``'s greedy ``generate()`` of ``max_tokens`` tokens after ``prompt``, never stopping early."""
+    import torch
+
+    ids = torch.tensor([prompt])
+    out = model.generate(
+        ids,
+        attention_mask=torch.ones_like(ids),
+        max_new_tokens=max_tokens,
+        do_sample=False,
+        eos_token_id=None,
+        pad_token_id=0,
+    )
+    return out[0, len(prompt) :].tolist()
 
 
 def make_prompts(vocab_size: int, n: int = 8) -> list[list[int]]:
