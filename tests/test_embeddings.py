@@ -18,7 +18,7 @@ from helpers.server import open_ws, post_json
 from helpers.waiting import in_thread
 
 import trioserve
-from trioserve import InvalidRequestError, SamplingParams
+from trioserve import Engine, InvalidRequestError, SamplingParams
 from trioserve.pooling import FAKE_HIDDEN_SIZE, PoolingParams, fake_vector
 from trioserve.server import Server
 
@@ -283,3 +283,42 @@ def test_bench_refuses_url_for_an_embedding_model(tiny_model_dir, capsys):
     argv = ["bench", "--model", str(tiny_model_dir("llama")), "--task", "embed", "--runner", "fake"]
     assert main([*argv, "--url", "http://127.0.0.1:9"]) == 2
     assert "--url: an embedding model is measured in-process only" in capsys.readouterr().err
+
+
+async def test_the_embedding_benchmarks_rounds_take_turns_and_stop_at_the_baselines_error(tiny_model_dir):
+    """``bench --rounds``: sentence-transformers goes second in odd rounds and
+    first in even ones, the engine encodes every text each round, and the
+    baseline's first error is the last round run."""
+    from trioserve.bench.embed import _rounds
+
+    config = make_fake_config(str(tiny_model_dir("llama")), **DEFAULTS, task="embed", pooling_type="mean")
+    texts = ["a b c", "d e", "f g h i", "j"]
+    calls: list[str] = []
+    baseline = {"seconds": 1.0, "inputs": 4, "tokens": 9, "dimensions": FAKE_HIDDEN_SIZE}
+    answers = [baseline, baseline, {"error": "exit 1: boom"}, baseline]
+    real_encode_batch = Engine.encode_batch
+
+    async def encode_batch(self: Engine, prompts: list[str], *args: Any, **kwargs: Any) -> Any:
+        calls.append(f"ours {len(prompts)}")
+        return await real_encode_batch(self, prompts, *args, **kwargs)
+
+    def theirs() -> dict[str, Any]:
+        calls.append("theirs")
+        return answers[len([c for c in calls if c == "theirs"]) - 1]
+
+    with trio.fail_after(30), pytest.MonkeyPatch.context() as patch:
+        patch.setattr(Engine, "encode_batch", encode_batch)
+        rounds = await _rounds(config, texts, 2, 5, theirs)
+    assert calls == ["ours 2", "ours 4", "theirs", "theirs", "ours 4", "ours 4", "theirs"]  # warm-up first
+    assert [row["sentence-transformers"] for row in rounds] == answers[:3]
+    assert all(row["trioserve"]["inputs"] == 4 and row["trioserve"]["dimensions"] == FAKE_HIDDEN_SIZE for row in rounds)
+
+
+def test_bench_rounds_are_bounded_and_for_an_embedding_model_only(tiny_model_dir, capsys):
+    from trioserve.cli import main
+
+    argv = ["bench", "--model", str(tiny_model_dir("llama")), "--runner", "fake"]
+    assert main([*argv, "--task", "embed", "--rounds", "0"]) == 2
+    assert "--rounds: must be in [1, 100] (got 0)" in capsys.readouterr().err
+    assert main([*argv, "--rounds", "2"]) == 2
+    assert "--rounds: for an embedding model only" in capsys.readouterr().err

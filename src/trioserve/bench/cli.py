@@ -55,6 +55,7 @@ from trioserve.pooling import engine_pooling
 from trioserve.stdio import say
 
 DEFAULT_MODEL = "bench-llama-40m"
+MAX_ROUNDS = 100
 _T = TypeVar("_T")
 
 DESCRIPTION = """\
@@ -164,6 +165,14 @@ def _add_target_options(parser: argparse.ArgumentParser) -> None:
     )
     group.add_argument(
         "--baseline-timeout", type=float, default=1800, metavar="SECONDS", help="per baseline (default: %(default)s)"
+    )
+    group.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        metavar="R",
+        help="an embedding model only: trioserve and sentence-transformers take turns R times; the ratio is "
+        "the median round's (default: %(default)s)",
     )
 
 
@@ -346,6 +355,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
     _check_outputs(args)
     if not 1 <= args.num_requests <= MAX_NUM_REQUESTS:
         raise ValueError(f"--num-requests: must be in [1, {MAX_NUM_REQUESTS}] (got {args.num_requests})")
+    if not 1 <= args.rounds <= MAX_ROUNDS:
+        raise ValueError(f"--rounds: must be in [1, {MAX_ROUNDS}] (got {args.rounds})")
     model_dir = resolve_model(args.model)
     config = engine_config(args, str(model_dir))
     text_config = _text_config(model_dir)
@@ -354,6 +365,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
             raise ValueError("--url: an embedding model is measured in-process only (bench/embed.py)")
         context = min(config.max_model_len or 1 << 30, int(text_config.get("max_position_embeddings", 512)))
         return run_embed_bench(args, config, model_dir, context)
+    if args.rounds != 1:
+        raise ValueError("--rounds: for an embedding model only (a generation benchmark runs once)")
     spec = _workload(args, text_config)
     _check_fits(spec, _context(args, config, text_config))
     _check_size(spec)
