@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from trioserve.bench.models import resolve_model
-from trioserve.gpu.cpu_kernels.int8 import Int8Linear, uses_vnni
+from trioserve.gpu.cpu_kernels.int8 import Int8Linear, int8_build
 from trioserve.gpu.cpu_kernels.linear import PackedLinear, PanelLinear, onednn_packs
 
 
@@ -53,7 +53,7 @@ def main() -> None:
     if onednn_packs(dtype):
         paths["oneDNN packed"] = [PackedLinear(linear) for linear in linears]
     if dtype == torch.float32:
-        paths[f"int8 ({'VNNI' if uses_vnni() else 'portable'})"] = [Int8Linear(lin.weight, None) for lin in linears]
+        paths[f"int8 ({int8_build()})"] = [Int8Linear(lin.weight, None) for lin in linears]
     flops_per_row = sum(2 * i * o for i, o in shapes)
     size = sum(i * o for i, o in shapes) * linears[0].weight.element_size() / 2**20
     print(f"{args.model}: {len(shapes)} linears, {size:.0f} MiB of {args.dtype} weights")

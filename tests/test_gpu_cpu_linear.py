@@ -131,6 +131,7 @@ def test_float32_takes_our_gemm_and_onednn_where_asked_or_where_it_cannot_be_bui
 def test_runner_packs_every_linear_and_counts_weights_as_before(tiny_model_dir, monkeypatch):
     from trioserve.gpu.model_runner import ModelRunner
 
+    monkeypatch.setenv(cpu_linear.PACKED_LINEAR_ENV, "ours")  # one kernel for all (the timed choice: its own tests)
     config = EngineConfig(model=str(tiny_model_dir("llama")), num_kv_blocks=16)
     runner = ModelRunner(config)
     runner.load()

@@ -1,7 +1,7 @@
 """int8 linear layers (``gpu/cpu_kernels/int8.py``): the kernel against the
-same arithmetic in plain torch (bit for bit), for the host's build and the
-one for 256-bit vectors (AVX2's: the portable sums, wherever the host has
-VNNI); and every architecture of the greedy-identity tests served with
+same arithmetic in plain torch (bit for bit), for the host's build, the one
+for 256-bit vectors (AVX2's ``vpmaddwd`` path, wherever the host has VNNI)
+and the portable loops; and every architecture of the greedy-identity tests served with
 ``quantization="int8"`` against transformers' greedy ``generate()`` on the
 model with the same int8 layers in plain torch, token for token."""
 
@@ -21,12 +21,13 @@ pytestmark = pytest.mark.model
 
 ARCHITECTURES = ["llama", "qwen2", "qwen3", "gemma2"]
 SIMDLENS = [None, 256] if torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512") else [None]
+BUILDS = [(simdlen, False) for simdlen in SIMDLENS] + [(None, True)]  # (vector width, the portable loops)
 
 
-@pytest.mark.parametrize("simdlen", SIMDLENS)
+@pytest.mark.parametrize(("simdlen", "portable"), BUILDS)
 @pytest.mark.parametrize(("in_features", "out_features"), [(7, 5), (33, 40), (64, 48), (96, 17), (8, 32), (9, 20)])
-def test_the_kernel_computes_the_plain_torch_arithmetic_bit_for_bit(simdlen, in_features, out_features):
-    """Every tail of its tiles (4 rows portable, 12 with VNNI), rows past a
+def test_the_kernel_computes_the_plain_torch_arithmetic_bit_for_bit(simdlen, portable, in_features, out_features):
+    """Every tail of its tiles (4 rows portable, 3 on AVX2, 12 with VNNI), rows past a
     240-row chunk, inputs not a multiple of 4, a last panel short of 16
     columns, a tile of two panels whose second is short; rows of zeros, of
     one sign, of a wide range; with and without smoothing and a bias."""
@@ -41,7 +42,7 @@ def test_the_kernel_computes_the_plain_torch_arithmetic_bit_for_bit(simdlen, in_
             if rows > 4:
                 x[2], x[3], x[4, 0] = 0, x[3].abs(), 1000.0
             for bias in (None, linear.bias):
-                got = int8.int8_gemm(x, layer, bias, simdlen)
+                got = int8.int8_gemm(x, layer, bias, simdlen, portable)
                 expected = int8.int8_reference(x, wq, scale, bias, layer.inv)
                 assert torch.equal(got, expected), (rows, bias is not None, factors is not None)
         x = torch.randn(2, 3, in_features)

@@ -378,7 +378,7 @@ def _is_linear(module: torch.nn.Module) -> bool:
     """A plain linear layer, or one the CPU kernels packed (``cpu_kernels/linear.py``)."""
     if isinstance(module, torch.nn.Linear):
         return True
-    return type(module).__name__ in ("PanelLinear", "PackedLinear") and hasattr(module, "in_features")
+    return type(module).__name__ in ("PanelLinear", "PackedLinear", "SplitLinear") and hasattr(module, "in_features")
 
 
 def attach_lora(

@@ -211,7 +211,7 @@ class ModelRunner(TorchProfiling):
             quantize_linears(model, self.device, self.dtype, calibration_ids=ids)
         # Our panels or oneDNN's blocked weights (gpu/cpu_kernels/linear.py): not for embeddings (all prefill: slower)
         if self.world_size == 1 and packing_supported(self.device, self.dtype) and not base:
-            pack_linears(model)
+            pack_linears(model, rows=(self.config.max_num_seqs, self.config.max_num_batched_tokens))
         self.lora = attach_lora(model, self.config, self.device, self.dtype, self.lora)  # after packing: its hooks
         if base:
             self._forward = hidden_forward(model)  # eager (--compile covers generation)

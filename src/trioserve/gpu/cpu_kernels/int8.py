@@ -30,10 +30,15 @@ and smoothed within 0.1% of float32.
 **Kernel**: built by inductor's toolchain (``cpp.py``) for the host. Where
 the compiler targets AVX-512 VNNI (inductor's AVX-512 VNNI and AMX builds),
 tiles of 12 rows x 32 columns in 24 int32 vector registers, one ``vpdpbusd``
-per four inputs of a row and 16 columns (64 multiply-adds); elsewhere
-(AVX2, AVX-512 without VNNI) the same sums in portable C++ loops, correct
-and slower (the tests build them on an AVX-512 host too, for 256-bit
-vectors: ``cpp.load_or_build``'s ``simdlen``). Threads over pairs of panels.
+per four inputs of a row and 16 columns (64 multiply-adds). On AVX2 (and
+AVX-512 without VNNI): tiles of 3 rows x 16 columns, the weights widened to
+int16 and summed in pairs with ``vpmaddwd``, exact where ``vpmaddubsw``
+would saturate (255 x 127 x 2 > 2^15); there a multiply-add costs what a
+float32 one does, so int8 gains the smaller weight reads (a decode of few
+rows: about 2x at one row) and is at float32's rate from 32 rows on.
+Elsewhere the same sums in portable C++ loops. The tests build every path
+on the host they run on (``cpp.load_or_build``'s ``simdlen``; ``_kernel``'s
+``portable``). Threads over pairs of panels (VNNI) or panels.
 """
 
 from __future__ import annotations
@@ -58,11 +63,16 @@ _SOURCE = r"""
 #include <cstdint>
 #include <cstring>
 #include <vector>
-#if defined(__AVX512VNNI__)
+#if defined(__AVX512VNNI__) && !defined(TRIOSERVE_PORTABLE)
 #define TRIOSERVE_VNNI 1
 #include <immintrin.h>
 constexpr int MR = 12;       // rows per full tile: 12 rows x 2 panels = 24 accumulators of 16 int32
 constexpr int64_t PP = 2;    // panels per tile
+#elif defined(__AVX2__) && !defined(TRIOSERVE_PORTABLE)
+#define TRIOSERVE_AVX2 1
+#include <immintrin.h>
+constexpr int MR = 3;        // rows per full tile: 3 rows x 4 vectors = 12 accumulators of 8 int32
+constexpr int64_t PP = 1;
 #else
 constexpr int MR = 4;
 constexpr int64_t PP = 1;
@@ -157,6 +167,39 @@ static inline void tile(const uint8_t* q, int64_t Kp, const int8_t* panels, cons
             __m512 v = _mm512_mul_ps(_mm512_cvtepi32_ps(exact), _mm512_mul_ps(_mm512_set1_ps(s[r]), wj));
             if (bias) v = _mm512_add_ps(v, bj);
             _mm512_mask_storeu_ps(y + r * N + j * NR, mask, v);
+        }
+    }
+#elif defined(TRIOSERVE_AVX2)
+    // Per four inputs, a panel's 64 weight bytes (16 columns x 4) widen to int16 in four vectors of four columns;
+    // a row's four bytes widen to [x0 x1 x2 x3] x 4; vpmaddwd sums adjacent products into eight int32 lanes, two
+    // per column (inputs 0-1 and 2-3), exactly (no saturation, unlike vpmaddubsw). The two are added at the end.
+    __m256i a[R][Q * 4];
+    for (int r = 0; r < R; r++)
+        for (int j = 0; j < Q * 4; j++) a[r][j] = _mm256_setzero_si256();
+    for (int64_t k = 0; k < K4; k++) {
+        __m256i w[Q * 4];
+        for (int j = 0; j < Q; j++) {
+            const int8_t* four = panels + (j * K4 + k) * NR * 4;
+            for (int v = 0; v < 4; v++)
+                w[j * 4 + v] = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(four + v * 16)));
+            _mm_prefetch(reinterpret_cast<const char*>(four + AHEAD * NR * 4), _MM_HINT_T0);
+        }
+        for (int r = 0; r < R; r++) {
+            int32_t bytes;
+            std::memcpy(&bytes, q + r * Kp + k * 4, 4);
+            const __m256i b = _mm256_cvtepu8_epi16(_mm_set1_epi32(bytes));
+            for (int j = 0; j < Q * 4; j++) a[r][j] = _mm256_add_epi32(a[r][j], _mm256_madd_epi16(w[j], b));
+        }
+    }
+    for (int r = 0; r < R; r++) {
+        int32_t acc[Q * NR];
+        for (int j = 0; j < Q * 2; j++) {  // lanes [c0 c0' c1 c1' | c2 c2' c3 c3'] and the next four columns
+            const __m256i h = _mm256_hadd_epi32(a[r][2 * j], a[r][2 * j + 1]);  // [c0 c1 c4 c5 | c2 c3 c6 c7]
+            _mm256_storeu_si256(reinterpret_cast<__m256i*>(acc + j * 8), _mm256_permute4x64_epi64(h, 0xD8));
+        }
+        for (int64_t c = 0; c < nc; c++) {  // the epilogue as the portable one computes it
+            const float v = static_cast<float>(acc[c] - z[r] * wsum[c]) * (s[r] * ws[c]);
+            y[r * N + c] = bias ? v + bias[c] : v;
         }
     }
 #else
@@ -261,8 +304,11 @@ Dear team, thank you all for your hard work this quarter. Let us keep the moment
 
 
 @functools.cache
-def _kernel(simdlen: int | None = None) -> Callable[..., None]:
-    """The int8 GEMM built for this host's widest vector ISA (``simdlen``: ``cpp.load_or_build``)."""
+def _kernel(simdlen: int | None = None, portable: bool = False) -> Callable[..., None]:
+    """The int8 GEMM built for this host's widest vector ISA (``simdlen``: ``cpp.load_or_build``); with
+    ``portable``, its portable loops whatever the ISA (for the tests)."""
+    if portable:
+        return cpp.load_or_build("linear-int8-portable", "#define TRIOSERVE_PORTABLE 1\n" + _SOURCE, _ARGTYPES, simdlen)
     return cpp.load_or_build("linear-int8", _SOURCE, _ARGTYPES, simdlen)
 
 
@@ -271,6 +317,19 @@ def uses_vnni() -> bool:
     from torch._inductor import cpu_vec_isa
 
     return isinstance(cpu_vec_isa.pick_vec_isa(), cpu_vec_isa.VecAVX512VNNI)
+
+
+def int8_build(simdlen: int | None = None) -> str:
+    """Which of the kernel's paths the build for this host (or for ``simdlen``-bit vectors) compiles: "VNNI",
+    "AVX2" (also AVX-512 without VNNI) or "portable"."""
+    from torch._inductor import config as inductor_config
+    from torch._inductor import cpu_vec_isa
+
+    with inductor_config.patch({"cpp.simdlen": simdlen}):
+        isa = cpu_vec_isa.pick_vec_isa()
+    if isinstance(isa, cpu_vec_isa.VecAVX512VNNI):
+        return "VNNI"
+    return "AVX2" if isinstance(isa, cpu_vec_isa.VecAVX2 | cpu_vec_isa.VecAVX512) else "portable"
 
 
 def quantize_weight(weight: torch.Tensor, smooth: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -319,16 +378,20 @@ def to_panels(wq: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def int8_gemm(
-    x: torch.Tensor, layer: Int8Linear, bias: torch.Tensor | None = None, simdlen: int | None = None
+    x: torch.Tensor,
+    layer: Int8Linear,
+    bias: torch.Tensor | None = None,
+    simdlen: int | None = None,
+    portable: bool = False,
 ) -> torch.Tensor:
     """Float32 rows ``x [M, in]`` through ``layer``'s int8 weight, with ``bias`` -> float32 ``[M, out]``
-    (``simdlen``: the kernel built for that vector width)."""
-    return _gemm(x, layer.panels, layer.wsum, layer.scale, layer.inv, bias, layer.out_features, simdlen)
+    (``simdlen``, ``portable``: the kernel built for that vector width, its portable loops: ``_kernel``)."""
+    return _gemm(x, layer.panels, layer.wsum, layer.scale, layer.inv, bias, layer.out_features, simdlen, portable)
 
 
 def _gemm(
     x: torch.Tensor, panels: torch.Tensor, wsum: torch.Tensor, scale: torch.Tensor, inv: torch.Tensor | None,
-    bias: torch.Tensor | None, out_features: int, simdlen: int | None = None,
+    bias: torch.Tensor | None, out_features: int, simdlen: int | None = None, portable: bool = False,
 ) -> torch.Tensor:  # fmt: skip
     if x.dim() != 2 or x.dtype != torch.float32 or x.device.type != "cpu":
         raise ValueError(f"the int8 GEMM takes float32 rows on the CPU (got {x.dtype} {tuple(x.shape)} on {x.device})")
@@ -338,7 +401,7 @@ def _gemm(
         raise ValueError(f"the int8 GEMM's weight takes rows of {panels.shape[1] * 4} (got {in_features})")
     y = x.new_empty(rows, out_features)
     if rows:
-        _kernel(simdlen)(
+        _kernel(simdlen, portable)(
             x, y if inv is None else inv, panels, wsum, scale, y if bias is None else bias, y, rows, out_features,
             in_features, torch.get_num_threads(), int(inv is not None), int(bias is not None),
         )  # fmt: skip

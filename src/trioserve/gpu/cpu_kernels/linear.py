@@ -39,7 +39,10 @@ SmolLM2-135M (32 rows, one thread, float32) 1.1-2.5x MKL's rate. On large
 prefill rows the two are alike.
 
 ``pack_linears(model)`` swaps every ``nn.Linear`` of a model for one of
-these, holding the weight in its layout (the original is freed). The packed
+these, holding the weight in its layout (the original is freed); given the
+decode's and a prefill's row counts (as the worker does), each layer gets
+the kernel timed fastest for its shape on this host, or both for a layer
+whose regimes differ (``choice.py``). The packed
 copy of a tied LM head is a second copy of the embedding matrix (the
 embedding lookup keeps the original). Only for the CPU and a model that is
 not sharded (tensor parallelism keeps its DTensor weights). At float32 the
@@ -56,14 +59,17 @@ import os
 from collections.abc import Callable
 
 import torch
+import torch.nn.functional as F
 
 from trioserve.gpu.cpu_kernels import cpp
+from trioserve.gpu.cpu_kernels.choice import choose_kernels, split_budget_bytes
 from trioserve.gpu.cpu_kernels.int8 import Int8Linear
 
 log = logging.getLogger(__name__)
 
-# "0": keep F.linear everywhere; "lm_head": pack the LM head only; "all" (default): every linear;
-# "onednn": every linear, on oneDNN's packed weights even at float32.
+# "0": keep F.linear everywhere; "lm_head": pack the LM head only; "all" (default): every linear, each on the
+# kernel timed fastest for it at start (choice.py; by the class defaults below where no row counts are given);
+# "ours": every linear on our GEMM; "onednn": every linear on oneDNN's packed weights, even at float32.
 PACKED_LINEAR_ENV = "TRIOSERVE_PACKED_LINEAR"
 
 PANEL = 16  # output columns per panel of a PanelLinear's weight
@@ -301,6 +307,87 @@ def _packed_linear_fake(
     return x.new_empty(x.shape[0], out_features)
 
 
+def kernel_linear(
+    x: torch.Tensor, kind: str, weight: torch.Tensor, bias: torch.Tensor | None, out: int
+) -> torch.Tensor:
+    """``x [n, in]`` times a weight held for kernel ``kind`` -> ``[n, out]``."""
+    if kind == "ours":
+        return panel_gemm(x, weight, bias, out)
+    if kind == "onednn":
+        return torch.ops.mkldnn._linear_pointwise(x.contiguous(), weight, bias, "none", [], "")
+    return F.linear(x, weight, bias)
+
+
+class SplitLinear(torch.nn.Module):
+    """``y = x @ W.T + b`` with ``W`` held for two kernels: rows up to ``threshold`` on ``small``'s, more on
+    ``large``'s (``kernel_linear``'s kinds)."""
+
+    def __init__(self, linear: torch.nn.Linear, small: str, large: str, threshold: int, *, tied: bool = False):
+        super().__init__()
+        self.in_features = linear.in_features
+        self.out_features = linear.out_features
+        self.tied = tied
+        self.small, self.large, self.threshold = small, large, threshold
+        weight = linear.weight.detach()
+        self.small_weight, self.large_weight = held_weight(weight, small), held_weight(weight, large)
+        self.weight_bytes = 2 * weight.numel() * weight.element_size()
+        self.bias = linear.bias
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.reshape(-1, self.in_features)
+        if torch.compiler.is_compiling() or torch.autograd.profiler._is_profiler_enabled:
+            y = torch.ops.trioserve.split_linear(
+                rows, self.small, self.small_weight, self.large, self.large_weight, self.bias, self.out_features,
+                self.threshold,
+            )  # fmt: skip
+        else:
+            y = _split(rows, self.small, self.small_weight, self.large, self.large_weight, self.bias,
+                       self.out_features, self.threshold)  # fmt: skip
+        return y.view(*x.shape[:-1], self.out_features)
+
+    def extra_repr(self) -> str:
+        return (
+            f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
+            f"{self.small} up to {self.threshold} rows, else {self.large}"
+        )
+
+
+def held_weight(weight: torch.Tensor, kind: str) -> torch.Tensor:
+    """``weight [out, in]`` in the layout kernel ``kind`` reads."""
+    if kind == "ours":
+        return to_panels(weight)
+    if kind == "onednn":
+        return torch.ops.mkldnn._reorder_linear_weight(weight, None)
+    return weight.clone()
+
+
+def _split(
+    x: torch.Tensor, small: str, small_w: torch.Tensor, large: str, large_w: torch.Tensor,
+    bias: torch.Tensor | None, out: int, threshold: int,
+) -> torch.Tensor:  # fmt: skip
+    if x.shape[0] <= threshold:
+        return kernel_linear(x, small, small_w, bias, out)
+    return kernel_linear(x, large, large_w, bias, out)
+
+
+@torch.library.custom_op("trioserve::split_linear", mutates_args=())
+def split_linear(
+    x: torch.Tensor, small: str, small_w: torch.Tensor, large: str, large_w: torch.Tensor,
+    bias: torch.Tensor | None, out_features: int, threshold: int,
+) -> torch.Tensor:  # fmt: skip
+    """``SplitLinear``'s product as an opaque op (the row count is known only at run time): ``[n, in]`` ->
+    ``[n, out]``."""
+    return _split(x, small, small_w, large, large_w, bias, out_features, threshold)
+
+
+@split_linear.register_fake
+def _split_linear_fake(
+    x: torch.Tensor, small: str, small_w: torch.Tensor, large: str, large_w: torch.Tensor,
+    bias: torch.Tensor | None, out_features: int, threshold: int,
+) -> torch.Tensor:  # fmt: skip
+    return x.new_empty(x.shape[0], out_features)
+
+
 def packing_supported(device: torch.device, dtype: torch.dtype) -> bool:
     """Whether ``pack_linears`` applies: the CPU, float32 or bfloat16, and not
     switched off by ``TRIOSERVE_PACKED_LINEAR=0``."""
@@ -319,7 +406,8 @@ def _packed_class(dtype: torch.dtype) -> type[PanelLinear] | type[PackedLinear] 
     both dtypes with ``TRIOSERVE_PACKED_LINEAR=onednn``); else ``PanelLinear``;
     oneDNN again where our kernel cannot be built; None where neither applies."""
     onednn = onednn_packs(dtype)
-    if os.environ.get(PACKED_LINEAR_ENV) == "onednn" or (dtype == torch.bfloat16 and onednn):
+    mode = os.environ.get(PACKED_LINEAR_ENV)
+    if mode == "onednn" or (dtype == torch.bfloat16 and onednn and mode != "ours"):
         return PackedLinear if onednn else None
     try:
         _gemm(dtype)
@@ -329,12 +417,16 @@ def _packed_class(dtype: torch.dtype) -> type[PanelLinear] | type[PackedLinear] 
     return PackedLinear if onednn else None
 
 
-def pack_linears(model: torch.nn.Module, only: str | None = None) -> int:
+def pack_linears(model: torch.nn.Module, only: str | None = None, rows: tuple[int, int] | None = None) -> int:
     """Replace every ``nn.Linear`` in ``model`` (or only the children named
-    ``only``) by a ``PanelLinear`` (float32) or a ``PackedLinear``, in place;
-    returns how many were replaced. By default ``only`` comes from
-    ``TRIOSERVE_PACKED_LINEAR`` ("lm_head")."""
-    if only is None and os.environ.get(PACKED_LINEAR_ENV) == "lm_head":
+    ``only``) in place: with ``rows`` (the decode's and a prefill's row
+    counts) and ``TRIOSERVE_PACKED_LINEAR`` at its default, each by the
+    kernel timed fastest for its shape (``choice.py``: one left on MKL's
+    ``F.linear`` stays as it is); else by a ``PanelLinear`` (float32) or a
+    ``PackedLinear`` (``_packed_class``). Returns how many were replaced. By
+    default ``only`` comes from ``TRIOSERVE_PACKED_LINEAR`` ("lm_head")."""
+    mode = os.environ.get(PACKED_LINEAR_ENV, "all")
+    if only is None and mode == "lm_head":
         only = "lm_head"
     swaps = [
         (parent, name, child)
@@ -342,19 +434,67 @@ def pack_linears(model: torch.nn.Module, only: str | None = None) -> int:
         for name, child in parent.named_children()
         if type(child) is torch.nn.Linear and only in (None, name)
     ]
-    packed_class = _packed_class(swaps[0][2].weight.dtype) if swaps else None
-    if packed_class is None:
+    if not swaps:
         return 0
     # The weights other modules own (a tied LM head's is the embedding's own Parameter).
     others = {
         p.data_ptr() for m in model.modules() if type(m) is not torch.nn.Linear for p in m.parameters(recurse=False)
     }
+    dtype = swaps[0][2].weight.dtype
+    if rows is not None and mode == "all" and only is None:
+        return _pack_chosen(swaps, others, dtype, rows)
+    packed_class = _packed_class(dtype)
+    if packed_class is None:
+        return 0
     for parent, name, child in swaps:
         setattr(parent, name, packed_class(child, tied=child.weight.data_ptr() in others))
     return len(swaps)
 
 
+def _pack_chosen(
+    swaps: list[tuple[torch.nn.Module, str, torch.nn.Linear]],
+    others: set[int],
+    dtype: torch.dtype,
+    rows: tuple[int, int],
+) -> int:
+    """``pack_linears`` by ``choice.choose_kernels``."""
+    factories: dict[str, Callable[[torch.nn.Linear], Callable[[torch.Tensor], torch.Tensor]]] = {}
+    try:
+        _gemm(dtype)
+        factories["ours"] = PanelLinear
+    except Exception as exc:  # no compiler, an unexpected toolchain
+        log.warning("the %s GEMM kernel could not be built (%s); choosing among the others", dtype, exc)
+    if onednn_packs(dtype):
+        factories["onednn"] = PackedLinear
+    factories["mkl"] = lambda linear: linear
+    default = {PanelLinear: "ours", PackedLinear: "onednn", None: "mkl"}[_packed_class(dtype)]
+
+    def shape(linear: torch.nn.Linear) -> tuple[int, int]:
+        return (linear.in_features, linear.out_features)
+
+    heads = [shape(child) for _, name, child in swaps if name == "lm_head"]
+    layers = [shape(child) for _, name, child in swaps if name != "lm_head"]
+    choice = choose_kernels(layers, heads, dtype, rows, factories, default)
+    budget = split_budget_bytes()
+    replaced = 0
+    for parent, name, child in swaps:
+        picked = choice[shape(child)]
+        tied = child.weight.data_ptr() in others
+        size = child.weight.numel() * child.weight.element_size()
+        if name != "lm_head" and picked["decode"] != picked["prefill"] and size <= budget:
+            budget -= size
+            module: torch.nn.Module = SplitLinear(child, picked["decode"], picked["prefill"], rows[0], tied=tied)
+        elif picked["decode"] == "mkl":
+            continue
+        else:
+            module = PanelLinear(child, tied=tied) if picked["decode"] == "ours" else PackedLinear(child, tied=tied)
+        setattr(parent, name, module)
+        replaced += 1
+    return replaced
+
+
 def packed_parameters(model: torch.nn.Module) -> tuple[int, int]:
     """Elements and bytes of the weights held packed or in int8 (tied ones counted once, by their other owner)."""
-    packed = [m for m in model.modules() if isinstance(m, PanelLinear | PackedLinear | Int8Linear) and not m.tied]
+    kinds = PanelLinear | PackedLinear | SplitLinear | Int8Linear
+    packed = [m for m in model.modules() if isinstance(m, kinds) and not m.tied]
     return sum(m.in_features * m.out_features for m in packed), sum(m.weight_bytes for m in packed)
