@@ -182,3 +182,11 @@ def test_lora_takes_a_split_layer_as_a_linear_one():
     from trioserve.gpu.lora import _is_linear
 
     assert _is_linear(cpu_linear.SplitLinear(torch.nn.Linear(8, 8).requires_grad_(False), "ours", "mkl", threshold=4))
+
+
+def test_a_kernel_that_fails_on_a_shape_is_not_chosen_and_none_left_means_f_linear():
+    def broken(linear: torch.nn.Linear) -> Any:
+        raise RuntimeError("cannot take this shape")
+
+    assert choice._fastest((8, 8), torch.float32, 4, {"ours": broken, "mkl": plain}, "ours") == "mkl"
+    assert choice._fastest((8, 8), torch.float32, 4, {"ours": broken}, "ours") == "mkl"

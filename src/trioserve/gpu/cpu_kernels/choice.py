@@ -123,14 +123,20 @@ def _fastest(shape: Shape, dtype: torch.dtype, rows: int, factories: dict[str, F
     seconds = {}
     with torch.inference_mode():
         for kind, factory in factories.items():
-            fn = factory(linear)
-            fn(x)  # warm-up
+            try:
+                fn = factory(linear)
+                fn(x)  # warm-up
+            except Exception as exc:  # a kernel that cannot take this shape here is not a candidate for it
+                log.warning("linear kernels: %s failed on %s x %s (%s); not chosen for it", kind, rows, shape, exc)
+                continue
             best = float("inf")
             for _ in range(TIMED_CALLS):
                 begun = time.perf_counter()
                 fn(x)
                 best = min(best, time.perf_counter() - begun)
             seconds[kind] = best
+    if not seconds:
+        return "mkl"  # F.linear, as the layer was loaded
     fastest = min(seconds, key=seconds.__getitem__)
     if default in seconds and seconds[fastest] * (1 + MARGIN) > seconds[default]:
         return default
