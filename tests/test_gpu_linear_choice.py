@@ -81,7 +81,7 @@ def test_the_default_keeps_a_regime_unless_another_is_faster_by_the_margin(speed
 
     monkeypatch.setattr(choice.time, "perf_counter", lambda: now[0])
     factories = {"mkl": taking("mkl"), "ours": taking("ours")}
-    assert choice._fastest((8, 8), torch.float32, 4, factories, "ours") == picked
+    assert choice._fastest((8, 8), torch.float32, [4], factories, "ours") == [picked]
 
 
 @pytest.mark.parametrize(("small", "large"), [("ours", "mkl"), ("mkl", "onednn"), ("onednn", "ours")])
@@ -188,5 +188,5 @@ def test_a_kernel_that_fails_on_a_shape_is_not_chosen_and_none_left_means_f_line
     def broken(linear: torch.nn.Linear) -> Any:
         raise RuntimeError("cannot take this shape")
 
-    assert choice._fastest((8, 8), torch.float32, 4, {"ours": broken, "mkl": plain}, "ours") == "mkl"
-    assert choice._fastest((8, 8), torch.float32, 4, {"ours": broken}, "ours") == "mkl"
+    assert choice._fastest((8, 8), torch.float32, [4], {"ours": broken, "mkl": plain}, "ours") == ["mkl"]
+    assert choice._fastest((8, 8), torch.float32, [4], {"ours": broken}, "ours") == ["mkl"]

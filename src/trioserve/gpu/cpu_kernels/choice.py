@@ -57,11 +57,13 @@ Choice = dict[str, str]  # {"decode": kind, "prefill": kind}
 Factory = Callable[[torch.nn.Linear], Callable[[torch.Tensor], torch.Tensor]]
 
 
-def cache_path(shapes: Iterable[Shape], dtype: torch.dtype, rows: tuple[int, int], kinds: list[str]) -> Path:
+def cache_path(
+    shapes: list[Shape], head_shapes: list[Shape], dtype: torch.dtype, rows: tuple[int, int], kinds: list[str]
+) -> Path:
     """The cached choice's file for this host, torch, dtype, threads, shapes, row counts and candidates."""
     identity = json.dumps(
         [_cpu_name(), torch.backends.cpu.get_cpu_capability(), torch.__version__, str(dtype),
-         torch.get_num_threads(), sorted(set(shapes)), list(rows), kinds]
+         torch.get_num_threads(), shapes, head_shapes, list(rows), kinds]
     )  # fmt: skip
     digest = hashlib.sha256(identity.encode()).hexdigest()[:32]
     return inductor_cache_dir() / "trioserve" / f"linear-choice-{digest}.json"
@@ -89,7 +91,7 @@ def choose_kernels(
     ``nn.Linear``; ``default``: the one kept unless another is faster by
     ``MARGIN``. ``head_shapes``: timed at the decode's rows only."""
     layer_shapes, heads = sorted(set(shapes)), sorted(set(head_shapes))
-    path = cache_path([*layer_shapes, *((i, -o) for i, o in heads)], dtype, rows, sorted(factories))
+    path = cache_path(layer_shapes, heads, dtype, rows, sorted(factories))
     try:
         cached = json.loads(path.read_text())
         choice = {(int(i), int(o)): {"decode": d, "prefill": p} for i, o, d, p in cached}
@@ -100,10 +102,12 @@ def choose_kernels(
     started = time.perf_counter()
     decode_rows, prefill_rows = rows[0], min(rows[1], PREFILL_ROWS_CAP)
     choice = {}
-    for shape in [*layer_shapes, *heads]:
-        decode = _fastest(shape, dtype, decode_rows, factories, default)
-        prefill = decode if shape in heads else _fastest(shape, dtype, prefill_rows, factories, default)
+    for shape in layer_shapes:
+        decode, prefill = _fastest(shape, dtype, [decode_rows, prefill_rows], factories, default)
         choice[shape] = {"decode": decode, "prefill": prefill}
+    for shape in heads:
+        [decode] = _fastest(shape, dtype, [decode_rows], factories, default)
+        choice[shape] = {"decode": decode, "prefill": decode}
     log.info("linear kernels timed in %.2f s: %s", time.perf_counter() - started, _describe(choice))
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -115,26 +119,35 @@ def choose_kernels(
     return choice
 
 
-def _fastest(shape: Shape, dtype: torch.dtype, rows: int, factories: dict[str, Factory], default: str) -> str:
-    """The kind whose call on ``rows`` rows of this shape took least (the default's within ``MARGIN``)."""
+def _fastest(
+    shape: Shape, dtype: torch.dtype, row_counts: list[int], factories: dict[str, Factory], default: str
+) -> list[str]:
+    """For each row count, the kind whose call on that many rows of this shape took least (the default's within
+    ``MARGIN``); each candidate made once for all the row counts."""
     in_features, out_features = shape
     linear = torch.nn.Linear(in_features, out_features, bias=False, dtype=dtype).requires_grad_(False)
-    x = torch.randn(rows, in_features).to(dtype)
-    seconds = {}
+    xs = [torch.randn(rows, in_features).to(dtype) for rows in row_counts]
+    seconds: list[dict[str, float]] = [{} for _ in row_counts]
     with torch.inference_mode():
         for kind, factory in factories.items():
             try:
                 fn = factory(linear)
-                fn(x)  # warm-up
+                for x in xs:
+                    fn(x)  # warm-up
             except Exception as exc:  # a kernel that cannot take this shape here is not a candidate for it
-                log.warning("linear kernels: %s failed on %s x %s (%s); not chosen for it", kind, rows, shape, exc)
+                log.warning("linear kernels: %s failed on %s (%s); not chosen for it", kind, shape, exc)
                 continue
-            best = float("inf")
-            for _ in range(TIMED_CALLS):
-                begun = time.perf_counter()
-                fn(x)
-                best = min(best, time.perf_counter() - begun)
-            seconds[kind] = best
+            for x, times in zip(xs, seconds, strict=True):
+                best = float("inf")
+                for _ in range(TIMED_CALLS):
+                    begun = time.perf_counter()
+                    fn(x)
+                    best = min(best, time.perf_counter() - begun)
+                times[kind] = best
+    return [_pick(times, default) for times in seconds]
+
+
+def _pick(seconds: dict[str, float], default: str) -> str:
     if not seconds:
         return "mkl"  # F.linear, as the layer was loaded
     fastest = min(seconds, key=seconds.__getitem__)

@@ -312,13 +312,6 @@ def _kernel(simdlen: int | None = None, portable: bool = False) -> Callable[...,
     return cpp.load_or_build("linear-int8", _SOURCE, _ARGTYPES, simdlen)
 
 
-def uses_vnni() -> bool:
-    """Whether the int8 GEMM is built with VNNI here (inductor's vector ISA for this host has it)."""
-    from torch._inductor import cpu_vec_isa
-
-    return isinstance(cpu_vec_isa.pick_vec_isa(), cpu_vec_isa.VecAVX512VNNI)
-
-
 def int8_build(simdlen: int | None = None) -> str:
     """Which of the kernel's paths the build for this host (or for ``simdlen``-bit vectors) compiles: "VNNI",
     "AVX2" (also AVX-512 without VNNI) or "portable"."""

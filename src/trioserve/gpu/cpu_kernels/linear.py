@@ -335,14 +335,12 @@ class SplitLinear(torch.nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features)
+        # Through the op where the row count is not known yet (a compiled graph) and where a profile must name it.
+        op = _split
         if torch.compiler.is_compiling() or torch.autograd.profiler._is_profiler_enabled:
-            y = torch.ops.trioserve.split_linear(
-                rows, self.small, self.small_weight, self.large, self.large_weight, self.bias, self.out_features,
-                self.threshold,
-            )  # fmt: skip
-        else:
-            y = _split(rows, self.small, self.small_weight, self.large, self.large_weight, self.bias,
-                       self.out_features, self.threshold)  # fmt: skip
+            op = torch.ops.trioserve.split_linear
+        y = op(rows, self.small, self.small_weight, self.large, self.large_weight, self.bias, self.out_features,
+               self.threshold)  # fmt: skip
         return y.view(*x.shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:
@@ -358,7 +356,7 @@ def held_weight(weight: torch.Tensor, kind: str) -> torch.Tensor:
         return to_panels(weight)
     if kind == "onednn":
         return torch.ops.mkldnn._reorder_linear_weight(weight, None)
-    return weight.clone()
+    return weight  # F.linear reads it as stored (the module it came from is dropped)
 
 
 def _split(
