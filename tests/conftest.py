@@ -112,6 +112,21 @@ def pytest_configure(config: pytest.Config) -> None:
     config.add_cleanup(functools.partial(shutil.rmtree, own, ignore_errors=True))
 
 
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Tests marked ``cuda`` are skipped where torch sees no CUDA device (torch
+    is imported only when such a test was collected)."""
+    marked = [item for item in items if item.get_closest_marker("cuda")]
+    if not marked:
+        return
+    import torch
+
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA device (scripts/gpu_check.sh runs these on one)")
+    for item in marked:
+        item.add_marker(skip)
+
+
 def _private_dirs() -> set[str]:
     return {entry.name for entry in os.scandir(tempfile.gettempdir()) if entry.name.startswith("trioserve-")}
 
