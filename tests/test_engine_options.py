@@ -102,7 +102,10 @@ def test_every_engine_option_reaches_its_field():
         "restart_wait_s", "control_timeout_s", "while_asleep", "enable_lora", "lora_modules",
         "data_parallel_backend", "ray_address",  # (not with lockstep: below)
         "quantization",  # (not with cuda, tensor parallelism or embeddings: below)
+        "enforce_eager",  # (it also turns --compile off: below)
     }  # fmt: skip
+    eager = engine_config(build_parser().parse_args(["serve", "--compile", "--enforce-eager"]), "m")
+    assert eager.enforce_eager and not eager.compile
     assert engine_config(build_parser().parse_args(["serve", "-q", "int8"]), "m").quantization == "int8"
     ray = engine_config(
         build_parser().parse_args(["serve", "--data-parallel-backend", "ray", "--ray-address", "h:1"]), "m"

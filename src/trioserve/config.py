@@ -242,6 +242,9 @@ class EngineConfig:
     # torch.compile the model (gpu/compiled.py) while the workers load it, so
     # that the first request does not pay for it; without tensor parallelism only.
     compile: bool = False
+    # On CUDA, decode steps run eagerly rather than replayed from CUDA graphs (gpu/decode_graphs.py; vLLM's
+    # --enforce-eager, which also turns compile off).
+    enforce_eager: bool = False
 
     # Deadlines and grace periods, in seconds.
     startup_timeout_s: float = 30.0  # process spawn and handshake

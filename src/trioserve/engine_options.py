@@ -476,6 +476,7 @@ def engine_config(args: argparse.Namespace, model: str, **fields: Any) -> Engine
         max_steps_in_flight=args.max_steps_in_flight,
         enable_prefix_caching=args.enable_prefix_caching,
         compile=args.compile and not args.enforce_eager,
+        enforce_eager=args.enforce_eager,
         torch_threads=args.torch_threads,
         data_parallel_size=args.data_parallel_size,
         tensor_parallel_size=args.tensor_parallel_size,

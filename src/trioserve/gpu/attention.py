@@ -10,8 +10,10 @@ sequences back to back. Each layer's attention call
    <= p (and > p - sliding_window on sliding layers).
 
 Sequences with one new token (decodes) attend through the step's
-``decode_kernel`` where there is one (on the CPU at float32 and bfloat16:
-one call that reads the cache in place, ``gpu/cpu_kernels/attention.py``); otherwise, sorted by
+``decode_kernel`` where there is one (one call that reads the cache in place:
+on the CPU at float32 and bfloat16, ``gpu/cpu_kernels/attention.py``; on CUDA,
+Triton's, ``gpu/triton_attention.py``, whose ``prefill_kernel`` also serves
+every multi-token sequence of the step in one call); otherwise, sorted by
 context length, they share padded SDPA calls with a length mask over K/V
 gathered from the cache, in groups whose gathered K/V stay in the CPU's
 caches (``DECODE_GROUP_BYTES``; one group on other devices). Multi-token
@@ -30,6 +32,8 @@ table covers its whole context.
 
 from __future__ import annotations
 
+import logging
+import os
 from collections.abc import Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
@@ -41,6 +45,9 @@ import torch.nn.functional as F
 from transformers import AttentionInterface
 
 ATTENTION_NAME = "trioserve_paged"
+CUDA_ATTENTION_ENV = "TRIOSERVE_CUDA_ATTENTION"  # "portable": no Triton kernels on CUDA
+
+log = logging.getLogger(__name__)
 
 KVCache = list[tuple[torch.Tensor, torch.Tensor]]  # per layer: (k, v), each [N, bs, KVH, D]
 
@@ -70,6 +77,39 @@ class DecodeGroup:
     block_tables: torch.Tensor  # [B, nb] long: nb blocks hold the longest context; 0-padded
     context_lens: torch.Tensor  # [B] long
     shared_len: int = 0  # the first tokens of every context, in the same blocks in every table (the kernel's groups)
+
+
+@dataclass(frozen=True)
+class PrefillBatch:
+    """Every multi-token sequence of the step, for a prefill kernel's one call
+    (K/V read from the cache, the new ones written there first)."""
+
+    query_starts: torch.Tensor  # [S] long: first packed row of each
+    query_lens: torch.Tensor  # [S] long
+    context_lens: torch.Tensor  # [S] long: tokens in the cache after this step, new ones included
+    block_tables: torch.Tensor  # [S, nb] long: nb blocks hold the longest context; 0-padded
+    max_query_len: int
+
+
+class PrefillKernel(Protocol):
+    """A prefill attention over all the step's multi-token sequences in one
+    call, reading their K/V through the block tables (``gpu/triton_attention.py``)."""
+
+    def __call__(
+        self,
+        query: torch.Tensor,  # [1, H, T, D]
+        k_cache: torch.Tensor,  # [N, bs, KVH, D]
+        v_cache: torch.Tensor,
+        query_starts: torch.Tensor,  # [S]
+        query_lens: torch.Tensor,  # [S]
+        context_lens: torch.Tensor,  # [S]
+        block_tables: torch.Tensor,  # [S, nb]
+        out: torch.Tensor,  # [T, H, D]: the rows of the sequences' queries written
+        scale: float,
+        window: int | None,
+        softcap: float | None,
+        max_query_len: int,
+    ) -> None: ...
 
 
 class DecodeKernel(Protocol):
@@ -102,6 +142,8 @@ class PagedAttentionMetadata:
     decodes: list[DecodeGroup]
     prefills: list[PrefillSeq]
     decode_kernel: DecodeKernel | None = None  # else the decodes gather their K/V and run SDPA
+    prefill_kernel: PrefillKernel | None = None  # else each prefill gathers its K/V and runs SDPA
+    prefill_batch: PrefillBatch | None = None  # with a prefill kernel and prefills: their tensors
     _masks: dict[tuple[str, int, int | None], torch.Tensor] = field(default_factory=dict)  # built by the first layer
 
     def decode_mask(self, index: int, window: int | None) -> torch.Tensor:
@@ -142,6 +184,7 @@ def build_metadata(
     device: torch.device,
     decode_group_blocks: int | None = None,
     decode_kernel: DecodeKernel | None = None,
+    prefill_kernel: PrefillKernel | None = None,
 ) -> PagedAttentionMetadata:
     """Metadata for a packed batch of sequences, in packing order.
 
@@ -151,7 +194,8 @@ def build_metadata(
     group; by default it is sized by ``DECODE_GROUP_BYTES`` on the CPU and
     unlimited elsewhere. With a ``decode_kernel`` (which copies nothing) the
     groups are instead the sequences that share their first blocks (a prefix
-    cache hit: ``_shared_prefix_groups``), and one group of the rest.
+    cache hit: ``_shared_prefix_groups``), and one group of the rest. With a
+    ``prefill_kernel``, the multi-token sequences attend in one call of it.
     """
     num_seqs = len(query_lens)
     max_blocks = max(len(t) for t in block_tables)
@@ -190,7 +234,49 @@ def build_metadata(
         decodes=decodes,
         prefills=prefills,
         decode_kernel=decode_kernel,
+        prefill_kernel=prefill_kernel,
+        prefill_batch=_prefill_batch(query_lens, context_lens, block_tables, starts_list, device)
+        if prefill_kernel is not None and prefills
+        else None,
     )
+
+
+def _prefill_batch(
+    query_lens: list[int],
+    context_lens: list[int],
+    block_tables: list[list[int]],
+    starts: list[int],
+    device: torch.device,
+) -> PrefillBatch:
+    rows = [i for i, n in enumerate(query_lens) if n > 1]
+    width = max(len(block_tables[i]) for i in rows)
+    as_tensor = lambda values: torch.tensor(values, dtype=torch.long, device=device)  # noqa: E731
+    return PrefillBatch(
+        query_starts=as_tensor([starts[i] for i in rows]),
+        query_lens=as_tensor([query_lens[i] for i in rows]),
+        context_lens=as_tensor([context_lens[i] for i in rows]),
+        block_tables=as_tensor([block_tables[i] + [0] * (width - len(block_tables[i])) for i in rows]),
+        max_query_len=max(query_lens[i] for i in rows),
+    )
+
+
+def attention_kernels(device: torch.device, dtype: torch.dtype) -> tuple[DecodeKernel | None, PrefillKernel | None]:
+    """The kernels a worker's steps use on ``device``: on CUDA, Triton's
+    (``gpu/triton_attention.py``; ``TRIOSERVE_CUDA_ATTENTION=portable`` or no
+    Triton: none); on the CPU, the decode kernel of ``gpu/cpu_kernels/attention.py``
+    where it applies. None: the portable path (gather and SDPA)."""
+    if device.type == "cuda":
+        if os.environ.get(CUDA_ATTENTION_ENV, "triton") == "portable":
+            return None, None
+        try:
+            from trioserve.gpu import triton_attention
+        except ImportError as exc:
+            log.warning("no Triton (%s): CUDA attention gathers K/V and runs SDPA (install the triton extra)", exc)
+            return None, None
+        return triton_attention.decode_attention, triton_attention.prefill_attention
+    from trioserve.gpu.cpu_kernels.attention import load_decode_kernel
+
+    return load_decode_kernel(device, dtype), None
 
 
 def _decode_group_blocks(kv_caches: KVCache, device: torch.device) -> int | None:
@@ -415,6 +501,13 @@ def paged_attention(
             )  # fmt: skip
         else:
             out[group.token_index] = _decode_attention(query, meta, i, layer)
+    if meta.prefill_kernel is not None and meta.prefill_batch is not None:
+        batch = meta.prefill_batch
+        meta.prefill_kernel(
+            query, layer.k_cache, layer.v_cache, batch.query_starts, batch.query_lens, batch.context_lens,
+            batch.block_tables, out, layer.scale, layer.window, layer.softcap, batch.max_query_len,
+        )  # fmt: skip
+        return out
     for i, seq in enumerate(meta.prefills):
         rows = slice(seq.query_start, seq.query_start + seq.query_len)
         out[rows] = _prefill_attention(query[:, :, rows], key[:, :, rows], value[:, :, rows], meta, i, layer)

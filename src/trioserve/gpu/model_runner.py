@@ -29,14 +29,17 @@ from trioserve.gpu.attention import (
     DecodeKernel,
     KVCache,
     PagedAttentionMetadata,
+    PrefillKernel,
+    attention_kernels,
     build_metadata,
     step_metadata,
 )
 from trioserve.gpu.compiled import Forward, compiled_forward, eager_forward, inductor_cache_dir
-from trioserve.gpu.cpu_kernels.attention import load_decode_kernel
 from trioserve.gpu.cpu_kernels.host_memory import keep_freed_memory, release_freed_memory, resident_bytes
 from trioserve.gpu.cpu_kernels.int8 import calibration_ids, quantize_linears
 from trioserve.gpu.cpu_kernels.linear import pack_linears, packing_supported
+from trioserve.gpu.cuda_memory import activation_peak_bytes, kv_budget_bytes, profile_lengths
+from trioserve.gpu.decode_graphs import GRAPHS_ENV, DecodeGraphs, DecodeRows, cuda_capture, eager_capture, graph_buckets
 from trioserve.gpu.device import available_memory, resolve_device, resolve_dtype
 from trioserve.gpu.grammar_bitmask import apply_grammar_bitmask
 from trioserve.gpu.logits_processing import RowProcessors
@@ -129,7 +132,10 @@ class ModelRunner(TorchProfiling):
             log.warning("compile: tensor-parallel shards run eager")
         self.compile_seconds = 0.0  # the last warm-up's, compilation included
         self._forward: Forward | None = None  # the model's forward: eager, or compiled (gpu/compiled.py)
-        self._decode_kernel: DecodeKernel | None = None  # decodes reading the cache in place (CPU, float32/bfloat16)
+        self._decode_kernel: DecodeKernel | None = None  # decodes reading the cache in place (attention_kernels)
+        self._prefill_kernel: PrefillKernel | None = None  # all the step's prefills in one call (CUDA)
+        self._graphs: DecodeGraphs | None = None  # decode steps replayed (gpu/decode_graphs.py)
+        self.max_model_len = 0  # once loaded
         self.kv_caches: KVCache = []
         self.num_blocks = 0
         self.requests: dict[str, _Request] = {}
@@ -186,7 +192,7 @@ class ModelRunner(TorchProfiling):
                 f"max_model_len: {self.config.max_model_len} is more than this model's context, "
                 f"{model_len} tokens (max_position_embeddings in {self.config.model}/config.json)"
             )
-        max_model_len = self.config.max_model_len or model_len
+        max_model_len = self.max_model_len = self.config.max_model_len or model_len
         self.eos_token_ids = sharding.eos_token_ids(model)
         info = ModelInfo(self.vocab_size, max_model_len, self.eos_token_ids, hidden_size=text.hidden_size)
         return WorkerLoaded(
@@ -202,7 +208,7 @@ class ModelRunner(TorchProfiling):
             self.config.model, self.world_size, base=base, attn_implementation=attention, dtype=self.dtype
         )
         self.model = torch.nn.Module.to(model, self.device).eval().requires_grad_(False)
-        self._decode_kernel = load_decode_kernel(self.device, self.dtype)  # gpu/cpu_kernels/attention.py
+        self._decode_kernel, self._prefill_kernel = attention_kernels(self.device, self.dtype)
         if base and (self.config.enable_lora or self.config.quantization):
             what = "enable_lora: LoRA adapters" if self.config.enable_lora else "quantization: int8 layers"
             raise ValueError(f"{what} serve text generation, and this model serves embeddings")
@@ -238,12 +244,23 @@ class ModelRunner(TorchProfiling):
                 "gpu_memory_utilization (--gpu-memory-utilization) sizes the KV cache from CUDA memory, and this "
                 f"worker runs on {self.device.type}: size it with --kv-cache-mib"
             )
+        if self._forward is None:
+            raise RuntimeError("the KV cache's budget before load()")
+        lengths = profile_lengths(self.config.max_num_batched_tokens, self.config.max_num_seqs, self.max_model_len)
+        shape = (self.num_layers, self.block_size, self.num_kv_heads, self.head_dim)
+        kernels = self._decode_kernel, self._prefill_kernel
+        peak = activation_peak_bytes(self._forward, lengths, shape, self.dtype, self.device, *kernels)
         free, total = torch.cuda.mem_get_info(self.device)
-        budget = int(share * total) - (total - free)
+        budget = kv_budget_bytes(share, total, free, peak)  # gpu/cuda_memory.py
+        log.info(
+            "KV cache budget %.2f GiB: %s of %.1f GiB, %.2f GiB in use, a full step's activations %.2f GiB",
+            budget / 2**30, share, total / 2**30, (total - free) / 2**30, peak / 2**30,
+        )  # fmt: skip
         if budget < self.bytes_per_block:
             raise MemoryError(
                 f"gpu_memory_utilization={share} of {total / 2**30:.1f} GiB leaves no room for the KV cache once the "
-                f"model is loaded ({(total - free) / 2**30:.1f} GiB in use): raise it"
+                f"model is loaded ({(total - free) / 2**30:.1f} GiB in use, {peak / 2**30:.2f} GiB for a full step's "
+                "activations): raise it, or lower max_num_batched_tokens"
             )
         return budget
 
@@ -261,20 +278,46 @@ class ModelRunner(TorchProfiling):
         CPU, filling it would push the host into swap or the OOM killer)."""
         if num_blocks < 1:
             raise ValueError(f"num_blocks: must be >= 1 (got {num_blocks})")
-        need, available = num_blocks * self.bytes_per_block, available_memory(self.device)
+        graphs = self._wants_graphs()
+        allocated = num_blocks + graphs  # and the graphs' scratch block, which no request gets
+        need, available = allocated * self.bytes_per_block, available_memory(self.device)
         if need > KV_MEMORY_SHARE * available:
             raise MemoryError(
                 f"the KV cache of {num_blocks} blocks needs {need / 2**20:.0f} MiB, more than "
                 f"{KV_MEMORY_SHARE:.0%} of the {available / 2**20:.0f} MiB of {self.device.type} memory available "
                 "now: lower kv_cache_memory_bytes (--kv-cache-mib) or num_kv_blocks"
             )
-        shape = (self.num_layers, 2, num_blocks, self.block_size, self.num_kv_heads, self.head_dim)
+        shape = (self.num_layers, 2, allocated, self.block_size, self.num_kv_heads, self.head_dim)
         pool = torch.zeros(shape, dtype=self.dtype, device=self.device)  # one allocation
         self.kv_caches = [(pool[layer, 0], pool[layer, 1]) for layer in range(self.num_layers)]  # [N, bs, KVH, D]
         self.num_blocks = num_blocks
         if self.compiled:
             self._warm_up()
             pool.zero_()
+        if graphs:
+            self._capture_graphs()
+
+    def _wants_graphs(self) -> bool:
+        """Decode steps from graphs: on CUDA unless ``enforce_eager`` (or
+        anywhere with ``TRIOSERVE_DECODE_GRAPHS=eager``), for one rank's text
+        generation without adapters, with a decode kernel."""
+        mode = os.environ.get(GRAPHS_ENV, "cuda")
+        wanted = not self.config.enforce_eager and (mode == "eager" or (mode == "cuda" and self.device.type == "cuda"))
+        alone = self.world_size == 1 and self.lora is None and self.pooler is None
+        return wanted and alone and self._decode_kernel is not None
+
+    @torch.inference_mode()
+    def _capture_graphs(self) -> None:
+        if self._forward is None or self._decode_kernel is None:
+            raise RuntimeError("graphs before load()")
+        width = -(-self.max_model_len // self.block_size)
+        buckets = graph_buckets(self.config.max_num_seqs)
+        self._graphs = DecodeGraphs(
+            self._forward, self.kv_caches, self.block_size, width, self.num_blocks, self._decode_kernel, buckets,
+            self.device,
+        )  # fmt: skip
+        cuda = self.device.type == "cuda" and os.environ.get(GRAPHS_ENV) != "eager"
+        self._graphs.capture_all(cuda_capture(torch.cuda.graph_pool_handle()) if cuda else eager_capture)
 
     @torch.inference_mode()
     def _warm_up(self) -> None:
@@ -297,7 +340,7 @@ class ModelRunner(TorchProfiling):
         """The attention metadata of a packed batch (``attention.build_metadata``)."""
         return build_metadata(
             query_lens, context_lens, block_tables, self.block_size, self.kv_caches, self.device,
-            decode_kernel=self._decode_kernel,
+            decode_kernel=self._decode_kernel, prefill_kernel=self._prefill_kernel,
         )  # fmt: skip
 
     # --- control calls (between steps) -------------------------------------
@@ -307,6 +350,7 @@ class ModelRunner(TorchProfiling):
         the memory back to the system. The requests' state stays: the engine
         core sleeps only once none is running. Sleeping again only frees more."""
         self.kv_caches = []
+        self._graphs = None  # they read the cache (and the weights): captured again on waking
         if level >= 2:
             # A compiled graph takes the weights as inputs: it holds none, and serves the reloaded model.
             self.model = self._forward = None
@@ -390,13 +434,18 @@ class ModelRunner(TorchProfiling):
             hidden = encoder_hidden(self.model, step.input_ids, step.query_lens)  # type: ignore[arg-type]
             rows = torch.tensor(step.pooling.rows, dtype=torch.long, device=self.device)
             return RunnerOutput(req_ids=[], sampled_token_ids=[], pooled=self.pooler.pool(step.pooling, hidden[rows]))
-        meta = self.metadata(step.query_lens, step.context_lens, step.block_tables)
-        input_ids = torch.tensor(step.input_ids, dtype=torch.long, device=self.device)  # [T]
-        keep = torch.tensor(
-            step.sample_rows + step.prompt_logprobs.rows + step.pooling.rows, dtype=torch.long, device=self.device
-        )  # [S + P], or the pooled rows [R]
-        with step_metadata(meta):
-            logits = self._forward(input_ids[None], meta.positions[None], keep)  # [1, T], [1, T], [S + P] -> [S + P, V]
+        if self._graphs is not None and (decodes := self._graph_rows(step)) is not None:
+            logits = self._graphs.run(decodes)  # [T, V], each row one sequence's
+            if len(step.sample_rows) < len(decodes.input_ids):  # a 1-token prompt chunk short of its end
+                logits = logits[torch.tensor(step.sample_rows, dtype=torch.long, device=self.device)]
+        else:
+            meta = self.metadata(step.query_lens, step.context_lens, step.block_tables)
+            input_ids = torch.tensor(step.input_ids, dtype=torch.long, device=self.device)  # [T]
+            keep = torch.tensor(
+                step.sample_rows + step.prompt_logprobs.rows + step.pooling.rows, dtype=torch.long, device=self.device
+            )  # [S + P], or the pooled rows [R]
+            with step_metadata(meta):
+                logits = self._forward(input_ids[None], meta.positions[None], keep)  # [1, T], [1, T], [S+P] -> [S+P, V]
         for req_id, n in sched.num_scheduled_tokens.items():
             self.requests[req_id].num_computed_tokens += n
         if self.pooler is not None:  # an embedding engine: the rows are hidden states, [R, H]
@@ -492,6 +541,14 @@ class ModelRunner(TorchProfiling):
                 step.sample_rows.append(len(step.input_ids) - 1)
                 step.sample_req_ids.append(req_id)
         return step
+
+    def _graph_rows(self, step: _Step) -> DecodeRows | None:
+        """The step as rows for the decode graphs: every sequence one token,
+        no prompt logprobs or pooling, within the graphs' sizes (else None)."""
+        if max(step.query_lens) > 1 or step.prompt_logprobs.rows or step.pooling.rows or self._graphs is None:
+            return None
+        rows = DecodeRows(step.input_ids, step.context_lens, step.block_tables)
+        return rows if self._graphs.covers(rows) else None
 
 
 def _check_range(what: str, ids: list[int], upper: int) -> None:
