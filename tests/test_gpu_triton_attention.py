@@ -272,8 +272,8 @@ def test_a_runner_attending_with_these_kernels_gives_generates_greedy_tokens(tin
     prefill (and chunk) of a step in one call, decodes through the decode
     graphs' padded buffers (``TRIOSERVE_DECODE_GRAPHS=eager``), with a preemption."""
     from helpers.reference import reference_greedy
-    from test_gpu_runner import GREEDY, MiniScheduler, make_prompts, make_runner
 
+    from test_gpu_runner import GREEDY, MiniScheduler, make_prompts, make_runner
     from trioserve.gpu import model_runner
     from trioserve.gpu.decode_graphs import GRAPHS_ENV
 
