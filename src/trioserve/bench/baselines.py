@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import inspect
 import json
 import resource
 import sys
@@ -146,14 +147,20 @@ def _warmup_requests(spec: WorkloadSpec) -> list[BenchRequest]:
     return build_requests(warmup_spec(spec.vocab_size))
 
 
-def _load_hf(model_dir: str, attn: str | None = None) -> Any:
+def _load_hf(model_dir: str, attn: str | None = None, config: EngineConfig | None = None) -> Any:
+    """The model as transformers loads it: at float32 on the CPU, or on the
+    engine's device and dtype when ``config`` is given."""
     from transformers import AutoModelForCausalLM
     from transformers.utils import logging
+
+    from trioserve.gpu.device import resolve_device, resolve_dtype
 
     logging.disable_progress_bar()
     logging.set_verbosity_error()
     kwargs = {"attn_implementation": attn} if attn else {}
-    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, **kwargs).eval()
+    device = resolve_device(config.device) if config is not None else torch.device("cpu")
+    dtype = resolve_dtype(config.dtype, device) if config is not None else torch.float32
+    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, **kwargs).to(device).eval()
 
 
 def _greedy_config(max_new_tokens: int) -> Any:
@@ -165,7 +172,7 @@ def _greedy_config(max_new_tokens: int) -> Any:
 
 
 def run_generate_batch(config: EngineConfig, spec: WorkloadSpec) -> dict[str, Any]:
-    model = _load_hf(config.model)
+    model = _load_hf(config.model, config=config)  # on the engine's device, at its dtype
     requests = build_requests(spec)
     longest = max(r.max_tokens for r in requests)
     # generate_batch manages its own inference mode (wrapping it in one breaks it).
@@ -196,11 +203,15 @@ def _cb_config(model: Any, config: EngineConfig, spec: WorkloadSpec) -> Any:
     head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
     kv_heads = getattr(text, "num_key_value_heads", None) or text.num_attention_heads
     page_size = 256
-    block_bytes = 2 * text.num_hidden_layers * page_size * kv_heads * head_dim * 4  # K and V, all layers, float32
+    elem = model.dtype.itemsize
+    block_bytes = 2 * text.num_hidden_layers * page_size * kv_heads * head_dim * elem  # K and V, all layers
     in_flight = spec.concurrency or config.max_num_seqs
     needed = in_flight * -(-(spec.max_prompt_len + spec.output_len[1]) // page_size)
+    # Its block's size is page_size in some transformers versions, block_size in others (5.17).
+    fields = inspect.signature(ContinuousBatchingConfig).parameters
+    size = {"page_size" if "page_size" in fields else "block_size": page_size}
     return ContinuousBatchingConfig(
-        page_size=page_size,
+        **size,
         num_blocks=max(8, min(needed, config.kv_cache_memory_bytes // block_bytes)),
         max_batch_tokens=config.max_num_batched_tokens,
         max_requests_per_batch=spec.concurrency or config.max_num_seqs,
