@@ -160,7 +160,8 @@ def _load_hf(model_dir: str, attn: str | None = None, config: EngineConfig | Non
     kwargs = {"attn_implementation": attn} if attn else {}
     device = resolve_device(config.device) if config is not None else torch.device("cpu")
     dtype = resolve_dtype(config.dtype, device) if config is not None else torch.float32
-    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, **kwargs).to(device).eval()
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, **kwargs)
+    return torch.nn.Module.to(model, device).eval()  # (transformers' own .to is typed for other uses)
 
 
 def _greedy_config(max_new_tokens: int) -> Any:
@@ -209,7 +210,7 @@ def _cb_config(model: Any, config: EngineConfig, spec: WorkloadSpec) -> Any:
     needed = in_flight * -(-(spec.max_prompt_len + spec.output_len[1]) // page_size)
     # Its block's size is page_size in some transformers versions, block_size in others (5.17).
     fields = inspect.signature(ContinuousBatchingConfig).parameters
-    size = {"page_size" if "page_size" in fields else "block_size": page_size}
+    size: dict[str, Any] = {"page_size" if "page_size" in fields else "block_size": page_size}
     return ContinuousBatchingConfig(
         **size,
         num_blocks=max(8, min(needed, config.kv_cache_memory_bytes // block_bytes)),
