@@ -49,3 +49,12 @@ def test_the_executor_tells_every_worker_its_engine_cores_place_on_the_host(fake
     assert [accelerator_index(i.local_engine_index, i.rank, i.world_size, 4) for i in inits] == [2, 3]
     head = Executor(config, engine_index=2).worker_init(0, 2, "")
     assert head.local_engine_index == 2  # on the head, its engine index
+
+
+def test_a_tensor_parallel_group_talks_over_nccl_on_cuda_and_gloo_on_the_cpu():
+    import torch
+
+    from trioserve.gpu.sharding import process_group_backend
+
+    assert process_group_backend(torch.device("cuda", 1)) == "nccl"
+    assert process_group_backend(torch.device("cpu")) == "gloo"

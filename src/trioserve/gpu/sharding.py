@@ -100,13 +100,19 @@ def init_process_group(rank: int, world_size: int, init_file: str, device: torch
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size))
     cuda = device.type == "cuda"
     dist.init_process_group(
-        backend="nccl" if cuda else "gloo",
+        backend=process_group_backend(device),
         init_method=f"file://{init_file}",
         rank=rank,
         world_size=world_size,
         timeout=timedelta(seconds=timeout_s),
         device_id=device if cuda else None,
     )
+
+
+def process_group_backend(device: torch.device) -> str:
+    """The collectives' backend of a tensor-parallel group on ``device``: NCCL
+    among CUDA devices (each rank on its own, ``gpu/device.py``), gloo on the CPU."""
+    return "nccl" if device.type == "cuda" else "gloo"
 
 
 MISSING_NAMED = 5  # missing weights named in the error (then a count of the rest)
