@@ -11,7 +11,8 @@ tokens (14 prompts). Prints each setting's median and best step time, and
 the median over rounds of the first setting's time over each one's.
 
 A setting is ``TRIOSERVE_PACKED_LINEAR`` of an eager runner (``0``,
-``lm_head`` or ``all``: ``gpu/cpu_kernels/linear.py``), ``int8``
+``lm_head`` or ``all``: ``gpu/cpu_kernels/linear.py``), ``lora`` (``all`` with
+``--enable-lora --max-loras 8``, no adapter in the steps: ``gpu/lora.py``'s hooks alone), ``int8``
 (``--quantization int8``: ``gpu/cpu_kernels/int8.py``) or ``compile`` (``--compile``:
 ``gpu/compiled.py``, compiled before the rounds start; ``compile-unpacked``:
 with ``TRIOSERVE_PACKED_LINEAR=0``), then optionally ``-kernel``: without the
@@ -45,11 +46,11 @@ def make_runner(model: str, threads: int, dtype: str, setting: str) -> ModelRunn
     if setting.endswith(("+kernel", "-kernel", "-shared")):
         base, kernel = setting[:-7], setting[-7:]
     compile_ = base.startswith("compile")
-    packing = {"compile": "all", "compile-unpacked": "0", "int8": "all"}
+    packing = {"compile": "all", "compile-unpacked": "0", "int8": "all", "lora": "all"}
     os.environ[cpu_linear.PACKED_LINEAR_ENV] = packing.get(base, base)
     config = EngineConfig(
         model=model, torch_threads=threads, dtype=dtype, num_kv_blocks=1200, compile=compile_,
-        quantization="int8" if base == "int8" else None,
+        quantization="int8" if base == "int8" else None, enable_lora=base == "lora", max_loras=8,
     )  # fmt: skip
     runner = ModelRunner(config)
     runner.load()
