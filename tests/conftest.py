@@ -103,6 +103,12 @@ def pytest_configure(config: pytest.Config) -> None:
     # The suite runs a test process per core (and one more), so each engine's worker takes one
     # torch thread (the default on a bare host is its cores shared among its workers).
     os.environ.setdefault("OMP_NUM_THREADS", "1")
+    # Without a GPU, Triton's interpreter runs the CUDA path's kernels (tests/test_gpu_triton_attention.py). It must be
+    # on before triton.language is first imported (its own functions, tl.zeros and the like, are made then), and
+    # torch imports it while other test modules are collected; NVIDIA's driver device is the sign of a GPU here
+    # (torch, which would say, is too slow to import in every test process).
+    if not os.path.exists("/dev/nvidiactl"):
+        os.environ.setdefault("TRITON_INTERPRET", "1")
     # pytest's own tmp_path stays where it was (short paths: ipc:// socket names are limited to ~107 bytes).
     os.environ.setdefault("PYTEST_DEBUG_TEMPROOT", tempfile.gettempdir())
     worker = os.environ.get("PYTEST_XDIST_WORKER", "main")

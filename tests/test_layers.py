@@ -70,7 +70,8 @@ THIRD_PARTY = {
     "transport": {"msgspec", "trio", "zmq"},
     "runners": {"msgspec", "trio"},
     # gguf: the default model's file, read by transformers and made once per conversion (gpu/gguf_convert.py).
-    "gpu": {"msgspec", "torch", "transformers", "safetensors", "tokenizers", "numpy", "gguf"},
+    # triton: the CUDA path's attention kernels (gpu/triton_attention.py, imported only where they run).
+    "gpu": {"msgspec", "torch", "transformers", "safetensors", "tokenizers", "numpy", "gguf", "triton"},
     # llguidance (and numpy, its bitmask arrays): the engine core's grammars (nurseries/engine_core/grammar.py).
     "nurseries": {"msgspec", "trio", "zmq", "setproctitle", "llguidance", "numpy"},
     # jinja2: the model's chat template, rendered in a sandbox (frontend/text/chat_template.py).
