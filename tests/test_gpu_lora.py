@@ -48,3 +48,29 @@ def test_each_row_gets_its_adapters_logits_whichever_way_the_step_runs(tiny_mode
                 assert torch.allclose(got[row], want[name][row], atol=1e-4), (order, row)
         layers.prepare([("b", 3 * ids.shape[1])])  # one adapter on every row
         assert torch.allclose(model(ids).logits, want["b"], atol=1e-4)
+
+
+@pytest.mark.parametrize(("rows", "k", "n"), [(1, 8, 8), (7, 37, 45), (33, 576, 192), (64, 200, 1536)])
+def test_the_kernel_gives_each_row_its_own_adapters_product(rows, k, n):
+    """``apply_rows`` against the plain product per row: adapters of different
+    ranks, rows of no adapter, an adapter's rows more and fewer than the four
+    it takes at once, widths that are not whole vectors."""
+    from trioserve.gpu.cpu_kernels.lora import apply_rows, lora_kernel_available
+
+    if not lora_kernel_available(torch.device("cpu"), torch.float32, 16):
+        pytest.skip("no C++ toolchain: the kernel is not built (torch's products serve)")
+    gen = torch.Generator().manual_seed(rows * 1000 + k)
+    slots, max_rank = 4, 16
+    a = torch.randn(slots, max_rank, k, generator=gen)
+    b = torch.randn(slots, max_rank, n, generator=gen)
+    ranks = torch.tensor([16, 8, 0, 3])
+    slot_of = torch.randint(-1, slots, (rows,), generator=gen)
+    x = torch.randn(rows, k, generator=gen)
+    out = torch.randn(rows, n, generator=gen)
+    expected = out.clone()
+    for m, s in enumerate(slot_of.tolist()):
+        if s >= 0:
+            r = int(ranks[s])
+            expected[m] += (a[s, :r] @ x[m]) @ b[s, :r]
+    apply_rows(x, out, a, b, slot_of, ranks)
+    torch.testing.assert_close(out, expected, rtol=1e-4, atol=1e-4)

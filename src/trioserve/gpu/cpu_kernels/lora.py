@@ -6,10 +6,12 @@ and one masked product over all the slots in use computes every row against
 every slot. This kernel computes exactly each row's own: for row ``m`` with
 slot ``s`` (``-1``: none) of rank ``r``, ``low = A[s, :r] @ x[m]`` (``r``
 dot products over the inputs), then ``y[m] += low @ B[s, :r]`` (``r``
-scaled rows of ``B`` added), threads over rows. A row reads its adapter's
-``A`` and ``B`` of this layer (a few tens of kilobytes), which stay in the
-cache for the next row of the same adapter. Float32 only; the caller falls
-back to torch's products where it cannot be built or for another dtype.
+scaled rows of ``B`` added). The rows are taken up to four of one adapter at
+a time (threads over those groups), each row of that adapter's ``A`` and
+``B`` loaded once for all four: a row alone read them once per row, and
+the adapters' weights, not the arithmetic, set the kernel's time. Float32
+only; the caller falls back to torch's products where it cannot be built or
+for another dtype.
 """
 
 from __future__ import annotations
@@ -26,22 +28,56 @@ log = logging.getLogger(__name__)
 
 _SOURCE = r"""
 #include <algorithm>
+#include <vector>
 using Vec = at::vec::Vectorized<float>;
 constexpr int64_t W = Vec::size();
 constexpr int64_t MAX_RANK = 256;
+constexpr int ROWS = 4;  // rows of one adapter that share each load of its A and B
 
-// The dot product of n floats.
-static inline float dot(const float* p, const float* q, int64_t n) {
-    Vec acc0(0.f), acc1(0.f);
-    int64_t i = 0;
-    for (; i + 2 * W <= n; i += 2 * W) {
-        acc0 = at::vec::fmadd(Vec::loadu(p + i), Vec::loadu(q + i), acc0);
-        acc1 = at::vec::fmadd(Vec::loadu(p + i + W), Vec::loadu(q + i + W), acc1);
+// low[j][k] = a[k] . x[rows[j]] for k < r; y[rows[j]] += low[j] @ b[:r]: C rows of one slot at once, each row of
+// a and b loaded once for all of them.
+template <int C>
+static void rows_of_one_slot(const float* x, const float* as, const float* bs, float* y, const int64_t* rows,
+                             int64_t r, int64_t N, int64_t K, int64_t ldy) {
+    float low[C][MAX_RANK];
+    const float* xr[C];
+    float* yr[C];
+    for (int j = 0; j < C; j++) {
+        xr[j] = x + rows[j] * K;
+        yr[j] = y + rows[j] * ldy;
     }
-    for (; i + W <= n; i += W) acc0 = at::vec::fmadd(Vec::loadu(p + i), Vec::loadu(q + i), acc0);
-    float sum = at::vec::vec_reduce_all<float>([](Vec& a, Vec& b) { return a + b; }, acc0 + acc1);
-    for (; i < n; i++) sum += p[i] * q[i];
-    return sum;
+    for (int64_t k = 0; k < r; k++) {
+        const float* ak = as + k * K;
+        Vec acc[C];
+        for (int j = 0; j < C; j++) acc[j] = Vec(0.f);
+        int64_t i = 0;
+        for (; i + W <= K; i += W) {
+            Vec av = Vec::loadu(ak + i);
+            for (int j = 0; j < C; j++) acc[j] = at::vec::fmadd(av, Vec::loadu(xr[j] + i), acc[j]);
+        }
+        for (int j = 0; j < C; j++) {
+            float sum = at::vec::vec_reduce_all<float>([](Vec& p, Vec& q) { return p + q; }, acc[j]);
+            for (int64_t t = i; t < K; t++) sum += ak[t] * xr[j][t];
+            low[j][k] = sum;
+        }
+    }
+    int64_t n = 0;
+    for (; n + W <= N; n += W) {
+        Vec acc[C];
+        for (int j = 0; j < C; j++) acc[j] = Vec::loadu(yr[j] + n);
+        for (int64_t k = 0; k < r; k++) {
+            Vec bv = Vec::loadu(bs + k * N + n);
+            for (int j = 0; j < C; j++) acc[j] = at::vec::fmadd(Vec(low[j][k]), bv, acc[j]);
+        }
+        for (int j = 0; j < C; j++) acc[j].store(yr[j] + n);
+    }
+    for (; n < N; n++) {
+        for (int j = 0; j < C; j++) {
+            float acc = yr[j][n];
+            for (int64_t k = 0; k < r; k++) acc += low[j][k] * bs[k * N + n];
+            yr[j][n] = acc;
+        }
+    }
 }
 
 // x [M, K] (row stride K); y [M, N] (row stride ldy); a [S, R, K]; b [S, R, N]; slot_of [M] (-1: none);
@@ -49,28 +85,43 @@ static inline float dot(const float* p, const float* q, int64_t n) {
 extern "C" void kernel(const float* x, const float* a, const float* b, float* y, const int64_t* slot_of,
                        const int64_t* ranks, int64_t M, int64_t N, int64_t K, int64_t R, int64_t ldy,
                        int64_t threads) {
-    #pragma omp parallel for num_threads(threads) schedule(static)
-    for (int64_t m = 0; m < M; m++) {
-        const int64_t s = slot_of[m];
-        if (s < 0) continue;
+    // Tasks: up to ROWS rows of one slot (each slot's rows in order), so that a slot's A and B are read once
+    // per task rather than once per row.
+    std::vector<int64_t> order;
+    std::vector<int64_t> task_start;  // each task's first entry in order
+    std::vector<int64_t> task_slot;
+    int64_t slots = 0;
+    for (int64_t m = 0; m < M; m++) slots = std::max(slots, slot_of[m] + 1);
+    order.reserve(M);
+    for (int64_t s = 0; s < slots; s++) {
         const int64_t r = std::min(ranks[s], std::min(R, MAX_RANK));
         if (r <= 0) continue;
-        float low[MAX_RANK];
-        const float* xm = x + m * K;
-        const float* as = a + s * R * K;
-        for (int64_t k = 0; k < r; k++) low[k] = dot(as + k * K, xm, K);
-        const float* bs = b + s * R * N;
-        float* ym = y + m * ldy;
-        int64_t n = 0;
-        for (; n + W <= N; n += W) {
-            Vec acc = Vec::loadu(ym + n);
-            for (int64_t k = 0; k < r; k++) acc = at::vec::fmadd(Vec(low[k]), Vec::loadu(bs + k * N + n), acc);
-            acc.store(ym + n);
+        int64_t in_task = 0;
+        for (int64_t m = 0; m < M; m++) {
+            if (slot_of[m] != s) continue;
+            if (in_task == 0) {
+                task_start.push_back(static_cast<int64_t>(order.size()));
+                task_slot.push_back(s);
+            }
+            order.push_back(m);
+            in_task = (in_task + 1) % ROWS;
         }
-        for (; n < N; n++) {
-            float acc = ym[n];
-            for (int64_t k = 0; k < r; k++) acc += low[k] * bs[k * N + n];
-            ym[n] = acc;
+    }
+    const int64_t tasks = static_cast<int64_t>(task_start.size());
+    task_start.push_back(static_cast<int64_t>(order.size()));
+    #pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t t = 0; t < tasks; t++) {
+        const int64_t s = task_slot[t];
+        const int64_t r = std::min(ranks[s], std::min(R, MAX_RANK));
+        const int64_t* rows = order.data() + task_start[t];
+        const int64_t count = task_start[t + 1] - task_start[t];
+        const float* as = a + s * R * K;
+        const float* bs = b + s * R * N;
+        switch (count) {
+            case 1: rows_of_one_slot<1>(x, as, bs, y, rows, r, N, K, ldy); break;
+            case 2: rows_of_one_slot<2>(x, as, bs, y, rows, r, N, K, ldy); break;
+            case 3: rows_of_one_slot<3>(x, as, bs, y, rows, r, N, K, ldy); break;
+            default: rows_of_one_slot<4>(x, as, bs, y, rows, r, N, K, ldy); break;
         }
     }
 }
