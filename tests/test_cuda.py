@@ -28,7 +28,7 @@ import pytest
 import trio
 from helpers.concurrent import Outcome, assert_idle_and_clean, consume, run_concurrently, run_in_one_batch
 from helpers.fakes import children, wait_no_children
-from helpers.reference import make_prompts
+from helpers.reference import greedy_tokens, make_prompts
 
 import trioserve
 from trioserve import EngineConfig, SamplingParams
@@ -73,20 +73,7 @@ def reference(model_dir: Any, prompts: list[list[int]], max_tokens: int, dtype: 
                 str(model_dir), attn_implementation="eager", dtype=getattr(torch, dtype)
             )
             _models[key] = model.to(DEVICE).eval()
-        model = _models[key]
-        tokens = []
-        for prompt in prompts:
-            ids = torch.tensor([prompt], device=DEVICE)
-            out = model.generate(
-                ids,
-                attention_mask=torch.ones_like(ids),
-                max_new_tokens=max_tokens,
-                do_sample=False,
-                eos_token_id=None,
-                pad_token_id=0,
-            )
-            tokens.append(out[0, len(prompt) :].tolist())
-        return tokens
+        return [greedy_tokens(_models[key], prompt, max_tokens, DEVICE) for prompt in prompts]
 
 
 async def reference_async(model_dir: Any, prompts: list[list[int]], max_tokens: int, dtype: str = "float32"):

@@ -41,11 +41,12 @@ def _generate(model_dir: str, dtype: Any, prompt: list[int], max_tokens: int) ->
     return known[:max_tokens]
 
 
-def greedy_tokens(model: Any, prompt: list[int], max_tokens: int) -> list[int]:
-    """``model``'s greedy ``generate()`` of ``max_tokens`` tokens after ``prompt``, never stopping early."""
+def greedy_tokens(model: Any, prompt: list[int], max_tokens: int, device: Any = None) -> list[int]:
+    """``model``'s greedy ``generate()`` of ``max_tokens`` tokens after ``prompt``, never stopping early
+    (the prompt on ``device``: the model's)."""
     import torch
 
-    ids = torch.tensor([prompt])
+    ids = torch.tensor([prompt], device=device)
     out = model.generate(
         ids,
         attention_mask=torch.ones_like(ids),
