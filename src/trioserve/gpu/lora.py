@@ -41,6 +41,7 @@ from dataclasses import dataclass, field
 import torch
 
 from trioserve.config import EngineConfig
+from trioserve.gpu.cpu_kernels.linear import PackedLinear, PanelLinear, SplitLinear
 from trioserve.gpu.cpu_kernels.lora import apply_rows, lora_kernel_available
 from trioserve.lora import WEIGHTS_FILE, AdapterConfig, AdapterError, parse_lora_module, read_adapter_config
 
@@ -376,9 +377,7 @@ def _split_of(module: torch.nn.Module) -> tuple[str, slice]:
 
 def _is_linear(module: torch.nn.Module) -> bool:
     """A plain linear layer, or one the CPU kernels packed (``cpu_kernels/linear.py``)."""
-    if isinstance(module, torch.nn.Linear):
-        return True
-    return type(module).__name__ in ("PanelLinear", "PackedLinear", "SplitLinear") and hasattr(module, "in_features")
+    return isinstance(module, torch.nn.Linear | PanelLinear | PackedLinear | SplitLinear)
 
 
 def attach_lora(
