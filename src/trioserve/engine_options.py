@@ -233,8 +233,8 @@ def _add_memory_options(group: argparse._ArgumentGroup, defaults: EngineConfig) 
         type=float,
         default=defaults.gpu_memory_utilization,
         metavar="SHARE",
-        help="on CUDA: the share (0 to 1] of the device's memory the model and its KV cache may fill, in place of "
-        "--kv-cache-mib; refused on the CPU",
+        help="on CUDA: the share (0 to 1] of the device's memory the model, a full step's activations (measured at "
+        "start) and its KV cache may fill, in place of --kv-cache-mib; refused on the CPU",
     )
     group.add_argument(
         "--kv-cache-mib",
