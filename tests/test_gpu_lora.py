@@ -50,7 +50,7 @@ def test_each_row_gets_its_adapters_logits_whichever_way_the_step_runs(tiny_mode
         assert torch.allclose(model(ids).logits, want["b"], atol=1e-4)
 
 
-@pytest.mark.parametrize(("rows", "k", "n"), [(1, 8, 8), (7, 37, 45), (33, 576, 192), (64, 200, 1536)])
+@pytest.mark.parametrize(("rows", "k", "n"), [(1, 8, 8), (7, 37, 45), (33, 576, 192), (64, 200, 1536), (600, 64, 96)])
 def test_the_kernel_gives_each_row_its_own_adapters_product(rows, k, n):
     """``apply_rows`` against the plain product per row: adapters of different
     ranks, rows of no adapter, an adapter's rows more and fewer than the four

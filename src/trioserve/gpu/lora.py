@@ -6,8 +6,8 @@ LM head) and gives each ``max_loras`` slots of ``A`` (``[r, in]``) and
 at load so that a step allocates none. A forward hook on each layer adds,
 for the rows of each adapter in the step, ``x[rows] @ A.T @ B.T`` to the
 layer's output: the whole output at once (two products) when every row has
-the same adapter; for a step of a few rows (``KERNEL_MAX_ROWS``: decodes)
-on the CPU at float32 and without tensor parallelism, one call of our
+the same adapter; on the CPU at float32 and without tensor parallelism
+(decodes and prefills, up to ``KERNEL_MAX_ROWS`` rows), one call of our
 kernel (``cpu_kernels/lora.py``) in
 which each row computes only its own adapter's product; where that kernel
 is not used, for a few rows (``MASKED_MAX_ROWS``), one product over the
@@ -53,8 +53,10 @@ _FILE_SLACK_BYTES = 1 << 20  # a safetensors header beyond the weights themselve
 # large operations, whatever the number of adapters: decodes); a larger one, a product per adapter on its rows.
 MASKED_MAX_ROWS = 256
 # A step of at most this many rows with any adapters runs our kernel (cpu_kernels/lora.py) where it is built: each
-# row only its own adapter's product, one call per layer.
-KERNEL_MAX_ROWS = 256
+# row only its own adapter's product, one call per layer. It beat the per-adapter products at every row count
+# measured (SmolLM2-135M's 210 layers, 4 adapters, 2 threads, AVX2: 64 against 131 ms at 256 rows, 438 against
+# 624 ms at 2,048), so prefills take it too; the bound only keeps a step's row list small.
+KERNEL_MAX_ROWS = 65536
 
 
 @dataclass
