@@ -39,7 +39,15 @@ from trioserve.gpu.cpu_kernels.host_memory import keep_freed_memory, release_fre
 from trioserve.gpu.cpu_kernels.int8 import calibration_ids, quantize_linears
 from trioserve.gpu.cpu_kernels.linear import pack_linears, packing_supported
 from trioserve.gpu.cuda_memory import activation_peak_bytes, kv_budget_bytes, profile_lengths
-from trioserve.gpu.decode_graphs import GRAPHS_ENV, DecodeGraphs, DecodeRows, cuda_capture, eager_capture, graph_buckets
+from trioserve.gpu.decode_graphs import (
+    GRAPHS_ENV,
+    Capture,
+    DecodeGraphs,
+    DecodeRows,
+    cuda_capture,
+    eager_capture,
+    graph_buckets,
+)
 from trioserve.gpu.device import available_memory, resolve_device, resolve_dtype
 from trioserve.gpu.grammar_bitmask import apply_grammar_bitmask
 from trioserve.gpu.logits_processing import RowProcessors
@@ -278,8 +286,8 @@ class ModelRunner(TorchProfiling):
         CPU, filling it would push the host into swap or the OOM killer)."""
         if num_blocks < 1:
             raise ValueError(f"num_blocks: must be >= 1 (got {num_blocks})")
-        graphs = self._wants_graphs()
-        allocated = num_blocks + graphs  # and the graphs' scratch block, which no request gets
+        capture = self._graph_capture()
+        allocated = num_blocks + (capture is not None)  # and the graphs' scratch block, which no request gets
         need, available = allocated * self.bytes_per_block, available_memory(self.device)
         if need > KV_MEMORY_SHARE * available:
             raise MemoryError(
@@ -294,20 +302,26 @@ class ModelRunner(TorchProfiling):
         if self.compiled:
             self._warm_up()
             pool.zero_()
-        if graphs:
-            self._capture_graphs()
+        if capture is not None:
+            self._capture_graphs(capture)
 
-    def _wants_graphs(self) -> bool:
-        """Decode steps from graphs: on CUDA unless ``enforce_eager`` (or
-        anywhere with ``TRIOSERVE_DECODE_GRAPHS=eager``), for one rank's text
-        generation without adapters, with a decode kernel."""
-        mode = os.environ.get(GRAPHS_ENV, "cuda")
-        wanted = not self.config.enforce_eager and (mode == "eager" or (mode == "cuda" and self.device.type == "cuda"))
+    def _graph_capture(self) -> Capture | None:
+        """How decode steps are captured as graphs (None: they are not): on
+        CUDA unless ``enforce_eager``, or eagerly anywhere with
+        ``TRIOSERVE_DECODE_GRAPHS=eager``; for one rank's text generation
+        without adapters, with a decode kernel."""
         alone = self.world_size == 1 and self.lora is None and self.pooler is None
-        return wanted and alone and self._decode_kernel is not None
+        if self.config.enforce_eager or not alone or self._decode_kernel is None:
+            return None
+        mode = os.environ.get(GRAPHS_ENV, "cuda")
+        if mode == "eager":
+            return eager_capture
+        if mode == "cuda" and self.device.type == "cuda":
+            return cuda_capture(torch.cuda.graph_pool_handle())
+        return None
 
     @torch.inference_mode()
-    def _capture_graphs(self) -> None:
+    def _capture_graphs(self, capture: Capture) -> None:
         if self._forward is None or self._decode_kernel is None:
             raise RuntimeError("graphs before load()")
         width = -(-self.max_model_len // self.block_size)
@@ -316,8 +330,7 @@ class ModelRunner(TorchProfiling):
             self._forward, self.kv_caches, self.block_size, width, self.num_blocks, self._decode_kernel, buckets,
             self.device,
         )  # fmt: skip
-        cuda = self.device.type == "cuda" and os.environ.get(GRAPHS_ENV) != "eager"
-        self._graphs.capture_all(cuda_capture(torch.cuda.graph_pool_handle()) if cuda else eager_capture)
+        self._graphs.capture_all(capture)
 
     @torch.inference_mode()
     def _warm_up(self) -> None:
