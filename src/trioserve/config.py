@@ -335,7 +335,6 @@ class EngineConfig:
                 "quantization",
                 "int8 runs on the CPU at float32",
             )
-            _check(self.tensor_parallel_size == 1, "quantization", "int8 runs unsharded (tensor_parallel_size 1) yet")
             _check(self.task != "embed", "quantization", "int8 serves text generation, not embeddings, yet")
         _check(self.block_size in (1, 2, 4, 8, 16, 32, 64, 128), "block_size", "must be a power of two <= 128")
         _check(self.kv_cache_memory_bytes > 0, "kv_cache_memory_bytes", "must be > 0")

@@ -43,6 +43,7 @@ import torch
 from trioserve.config import EngineConfig
 from trioserve.gpu.cpu_kernels.linear import PackedLinear, PanelLinear, SplitLinear
 from trioserve.gpu.cpu_kernels.lora import apply_rows, lora_kernel_available
+from trioserve.gpu.sharding import split_of
 from trioserve.lora import WEIGHTS_FILE, AdapterConfig, AdapterError, parse_lora_module, read_adapter_config
 
 log = logging.getLogger("trioserve.gpu.lora")
@@ -112,7 +113,7 @@ class LoraLayers:
             if name.split(".")[-1] == "lm_head" or not _is_linear(module):
                 continue
             n_in, n_out = int(module.in_features), int(module.out_features)
-            split, share = _split_of(module)
+            split, share = split_of(module)
             local_in = len(range(n_in)[share]) if split == "row" else n_in
             local_out = len(range(n_out)[share]) if split == "col" else n_out
             layer = _Layer(
@@ -359,22 +360,6 @@ class LoraLayers:
                     out.index_add_(0, rows, low @ b)
 
         return add_adapters
-
-
-def _split_of(module: torch.nn.Module) -> tuple[str, slice]:
-    """How tensor parallelism split a layer (its weight a sharded ``DTensor``):
-    ``("col", this rank's outputs)``, ``("row", this rank's inputs)``, or
-    ``("", all)``. Shares as ``torch.chunk`` cuts them (the last may be shorter)."""
-    weight = getattr(module, "weight", None)
-    placements = getattr(weight, "placements", None)
-    if weight is None or not placements or not placements[0].is_shard():
-        return "", slice(None)
-    dim = placements[0].dim % 2  # Shard(0): the output features; Shard(1) or Shard(-1): the inputs
-    mesh = weight.device_mesh
-    rank, size = mesh.get_local_rank(), mesh.size()
-    chunks = torch.arange(weight.shape[dim]).chunk(size)
-    start = sum(len(c) for c in chunks[:rank])
-    return ("col" if dim == 0 else "row"), slice(start, start + len(chunks[rank]))
 
 
 def _is_linear(module: torch.nn.Module) -> bool:

@@ -45,11 +45,12 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
-from typing import TYPE_CHECKING, cast
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
 from trioserve.gpu.cpu_kernels import cpp
+from trioserve.gpu.sharding import local_tensor, split_of
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
@@ -84,9 +85,10 @@ using Vec = at::vec::Vectorized<float>;
 
 // Row m of x [M, K], times inv (per input; may be null), as unsigned bytes q = clamp(round(x / s) + z, 0, 255)
 // (round half to even): lo = min(0, min x), hi = max(0, max x), s = (hi - lo) / 255 (1 where that is 0),
-// z = round(-lo / s); padded with z (a zero) to Kp.
-static void quantize_rows(const float* x, const float* inv, int64_t M, int64_t K, int64_t Kp, uint8_t* q, float* s,
-                          int32_t* z, int64_t threads) {
+// z = round(-lo / s); padded with z (a zero) to Kp. With ranges [M, 2] (may be null), each row's lo and hi are
+// given (those of the whole row, where x holds only this rank's share of its inputs).
+static void quantize_rows(const float* x, const float* inv, const float* ranges, int64_t M, int64_t K, int64_t Kp,
+                          uint8_t* q, float* s, int32_t* z, int64_t threads) {
     constexpr int64_t W = Vec::size();
     #pragma omp parallel num_threads(threads)
     {
@@ -100,17 +102,23 @@ static void quantize_rows(const float* x, const float* inv, int64_t M, int64_t K
                 for (; k < K; k++) scaled[k] = row[k] * inv[k];
                 row = scaled.data();
             }
-            Vec vlo(0.f), vhi(0.f);
-            for (k = 0; k + W <= K; k += W) {
-                const Vec v = Vec::loadu(row + k);
-                vlo = at::vec::minimum(vlo, v);
-                vhi = at::vec::maximum(vhi, v);
-            }
-            float lo = at::vec::vec_reduce_all<float>([](Vec& a, Vec& b) { return at::vec::minimum(a, b); }, vlo);
-            float hi = at::vec::vec_reduce_all<float>([](Vec& a, Vec& b) { return at::vec::maximum(a, b); }, vhi);
-            for (; k < K; k++) {
-                lo = std::min(lo, row[k]);
-                hi = std::max(hi, row[k]);
+            float lo, hi;
+            if (ranges) {
+                lo = ranges[2 * m];
+                hi = ranges[2 * m + 1];
+            } else {
+                Vec vlo(0.f), vhi(0.f);
+                for (k = 0; k + W <= K; k += W) {
+                    const Vec v = Vec::loadu(row + k);
+                    vlo = at::vec::minimum(vlo, v);
+                    vhi = at::vec::maximum(vhi, v);
+                }
+                lo = at::vec::vec_reduce_all<float>([](Vec& a, Vec& b) { return at::vec::minimum(a, b); }, vlo);
+                hi = at::vec::vec_reduce_all<float>([](Vec& a, Vec& b) { return at::vec::maximum(a, b); }, vhi);
+                for (; k < K; k++) {
+                    lo = std::min(lo, row[k]);
+                    hi = std::max(hi, row[k]);
+                }
             }
             float scale = (hi - lo) / 255.f;
             if (!(scale > 0.f)) scale = 1.f;
@@ -248,17 +256,19 @@ static inline void rows_through(int64_t mc, const uint8_t* q, int64_t Kp, const 
 
 // x [M, K] float rows -> y [M, N]. inv [K] (if has_inv): each input's multiplier before quantizing. w: int8
 // panels [P, Kp / 4, NR, 4] (P = ceil(N / NR), Kp = K rounded up to 4); wsum [P * NR]: each column's sum of
-// weights; ws [P * NR]: each column's scale; bias [N] (if has_bias).
+// weights; ws [P * NR]: each column's scale; bias [N] (if has_bias); ranges [M, 2] (if has_ranges): each row's
+// lo and hi for quantizing it (quantize_rows).
 extern "C" void kernel(const float* x, const float* inv, const int8_t* w, const int32_t* wsum, const float* ws,
-                       const float* bias, float* y, int64_t M, int64_t N, int64_t K, int64_t threads,
-                       int64_t has_inv, int64_t has_bias) {
+                       const float* bias, const float* ranges, float* y, int64_t M, int64_t N, int64_t K,
+                       int64_t threads, int64_t has_inv, int64_t has_bias, int64_t has_ranges) {
     const int64_t Kp = (K + 3) / 4 * 4;
     const int64_t P = (N + NR - 1) / NR;
     const int64_t T = (P + PP - 1) / PP;  // tiles across
     std::vector<uint8_t> q(M * Kp);
     std::vector<float> s(M);
     std::vector<int32_t> z(M);
-    quantize_rows(x, has_inv ? inv : nullptr, M, K, Kp, q.data(), s.data(), z.data(), threads);
+    quantize_rows(x, has_inv ? inv : nullptr, has_ranges ? ranges : nullptr, M, K, Kp, q.data(), s.data(), z.data(),
+                  threads);
     for (int64_t m0 = 0; m0 < M; m0 += MC) {
         const int64_t mc = std::min(MC, M - m0);
         const uint8_t* qc = q.data() + m0 * Kp;
@@ -281,7 +291,7 @@ extern "C" void kernel(const float* x, const float* inv, const int8_t* w, const 
 """
 
 _ARGTYPES = ["const float*", "const float*", "const int8_t*", "const int32_t*", "const float*", "const float*"]
-_ARGTYPES += ["float*"] + ["int64_t"] * 6
+_ARGTYPES += ["const float*", "float*"] + ["int64_t"] * 7
 
 SMOOTHING_ALPHA = 0.5  # how much of an input's range moves from the activations to the weights
 
@@ -325,23 +335,33 @@ def int8_build(simdlen: int | None = None) -> str:
     return "AVX2" if isinstance(isa, cpu_vec_isa.VecAVX2 | cpu_vec_isa.VecAVX512) else "portable"
 
 
-def quantize_weight(weight: torch.Tensor, smooth: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_weight(
+    weight: torch.Tensor, smooth: torch.Tensor | None = None, amax: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """``[out, in]`` float (times ``smooth [in]``, where given) -> (int8 ``[out, in]``, float32 scale ``[out]``):
-    per output channel, symmetric."""
+    per output channel, symmetric; the scale from ``amax [out]`` where given (the largest of each channel's
+    whole row, of which ``weight`` holds a share), else from ``weight``."""
     w = weight.detach().float()
     if smooth is not None:
         w = w * smooth[None, :]
-    amax = w.abs().amax(dim=1)
+    if amax is None:
+        amax = w.abs().amax(dim=1)
     scale = torch.where(amax > 0, amax / 127, torch.ones_like(amax))
     return torch.round(w / scale[:, None]).clamp(-127, 127).to(torch.int8), scale
 
 
-def quantize_rows(x: torch.Tensor, inv: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_rows(
+    x: torch.Tensor, inv: torch.Tensor | None = None, ranges: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Float rows ``[M, K]`` (times ``inv [K]``, where given) -> (their steps less the zero point, as float
-    ``[M, K]``, scale ``[M]``): asymmetric per row, as the kernel quantizes them."""
+    ``[M, K]``, scale ``[M]``): asymmetric per row, as the kernel quantizes them (over ``ranges [M, 2]``'s
+    ``lo`` and ``hi`` where given)."""
     if inv is not None:
         x = x * inv
-    lo, hi = x.amin(dim=1).clamp(max=0), x.amax(dim=1).clamp(min=0)
+    if ranges is not None:
+        lo, hi = ranges[:, 0], ranges[:, 1]
+    else:
+        lo, hi = x.amin(dim=1).clamp(max=0), x.amax(dim=1).clamp(min=0)
     scale = (hi - lo) / 255
     scale = torch.where(scale > 0, scale, torch.ones_like(scale))
     zero = torch.round(-lo / scale)
@@ -350,10 +370,11 @@ def quantize_rows(x: torch.Tensor, inv: torch.Tensor | None = None) -> tuple[tor
 
 
 def int8_reference(
-    x: torch.Tensor, wq: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None, inv: torch.Tensor | None = None
-) -> torch.Tensor:
+    x: torch.Tensor, wq: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None, inv: torch.Tensor | None = None,
+    ranges: torch.Tensor | None = None,
+) -> torch.Tensor:  # fmt: skip
     """What ``Int8Linear`` computes, in plain torch: float32 rows ``[M, K]`` -> ``[M, N]``."""
-    xq, xs = quantize_rows(x.float(), inv)
+    xq, xs = quantize_rows(x.float(), inv, ranges)
     sums = (xq.double() @ wq.double().T).to(torch.int32)  # exact: every term and sum is an integer below 2**53
     y = sums.float() * (xs[:, None] * scale[None, :])
     return y if bias is None else y + bias.float()
@@ -376,15 +397,19 @@ def int8_gemm(
     bias: torch.Tensor | None = None,
     simdlen: int | None = None,
     portable: bool = False,
+    ranges: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Float32 rows ``x [M, in]`` through ``layer``'s int8 weight, with ``bias`` -> float32 ``[M, out]``
-    (``simdlen``, ``portable``: the kernel built for that vector width, its portable loops: ``_kernel``)."""
-    return _gemm(x, layer.panels, layer.wsum, layer.scale, layer.inv, bias, layer.out_features, simdlen, portable)
+    (``simdlen``, ``portable``: the kernel built for that vector width, its portable loops: ``_kernel``;
+    ``ranges [M, 2]``: each row quantized over that ``lo`` and ``hi``, not its own)."""
+    args = (layer.panels, layer.wsum, layer.scale, layer.inv, bias, layer.out_features)
+    return _gemm(x, *args, simdlen, portable, ranges)
 
 
 def _gemm(
     x: torch.Tensor, panels: torch.Tensor, wsum: torch.Tensor, scale: torch.Tensor, inv: torch.Tensor | None,
     bias: torch.Tensor | None, out_features: int, simdlen: int | None = None, portable: bool = False,
+    ranges: torch.Tensor | None = None,
 ) -> torch.Tensor:  # fmt: skip
     if x.dim() != 2 or x.dtype != torch.float32 or x.device.type != "cpu":
         raise ValueError(f"the int8 GEMM takes float32 rows on the CPU (got {x.dtype} {tuple(x.shape)} on {x.device})")
@@ -392,32 +417,54 @@ def _gemm(
     rows, in_features = x.shape
     if panels.shape[1] != -(-in_features // 4):
         raise ValueError(f"the int8 GEMM's weight takes rows of {panels.shape[1] * 4} (got {in_features})")
+    if ranges is not None and (ranges.shape != (rows, 2) or ranges.dtype != torch.float32):
+        raise ValueError(f"the int8 GEMM takes float32 ranges [{rows}, 2] (got {ranges.dtype} {tuple(ranges.shape)})")
     y = x.new_empty(rows, out_features)
     if rows:
         _kernel(simdlen, portable)(
-            x, y if inv is None else inv, panels, wsum, scale, y if bias is None else bias, y, rows, out_features,
-            in_features, torch.get_num_threads(), int(inv is not None), int(bias is not None),
+            x, y if inv is None else inv, panels, wsum, scale, y if bias is None else bias,
+            y if ranges is None else ranges.contiguous(), y, rows, out_features, in_features, torch.get_num_threads(),
+            int(inv is not None), int(bias is not None), int(ranges is not None),
         )  # fmt: skip
     return y
 
 
+def row_ranges(x: torch.Tensor, inv: torch.Tensor | None, group: Any = None) -> torch.Tensor:
+    """Each row's ``(lo, hi)`` for quantizing it (``[M, 2]``, as the kernel finds them: ``min(0, min x)``,
+    ``max(0, max x)`` of ``x`` times ``inv``), over the whole row where the ranks of ``group`` each hold a
+    share of its inputs: one all-reduce of ``[M, 2]``."""
+    scaled = x if inv is None else x * inv
+    spans = torch.stack([scaled.amin(dim=1).neg().clamp(min=0), scaled.amax(dim=1).clamp(min=0)], dim=1)
+    torch.distributed.all_reduce(spans, op=torch.distributed.ReduceOp.MAX, group=group)
+    spans[:, 0].neg_()
+    return spans
+
+
 class Int8Linear(torch.nn.Module):
-    """``y = x @ W.T + b`` with ``W`` in int8 per output channel and ``x`` quantized per row (module docstring)."""
+    """``y = x @ W.T + b`` with ``W`` in int8 per output channel and ``x`` quantized per row (module docstring).
+
+    Under tensor parallelism a column-parallel layer holds its rank's output channels and is otherwise
+    unchanged; a row-parallel one (``row_parallel``) holds its rank's share of the inputs: each row is
+    quantized over its whole range (``row_ranges``), the ranks' products are summed by an all-reduce, and the
+    bias is added once after it. Scales and smoothing are those of the whole weight (``quantize_linears``), so
+    the ranks compute the unsharded layer's int32 sums, in shares."""
 
     def __init__(
         self, weight: torch.Tensor, bias: torch.Tensor | None, *, scale: torch.Tensor | None = None,
-        smooth: torch.Tensor | None = None,
+        smooth: torch.Tensor | None = None, amax: torch.Tensor | None = None, row_parallel: bool = False,
     ) -> None:  # fmt: skip
         """``weight``: float ``[out, in]`` (quantized here, times ``smooth``), or int8 with its ``scale``
         ``[out]`` (quantized from ``W * smooth``, where given). ``smooth [in]``: each input's share moved from
-        the activations (divided by it) to the weight (multiplied)."""
+        the activations (divided by it) to the weight (multiplied). ``amax [out]``: each output channel's
+        largest smoothed weight, where ``weight`` holds a share of its inputs (``quantize_weight``)."""
         super().__init__()
+        self.row_parallel = row_parallel
         if weight.dtype == torch.int8:
             if scale is None:
                 raise ValueError("an int8 weight needs its per-channel scale")
             wq, scale = weight, scale.float()
         else:
-            wq, scale = quantize_weight(weight, smooth)
+            wq, scale = quantize_weight(weight, smooth, amax)
         self.out_features, self.in_features = wq.shape
         if self.in_features >= MAX_IN_FEATURES:
             raise ValueError(f"int8 linear layers take fewer than {MAX_IN_FEATURES} inputs (got {self.in_features})")
@@ -432,6 +479,13 @@ class Int8Linear(torch.nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features)
+        if self.row_parallel:  # this rank's share of each row's sum; the bias once, after the sum
+            ranges = row_ranges(rows, self.inv)
+            y = _gemm(rows, self.panels, self.wsum, self.scale, self.inv, None, self.out_features, ranges=ranges)
+            torch.distributed.all_reduce(y)
+            if self.bias is not None:
+                y += self.bias
+            return y.view(*x.shape[:-1], self.out_features)
         args = (self.panels, self.wsum, self.scale, self.inv, self.bias, self.out_features)
         if torch.compiler.is_compiling() or torch.autograd.profiler._is_profiler_enabled:
             y = torch.ops.trioserve.int8_linear(rows, *args)
@@ -440,7 +494,8 @@ class Int8Linear(torch.nn.Module):
         return y.view(*x.shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
+        shard = ", row_parallel=True" if self.row_parallel else ""
+        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}{shard}"
 
 
 @torch.library.custom_op("trioserve::int8_linear", mutates_args=())
@@ -460,9 +515,14 @@ def _int8_linear_fake(
     return x.new_empty(x.shape[0], out_features)
 
 
-def smoothing(weight: torch.Tensor, act_max: torch.Tensor, alpha: float = SMOOTHING_ALPHA) -> torch.Tensor:
-    """SmoothQuant's per-input factors: ``act_max ** alpha / w_max ** (1 - alpha)`` (1 for an input never seen)."""
-    w_max = weight.detach().float().abs().amax(dim=0).clamp(min=1e-5)
+def smoothing(
+    weight: torch.Tensor, act_max: torch.Tensor, alpha: float = SMOOTHING_ALPHA, w_max: torch.Tensor | None = None
+) -> torch.Tensor:
+    """SmoothQuant's per-input factors: ``act_max ** alpha / w_max ** (1 - alpha)`` (1 for an input never seen);
+    ``w_max [in]``, each input's largest weight, where given (``weight`` holding a share of the outputs)."""
+    if w_max is None:
+        w_max = weight.detach().float().abs().amax(dim=0)
+    w_max = w_max.clamp(min=1e-5)
     factors = (act_max.clamp(min=1e-5) ** alpha / w_max ** (1 - alpha)).clamp(min=1e-5)
     return torch.where(act_max > 0, factors, torch.ones_like(factors))
 
@@ -512,14 +572,28 @@ def quantize_linears(
 ) -> int:  # fmt: skip
     """Replace every ``nn.Linear`` of ``model`` except those named in ``keep`` by an ``Int8Linear``, in place;
     returns how many. With ``calibration_ids``, each is smoothed by the inputs seen on them (``calibrate``,
-    ``smoothing``). The CPU at float32 only."""
+    ``smoothing``). The CPU at float32 only. A model sharded by tensor parallelism is quantized shard by shard,
+    with every rank (the calibration pass and the whole weights' maxima are collectives), to the scales and
+    smoothing of the unsharded model."""
     if device.type != "cpu" or dtype != torch.float32:
         raise ValueError(f"quantization: int8 runs on the CPU at float32 (this worker: {device.type}, {dtype})")
     act_max = calibrate(model, calibration_ids, keep) if calibration_ids is not None else {}
     swaps = _targets(model, keep)
     for name, parent, child_name, child in swaps:
-        smooth = smoothing(child.weight, act_max[name]) if name in act_max else None
-        setattr(parent, child_name, Int8Linear(child.weight, child.bias, smooth=smooth))
+        split, _ = split_of(child)  # under tensor parallelism: this rank's outputs ("col") or inputs ("row")
+        weight = local_tensor(child.weight).detach().float()
+        bias = None if child.bias is None else torch.nn.Parameter(local_tensor(child.bias), requires_grad=False)
+        smooth = amax = None
+        if name in act_max:
+            w_max = weight.abs().amax(dim=0)
+            if split == "col":  # of the whole column, whose rows the ranks share
+                torch.distributed.all_reduce(w_max, op=torch.distributed.ReduceOp.MAX)
+            smooth = smoothing(weight, act_max[name], w_max=w_max)
+        if split == "row":  # each output channel's scale over its whole row, whose inputs the ranks share
+            amax = (weight if smooth is None else weight * smooth[None, :]).abs().amax(dim=1)
+            torch.distributed.all_reduce(amax, op=torch.distributed.ReduceOp.MAX)
+        layer = Int8Linear(weight, bias, smooth=smooth, amax=amax, row_parallel=split == "row")
+        setattr(parent, child_name, layer)
     return len(swaps)
 
 
