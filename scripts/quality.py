@@ -5,6 +5,7 @@ agreement with float32 over 32 prompts, for float32, bfloat16 and int8
 (``--quantization int8``: our ``Int8Linear`` layers, ``gpu/cpu_kernels/int8.py``)::
 
     .venv/bin/python scripts/quality.py [--model smollm2-135m] [--max-tokens 32] [--keep lm_head,down_proj]
+    .venv/bin/python scripts/quality.py --modes float32,int8,w8a8 --w8a8 DIR   # DIR: trioserve quantize's
 
 The model runs in this process as transformers builds it (eager attention),
 with its linear layers swapped for ours as the engine swaps them (float32:
@@ -24,12 +25,13 @@ import statistics
 from pathlib import Path
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from bf16_agreement import PROMPTS as SIXTEEN_PROMPTS  # this directory is the script's first import path
 from trioserve.bench.models import resolve_model
 from trioserve.gpu.cpu_kernels.int8 import calibration_ids, quantize_linears
 from trioserve.gpu.cpu_kernels.linear import pack_linears
+from trioserve.gpu.w8a8 import load_w8a8, read_scheme, without_quantization
 
 TEXT = Path(__file__).with_name("data") / "public_domain.txt"
 
@@ -43,8 +45,18 @@ PROMPTS = [
 ]  # fmt: skip
 
 
-def load(model_dir: Path, mode: str, keep: tuple[str, ...]) -> torch.nn.Module:
+def load(model_dir: Path, mode: str, keep: tuple[str, ...], w8a8: Path | None = None) -> torch.nn.Module:
     dtype = torch.bfloat16 if mode == "bfloat16" else torch.float32
+    if mode == "w8a8":  # a compressed-tensors int8 checkpoint, as the worker loads it
+        scheme = read_scheme(w8a8 or model_dir)
+        assert scheme is not None, f"{w8a8}: not a W8A8 checkpoint"
+        config = without_quantization(AutoConfig.from_pretrained(scheme.model_dir))
+        model = AutoModelForCausalLM.from_pretrained(
+            scheme.model_dir, config=config, attn_implementation="eager", dtype=dtype
+        ).eval()
+        load_w8a8(model.requires_grad_(False), scheme)
+        pack_linears(model)
+        return model
     model = AutoModelForCausalLM.from_pretrained(model_dir, attn_implementation="eager", dtype=dtype).eval()
     model.requires_grad_(False)
     if mode == "int8":
@@ -86,6 +98,7 @@ def main() -> None:
     p.add_argument("--max-tokens", type=int, default=32)
     p.add_argument("--keep", default="lm_head", help="linear layers (by name) int8 leaves in float")
     p.add_argument("--torch-threads", type=int, default=2)
+    p.add_argument("--w8a8", type=Path, help="the W8A8 checkpoint that mode w8a8 loads (trioserve quantize's)")
     args = p.parse_args()
     torch.set_num_threads(args.torch_threads)
     model_dir = resolve_model(args.model)
@@ -97,7 +110,7 @@ def main() -> None:
     reference: list[list[int]] | None = None
     base_ppl = None
     for mode in args.modes.split(","):
-        model = load(model_dir, mode, keep)
+        model = load(model_dir, mode, keep, args.w8a8)
         ppl = perplexity(model, ids)
         outputs = greedy(model, prompts, args.max_tokens)
         if reference is None:

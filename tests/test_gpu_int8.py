@@ -150,15 +150,22 @@ def test_an_int8_model_gives_the_greedy_tokens_of_its_plain_torch_reference(tiny
     model_dir = tiny_model_dir(arch)
     prompts = make_prompts([5, 23, 41, 2])
     expected = reference_int8_greedy(model_dir, prompts, 10)
-    runner, _ = make_runner(model_dir, quantization="int8")
+    quantized, got = int8_runner_greedy(model_dir, prompts, 10, quantization="int8")
+    assert got == expected and quantized[0].inv is not None  # smoothed
+
+
+def int8_runner_greedy(model_dir, prompts: list[list[int]], max_tokens: int, **config) -> tuple[list, list[list[int]]]:
+    """The runner's int8 layers (q k v o gate up down of every layer, not the LM head) and its greedy tokens for
+    ``prompts``: chunked prefills, decodes beside them, a preemption in a prefill and one after some tokens."""
+    runner, _ = make_runner(model_dir, **config)
     quantized = [m for m in runner.model.modules() if isinstance(m, int8.Int8Linear)]
-    assert len(quantized) == 7 * runner.model.config.num_hidden_layers  # q k v o gate up down
+    assert len(quantized) == 7 * runner.model.config.num_hidden_layers
     assert type(runner.model.lm_head) is not int8.Int8Linear
     sched = MiniScheduler(runner, num_blocks=128, block_size=4, token_budget=24)
     for i, prompt in enumerate(prompts):
         sched.add(f"r{i}", prompt)
     outputs = sched.run(preempt_at={2: "r2", 6: "r1"})
-    assert [outputs[f"r{i}"][:10] for i in range(len(prompts))] == expected
+    return quantized, [outputs[f"r{i}"][:max_tokens] for i in range(len(prompts))]
 
 
 def test_int8_is_refused_where_it_does_not_run():

@@ -96,22 +96,30 @@ async def test_two_ranks_give_the_greedy_tokens_of_one_also_with_preemption(tiny
             await check_the_greedy_tokens_of_one_also_with_preemption(engine, model_dir, adapters, tmp_path)
 
 
-async def test_int8_over_two_ranks_gives_the_unsharded_int8_models_greedy_tokens(tiny_model_dir):
-    """``quantization="int8"`` with two ranks: column-parallel layers (Qwen2's q, k, v with their biases; gate,
-    up) hold their rank's output channels, row-parallel ones (o, down) their share of the inputs, quantized with
-    the whole layer's scales and smoothing: the greedy tokens of the unsharded model with the same int8 layers
-    in plain torch (test_gpu_int8's reference), also under preemption."""
+@pytest.mark.parametrize("source", ["--quantization int8", "a W8A8 checkpoint"])
+async def test_int8_over_two_ranks_gives_the_unsharded_int8_models_greedy_tokens(tiny_model_dir, tmp_path, source):
+    """int8 with two ranks, quantized at load from a float checkpoint or read from a compressed-tensors W8A8 one
+    (``trioserve quantize``'s): column-parallel layers (Qwen2's q, k, v with their biases; gate, up) hold their
+    rank's output channels, row-parallel ones (o, down) their share of the inputs, with the whole layer's scales
+    (and smoothing): the greedy tokens of the unsharded model with the same int8 layers in plain torch
+    (test_gpu_int8's and test_w8a8's references), also under preemption."""
     from test_gpu_int8 import reference_int8_greedy
+    from test_w8a8 import reference_w8a8_greedy
+    from trioserve.gpu.w8a8 import write_w8a8
 
     model_dir = tiny_model_dir("qwen2")
+    if source == "a W8A8 checkpoint":
+        model_dir = tmp_path / "w8a8"
+        await trio.to_thread.run_sync(write_w8a8, tiny_model_dir("qwen2"), model_dir)
+    reference = reference_w8a8_greedy if source == "a W8A8 checkpoint" else reference_int8_greedy
     config = EngineConfig(
-        model=str(model_dir), tensor_parallel_size=2, quantization="int8", block_size=4, num_kv_blocks=40,
-        torch_threads=1, shutdown_grace_s=3.0,
+        model=str(model_dir), tensor_parallel_size=2, quantization="int8" if source.startswith("--") else None,
+        block_size=4, num_kv_blocks=40, torch_threads=1, shutdown_grace_s=3.0,
     )  # fmt: skip
     with trio.fail_after(150):
         async with trioserve.open_engine(config=config) as engine:
             prompts = make_prompts(engine.info.vocab_size)
-            expected = await trio.to_thread.run_sync(reference_int8_greedy, model_dir, prompts, 16)
+            expected = await trio.to_thread.run_sync(reference, model_dir, prompts, 16)
             params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
             assert await run_in_one_batch(engine, prompts, params) == expected
             assert (await engine.stats()).num_preemptions > 0

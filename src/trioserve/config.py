@@ -183,7 +183,9 @@ class EngineConfig:
     device: Literal["auto", "cpu", "cuda"] = "auto"
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     # "int8": linear layers (all but the LM head) in int8 per output channel, activations per token (CPU, float32).
-    quantization: Literal["int8"] | None = None
+    # A compressed-tensors W8A8 checkpoint (gpu/w8a8.py) is served in int8 whatever this says; "compressed-tensors"
+    # (vLLM's name) asks that the model be one.
+    quantization: Literal["int8", "compressed-tensors"] | None = None
     seed: int = 0
 
     # Paged KV cache.
@@ -328,7 +330,11 @@ class EngineConfig:
             "dtype",
             "must be 'auto', 'float32', 'bfloat16' or 'float16'",
         )
-        _check(self.quantization in (None, "int8"), "quantization", "must be 'int8' (or None: the model's own dtype)")
+        _check(
+            self.quantization in (None, "int8", "compressed-tensors"),
+            "quantization",
+            "must be 'int8', 'compressed-tensors' (a W8A8 checkpoint's own) or None (the checkpoint's own dtype)",
+        )
         if self.quantization is not None:
             _check(
                 self.device != "cuda" and self.dtype in ("auto", "float32"),

@@ -80,8 +80,10 @@ def add_engine_options(
         "--dtype", choices=dtypes, default=defaults.dtype, help="half = float16, float = float32 (default: %(default)s)"
     )
     group.add_argument(
-        "--quantization", "-q", choices=["int8"],
-        help="int8: linear layers in int8, weights per output channel, activations per token (CPU, float32)",
+        "--quantization", "-q", choices=["int8", "compressed-tensors"],
+        help="int8: linear layers in int8, weights per output channel, activations per token (CPU, float32); "
+        "compressed-tensors: the model must be a W8A8 int8 checkpoint (one is served as such without this flag; "
+        "trioserve quantize writes one)",
     )  # fmt: skip
     group.add_argument(
         "--tokenizer",

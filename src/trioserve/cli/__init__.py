@@ -32,6 +32,7 @@ from trioserve.cli.exits import (
     exit_for,
 )
 from trioserve.cli.hosts import add_keys_parser
+from trioserve.cli.quantize import add_quantize_parser
 from trioserve.cli.serve import add_serve_parser
 from trioserve.cli.terminal import add_chat_parser, add_generate_parser
 from trioserve.cli.vllm_flags import unsupported_flag
@@ -67,6 +68,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_keys_parser(commands)
     add_chat_parser(commands)
     add_bench_parser(commands)
+    add_quantize_parser(commands)
     return parser
 
 

@@ -43,7 +43,7 @@ import torch
 from trioserve.config import EngineConfig
 from trioserve.gpu.cpu_kernels.linear import PackedLinear, PanelLinear, SplitLinear
 from trioserve.gpu.cpu_kernels.lora import apply_rows, lora_kernel_available
-from trioserve.gpu.sharding import split_of
+from trioserve.gpu.tensor_shards import split_of
 from trioserve.lora import WEIGHTS_FILE, AdapterConfig, AdapterError, parse_lora_module, read_adapter_config
 
 log = logging.getLogger("trioserve.gpu.lora")

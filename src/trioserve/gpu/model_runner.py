@@ -18,7 +18,7 @@ import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -56,6 +56,7 @@ from trioserve.gpu.pooler import Pooler, PoolingPlan, encoder_hidden, hidden_for
 from trioserve.gpu.profiler import TorchProfiling
 from trioserve.gpu.prompt_logprobs import PromptLogprobsPlan
 from trioserve.gpu.sampler import SamplingBatch, sample
+from trioserve.gpu.w8a8 import load_w8a8, read_scheme, without_quantization
 from trioserve.messages import (
     CachedRequestData,
     GrammarBitmask,
@@ -212,15 +213,32 @@ class ModelRunner(TorchProfiling):
         torch.manual_seed(self.config.seed)
         base = self.pooler is not None  # an embedding model: hidden states, no head
         attention = "sdpa" if self._encoder else ATTENTION_NAME  # an encoder attends both ways, without the cache
+        kwargs: dict[str, Any] = {}
+        scheme = read_scheme(self.config.model)  # a compressed-tensors W8A8 checkpoint (gpu/w8a8.py), or None
+        if scheme is None and self.config.quantization == "compressed-tensors":
+            raise ValueError(f"quantization: {self.config.model}/config.json has no compressed-tensors W8A8 scheme")
+        if scheme is not None and (self.device.type != "cpu" or self.dtype != torch.float32):
+            raise ValueError(
+                f"{self.config.model} is a W8A8 int8 checkpoint: it runs on the CPU at float32 "
+                f"(this worker: {self.device.type}, {self.dtype})"
+            )
+        if scheme is not None:  # loaded as a float model (its int8 weights exactly), then swapped: load_w8a8
+            from transformers import AutoConfig
+
+            kwargs["config"] = without_quantization(AutoConfig.from_pretrained(self.config.model))
         model = sharding.load_model(
-            self.config.model, self.world_size, base=base, attn_implementation=attention, dtype=self.dtype
-        )
+            self.config.model, self.world_size, base=base, w8a8=scheme is not None, attn_implementation=attention,
+            dtype=self.dtype, **kwargs,
+        )  # fmt: skip
         self.model = torch.nn.Module.to(model, self.device).eval().requires_grad_(False)
         self._decode_kernel, self._prefill_kernel = attention_kernels(self.device, self.dtype)
-        if base and (self.config.enable_lora or self.config.quantization):
+        if base and (self.config.enable_lora or self.config.quantization or scheme is not None):
             what = "enable_lora: LoRA adapters" if self.config.enable_lora else "quantization: int8 layers"
             raise ValueError(f"{what} serve text generation, and this model serves embeddings")
-        if self.config.quantization == "int8":  # all but the LM head, smoothed (gpu/cpu_kernels/int8.py)
+        if scheme is not None:  # int8 as the checkpoint stores it (whatever --quantization says)
+            swapped = load_w8a8(model, scheme)
+            log.info("%s: a W8A8 int8 checkpoint, %d linear layers in int8", self.config.model, swapped)
+        elif self.config.quantization == "int8":  # all but the LM head, smoothed (gpu/cpu_kernels/int8.py)
             ids = calibration_ids(self.config.tokenizer or self.config.model)
             quantize_linears(model, self.device, self.dtype, calibration_ids=ids)
         # Our panels or oneDNN's blocked weights (gpu/cpu_kernels/linear.py): not for embeddings (all prefill: slower)

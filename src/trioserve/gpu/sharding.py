@@ -32,6 +32,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from trioserve.gpu.tensor_shards import local_tensor
+
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
 
@@ -118,14 +120,20 @@ def process_group_backend(device: torch.device) -> str:
 MISSING_NAMED = 5  # missing weights named in the error (then a count of the rest)
 
 
-def load_model(model_dir: str, world_size: int, *, base: bool = False, **kwargs: Any) -> PreTrainedModel:
+def load_model(
+    model_dir: str, world_size: int, *, base: bool = False, w8a8: bool = False, **kwargs: Any
+) -> PreTrainedModel:
     """``from_pretrained``: the whole model, or with ``world_size`` > 1 (in a
     process group) this rank's shard of it; with ``base``, the model without
     its language-model head (``AutoModel``: an embedding model's hidden
     states; an encoder's pooling head, unused, is dropped, and may be absent
     from the checkpoint). Raises ``ValueError`` naming the weights the model needs that
     the checkpoint lacks (transformers would fill them with random values
-    and only log it); weights the model does not use are logged."""
+    and only log it); weights the model does not use are logged. With
+    ``w8a8``, a compressed-tensors int8 checkpoint loaded as a float one
+    (``gpu/w8a8.py``: ``kwargs`` hold its config without its
+    ``quantization_config``; its int8 weights land in float tensors, exactly,
+    and its scales, not used here, are left for ``load_w8a8``)."""
     from transformers import AutoModel, AutoModelForCausalLM
 
     if world_size > 1:
@@ -148,33 +156,12 @@ def load_model(model_dir: str, world_size: int, *, base: bool = False, **kwargs:
             f"{model_dir}: the checkpoint lacks {len(missing)} weights that {type(model).__name__} needs "
             f"({named}): its config.json and its weights do not agree"
         )
-    if unexpected := sorted(loading.get("unexpected_keys") or ()):
+    unexpected = sorted(key for key in loading.get("unexpected_keys") or () if not (w8a8 and key.endswith("_scale")))
+    if unexpected:
         log.warning(
             "%s: %d weights in the checkpoint are not used (%s, ...)", model_dir, len(unexpected), unexpected[0]
         )
     return model
-
-
-def split_of(module: torch.nn.Module) -> tuple[str, slice]:
-    """How tensor parallelism split a layer (its weight a sharded ``DTensor``):
-    ``("col", this rank's outputs)``, ``("row", this rank's inputs)``, or
-    ``("", all)``. Shares as ``torch.chunk`` cuts them (the last may be shorter)."""
-    weight = getattr(module, "weight", None)
-    placements = getattr(weight, "placements", None)
-    if weight is None or not placements or not placements[0].is_shard():
-        return "", slice(None)
-    dim = placements[0].dim % 2  # Shard(0): the output features; Shard(1) or Shard(-1): the inputs
-    mesh = weight.device_mesh
-    rank, size = mesh.get_local_rank(), mesh.size()
-    chunks = torch.arange(weight.shape[dim]).chunk(size)
-    start = sum(len(c) for c in chunks[:rank])
-    return ("col" if dim == 0 else "row"), slice(start, start + len(chunks[rank]))
-
-
-def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
-    """This rank's part of ``tensor`` (a sharded ``DTensor``), or itself."""
-    to_local = getattr(tensor, "to_local", None)
-    return to_local() if callable(to_local) else tensor
 
 
 def local_parameters(model: torch.nn.Module) -> tuple[int, int]:

@@ -50,7 +50,7 @@ from typing import TYPE_CHECKING, Any, cast
 import torch
 
 from trioserve.gpu.cpu_kernels import cpp
-from trioserve.gpu.sharding import local_tensor, split_of
+from trioserve.gpu.tensor_shards import local_tensor, split_of
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
