@@ -27,7 +27,7 @@ import trio
 from helpers.fakes import make_fake_config
 from helpers.hosted import HostedServer, held
 from helpers.server import Received, collect, expect_error, generate, open_ws, serving, wait_blocks_free
-from helpers.serving import REPO, serve_argv, spawned, tree_of, wait_for_url
+from helpers.serving import REPO, running, serve_argv, spawned, tree_of, wait_for_url
 from helpers.waiting import in_thread
 from websockets.exceptions import InvalidStatus
 
@@ -389,7 +389,7 @@ async def test_serve_started_with_its_standard_descriptors_closed_serves_and_sto
         assert (await in_thread(completion))["choices"][0]["finish_reason"] == "length"
         proc.send_signal(signal.SIGTERM)
         assert await trio.to_thread.run_sync(proc.wait, 30) == 0
-    assert not [pid for pid in tree if psutil.pid_exists(pid) and psutil.Process(pid).status() != "zombie"]
+    assert not [pid for pid in tree if running(pid)]
 
 
 def http_status(url: str) -> int:

@@ -13,6 +13,7 @@ import trio.testing
 from helpers.concurrent import run_concurrently
 from helpers.fakes import fake_tokens, wait_no_children
 from helpers.server import http_get, raw_request, serving
+from helpers.serving import running
 from helpers.waiting import in_thread
 
 import trioserve
@@ -75,7 +76,7 @@ async def test_one_to_two_to_one_engines_under_a_steady_load_loses_no_request(fa
                 await trio.sleep(0.5)
                 await engine.scale(1, drain_timeout_s=10)
                 assert engine.engine_healths == ["ready"] and engine.config.data_parallel_size == 1
-                assert not any(psutil.pid_exists(pid) and psutil.Process(pid).status() != "zombie" for pid in new_pids)
+                assert not any(running(pid) for pid in new_pids)
                 await trio.sleep(0.3)
                 stop.set()  # no more requests; those running finish
             assert load.failed == []
@@ -124,7 +125,7 @@ async def test_a_departing_engine_takes_no_new_request_and_its_requests_finish_o
             )
             assert "drain_timeout_s=1.5" in str(ends["endless"])
             assert engine.engine_healths == ["ready"] and len(engine.engine_infos) == 1
-            assert not [p for p in pids if psutil.pid_exists(p) and psutil.Process(p).status() != "zombie"]
+            assert not [p for p in pids if running(p)]
     assert await wait_no_children() == []
 
 

@@ -22,6 +22,7 @@ from helpers.concurrent import run_concurrently, run_in_one_batch
 from helpers.fakes import wait_no_children
 from helpers.hosted import HostedEngine, held
 from helpers.reference import make_prompts, reference_greedy
+from helpers.serving import running
 
 import trioserve
 from trioserve import ControlCallError, DescribeShard, Echo, EchoReply, EngineConfig, SamplingParams, ShardInfo
@@ -316,7 +317,7 @@ async def _generate_into(engine: trioserve.Engine, results: list[trioserve.Reque
 
 async def _gone_within(pids: list[int], seconds: float) -> bool:
     with trio.move_on_after(seconds):
-        while any(psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE for p in pids):
+        while any(running(p) for p in pids):
             await trio.sleep(0.02)
         return True
     return False
