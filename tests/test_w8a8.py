@@ -154,6 +154,23 @@ BAD_CONFIGS = [  # (a change to the written config, the field its error names)
 ]
 
 
+def test_fields_left_out_take_the_formats_defaults(written, tmp_path):
+    """compressed-tensors' defaults: 8-bit symmetric static int weights, one scale per layer where no strategy is
+    given; activations must still say dynamic, per token."""
+    checkpoint = tmp_path / "terse"
+    shutil.copytree(written["llama"], checkpoint)
+    config = json.loads((checkpoint / "config.json").read_text())
+    group = config["quantization_config"]["config_groups"]["group_0"]
+    group["weights"] = {"strategy": "channel"}
+    group["input_activations"] = {"strategy": "token", "dynamic": True}
+    (checkpoint / "config.json").write_text(json.dumps(config))
+    assert w8a8.read_scheme(checkpoint) == w8a8.W8A8Scheme(str(checkpoint), input_symmetric=True, ignore=("lm_head",))
+    del group["input_activations"]["dynamic"]
+    (checkpoint / "config.json").write_text(json.dumps(config))
+    with pytest.raises(w8a8.CheckpointError, match=r"input_activations\.dynamic null: must be true"):
+        w8a8.read_scheme(checkpoint)
+
+
 @pytest.mark.parametrize(("change", "names"), BAD_CONFIGS)
 def test_each_other_quantization_is_refused_naming_its_field(written, tmp_path, change, names):
     checkpoint = tmp_path / "bad"

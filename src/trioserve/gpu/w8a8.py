@@ -113,15 +113,17 @@ def read_scheme(model_dir: str | Path) -> W8A8Scheme | None:
         weights, inputs = group.get("weights"), group.get("input_activations")
         if not isinstance(weights, dict) or not isinstance(inputs, dict):
             raise CheckpointError(f"{at}: needs weights and input_activations (W8A8)")
-        _expect(f"{at}.weights", weights, "num_bits", (8,))
-        _expect(f"{at}.weights", weights, "type", ("int",))
-        _expect(f"{at}.weights", weights, "symmetric", (True,))
-        _expect(f"{at}.weights", weights, "strategy", ("channel", "tensor"))
+        # A field left out takes compressed-tensors' default (8 bits, int, symmetric, static; the strategy
+        # "tensor", which activations must not have: they are per token here).
+        _expect(f"{at}.weights", weights, "num_bits", (8, None))
+        _expect(f"{at}.weights", weights, "type", ("int", None))
+        _expect(f"{at}.weights", weights, "symmetric", (True, None))
+        _expect(f"{at}.weights", weights, "strategy", ("channel", "tensor", None))
         _expect(f"{at}.weights", weights, "dynamic", (False, None))
         _expect(f"{at}.weights", weights, "group_size", (None, -1))
         _expect(f"{at}.weights", weights, "actorder", (None,))
-        _expect(f"{at}.input_activations", inputs, "num_bits", (8,))
-        _expect(f"{at}.input_activations", inputs, "type", ("int",))
+        _expect(f"{at}.input_activations", inputs, "num_bits", (8, None))
+        _expect(f"{at}.input_activations", inputs, "type", ("int", None))
         _expect(f"{at}.input_activations", inputs, "strategy", ("token",))
         _expect(f"{at}.input_activations", inputs, "dynamic", (True,))
         if group.get("output_activations") is not None:
