@@ -64,8 +64,7 @@ def test_shares_of_each_rows_inputs_sum_to_the_unsharded_layers_product():
     smooth = int8.smoothing(linear.weight, act_max)
     whole = int8.Int8Linear(linear.weight, linear.bias, smooth=smooth)
     amax = (linear.weight * smooth).abs().amax(dim=1)
-    scaled = x * whole.inv
-    ranges = torch.stack([scaled.amin(dim=1).clamp(max=0), scaled.amax(dim=1).clamp(min=0)], dim=1)
+    ranges = int8.local_ranges(x, whole.inv)  # the whole row's, which row_ranges all-reduces
     total = torch.zeros(9, 24)
     for share in (slice(0, 36), slice(36, 70)):  # torch.chunk's shares of 70 over two ranks
         w_max = linear.weight[:, share].abs().amax(dim=0)  # a row-parallel rank holds whole columns

@@ -217,12 +217,12 @@ class ModelRunner(TorchProfiling):
         scheme = read_scheme(self.config.model)  # a compressed-tensors W8A8 checkpoint (gpu/w8a8.py), or None
         if scheme is None and self.config.quantization == "compressed-tensors":
             raise ValueError(f"quantization: {self.config.model}/config.json has no compressed-tensors W8A8 scheme")
-        if scheme is not None and (self.device.type != "cpu" or self.dtype != torch.float32):
-            raise ValueError(
-                f"{self.config.model} is a W8A8 int8 checkpoint: it runs on the CPU at float32 "
-                f"(this worker: {self.device.type}, {self.dtype})"
-            )
         if scheme is not None:  # loaded as a float model (its int8 weights exactly), then swapped: load_w8a8
+            if self.device.type != "cpu" or self.dtype != torch.float32:
+                raise ValueError(
+                    f"{self.config.model} is a W8A8 int8 checkpoint: it runs on the CPU at float32 "
+                    f"(this worker: {self.device.type}, {self.dtype})"
+                )
             from transformers import AutoConfig
 
             kwargs["config"] = without_quantization(AutoConfig.from_pretrained(self.config.model))

@@ -45,7 +45,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, cast
 
 import torch
 
@@ -358,10 +358,7 @@ def quantize_rows(
     ``lo`` and ``hi`` where given)."""
     if inv is not None:
         x = x * inv
-    if ranges is not None:
-        lo, hi = ranges[:, 0], ranges[:, 1]
-    else:
-        lo, hi = x.amin(dim=1).clamp(max=0), x.amax(dim=1).clamp(min=0)
+    lo, hi = (local_ranges(x) if ranges is None else ranges).unbind(dim=1)
     scale = (hi - lo) / 255
     scale = torch.where(scale > 0, scale, torch.ones_like(scale))
     zero = torch.round(-lo / scale)
@@ -429,13 +426,19 @@ def _gemm(
     return y
 
 
-def row_ranges(x: torch.Tensor, inv: torch.Tensor | None, group: Any = None) -> torch.Tensor:
-    """Each row's ``(lo, hi)`` for quantizing it (``[M, 2]``, as the kernel finds them: ``min(0, min x)``,
-    ``max(0, max x)`` of ``x`` times ``inv``), over the whole row where the ranks of ``group`` each hold a
-    share of its inputs: one all-reduce of ``[M, 2]``."""
+def local_ranges(x: torch.Tensor, inv: torch.Tensor | None = None) -> torch.Tensor:
+    """Each row's ``(lo, hi)`` for quantizing it, ``[M, 2]``, as the kernel finds them: ``min(0, min x)`` and
+    ``max(0, max x)`` of ``x`` times ``inv``."""
     scaled = x if inv is None else x * inv
-    spans = torch.stack([scaled.amin(dim=1).neg().clamp(min=0), scaled.amax(dim=1).clamp(min=0)], dim=1)
-    torch.distributed.all_reduce(spans, op=torch.distributed.ReduceOp.MAX, group=group)
+    return torch.stack([scaled.amin(dim=1).clamp(max=0), scaled.amax(dim=1).clamp(min=0)], dim=1)
+
+
+def row_ranges(x: torch.Tensor, inv: torch.Tensor | None) -> torch.Tensor:
+    """``local_ranges`` over each whole row, where the tensor-parallel ranks each hold a share of its inputs:
+    one all-reduce of ``[M, 2]``."""
+    spans = local_ranges(x, inv)
+    spans[:, 0].neg_()  # the lowest lo is the highest -lo
+    torch.distributed.all_reduce(spans, op=torch.distributed.ReduceOp.MAX)
     spans[:, 0].neg_()
     return spans
 
