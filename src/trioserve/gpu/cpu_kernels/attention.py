@@ -15,6 +15,12 @@ this is our own: one C++ function, per sequence (threads over sequences):
    context, or the last ``window`` on sliding-window layers);
 3. the weighted sum of V, token by token, into accumulators in L1.
 
+Both passes ask for the record ``AHEAD`` tokens on before they need it: the
+hardware's own prefetch stops at the end of each block of 16 tokens, and the
+next block lies anywhere in the cache. On the AVX2 host, 32 decodes of 64-320
+tokens in shuffled blocks, two threads, caches cold: 1.27-1.35 ms per layer
+against 1.55-1.62 without (the pure read of the same K and V takes about 0.7).
+
 Sequences whose block tables start with the same blocks (prefix-cache hits
 on one system prompt) are one call with ``shared_len``, the tokens of those
 blocks (``attention._shared_prefix_groups``). The kernel reads them once for
@@ -86,6 +92,16 @@ static inline void axpy(float p, const float* v, float* acc, int64_t n) {
     for (; d + VL <= n; d += VL) at::vec::fmadd(vp, Vec::loadu(v + d), Vec::loadu(acc + d)).store(acc + d);
     for (; d < n; d++) acc[d] += p * v[d];
 }
+
+// Token l's record (all KV heads) asked of the memory AHEAD tokens before its use, where l < L: the hardware's
+// own prefetch stops at each block's end, and the next block of a table lies anywhere in the cache. A macro:
+// written as an inline function, GCC built it without the prefetches (none in the library's objdump).
+constexpr int64_t AHEAD = 8;
+#define PREFETCH_RECORD(cache, l)                                                                    \
+    if ((l) < L) {                                                                                   \
+        const scalar_t* r_ = (cache) + (table[(l) / bs] * bs + (l) % bs) * rec;                      \
+        for (int64_t e = 0; e < rec; e += 64 / static_cast<int64_t>(sizeof(scalar_t))) __builtin_prefetch(r_ + e); \
+    }
 
 // A cache record as floats: itself at float32, converted into buf otherwise.
 static inline const float* as_float(const float* p, float*, int64_t) { return p; }
@@ -238,6 +254,7 @@ extern "C" void kernel(const scalar_t* q, const scalar_t* k_cache, const scalar_
             for (int64_t d = 0; d < D; d++)
                 qs[h * D + d] = static_cast<float>(q[row * q_stride_t + h * q_stride_h + d]) * scale;
         for (int64_t l = start; l < L; l++) {
+            PREFETCH_RECORD(k_cache, l + AHEAD)
             const float* krec = as_float(k_cache + (table[l / bs] * bs + l % bs) * rec, buf.data(), rec);
             for (int64_t h = 0; h < H; h++) {
                 float x = dot(qs.data() + h * D, krec + (h / G) * D, D);
@@ -261,6 +278,7 @@ extern "C" void kernel(const scalar_t* q, const scalar_t* k_cache, const scalar_
             sum[h] = total;
         }
         for (int64_t l = start; l < L; l++) {
+            PREFETCH_RECORD(v_cache, l + AHEAD)
             const float* vrec = as_float(v_cache + (table[l / bs] * bs + l % bs) * rec, buf.data(), rec);
             for (int64_t h = 0; h < H; h++) axpy(s[h * n + (l - start)], vrec + (h / G) * D, acc.data() + h * D, D);
         }
