@@ -1,7 +1,8 @@
 """int8 linear layers (``gpu/cpu_kernels/int8.py``): the kernel against the
 same arithmetic in plain torch (bit for bit), for the host's build, the one
-for 256-bit vectors (AVX2's ``vpmaddwd`` path, wherever the host has VNNI)
-and the portable loops; and every architecture of the greedy-identity tests served with
+for 256-bit vectors (AVX2's paths, wherever the host has VNNI: ``vpmaddwd``
+for 8-bit weights, ``vpmaddubsw`` for 7-bit ones) and the portable loops;
+and every architecture of the greedy-identity tests served with
 ``quantization="int8"`` against transformers' greedy ``generate()`` on the
 model with the same int8 layers in plain torch, token for token."""
 
@@ -27,16 +28,18 @@ BUILDS = [(simdlen, False) for simdlen in SIMDLENS] + [(None, True)]  # (vector 
 @pytest.mark.parametrize(("simdlen", "portable"), BUILDS)
 @pytest.mark.parametrize(("in_features", "out_features"), [(7, 5), (33, 40), (64, 48), (96, 17), (8, 32), (9, 20)])
 def test_the_kernel_computes_the_plain_torch_arithmetic_bit_for_bit(simdlen, portable, in_features, out_features):
-    """Every tail of its tiles (4 rows portable, 3 on AVX2, 12 with VNNI), rows past a
-    240-row chunk, inputs not a multiple of 4, a last panel short of 16
-    columns, a tile of two panels whose second is short; rows of zeros, of
-    one sign, of a wide range; with and without smoothing and a bias."""
+    """Every tail of its tiles (4 rows portable, 3 on AVX2 and 4 there with
+    7-bit weights, 12 with VNNI), rows past a 240-row chunk, inputs not a
+    multiple of 4, a last panel short of 16 columns, a tile of two panels
+    whose second is short; rows of zeros, of one sign, of a wide range; with
+    and without smoothing and a bias; weights of 8 bits and of 7."""
     torch.manual_seed(0)
     linear = torch.nn.Linear(in_features, out_features).requires_grad_(False)
     smooth = torch.rand(in_features) * 4 + 0.1
-    for factors in (None, smooth):
-        layer = int8.Int8Linear(linear.weight, linear.bias, smooth=factors)
-        wq, scale = int8.quantize_weight(linear.weight, factors)
+    for factors, top in [(None, 127), (smooth, 127), (None, int8.NARROW_TOP), (smooth, int8.NARROW_TOP)]:
+        layer = int8.Int8Linear(linear.weight, linear.bias, smooth=factors, top=top)
+        assert layer.narrow == (top == int8.NARROW_TOP)
+        wq, scale = int8.quantize_weight(linear.weight, factors, top=top)
         for rows in [0, *range(1, 14), 25, 300]:
             x = torch.randn(rows, in_features) * 3
             if rows > 4:
@@ -44,7 +47,7 @@ def test_the_kernel_computes_the_plain_torch_arithmetic_bit_for_bit(simdlen, por
             for bias in (None, linear.bias):
                 got = int8.int8_gemm(x, layer, bias, simdlen, portable)
                 expected = int8.int8_reference(x, wq, scale, bias, layer.inv)
-                assert torch.equal(got, expected), (rows, bias is not None, factors is not None)
+                assert torch.equal(got, expected), (rows, bias is not None, factors is not None, top)
             wider = torch.stack([-torch.rand(rows) * 20 - 1, torch.rand(rows) * 20 + 1], dim=1)  # given, not found
             got = int8.int8_gemm(x * 0.1, layer, linear.bias, simdlen, portable, ranges=wider)
             assert torch.equal(got, int8.int8_reference(x * 0.1, wq, scale, linear.bias, layer.inv, wider)), rows
@@ -81,12 +84,12 @@ def test_int8_is_near_the_float_product_and_takes_prequantized_weights():
     x = torch.randn(40, 256)
     layer = int8.Int8Linear(linear.weight, linear.bias)
     exact = linear(x)
-    assert ((layer(x) - exact).norm() / exact.norm()).item() < 0.02  # 8-bit steps: under 1% here
+    assert ((layer(x) - exact).norm() / exact.norm()).item() < 0.02  # 8-bit steps (7 for AVX2's weights)
     smooth = torch.rand(256) + 0.5
     smoothed = int8.Int8Linear(linear.weight, linear.bias, smooth=smooth)
     assert ((smoothed(x) - exact).norm() / exact.norm()).item() < 0.02  # the same product, other steps
-    wq, scale = int8.quantize_weight(linear.weight)
-    assert wq.dtype == torch.int8 and wq.abs().max() == 127 and scale.shape == (96,)
+    wq, scale = int8.quantize_weight(linear.weight, top=int8.weight_top())  # as the layer quantized it here
+    assert wq.dtype == torch.int8 and wq.abs().max() == int8.weight_top() and scale.shape == (96,)
     assert torch.equal(int8.Int8Linear(wq, linear.bias, scale=scale)(x), layer(x))
     with pytest.raises(ValueError, match="scale"):
         int8.Int8Linear(wq, None)
@@ -122,7 +125,7 @@ class ReferenceInt8(torch.nn.Module):
     def __init__(self, linear: torch.nn.Linear, act_max: torch.Tensor) -> None:
         super().__init__()
         smooth = int8.smoothing(linear.weight, act_max)
-        self.wq, self.scale = int8.quantize_weight(linear.weight, smooth)
+        self.wq, self.scale = int8.quantize_weight(linear.weight, smooth, top=int8.weight_top())
         self.inv = (1 / smooth).float()
         self.bias = linear.bias
 
@@ -131,16 +134,17 @@ class ReferenceInt8(torch.nn.Module):
         return y.view(*x.shape[:-1], -1)
 
 
-def reference_int8_greedy(model_dir, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
+def reference_int8_greedy(model_dir, prompts: list[list[int]], max_tokens: int, greedy=greedy_tokens) -> list:
     """transformers' greedy ``generate()`` (eager attention) with every linear but the LM head in int8,
-    smoothed by the same calibration pass."""
+    smoothed by the same calibration pass (``greedy``: ``helpers.reference``'s ``greedy_tokens`` or
+    ``greedy_tokens_and_margins``)."""
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, attn_implementation="eager", dtype=torch.float32).eval()
     act_max = int8.calibrate(model, int8.calibration_ids(str(model_dir)))
     for name, parent, child_name, child in int8._targets(model, keep=("lm_head",)):
         setattr(parent, child_name, ReferenceInt8(child, act_max[name]))
-    return [greedy_tokens(model, prompt, max_tokens) for prompt in prompts]
+    return [greedy(model, prompt, max_tokens) for prompt in prompts]
 
 
 @pytest.mark.parametrize("arch", ARCHITECTURES)

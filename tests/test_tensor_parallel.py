@@ -21,7 +21,7 @@ import trio
 from helpers.concurrent import run_concurrently, run_in_one_batch
 from helpers.fakes import wait_no_children
 from helpers.hosted import HostedEngine, held
-from helpers.reference import make_prompts, reference_greedy
+from helpers.reference import before_a_near_tie, greedy_tokens_and_margins, make_prompts, reference_greedy
 from helpers.serving import running
 
 import trioserve
@@ -97,13 +97,18 @@ async def test_two_ranks_give_the_greedy_tokens_of_one_also_with_preemption(tiny
             await check_the_greedy_tokens_of_one_also_with_preemption(engine, model_dir, adapters, tmp_path)
 
 
+NEAR_TIE = 3e-3  # logits: a lead below this may go either way between sums in another order (int8 over ranks)
+
+
 @pytest.mark.parametrize("source", ["--quantization int8", "a W8A8 checkpoint"])
 async def test_int8_over_two_ranks_gives_the_unsharded_int8_models_greedy_tokens(tiny_model_dir, tmp_path, source):
     """int8 with two ranks, quantized at load from a float checkpoint or read from a compressed-tensors W8A8 one
     (``trioserve quantize``'s): column-parallel layers (Qwen2's q, k, v with their biases; gate, up) hold their
     rank's output channels, row-parallel ones (o, down) their share of the inputs, with the whole layer's scales
     (and smoothing): the greedy tokens of the unsharded model with the same int8 layers in plain torch
-    (test_gpu_int8's and test_w8a8's references), also under preemption."""
+    (test_gpu_int8's and test_w8a8's references), also under preemption, up to a near tie: the ranks' float
+    sums of their shares can move one activation of a later layer by a quantization step, which moves the
+    logits by about 1e-3 (one step of the reference led by 6e-4 and went the other way)."""
     from test_gpu_int8 import reference_int8_greedy
     from test_w8a8 import reference_w8a8_greedy
     from trioserve.gpu.w8a8 import write_w8a8
@@ -120,9 +125,12 @@ async def test_int8_over_two_ranks_gives_the_unsharded_int8_models_greedy_tokens
     with trio.fail_after(150):
         async with trioserve.open_engine(config=config) as engine:
             prompts = make_prompts(engine.info.vocab_size)
-            expected = await trio.to_thread.run_sync(reference, model_dir, prompts, 16)
+            expected = await trio.to_thread.run_sync(reference, model_dir, prompts, 16, greedy_tokens_and_margins)
             params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
-            assert await run_in_one_batch(engine, prompts, params) == expected
+            got = await run_in_one_batch(engine, prompts, params)
+            compared = [before_a_near_tie(tokens, margins, NEAR_TIE) for tokens, margins in expected]
+            assert [mine[: len(sure)] for mine, sure in zip(got, compared, strict=True)] == compared
+            assert sum(map(len, compared)) >= 16 * len(prompts) // 2  # at least half the steps compared
             assert (await engine.stats()).num_preemptions > 0
 
 

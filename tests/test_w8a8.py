@@ -38,8 +38,9 @@ class CheckpointInt8(torch.nn.Module):
         return y.view(*x.shape[:-1], -1)
 
 
-def reference_w8a8_greedy(checkpoint, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
-    """transformers' greedy ``generate()`` of the checkpoint (eager attention), each int8 layer in plain torch."""
+def reference_w8a8_greedy(checkpoint, prompts: list[list[int]], max_tokens: int, greedy=greedy_tokens) -> list:
+    """transformers' greedy ``generate()`` of the checkpoint (eager attention), each int8 layer in plain torch
+    (``greedy``: as ``test_gpu_int8.reference_int8_greedy``'s)."""
     from safetensors import safe_open
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -49,7 +50,7 @@ def reference_w8a8_greedy(checkpoint, prompts: list[list[int]], max_tokens: int)
         for name, parent, child_name, child in int8._targets(model, keep=("lm_head",)):
             weight, scale = f.get_tensor(f"{name}.weight"), f.get_tensor(f"{name}.weight_scale")
             setattr(parent, child_name, CheckpointInt8(weight, scale, child.bias))
-    return [greedy_tokens(model, prompt, max_tokens) for prompt in prompts]
+    return [greedy(model, prompt, max_tokens) for prompt in prompts]
 
 
 @pytest.fixture(scope="module")

@@ -58,6 +58,26 @@ def greedy_tokens(model: Any, prompt: list[int], max_tokens: int, device: Any = 
     return out[0, len(prompt) :].tolist()
 
 
+def greedy_tokens_and_margins(model: Any, prompt: list[int], max_tokens: int) -> tuple[list[int], list[float]]:
+    """``greedy_tokens``, and at each step the lead of the chosen token's logit over the next one's."""
+    import torch
+
+    ids = torch.tensor([prompt])
+    out = model.generate(
+        ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_tokens, do_sample=False, eos_token_id=None,
+        pad_token_id=0, output_logits=True, return_dict_in_generate=True,
+    )  # fmt: skip
+    margins = [float(top[0, 0] - top[0, 1]) for top in (logits.topk(2).values for logits in out.logits)]
+    return out.sequences[0, len(prompt) :].tolist(), margins
+
+
+def before_a_near_tie(tokens: list[int], margins: list[float], floor: float) -> list[int]:
+    """The tokens before the first step whose greedy choice led the next token by less than ``floor``: where
+    another exact computation of the same model (sums in another order) may choose the other one."""
+    near = [i for i, margin in enumerate(margins) if margin < floor]
+    return tokens[: near[0]] if near else tokens
+
+
 def make_prompts(vocab_size: int, n: int = 8) -> list[list[int]]:
     """``n`` (at most 8) prompts of 3 to 47 random tokens, the same every time."""
     rng = random.Random(1234)

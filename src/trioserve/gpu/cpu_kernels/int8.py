@@ -1,11 +1,12 @@
 """int8 linear layers for the CPU: int8 weights and activations, int32 sums.
 
-**Weights**: per output channel, symmetric: ``scale[n] = max |W[n, :]| / 127``,
-``Wq = round(W / scale)`` in [-127, 127] (``quantize_weight``), quantized once
-at load from a float checkpoint. Held in panels of 16 output columns, each
-column's inputs in fours (``[ceil(out / 16), ceil(in / 4), 16, 4]``): the
-layout of VNNI's ``vpdpbusd``, which sums four byte products into each of
-sixteen int32 lanes.
+**Weights**: per output channel, symmetric: ``scale[n] = max |W[n, :]| / top``,
+``Wq = round(W / scale)`` in [-top, top] (``quantize_weight``), quantized once
+at load from a float checkpoint: ``top`` 127 (8 bits), or 63 (7 bits) where
+the kernel is built for AVX2 (``weight_top``; below). Held in panels of 16
+output columns, each column's inputs in fours (``[ceil(out / 16), ceil(in /
+4), 16, 4]``): the layout of VNNI's ``vpdpbusd``, which sums four byte
+products into each of sixteen int32 lanes.
 
 **Activations**: per token, dynamic, asymmetric: each row ``x[m]`` becomes
 unsigned bytes ``q = clamp(round(x / s) + z, 0, 255)`` over its own range
@@ -31,14 +32,21 @@ and smoothed within 0.1% of float32.
 the compiler targets AVX-512 VNNI (inductor's AVX-512 VNNI and AMX builds),
 tiles of 12 rows x 32 columns in 24 int32 vector registers, one ``vpdpbusd``
 per four inputs of a row and 16 columns (64 multiply-adds). On AVX2 (and
-AVX-512 without VNNI): tiles of 3 rows x 16 columns, the weights widened to
-int16 and summed in pairs with ``vpmaddwd``, exact where ``vpmaddubsw``
-would saturate (255 x 127 x 2 > 2^15); there a multiply-add costs what a
-float32 one does, so int8 gains the smaller weight reads (a decode of few
-rows: about 2x at one row) and is at float32's rate from 32 rows on.
-Elsewhere the same sums in portable C++ loops. The tests build every path
-on the host they run on (``cpp.load_or_build``'s ``simdlen``; ``_kernel``'s
-``portable``). Threads over pairs of panels (VNNI) or panels.
+AVX-512 without VNNI), which has no such instruction, two paths by the
+layer's weights: 7-bit ones (every ``|Wq| <= 63``: ``Int8Linear.narrow``)
+take ``vpmaddubsw``, which sums two byte products into int16 without
+saturating (2 x 255 x 63 < 2^15), then ``vpmaddwd`` by ones, 32 products per
+two instructions, in tiles of 4 rows x 16 columns; 8-bit ones (a W8A8
+checkpoint's) are widened to int16 and summed in pairs with ``vpmaddwd``
+alone (255 x 127 x 2 would saturate ``vpmaddubsw``), 16 products per
+instruction, what a float32 FMA does, in tiles of 3 x 16. So a float
+checkpoint is quantized to 7-bit weights there: on SmolLM2-135M's 210 layer
+linears (AVX2 host, 2 threads) 1.44-1.79x float32 from 8 to 512 rows against
+0.87-1.05x for 8 bits, at a perplexity of +0.95% against float32's where 8
+bits gave +1.18% (``scripts/quality.py``; 7-bit activations instead cost
++15.9%). Elsewhere the same sums in portable C++ loops. The tests build every
+path on the host they run on (``cpp.load_or_build``'s ``simdlen``;
+``_kernel``'s ``portable``). Threads over pairs of panels (VNNI) or panels.
 """
 
 from __future__ import annotations
@@ -68,14 +76,17 @@ _SOURCE = r"""
 #define TRIOSERVE_VNNI 1
 #include <immintrin.h>
 constexpr int MR = 12;       // rows per full tile: 12 rows x 2 panels = 24 accumulators of 16 int32
+constexpr int MR_NARROW = MR;
 constexpr int64_t PP = 2;    // panels per tile
 #elif defined(__AVX2__) && !defined(TRIOSERVE_PORTABLE)
 #define TRIOSERVE_AVX2 1
 #include <immintrin.h>
 constexpr int MR = 3;        // rows per full tile: 3 rows x 4 vectors = 12 accumulators of 8 int32
+constexpr int MR_NARROW = 4; // with 7-bit weights: 4 rows x 2 vectors = 8 accumulators of 8 int32
 constexpr int64_t PP = 1;
 #else
 constexpr int MR = 4;
+constexpr int MR_NARROW = MR;
 constexpr int64_t PP = 1;
 #endif
 constexpr int64_t NR = 16;   // columns per panel
@@ -140,8 +151,9 @@ static void quantize_rows(const float* x, const float* inv, const float* ranges,
 }
 
 // For R rows of q (Kp bytes each) and Q panels side by side: y[r, c] = (sum_k q[r, k] w[k, c] - z[r] wsum[c]) *
-// (s[r] * ws[c]) + bias[c] for the tile's first nc columns; bias may be null.
-template <int R, int Q>
+// (s[r] * ws[c]) + bias[c] for the tile's first nc columns; bias may be null. NARROW: every weight is within
+// [-63, 63] (7 bits), which AVX2 sums with vpmaddubsw (the other builds take no notice).
+template <int R, int Q, bool NARROW>
 static inline void tile(const uint8_t* q, int64_t Kp, const int8_t* panels, const int32_t* wsum, const float* ws,
                         const float* bias, const float* s, const int32_t* z, float* y, int64_t N, int64_t nc) {
     const int64_t K4 = Kp / 4;
@@ -178,6 +190,40 @@ static inline void tile(const uint8_t* q, int64_t Kp, const int8_t* panels, cons
         }
     }
 #elif defined(TRIOSERVE_AVX2)
+    if constexpr (NARROW) {
+    // Per four inputs, a panel's 64 weight bytes are two vectors of eight columns x four; a row's four bytes are
+    // broadcast; vpmaddubsw sums pairs of byte products into int16 (at most 2 x 255 x 63 < 2^15: no saturation)
+    // and vpmaddwd by ones each column's two pairs into int32, the columns in order: 32 products per two
+    // instructions, twice vpmaddwd's alone.
+    const __m256i ones = _mm256_set1_epi16(1);
+    __m256i a[R][Q * 2];
+    for (int r = 0; r < R; r++)
+        for (int j = 0; j < Q * 2; j++) a[r][j] = _mm256_setzero_si256();
+    for (int64_t k = 0; k < K4; k++) {
+        __m256i w[Q * 2];
+        for (int j = 0; j < Q; j++) {
+            const int8_t* four = panels + (j * K4 + k) * NR * 4;
+            w[j * 2] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(four));
+            w[j * 2 + 1] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(four + 32));
+            _mm_prefetch(reinterpret_cast<const char*>(four + AHEAD * NR * 4), _MM_HINT_T0);
+        }
+        for (int r = 0; r < R; r++) {
+            int32_t bytes;
+            std::memcpy(&bytes, q + r * Kp + k * 4, 4);
+            const __m256i b = _mm256_set1_epi32(bytes);
+            for (int j = 0; j < Q * 2; j++)
+                a[r][j] = _mm256_add_epi32(a[r][j], _mm256_madd_epi16(_mm256_maddubs_epi16(b, w[j]), ones));
+        }
+    }
+    for (int r = 0; r < R; r++) {
+        int32_t acc[Q * NR];
+        for (int j = 0; j < Q * 2; j++) _mm256_storeu_si256(reinterpret_cast<__m256i*>(acc + j * 8), a[r][j]);
+        for (int64_t c = 0; c < nc; c++) {  // the epilogue as the portable one computes it
+            const float v = static_cast<float>(acc[c] - z[r] * wsum[c]) * (s[r] * ws[c]);
+            y[r * N + c] = bias ? v + bias[c] : v;
+        }
+    }
+    } else {
     // Per four inputs, a panel's 64 weight bytes (16 columns x 4) widen to int16 in four vectors of four columns;
     // a row's four bytes widen to [x0 x1 x2 x3] x 4; vpmaddwd sums adjacent products into eight int32 lanes, two
     // per column (inputs 0-1 and 2-3), exactly (no saturation, unlike vpmaddubsw). The two are added at the end.
@@ -210,6 +256,7 @@ static inline void tile(const uint8_t* q, int64_t Kp, const int8_t* panels, cons
             y[r * N + c] = bias ? v + bias[c] : v;
         }
     }
+    }
 #else
     int32_t acc[R][Q * NR];
     for (int r = 0; r < R; r++)
@@ -234,33 +281,35 @@ static inline void tile(const uint8_t* q, int64_t Kp, const int8_t* panels, cons
 #endif
 }
 
-// Rows [0, rows) of a chunk: full tiles of MR rows, then one of the rest (R counts down to the rest's size).
-template <int Q, int R = MR - 1>
+// Rows [0, rows) of a chunk: full tiles of M rows (MR, or MR_NARROW), then one of the rest (R counts down to the
+// rest's size).
+template <int Q, bool NARROW, int R>
 static inline void rest(int64_t rows, const uint8_t* q, int64_t Kp, const int8_t* panels, const int32_t* wsum,
                         const float* ws, const float* bias, const float* s, const int32_t* z, float* y, int64_t N,
                         int64_t nc) {
     if constexpr (R > 0) {
-        if (rows == R) tile<R, Q>(q, Kp, panels, wsum, ws, bias, s, z, y, N, nc);
-        else rest<Q, R - 1>(rows, q, Kp, panels, wsum, ws, bias, s, z, y, N, nc);
+        if (rows == R) tile<R, Q, NARROW>(q, Kp, panels, wsum, ws, bias, s, z, y, N, nc);
+        else rest<Q, NARROW, R - 1>(rows, q, Kp, panels, wsum, ws, bias, s, z, y, N, nc);
     }
 }
-template <int Q>
+template <int Q, bool NARROW>
 static inline void rows_through(int64_t mc, const uint8_t* q, int64_t Kp, const int8_t* panels, const int32_t* wsum,
                                 const float* ws, const float* bias, const float* s, const int32_t* z, float* y,
                                 int64_t N, int64_t nc) {
+    constexpr int M = NARROW ? MR_NARROW : MR;
     int64_t m = 0;
-    for (; m + MR <= mc; m += MR)
-        tile<MR, Q>(q + m * Kp, Kp, panels, wsum, ws, bias, s + m, z + m, y + m * N, N, nc);
-    rest<Q>(mc - m, q + m * Kp, Kp, panels, wsum, ws, bias, s + m, z + m, y + m * N, N, nc);
+    for (; m + M <= mc; m += M)
+        tile<M, Q, NARROW>(q + m * Kp, Kp, panels, wsum, ws, bias, s + m, z + m, y + m * N, N, nc);
+    rest<Q, NARROW, M - 1>(mc - m, q + m * Kp, Kp, panels, wsum, ws, bias, s + m, z + m, y + m * N, N, nc);
 }
 
 // x [M, K] float rows -> y [M, N]. inv [K] (if has_inv): each input's multiplier before quantizing. w: int8
 // panels [P, Kp / 4, NR, 4] (P = ceil(N / NR), Kp = K rounded up to 4); wsum [P * NR]: each column's sum of
 // weights; ws [P * NR]: each column's scale; bias [N] (if has_bias); ranges [M, 2] (if has_ranges): each row's
-// lo and hi for quantizing it (quantize_rows).
+// lo and hi for quantizing it (quantize_rows); narrow: every weight is within [-63, 63] (tile's NARROW).
 extern "C" void kernel(const float* x, const float* inv, const int8_t* w, const int32_t* wsum, const float* ws,
                        const float* bias, const float* ranges, float* y, int64_t M, int64_t N, int64_t K,
-                       int64_t threads, int64_t has_inv, int64_t has_bias, int64_t has_ranges) {
+                       int64_t threads, int64_t has_inv, int64_t has_bias, int64_t has_ranges, int64_t narrow) {
     const int64_t Kp = (K + 3) / 4 * 4;
     const int64_t P = (N + NR - 1) / NR;
     const int64_t T = (P + PP - 1) / PP;  // tiles across
@@ -281,17 +330,22 @@ extern "C" void kernel(const float* x, const float* inv, const int8_t* w, const 
             float* yp = y + m0 * N + p * NR;
             const float* sc = s.data() + m0;
             const int32_t* zc = z.data() + m0;
-            if (P - p >= PP)
-                rows_through<PP>(mc, qc, Kp, panels, wsum + p * NR, ws + p * NR, b, sc, zc, yp, N, nc);
-            else
-                rows_through<1>(mc, qc, Kp, panels, wsum + p * NR, ws + p * NR, b, sc, zc, yp, N, nc);
+            const int32_t* wsp = wsum + p * NR;
+            const float* wsc = ws + p * NR;
+            if (P - p >= PP) {
+                if (narrow) rows_through<PP, true>(mc, qc, Kp, panels, wsp, wsc, b, sc, zc, yp, N, nc);
+                else rows_through<PP, false>(mc, qc, Kp, panels, wsp, wsc, b, sc, zc, yp, N, nc);
+            } else {
+                if (narrow) rows_through<1, true>(mc, qc, Kp, panels, wsp, wsc, b, sc, zc, yp, N, nc);
+                else rows_through<1, false>(mc, qc, Kp, panels, wsp, wsc, b, sc, zc, yp, N, nc);
+            }
         }
     }
 }
 """
 
 _ARGTYPES = ["const float*", "const float*", "const int8_t*", "const int32_t*", "const float*", "const float*"]
-_ARGTYPES += ["const float*", "float*"] + ["int64_t"] * 7
+_ARGTYPES += ["const float*", "float*"] + ["int64_t"] * 8
 
 SMOOTHING_ALPHA = 0.5  # how much of an input's range moves from the activations to the weights
 
@@ -336,18 +390,27 @@ def int8_build(simdlen: int | None = None) -> str:
 
 
 def quantize_weight(
-    weight: torch.Tensor, smooth: torch.Tensor | None = None, amax: torch.Tensor | None = None
+    weight: torch.Tensor, smooth: torch.Tensor | None = None, amax: torch.Tensor | None = None, top: int = 127
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``[out, in]`` float (times ``smooth [in]``, where given) -> (int8 ``[out, in]``, float32 scale ``[out]``):
-    per output channel, symmetric; the scale from ``amax [out]`` where given (the largest of each channel's
-    whole row, of which ``weight`` holds a share), else from ``weight``."""
+    per output channel, symmetric, in ``[-top, top]``; the scale from ``amax [out]`` where given (the largest
+    of each channel's whole row, of which ``weight`` holds a share), else from ``weight``."""
     w = weight.detach().float()
     if smooth is not None:
         w = w * smooth[None, :]
     if amax is None:
         amax = w.abs().amax(dim=1)
-    scale = torch.where(amax > 0, amax / 127, torch.ones_like(amax))
-    return torch.round(w / scale[:, None]).clamp(-127, 127).to(torch.int8), scale
+    scale = torch.where(amax > 0, amax / top, torch.ones_like(amax))
+    return torch.round(w / scale[:, None]).clamp(-top, top).to(torch.int8), scale
+
+
+NARROW_TOP = 63  # 7-bit weights: what AVX2's vpmaddubsw sums without saturating
+
+
+def weight_top(simdlen: int | None = None) -> int:
+    """The largest weight step a float checkpoint is quantized to for the kernel built for this host (or
+    ``simdlen``): ``NARROW_TOP`` on AVX2 (twice the multiply-adds per instruction), else 127."""
+    return NARROW_TOP if int8_build(simdlen) == "AVX2" else 127
 
 
 def quantize_rows(
@@ -400,13 +463,13 @@ def int8_gemm(
     (``simdlen``, ``portable``: the kernel built for that vector width, its portable loops: ``_kernel``;
     ``ranges [M, 2]``: each row quantized over that ``lo`` and ``hi``, not its own)."""
     args = (layer.panels, layer.wsum, layer.scale, layer.inv, bias, layer.out_features)
-    return _gemm(x, *args, simdlen, portable, ranges)
+    return _gemm(x, *args, simdlen, portable, ranges, layer.narrow)
 
 
 def _gemm(
     x: torch.Tensor, panels: torch.Tensor, wsum: torch.Tensor, scale: torch.Tensor, inv: torch.Tensor | None,
     bias: torch.Tensor | None, out_features: int, simdlen: int | None = None, portable: bool = False,
-    ranges: torch.Tensor | None = None,
+    ranges: torch.Tensor | None = None, narrow: bool = False,
 ) -> torch.Tensor:  # fmt: skip
     if x.dim() != 2 or x.dtype != torch.float32 or x.device.type != "cpu":
         raise ValueError(f"the int8 GEMM takes float32 rows on the CPU (got {x.dtype} {tuple(x.shape)} on {x.device})")
@@ -421,7 +484,7 @@ def _gemm(
         _kernel(simdlen, portable)(
             x, y if inv is None else inv, panels, wsum, scale, y if bias is None else bias,
             y if ranges is None else ranges.contiguous(), y, rows, out_features, in_features, torch.get_num_threads(),
-            int(inv is not None), int(bias is not None), int(ranges is not None),
+            int(inv is not None), int(bias is not None), int(ranges is not None), int(narrow),
         )  # fmt: skip
     return y
 
@@ -455,11 +518,13 @@ class Int8Linear(torch.nn.Module):
     def __init__(
         self, weight: torch.Tensor, bias: torch.Tensor | None, *, scale: torch.Tensor | None = None,
         smooth: torch.Tensor | None = None, amax: torch.Tensor | None = None, row_parallel: bool = False,
+        top: int | None = None,
     ) -> None:  # fmt: skip
-        """``weight``: float ``[out, in]`` (quantized here, times ``smooth``), or int8 with its ``scale``
-        ``[out]`` (quantized from ``W * smooth``, where given). ``smooth [in]``: each input's share moved from
-        the activations (divided by it) to the weight (multiplied). ``amax [out]``: each output channel's
-        largest smoothed weight, where ``weight`` holds a share of its inputs (``quantize_weight``)."""
+        """``weight``: float ``[out, in]`` (quantized here, times ``smooth``, to steps in ``[-top, top]``:
+        ``weight_top()`` for this host where not given), or int8 with its ``scale`` ``[out]`` (quantized from
+        ``W * smooth``, where given). ``smooth [in]``: each input's share moved from the activations (divided
+        by it) to the weight (multiplied). ``amax [out]``: each output channel's largest smoothed weight, where
+        ``weight`` holds a share of its inputs (``quantize_weight``)."""
         super().__init__()
         self.row_parallel = row_parallel
         if weight.dtype == torch.int8:
@@ -467,12 +532,13 @@ class Int8Linear(torch.nn.Module):
                 raise ValueError("an int8 weight needs its per-channel scale")
             wq, scale = weight, scale.float()
         else:
-            wq, scale = quantize_weight(weight, smooth, amax)
+            wq, scale = quantize_weight(weight, smooth, amax, weight_top() if top is None else top)
         self.out_features, self.in_features = wq.shape
         if self.in_features >= MAX_IN_FEATURES:
             raise ValueError(f"int8 linear layers take fewer than {MAX_IN_FEATURES} inputs (got {self.in_features})")
         _kernel()  # built (or loaded) now, not at the first step
         self.panels, self.wsum = to_panels(wq)
+        self.narrow = wq.numel() == 0 or int(wq.abs().max()) <= NARROW_TOP  # AVX2's faster sums apply
         self.scale = torch.zeros(self.wsum.shape[0], dtype=torch.float32)
         self.scale[: self.out_features] = scale
         self.inv = None if smooth is None else (1 / smooth).float().contiguous()
@@ -484,16 +550,17 @@ class Int8Linear(torch.nn.Module):
         rows = x.reshape(-1, self.in_features)
         if self.row_parallel:  # this rank's share of each row's sum; the bias once, after the sum
             ranges = row_ranges(rows, self.inv)
-            y = _gemm(rows, self.panels, self.wsum, self.scale, self.inv, None, self.out_features, ranges=ranges)
+            share = (self.panels, self.wsum, self.scale, self.inv, None, self.out_features)
+            y = _gemm(rows, *share, ranges=ranges, narrow=self.narrow)
             torch.distributed.all_reduce(y)
             if self.bias is not None:
                 y += self.bias
             return y.view(*x.shape[:-1], self.out_features)
         args = (self.panels, self.wsum, self.scale, self.inv, self.bias, self.out_features)
         if torch.compiler.is_compiling() or torch.autograd.profiler._is_profiler_enabled:
-            y = torch.ops.trioserve.int8_linear(rows, *args)
+            y = torch.ops.trioserve.int8_linear(rows, *args, self.narrow)
         else:
-            y = _gemm(rows, *args)
+            y = _gemm(rows, *args, narrow=self.narrow)
         return y.view(*x.shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:
@@ -504,16 +571,16 @@ class Int8Linear(torch.nn.Module):
 @torch.library.custom_op("trioserve::int8_linear", mutates_args=())
 def int8_linear(
     x: torch.Tensor, panels: torch.Tensor, wsum: torch.Tensor, scale: torch.Tensor, inv: torch.Tensor | None,
-    bias: torch.Tensor | None, out_features: int,
+    bias: torch.Tensor | None, out_features: int, narrow: bool,
 ) -> torch.Tensor:  # fmt: skip
     """``Int8Linear``'s product as an opaque op, for a compiled graph or a profile: ``[n, in]`` -> ``[n, out]``."""
-    return _gemm(x, panels, wsum, scale, inv, bias, out_features)
+    return _gemm(x, panels, wsum, scale, inv, bias, out_features, narrow=narrow)
 
 
 @int8_linear.register_fake
 def _int8_linear_fake(
     x: torch.Tensor, panels: torch.Tensor, wsum: torch.Tensor, scale: torch.Tensor, inv: torch.Tensor | None,
-    bias: torch.Tensor | None, out_features: int,
+    bias: torch.Tensor | None, out_features: int, narrow: bool,
 ) -> torch.Tensor:  # fmt: skip
     return x.new_empty(x.shape[0], out_features)
 
