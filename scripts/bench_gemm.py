@@ -2,7 +2,8 @@
 read cold from memory, as in a model step), through our float32 GEMM on
 panels, oneDNN's packed weights, ``F.linear`` and (at float32) our int8
 layers (``--quantization int8``: int8 weights, activations quantized per
-row in the call), alternated pass by pass in one process::
+row in the call; on AVX2 with 7-bit weights, and with 8-bit ones beside),
+alternated pass by pass in one process::
 
     PYTHONPATH=src python scripts/bench_gemm.py --model bench-llama-40m --torch-threads 2 --rows 1,8,32,128,512
         [--dtype bfloat16]
@@ -25,7 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from trioserve.bench.models import resolve_model
-from trioserve.gpu.cpu_kernels.int8 import Int8Linear, int8_build
+from trioserve.gpu.cpu_kernels.int8 import Int8Linear, int8_build, weight_top
 from trioserve.gpu.cpu_kernels.linear import PackedLinear, PanelLinear, onednn_packs
 
 
@@ -54,6 +55,8 @@ def main() -> None:
         paths["oneDNN packed"] = [PackedLinear(linear) for linear in linears]
     if dtype == torch.float32:
         paths[f"int8 ({int8_build()})"] = [Int8Linear(lin.weight, None) for lin in linears]
+        if weight_top() != 127:  # AVX2: 7-bit weights by default; 8-bit ones (a W8A8 checkpoint's) too
+            paths["int8, 8-bit weights"] = [Int8Linear(lin.weight, None, top=127) for lin in linears]
     flops_per_row = sum(2 * i * o for i, o in shapes)
     size = sum(i * o for i, o in shapes) * linears[0].weight.element_size() / 2**20
     print(f"{args.model}: {len(shapes)} linears, {size:.0f} MiB of {args.dtype} weights")
