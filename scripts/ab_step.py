@@ -15,7 +15,7 @@ A setting is ``TRIOSERVE_PACKED_LINEAR`` of an eager runner (``0``,
 ``--enable-lora --max-loras 8``, no adapter in the steps: ``gpu/lora.py``'s hooks alone), ``int8``
 (``--quantization int8``: ``gpu/cpu_kernels/int8.py``) or ``compile`` (``--compile``:
 ``gpu/compiled.py``, compiled before the rounds start; ``compile-unpacked``:
-with ``TRIOSERVE_PACKED_LINEAR=0``), then optionally ``-kernel``: without the
+with ``TRIOSERVE_PACKED_LINEAR=0``; ``compile-int8``: of ``int8``), then optionally ``-kernel``: without the
 CPU decode kernel of ``gpu/cpu_kernels/attention.py`` (``TRIOSERVE_CPU_ATTENTION=0``),
 ``+kernel``: with it (the default where it applies), or ``-shared``: with it,
 but every sequence reading the blocks it shares with others itself (no
@@ -46,11 +46,11 @@ def make_runner(model: str, threads: int, dtype: str, setting: str) -> ModelRunn
     if setting.endswith(("+kernel", "-kernel", "-shared")):
         base, kernel = setting[:-7], setting[-7:]
     compile_ = base.startswith("compile")
-    packing = {"compile": "all", "compile-unpacked": "0", "int8": "all", "lora": "all"}
+    packing = {"compile": "all", "compile-unpacked": "0", "compile-int8": "all", "int8": "all", "lora": "all"}
     os.environ[cpu_linear.PACKED_LINEAR_ENV] = packing.get(base, base)
     config = EngineConfig(
         model=model, torch_threads=threads, dtype=dtype, num_kv_blocks=1200, compile=compile_,
-        quantization="int8" if base == "int8" else None, enable_lora=base == "lora", max_loras=8,
+        quantization="int8" if base in ("int8", "compile-int8") else None, enable_lora=base == "lora", max_loras=8,
     )  # fmt: skip
     runner = ModelRunner(config)
     runner.load()
