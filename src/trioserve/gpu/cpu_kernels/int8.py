@@ -150,6 +150,15 @@ static void quantize_rows(const float* x, const float* inv, const float* ranges,
     }
 }
 
+// One row's int32 sums acc[0:nc] into y[0:nc]: (acc[c] - z wsum[c]) * (s * ws[c]) + bias[c] (bias may be null).
+static inline void epilogue(const int32_t* acc, int32_t z, const int32_t* wsum, float s, const float* ws,
+                            const float* bias, float* y, int64_t nc) {
+    for (int64_t c = 0; c < nc; c++) {
+        const float v = static_cast<float>(acc[c] - z * wsum[c]) * (s * ws[c]);
+        y[c] = bias ? v + bias[c] : v;
+    }
+}
+
 // For R rows of q (Kp bytes each) and Q panels side by side: y[r, c] = (sum_k q[r, k] w[k, c] - z[r] wsum[c]) *
 // (s[r] * ws[c]) + bias[c] for the tile's first nc columns; bias may be null. NARROW: every weight is within
 // [-63, 63] (7 bits), which AVX2 sums with vpmaddubsw (the other builds take no notice).
@@ -191,71 +200,67 @@ static inline void tile(const uint8_t* q, int64_t Kp, const int8_t* panels, cons
     }
 #elif defined(TRIOSERVE_AVX2)
     if constexpr (NARROW) {
-    // Per four inputs, a panel's 64 weight bytes are two vectors of eight columns x four; a row's four bytes are
-    // broadcast; vpmaddubsw sums pairs of byte products into int16 (at most 2 x 255 x 63 < 2^15: no saturation)
-    // and vpmaddwd by ones each column's two pairs into int32, the columns in order: 32 products per two
-    // instructions, twice vpmaddwd's alone.
-    const __m256i ones = _mm256_set1_epi16(1);
-    __m256i a[R][Q * 2];
-    for (int r = 0; r < R; r++)
-        for (int j = 0; j < Q * 2; j++) a[r][j] = _mm256_setzero_si256();
-    for (int64_t k = 0; k < K4; k++) {
-        __m256i w[Q * 2];
-        for (int j = 0; j < Q; j++) {
-            const int8_t* four = panels + (j * K4 + k) * NR * 4;
-            w[j * 2] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(four));
-            w[j * 2 + 1] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(four + 32));
-            _mm_prefetch(reinterpret_cast<const char*>(four + AHEAD * NR * 4), _MM_HINT_T0);
+        // Per four inputs, a panel's 64 weight bytes are two vectors of eight columns x four; a row's four
+        // bytes are broadcast; vpmaddubsw sums pairs of byte products into int16 (at most 2 x 255 x 63 < 2^15:
+        // no saturation) and vpmaddwd by ones each column's two pairs into int32, the columns in order: 32
+        // products per two instructions, twice vpmaddwd's alone.
+        const __m256i ones = _mm256_set1_epi16(1);
+        __m256i a[R][Q * 2];
+        for (int r = 0; r < R; r++)
+            for (int j = 0; j < Q * 2; j++) a[r][j] = _mm256_setzero_si256();
+        for (int64_t k = 0; k < K4; k++) {
+            __m256i w[Q * 2];
+            for (int j = 0; j < Q; j++) {
+                const int8_t* four = panels + (j * K4 + k) * NR * 4;
+                w[j * 2] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(four));
+                w[j * 2 + 1] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(four + 32));
+                _mm_prefetch(reinterpret_cast<const char*>(four + AHEAD * NR * 4), _MM_HINT_T0);
+            }
+            for (int r = 0; r < R; r++) {
+                int32_t bytes;
+                std::memcpy(&bytes, q + r * Kp + k * 4, 4);
+                const __m256i b = _mm256_set1_epi32(bytes);
+                for (int j = 0; j < Q * 2; j++)
+                    a[r][j] = _mm256_add_epi32(a[r][j], _mm256_madd_epi16(_mm256_maddubs_epi16(b, w[j]), ones));
+            }
         }
         for (int r = 0; r < R; r++) {
-            int32_t bytes;
-            std::memcpy(&bytes, q + r * Kp + k * 4, 4);
-            const __m256i b = _mm256_set1_epi32(bytes);
-            for (int j = 0; j < Q * 2; j++)
-                a[r][j] = _mm256_add_epi32(a[r][j], _mm256_madd_epi16(_mm256_maddubs_epi16(b, w[j]), ones));
+            int32_t acc[Q * NR];
+            for (int j = 0; j < Q * 2; j++) _mm256_storeu_si256(reinterpret_cast<__m256i*>(acc + j * 8), a[r][j]);
+            epilogue(acc, z[r], wsum, s[r], ws, bias, y + r * N, nc);
         }
-    }
-    for (int r = 0; r < R; r++) {
-        int32_t acc[Q * NR];
-        for (int j = 0; j < Q * 2; j++) _mm256_storeu_si256(reinterpret_cast<__m256i*>(acc + j * 8), a[r][j]);
-        for (int64_t c = 0; c < nc; c++) {  // the epilogue as the portable one computes it
-            const float v = static_cast<float>(acc[c] - z[r] * wsum[c]) * (s[r] * ws[c]);
-            y[r * N + c] = bias ? v + bias[c] : v;
-        }
-    }
     } else {
-    // Per four inputs, a panel's 64 weight bytes (16 columns x 4) widen to int16 in four vectors of four columns;
-    // a row's four bytes widen to [x0 x1 x2 x3] x 4; vpmaddwd sums adjacent products into eight int32 lanes, two
-    // per column (inputs 0-1 and 2-3), exactly (no saturation, unlike vpmaddubsw). The two are added at the end.
-    __m256i a[R][Q * 4];
-    for (int r = 0; r < R; r++)
-        for (int j = 0; j < Q * 4; j++) a[r][j] = _mm256_setzero_si256();
-    for (int64_t k = 0; k < K4; k++) {
-        __m256i w[Q * 4];
-        for (int j = 0; j < Q; j++) {
-            const int8_t* four = panels + (j * K4 + k) * NR * 4;
-            for (int v = 0; v < 4; v++)
-                w[j * 4 + v] = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(four + v * 16)));
-            _mm_prefetch(reinterpret_cast<const char*>(four + AHEAD * NR * 4), _MM_HINT_T0);
+        // Per four inputs, a panel's 64 weight bytes (16 columns x 4) widen to int16 in four vectors of four
+        // columns; a row's four bytes widen to [x0 x1 x2 x3] x 4; vpmaddwd sums adjacent products into eight
+        // int32 lanes, two per column (inputs 0-1 and 2-3), exactly (no saturation with 8-bit weights, unlike
+        // vpmaddubsw). The two are added at the end.
+        __m256i a[R][Q * 4];
+        for (int r = 0; r < R; r++)
+            for (int j = 0; j < Q * 4; j++) a[r][j] = _mm256_setzero_si256();
+        for (int64_t k = 0; k < K4; k++) {
+            __m256i w[Q * 4];
+            for (int j = 0; j < Q; j++) {
+                const int8_t* four = panels + (j * K4 + k) * NR * 4;
+                for (int v = 0; v < 4; v++)
+                    w[j * 4 + v] =
+                        _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(four + v * 16)));
+                _mm_prefetch(reinterpret_cast<const char*>(four + AHEAD * NR * 4), _MM_HINT_T0);
+            }
+            for (int r = 0; r < R; r++) {
+                int32_t bytes;
+                std::memcpy(&bytes, q + r * Kp + k * 4, 4);
+                const __m256i b = _mm256_cvtepu8_epi16(_mm_set1_epi32(bytes));
+                for (int j = 0; j < Q * 4; j++) a[r][j] = _mm256_add_epi32(a[r][j], _mm256_madd_epi16(w[j], b));
+            }
         }
         for (int r = 0; r < R; r++) {
-            int32_t bytes;
-            std::memcpy(&bytes, q + r * Kp + k * 4, 4);
-            const __m256i b = _mm256_cvtepu8_epi16(_mm_set1_epi32(bytes));
-            for (int j = 0; j < Q * 4; j++) a[r][j] = _mm256_add_epi32(a[r][j], _mm256_madd_epi16(w[j], b));
+            int32_t acc[Q * NR];
+            for (int j = 0; j < Q * 2; j++) {  // lanes [c0 c0' c1 c1' | c2 c2' c3 c3'] and the next four columns
+                const __m256i h = _mm256_hadd_epi32(a[r][2 * j], a[r][2 * j + 1]);  // [c0 c1 c4 c5 | c2 c3 c6 c7]
+                _mm256_storeu_si256(reinterpret_cast<__m256i*>(acc + j * 8), _mm256_permute4x64_epi64(h, 0xD8));
+            }
+            epilogue(acc, z[r], wsum, s[r], ws, bias, y + r * N, nc);
         }
-    }
-    for (int r = 0; r < R; r++) {
-        int32_t acc[Q * NR];
-        for (int j = 0; j < Q * 2; j++) {  // lanes [c0 c0' c1 c1' | c2 c2' c3 c3'] and the next four columns
-            const __m256i h = _mm256_hadd_epi32(a[r][2 * j], a[r][2 * j + 1]);  // [c0 c1 c4 c5 | c2 c3 c6 c7]
-            _mm256_storeu_si256(reinterpret_cast<__m256i*>(acc + j * 8), _mm256_permute4x64_epi64(h, 0xD8));
-        }
-        for (int64_t c = 0; c < nc; c++) {  // the epilogue as the portable one computes it
-            const float v = static_cast<float>(acc[c] - z[r] * wsum[c]) * (s[r] * ws[c]);
-            y[r * N + c] = bias ? v + bias[c] : v;
-        }
-    }
     }
 #else
     int32_t acc[R][Q * NR];
@@ -273,11 +278,7 @@ static inline void tile(const uint8_t* q, int64_t Kp, const int8_t* panels, cons
                 }
             }
         }
-    for (int r = 0; r < R; r++)
-        for (int64_t c = 0; c < nc; c++) {
-            const float v = static_cast<float>(acc[r][c] - z[r] * wsum[c]) * (s[r] * ws[c]);
-            y[r * N + c] = bias ? v + bias[c] : v;
-        }
+    for (int r = 0; r < R; r++) epilogue(acc[r], z[r], wsum, s[r], ws, bias, y + r * N, nc);
 #endif
 }
 
@@ -376,6 +377,7 @@ def _kernel(simdlen: int | None = None, portable: bool = False) -> Callable[...,
     return cpp.load_or_build("linear-int8", _SOURCE, _ARGTYPES, simdlen)
 
 
+@functools.cache
 def int8_build(simdlen: int | None = None) -> str:
     """Which of the kernel's paths the build for this host (or for ``simdlen``-bit vectors) compiles: "VNNI",
     "AVX2" (also AVX-512 without VNNI) or "portable"."""
