@@ -19,7 +19,9 @@ with ``TRIOSERVE_PACKED_LINEAR=0``; ``compile-int8``: of ``int8``), then optiona
 CPU decode kernel of ``gpu/cpu_kernels/attention.py`` (``TRIOSERVE_CPU_ATTENTION=0``),
 ``+kernel``: with it (the default where it applies), or ``-shared``: with it,
 but every sequence reading the blocks it shares with others itself (no
-``shared_len``).
+``shared_len``); and last, optionally ``-unfused``: transformers' RMSNorm and
+MLP forwards as they are (``TRIOSERVE_FUSED_ELEMENTWISE=0``:
+``gpu/cpu_kernels/fused.py``).
 """
 
 from __future__ import annotations
@@ -38,10 +40,14 @@ from trioserve.config import EngineConfig
 from trioserve.gpu.attention import DecodeKernel, step_metadata
 from trioserve.gpu.cpu_kernels import linear as cpu_linear
 from trioserve.gpu.cpu_kernels.attention import load_decode_kernel
+from trioserve.gpu.cpu_kernels.fused import FUSED_ENV
 from trioserve.gpu.model_runner import ModelRunner
 
 
 def make_runner(model: str, threads: int, dtype: str, setting: str) -> ModelRunner:
+    unfused = setting.endswith("-unfused")
+    setting = setting.removesuffix("-unfused")
+    os.environ[FUSED_ENV] = "0" if unfused else "1"
     base, kernel = setting, ""
     if setting.endswith(("+kernel", "-kernel", "-shared")):
         base, kernel = setting[:-7], setting[-7:]

@@ -132,6 +132,25 @@ async def test_a_driver_against_a_running_server_gets_every_token(fake_config, d
     assert no_children_left()
 
 
+def test_a_server_without_running_usage_has_a_token_per_chunk_and_its_last_usage_settles_the_count():
+    """llama.cpp's server streams a chunk per token and reports usage only at
+    the end: each chunk with text is one token, the final usage adds what a
+    chunk held beyond one (an incomplete character sent with the next)."""
+    from trioserve.bench.openai_driver import OpenAIServer
+
+    def event(chunk: dict) -> bytes:
+        return b"data: " + json.dumps(chunk).encode()
+
+    record, made = RequestRecord(0, 4, 5, sent_s=0.0), 0
+    for text in ["a", "", "bc", "d"]:
+        made = OpenAIServer._event(event({"choices": [{"text": text, "finish_reason": None}]}), record, made)
+    assert [n for _, n in record.deliveries] == [1, 1, 1] and made == 3
+    final = {"choices": [{"text": "", "finish_reason": "length"}], "usage": {"completion_tokens": 5}}
+    made = OpenAIServer._event(event(final), record, made)
+    made = OpenAIServer._event(b"data: [DONE]", record, made)
+    assert made == 5 and record.num_output_tokens == 5 and record.finish_reason == "length"
+
+
 def test_the_plot_draws_every_system_of_the_run(tmp_path):
     """Our latency distributions, each baseline's ITL p50 and every system's tokens/s, in one PNG."""
     from trioserve.bench.report import plot_latencies

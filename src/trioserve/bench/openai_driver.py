@@ -8,6 +8,9 @@ of its own (HTTP/1.1 through h11; TLS for ``https://``), with
 ``stream_options.continuous_usage_stats`` so that every chunk says how many
 tokens the request has made so far: a chunk's tokens are the difference
 (a chunk may hold several, or none when a character is still incomplete).
+A server that reports usage only in its last chunk (llama.cpp's
+``llama-server``, which streams a chunk per token) has each chunk with text
+counted as one token, and the last chunk's usage settles the count.
 """
 
 from __future__ import annotations
@@ -111,11 +114,15 @@ class OpenAIServer:
         if "error" in chunk:
             raise RuntimeError(f"the stream ended with an error: {chunk['error']}")
         usage = chunk.get("usage")
+        choices = chunk.get("choices") or []
         if usage and usage.get("completion_tokens") is not None:
             now = usage["completion_tokens"]
             record.deliver(time.perf_counter(), now - made)
             made = now
-        for choice in chunk.get("choices") or []:
+        elif any(choice.get("text") for choice in choices):  # no running count: a chunk per token
+            record.deliver(time.perf_counter(), 1)
+            made += 1
+        for choice in choices:
             if choice.get("finish_reason"):
                 record.finish_reason = choice["finish_reason"]
         return made

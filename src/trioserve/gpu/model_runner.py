@@ -35,6 +35,7 @@ from trioserve.gpu.attention import (
     step_metadata,
 )
 from trioserve.gpu.compiled import Forward, compiled_forward, eager_forward, inductor_cache_dir
+from trioserve.gpu.cpu_kernels.fused import fuse_elementwise
 from trioserve.gpu.cpu_kernels.host_memory import keep_freed_memory, release_freed_memory, resident_bytes
 from trioserve.gpu.cpu_kernels.int8 import calibration_ids, quantize_linears
 from trioserve.gpu.cpu_kernels.linear import pack_linears, packing_supported
@@ -245,6 +246,11 @@ class ModelRunner(TorchProfiling):
         if self.world_size == 1 and packing_supported(self.device, self.dtype) and not base:
             pack_linears(model, rows=(self.config.max_num_seqs, self.config.max_num_batched_tokens))
         self.lora = attach_lora(model, self.config, self.device, self.dtype, self.lora)  # after packing: its hooks
+        # One call per RMSNorm and per MLP's SiLU x up (gpu/cpu_kernels/fused.py; inductor fuses them itself)
+        eager_cpu = self.device.type == "cpu" and not self.compiled and self.world_size == 1
+        if eager_cpu and self.dtype == torch.float32 and not base:
+            norms, mlps = fuse_elementwise(model)
+            log.debug("fused element-wise work: %d norms, %d MLPs", norms, mlps)
         if base:
             self._forward = hidden_forward(model)  # eager (--compile covers generation)
         else:
