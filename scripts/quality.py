@@ -9,10 +9,13 @@ agreement with float32 over 32 prompts, for float32, bfloat16 and int8
 
 The model runs in this process as transformers builds it (eager attention),
 with its linear layers swapped for ours as the engine swaps them (float32:
-our GEMM; bfloat16: oneDNN's or ours; int8: ours, all but ``--keep``).
+our GEMM; bfloat16: oneDNN's or ours; int8: ours, all but ``--keep``) and,
+at float32, its norms and MLP activations fused as the eager engine fuses them.
 Perplexity: the text in one window (it is shorter than the model's
 context), exp of the mean negative log-likelihood of each token after the
-first. Agreement: each prompt's greedy continuation of ``--max-tokens``
+first (with ``--perturb``, also with every RMSNorm's output scaled by -2 to
+2 float32 ulps: int8's figure moves by a percent or more with its inputs'
+last bits). Agreement: each prompt's greedy continuation of ``--max-tokens``
 tokens against float32's: how many are identical, and the mean share of the
 tokens before the first that differs.
 """
@@ -29,6 +32,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from bf16_agreement import PROMPTS as SIXTEEN_PROMPTS  # this directory is the script's first import path
 from trioserve.bench.models import resolve_model
+from trioserve.gpu.cpu_kernels.fused import fuse_elementwise
 from trioserve.gpu.cpu_kernels.int8 import calibration_ids, quantize_linears
 from trioserve.gpu.cpu_kernels.linear import pack_linears
 from trioserve.gpu.w8a8 import load_w8a8, read_scheme, without_quantization
@@ -56,6 +60,7 @@ def load(model_dir: Path, mode: str, keep: tuple[str, ...], w8a8: Path | None = 
         ).eval()
         load_w8a8(model.requires_grad_(False), scheme)
         pack_linears(model)
+        fuse_elementwise(model)
         return model
     model = AutoModelForCausalLM.from_pretrained(model_dir, attn_implementation="eager", dtype=dtype).eval()
     model.requires_grad_(False)
@@ -63,6 +68,8 @@ def load(model_dir: Path, mode: str, keep: tuple[str, ...], w8a8: Path | None = 
         ids = calibration_ids(str(model_dir))
         quantize_linears(model, torch.device("cpu"), dtype, calibration_ids=ids, keep=keep)
     pack_linears(model)
+    if dtype == torch.float32:
+        fuse_elementwise(model)
     return model
 
 
@@ -71,6 +78,21 @@ def perplexity(model: torch.nn.Module, ids: torch.Tensor) -> float:
         logits = model(ids[None]).logits[0, :-1].float()
     nll = torch.nn.functional.cross_entropy(logits, ids[1:], reduction="mean")
     return math.exp(nll.item())
+
+
+def perturbed_perplexity(model: torch.nn.Module, ids: torch.Tensor, ulps: int) -> float:
+    """Perplexity with every RMSNorm's output scaled by ``1 + ulps * 2^-23``
+    (a few float32 ulps: how far the last bits alone move the figure)."""
+    hooks = [
+        module.register_forward_hook(lambda _m, _i, out: out * (1 + ulps * 2**-23))
+        for module in model.modules()
+        if type(module).__name__.endswith("RMSNorm")
+    ]
+    try:
+        return perplexity(model, ids)
+    finally:
+        for hook in hooks:
+            hook.remove()
 
 
 def greedy(model: torch.nn.Module, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
@@ -98,6 +120,7 @@ def main() -> None:
     p.add_argument("--max-tokens", type=int, default=32)
     p.add_argument("--keep", default="lm_head", help="linear layers (by name) int8 leaves in float")
     p.add_argument("--torch-threads", type=int, default=2)
+    p.add_argument("--perturb", action="store_true", help="also perplexity with the norms' outputs a few ulps off")
     p.add_argument("--w8a8", type=Path, help="the W8A8 checkpoint that mode w8a8 loads (trioserve quantize's)")
     args = p.parse_args()
     torch.set_num_threads(args.torch_threads)
@@ -122,6 +145,13 @@ def main() -> None:
             f"greedy: {identical}/{len(prompts)} identical, {share:.0%} of tokens before the first difference",
             flush=True,
         )
+        if args.perturb:
+            moved = [perturbed_perplexity(model, ids, ulps) for ulps in (-2, -1, 1, 2)]
+            print(
+                f"{'':>11}every norm's output scaled by -2, -1, 1, 2 ulps: perplexity "
+                + ", ".join(f"{p:.3f} ({(p / base_ppl - 1) * 100:+.2f}%)" for p in moved),
+                flush=True,
+            )
 
 
 if __name__ == "__main__":

@@ -74,6 +74,19 @@ def test_every_norm_and_mlp_is_fused_and_the_logits_stay(tiny_model_dir, arch):
     assert fused.fuse_elementwise(model) == (0, 0)
 
 
+def test_an_input_of_another_dtype_takes_the_modules_own_forward(tiny_model_dir):
+    model = _load(tiny_model_dir("llama"))
+    norm, mlp = model.model.norm, model.model.layers[0].mlp
+    x = torch.randn(2, 3, model.config.hidden_size)
+    with torch.inference_mode():
+        want_norm, want_mlp = norm(x.double()), mlp.double()(x.double())
+        mlp.float()
+        assert fused.fuse_elementwise(model) != (0, 0)
+        mlp.double()
+        torch.testing.assert_close(norm(x.double()), want_norm)
+        torch.testing.assert_close(mlp(x.double()), want_mlp)
+
+
 def test_a_norm_of_one_plus_weight_and_a_gelu_mlp_are_left_as_they_are(tiny_model_dir):
     """Gemma 2's RMSNorm scales by ``1 + weight`` and its MLP uses GELU: by
     their outputs on a random input neither is what the kernels compute."""

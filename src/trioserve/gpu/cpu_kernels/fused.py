@@ -31,6 +31,7 @@ import functools
 import logging
 import os
 from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -120,21 +121,29 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def _norm_forward(module: torch.nn.Module, eps: float) -> Callable[[torch.Tensor], torch.Tensor]:
-    weight = module.weight
-    assert isinstance(weight, torch.Tensor)
+def _is_cpu_float32(x: torch.Tensor) -> bool:
+    return x.dtype == torch.float32 and x.device.type == "cpu"
+
+
+def _norm_forward(module: Any, eps: float) -> Callable[[torch.Tensor], torch.Tensor]:
+    """The module's weight and parts are looked up at each call (a weight loaded again stays in use)."""
+    own = type(module).forward
 
     def forward(hidden_states: torch.Tensor) -> torch.Tensor:
+        weight = module.weight
+        if not (_is_cpu_float32(hidden_states) and _is_cpu_float32(weight)):  # not what the kernel reads
+            return own(module, hidden_states)
         return rms_norm(hidden_states, weight, eps)
 
     return forward
 
 
-def _mlp_forward(module: torch.nn.Module) -> Callable[[torch.Tensor], torch.Tensor]:
-    gate, up, down = (getattr(module, name) for name in ("gate_proj", "up_proj", "down_proj"))
-
+def _mlp_forward(module: Any) -> Callable[[torch.Tensor], torch.Tensor]:
     def forward(x: torch.Tensor) -> torch.Tensor:
-        return down(silu_mul(gate(x), up(x)))
+        g, u = module.gate_proj(x), module.up_proj(x)
+        if not (_is_cpu_float32(g) and _is_cpu_float32(u)):
+            return module.down_proj(torch.nn.functional.silu(g) * u)
+        return module.down_proj(silu_mul(g, u))
 
     return forward
 

@@ -25,8 +25,9 @@ input's largest value; the input is divided by ``f = act_max ** 0.5 /
 w_max ** 0.5`` (in the kernel, before quantizing) and the weight's column
 multiplied by it (before quantizing), which leaves the product unchanged and
 evens the ranges. On SmolLM2-135M (``scripts/quality.py``): symmetric
-activations without smoothing +10% perplexity, asymmetric +3.5%, asymmetric
-and smoothed within 0.1% of float32.
+activations without smoothing +10% perplexity, asymmetric +3.5 to +4.9%,
+asymmetric and smoothed about +1 to +4% (the figure moves that much with the
+last bits of the inputs: ``--perturb``; README, "Quantization").
 
 **Kernel**: built by inductor's toolchain (``cpp.py``) for the host. Where
 the compiler targets AVX-512 VNNI (inductor's AVX-512 VNNI and AMX builds),
@@ -42,9 +43,9 @@ alone (255 x 127 x 2 would saturate ``vpmaddubsw``), 16 products per
 instruction, what a float32 FMA does, in tiles of 3 x 16. So a float
 checkpoint is quantized to 7-bit weights there: on SmolLM2-135M's 210 layer
 linears (AVX2 host, 2 threads) 1.44-1.79x float32 from 8 to 512 rows against
-0.87-1.05x for 8 bits, at a perplexity of +0.95% against float32's where 8
-bits gave +1.18% (``scripts/quality.py``; 7-bit activations instead cost
-+15.9%). Elsewhere the same sums in portable C++ loops. The tests build every
+0.87-1.05x for 8 bits, at a perplexity like 8 bits' (+0.95% and +1.18% of
+float32's in one measurement, each within the spread above; 7-bit
+activations instead cost +15.9%). Elsewhere the same sums in portable C++ loops. The tests build every
 path on the host they run on (``cpp.load_or_build``'s ``simdlen``;
 ``_kernel``'s ``portable``). Threads over pairs of panels (VNNI) or panels.
 """
