@@ -147,9 +147,11 @@ def main() -> None:
         )
         if args.perturb:
             moved = [perturbed_perplexity(model, ids, ulps) for ulps in (-2, -1, 1, 2)]
+            mean = statistics.mean([ppl, *moved])
             print(
                 f"{'':>11}every norm's output scaled by -2, -1, 1, 2 ulps: perplexity "
-                + ", ".join(f"{p:.3f} ({(p / base_ppl - 1) * 100:+.2f}%)" for p in moved),
+                + ", ".join(f"{p:.3f} ({(p / base_ppl - 1) * 100:+.2f}%)" for p in moved)
+                + f"; mean of the five {mean:.3f} ({(mean / base_ppl - 1) * 100:+.2f}%)",
                 flush=True,
             )
 

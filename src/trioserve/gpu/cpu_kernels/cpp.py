@@ -11,7 +11,8 @@ library it loaded is also kept in a small index of ours, keyed by the source,
 the argument types, torch, Python and the CPU's vector capability; a later
 process loads the library straight from it (about 0.1 s). Users:
 ``attention.py`` (decode attention), ``linear.py`` (the float GEMM),
-``int8.py`` (the int8 GEMM) and ``lora.py``.
+``int8.py`` (the int8 GEMM), ``lora.py`` and ``fused.py`` (RMSNorm and
+SiLU x up).
 """
 
 from __future__ import annotations

@@ -21,8 +21,14 @@ at fusing, each candidate's own forward and the fused one run on the same
 random input, and a module whose outputs differ (Gemma's ``1 + weight``
 norm, an MLP with another activation) keeps its forward. Results differ from
 torch's in the last bits (another summation order of the mean square).
-Not for ``--compile`` (inductor fuses these itself), tensor parallelism, or
-another dtype; ``TRIOSERVE_FUSED_ELEMENTWISE=0`` leaves every module as it is.
+The fused forwards look the module's weight and linears up at each call (a
+weight loaded again is the one used) and take the module's own forward for
+an input of another dtype or device. Not for ``--compile`` (inductor fuses
+these itself), tensor parallelism, or another dtype;
+``TRIOSERVE_FUSED_ELEMENTWISE=0`` leaves every module as it is. On
+SmolLM2-135M (AVX2 host, 2 threads; ``scripts/ab_step.py --settings
+all-unfused,all``): one norm of 32 rows 7-9 us against 52-69, a decode step of
+32 sequences 1.06x faster at float32 and 1.07x at int8.
 """
 
 from __future__ import annotations
