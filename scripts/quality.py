@@ -13,9 +13,9 @@ our GEMM; bfloat16: oneDNN's or ours; int8: ours, all but ``--keep``) and,
 at float32, its norms and MLP activations fused as the eager engine fuses them.
 Perplexity: the text in one window (it is shorter than the model's
 context), exp of the mean negative log-likelihood of each token after the
-first (with ``--perturb``, also with every RMSNorm's output scaled by -2 to
-2 float32 ulps: int8's figure moves by a percent or more with its inputs'
-last bits). Agreement: each prompt's greedy continuation of ``--max-tokens``
+first (with ``--perturb N``, also with every RMSNorm's output scaled by -N
+to N float32 ulps, and the mean of those draws: int8's figure moves by a
+percent or more with its inputs' last bits). Agreement: each prompt's greedy continuation of ``--max-tokens``
 tokens against float32's: how many are identical, and the mean share of the
 tokens before the first that differs.
 """
@@ -120,7 +120,9 @@ def main() -> None:
     p.add_argument("--max-tokens", type=int, default=32)
     p.add_argument("--keep", default="lm_head", help="linear layers (by name) int8 leaves in float")
     p.add_argument("--torch-threads", type=int, default=2)
-    p.add_argument("--perturb", action="store_true", help="also perplexity with the norms' outputs a few ulps off")
+    p.add_argument(
+        "--perturb", type=int, default=0, metavar="N", help="also perplexity with the norms' outputs -N..N ulps off"
+    )
     p.add_argument("--w8a8", type=Path, help="the W8A8 checkpoint that mode w8a8 loads (trioserve quantize's)")
     args = p.parse_args()
     torch.set_num_threads(args.torch_threads)
@@ -146,12 +148,13 @@ def main() -> None:
             flush=True,
         )
         if args.perturb:
-            moved = [perturbed_perplexity(model, ids, ulps) for ulps in (-2, -1, 1, 2)]
+            steps = [u for u in range(-args.perturb, args.perturb + 1) if u]
+            moved = [perturbed_perplexity(model, ids, ulps) for ulps in steps]
             mean = statistics.mean([ppl, *moved])
             print(
-                f"{'':>11}every norm's output scaled by -2, -1, 1, 2 ulps: perplexity "
+                f"{'':>11}every norm's output scaled by {', '.join(map(str, steps))} ulps: perplexity "
                 + ", ".join(f"{p:.3f} ({(p / base_ppl - 1) * 100:+.2f}%)" for p in moved)
-                + f"; mean of the five {mean:.3f} ({(mean / base_ppl - 1) * 100:+.2f}%)",
+                + f"; mean of the {len(moved) + 1} {mean:.3f} ({(mean / base_ppl - 1) * 100:+.2f}%)",
                 flush=True,
             )
 

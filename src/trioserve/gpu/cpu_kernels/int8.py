@@ -27,7 +27,7 @@ multiplied by it (before quantizing), which leaves the product unchanged and
 evens the ranges. On SmolLM2-135M (``scripts/quality.py``): symmetric
 activations without smoothing +10% perplexity, asymmetric +3.5 to +4.9%,
 asymmetric and smoothed about +1 to +4% (the figure moves that much with the
-last bits of the inputs: ``--perturb``; README, "Quantization").
+last bits of the inputs: ``--perturb N``; README, "Quantization").
 
 **Kernel**: built by inductor's toolchain (``cpp.py``) for the host. Where
 the compiler targets AVX-512 VNNI (inductor's AVX-512 VNNI and AMX builds),
