@@ -51,6 +51,11 @@ def test_inputs_that_are_not_contiguous_are_read_as_their_values():
     torch.testing.assert_close(fused.silu_mul(gate, up), F.silu(gate) * up)
 
 
+def test_a_gate_and_up_of_other_shapes_are_refused():
+    with pytest.raises(ValueError, match=r"silu_mul: gate \(2, 8\) and up \(2, 4\) differ"):
+        fused.silu_mul(torch.randn(2, 8), torch.randn(2, 4))
+
+
 def _load(model_dir):
     from transformers import AutoModelForCausalLM
 

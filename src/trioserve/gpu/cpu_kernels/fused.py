@@ -116,9 +116,11 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-    """``silu(gate) * up``, float32, in one call."""
+    """``silu(gate) * up``, float32, in one call (the two of one shape)."""
     kernel = _kernel()
     assert kernel is not None
+    if gate.shape != up.shape:
+        raise ValueError(f"silu_mul: gate {tuple(gate.shape)} and up {tuple(up.shape)} differ")
     gate = gate if gate.is_contiguous() else gate.contiguous()
     up = up if up.is_contiguous() else up.contiguous()
     out = torch.empty_like(gate)
@@ -147,7 +149,7 @@ def _norm_forward(module: Any, eps: float) -> Callable[[torch.Tensor], torch.Ten
 def _mlp_forward(module: Any) -> Callable[[torch.Tensor], torch.Tensor]:
     def forward(x: torch.Tensor) -> torch.Tensor:
         g, u = module.gate_proj(x), module.up_proj(x)
-        if not (_is_cpu_float32(g) and _is_cpu_float32(u)):
+        if not (_is_cpu_float32(g) and _is_cpu_float32(u)) or g.shape != u.shape:
             return module.down_proj(torch.nn.functional.silu(g) * u)
         return module.down_proj(silu_mul(g, u))
 
